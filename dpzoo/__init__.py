@@ -1,0 +1,22 @@
+"""dpzoo: a zoo of differentially-private-ready architectures.
+
+>>> import dpzoo
+>>> model = dpzoo.load("resnet18-gn-bias", num_classes=10)
+"""
+
+__version__ = "0.1.0"
+
+from .errors import CheckpointError, DPZooError, OverrideError, PatchError, SaveError, UnknownModelError
+from .hub import create_model, load, privacy_metadata, read_config, save
+from .registry import ModelCard, is_model, list_models, model_card, register_model
+from .summary import ModelSummary, summary
+from .surgery import check_dp_ready, find_inplace_ops, find_tied_parameters, make_dp_ready
+
+__all__ = [
+    "__version__",
+    "load", "create_model", "save", "read_config", "privacy_metadata",
+    "list_models", "register_model", "model_card", "is_model", "ModelCard",
+    "summary", "ModelSummary",
+    "make_dp_ready", "check_dp_ready", "find_tied_parameters", "find_inplace_ops",
+    "DPZooError", "UnknownModelError", "OverrideError", "CheckpointError", "PatchError", "SaveError",
+]

@@ -1,0 +1,49 @@
+"""Exceptions dpzoo raises for a user's mistake.
+
+Each message says what was wrong and how to fix it, so a user never has to read a
+stack trace from deep inside torch, timm or transformers.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Iterable
+
+
+class DPZooError(Exception):
+    """Base class of every error dpzoo raises on purpose."""
+
+
+class UnknownModelError(DPZooError, KeyError):
+    """A model name that is not in the zoo."""
+
+    def __init__(self, name: str, known: Iterable[str]):
+        known = sorted(known)
+        close = difflib.get_close_matches(name, known, n=5, cutoff=0.4)
+        if not close:  # fall back to a substring match ("resnet" -> all resnets)
+            close = [k for k in known if name.lower() in k.lower()][:5]
+        msg = f"Unknown model {name!r}."
+        if close:
+            msg += " Did you mean: " + ", ".join(close) + "?"
+        msg += " `dpzoo.list_models()` lists all names."
+        self.name, self.suggestions = name, close
+        super().__init__(msg)
+
+    def __str__(self) -> str:  # KeyError would wrap the message in quotes
+        return self.args[0]
+
+
+class OverrideError(DPZooError, TypeError):
+    """An override (keyword argument) a zoo entry does not accept, or a bad value."""
+
+
+class CheckpointError(DPZooError):
+    """A checkpoint that cannot be read or does not fit the architecture."""
+
+
+class PatchError(DPZooError):
+    """Model surgery that cannot be applied as asked (e.g. a GroupNorm group count)."""
+
+
+class SaveError(DPZooError):
+    """A model or directory that `dpzoo.save` / `dpzoo.load(dir)` cannot handle."""

@@ -1,0 +1,252 @@
+"""``dpzoo.load`` and ``dpzoo.save``: build zoo entries, and write/read them exactly.
+
+A saved model is a directory with ``model.safetensors`` (weights, shared tensors stored
+once) and ``dpzoo_config.json`` (zoo name, overrides, patches, dtype and optional privacy
+metadata, which is also written into the safetensors header). ``dpzoo.load(dir)`` rebuilds
+the architecture from the zoo and restores every tensor bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from . import __version__
+from .errors import CheckpointError, OverrideError, SaveError
+from .registry import get_entry, split_name
+
+__all__ = ["load", "create_model", "save", "read_config", "privacy_metadata",
+           "PRIVACY_FIELDS", "CONFIG_NAME", "WEIGHTS_NAME"]
+
+CONFIG_NAME = "dpzoo_config.json"
+WEIGHTS_NAME = "model.safetensors"
+FORMAT_VERSION = 1
+# Privacy metadata a DP-trained model carries (engine fills it; users may too).
+PRIVACY_FIELDS = {"epsilon": float, "delta": float, "accountant": str, "steps": int, "sample_rate": float,
+                  "noise_multiplier": float, "max_grad_norm": float, "privacy_unit": str}
+_REQUIRED_PRIVACY = ("epsilon", "delta", "accountant", "steps", "sample_rate")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise OverrideError(f"Override value {value!r} ({type(value).__name__}) cannot be recorded for "
+                        "dpzoo.save; use numbers, strings, booleans, lists or dicts.")
+
+
+def load(name_or_dir: str | os.PathLike, *, pretrained: bool = False, weights: str | os.PathLike | None = None,
+         **overrides) -> nn.Module:
+    """Build a zoo model, or restore one saved with :func:`save`.
+
+    Args:
+        name_or_dir: a zoo name (``"resnet18-gn-bias"``, optionally ``".tag"`` for a
+            pretrained tag) or a directory written by :func:`dpzoo.save`.
+        pretrained: load the entry's pretrained weights through timm's / transformers'
+            own loading (needs their hub or cache), then patch them.
+        weights: a local checkpoint (timm ``.pth`` / ``.safetensors``, or a Hugging Face
+            directory) loaded into the unpatched architecture before patching, so a
+            pretrained BatchNorm model converts.
+        **overrides: sizes and patch options; ``dpzoo.model_card(name).overrides`` lists them.
+
+    The returned model carries ``model.dpzoo_config`` (how to rebuild it) and
+    ``model.dpzoo_patch_report`` (what dpzoo changed).
+    """
+    path = Path(name_or_dir)
+    if isinstance(name_or_dir, os.PathLike) or path.is_dir() or os.sep in str(name_or_dir):
+        if pretrained or weights is not None or overrides:
+            raise OverrideError("dpzoo.load(dir) restores a saved model as it was; it takes no "
+                                "pretrained, weights or overrides.")
+        return _load_saved(path)
+    name = str(name_or_dir)
+    entry = get_entry(name)
+    _, tag = split_name(name)
+    if tag and not pretrained:
+        raise OverrideError(f"{name!r} names a pretrained tag; pass pretrained=True (or drop '.{tag}').")
+    if weights is not None:
+        if not entry.accepts_weights:
+            raise OverrideError(f"{entry.name}'s builder does not take weights=PATH.")
+        if not Path(weights).exists():
+            raise CheckpointError(f"weights={str(weights)!r} does not exist.")
+    recorded = _jsonable(overrides)
+    kwargs = dict(overrides)
+    if pretrained:
+        kwargs.update(pretrained=True, pretrained_tag=tag)
+    if weights is not None:
+        kwargs["weights"] = weights
+    model = entry.builder(**kwargs)
+    model.dpzoo_config = {
+        "model_name": entry.name,
+        "overrides": recorded,
+        "pretrained": bool(pretrained),
+        "pretrained_tag": tag,
+        "weights": str(weights) if weights is not None else None,
+    }
+    return model
+
+
+create_model = load  # timm's name for the same call
+
+
+def _check_privacy(privacy: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if privacy is None:
+        return None
+    if not isinstance(privacy, Mapping):
+        raise SaveError(f"privacy must be a dict, got {type(privacy).__name__}")
+    unknown = [k for k in privacy if k not in PRIVACY_FIELDS]
+    if unknown:
+        raise SaveError(f"Unknown privacy field(s) {unknown}; allowed: {sorted(PRIVACY_FIELDS)}.")
+    missing = [k for k in _REQUIRED_PRIVACY if k not in privacy]
+    if missing:
+        raise SaveError(f"privacy metadata lacks {missing}; a DP claim needs "
+                        f"{', '.join(_REQUIRED_PRIVACY)}.")
+    out = {}
+    for key, value in privacy.items():
+        kind = PRIVACY_FIELDS[key]
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = float(value)
+            if not math.isfinite(value) or value < 0:
+                raise SaveError(f"privacy {key} must be finite and >= 0, got {value}")
+        elif not isinstance(value, kind) or isinstance(value, bool):
+            raise SaveError(f"privacy {key} must be {kind.__name__}, got {value!r}")
+        out[key] = value
+    if not 0 < out["delta"] < 1 or not 0 < out["sample_rate"] <= 1 or out["steps"] < 0:
+        raise SaveError("privacy needs 0 < delta < 1, 0 < sample_rate <= 1 and steps >= 0, "
+                        f"got delta={out['delta']}, sample_rate={out['sample_rate']}, steps={out['steps']}")
+    return out
+
+
+def _model_dtype(model: nn.Module) -> str | None:
+    dtypes = {p.dtype for p in model.parameters() if p.dtype.is_floating_point}
+    return str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else None
+
+
+def save(model: nn.Module, directory: str | os.PathLike, *, privacy: Mapping[str, Any] | None = None,
+         overwrite: bool = True) -> Path:
+    """Write ``model`` to ``directory`` (safetensors + JSON), atomically.
+
+    ``privacy``: optional DP metadata (epsilon, delta, accountant, steps, sample_rate and
+    optionally noise_multiplier, max_grad_norm, privacy_unit); it goes into the JSON and
+    into the safetensors header. A model trained by dpzoo's engine fills it in itself.
+    Nothing is left half-written: files are written to a temporary directory first.
+    """
+    from safetensors.torch import save_model
+
+    config = getattr(model, "dpzoo_config", None)
+    if not isinstance(config, dict) or "model_name" not in config:
+        raise SaveError("dpzoo.save needs a model built by dpzoo.load (it records how to rebuild "
+                        "the architecture). For any other module use safetensors.torch.save_model, "
+                        "or register a builder with @dpzoo.register_model.")
+    privacy = _check_privacy(privacy if privacy is not None else getattr(model, "dpzoo_privacy", None))
+    directory = Path(directory)
+    if directory.exists() and not directory.is_dir():
+        raise SaveError(f"{directory} exists and is not a directory.")
+    if directory.is_dir() and any(directory.iterdir()):
+        if not (directory / CONFIG_NAME).exists():
+            raise SaveError(f"{directory} is not empty and holds no dpzoo model; refusing to write "
+                            "into it. Choose an empty or new directory.")
+        if not overwrite:
+            raise SaveError(f"{directory} already holds a dpzoo model; pass overwrite=True to replace it.")
+    report = getattr(model, "dpzoo_patch_report", None)
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "dpzoo_version": __version__,
+        "torch_version": torch.__version__,
+        **config,
+        "dtype": _model_dtype(model),
+        "patches": report.to_dict() if report is not None else None,
+        "privacy": privacy,
+    }
+    st_meta = {"format": "pt", "dpzoo.model_name": config["model_name"]}
+    if privacy:
+        st_meta.update({f"dpzoo.privacy.{k}": str(v) for k, v in privacy.items()})
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    try:
+        save_model(model, str(tmp / WEIGHTS_NAME), metadata=st_meta)
+        (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        if directory.exists():
+            old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+            os.replace(directory, old)
+            os.replace(tmp, directory)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory
+
+
+def read_config(directory: str | os.PathLike) -> dict[str, Any]:
+    """The ``dpzoo_config.json`` of a saved model, checked."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise SaveError(f"{directory} is not a directory written by dpzoo.save.")
+    cfg_path = directory / CONFIG_NAME
+    if not cfg_path.exists():
+        hint = (" It looks like a Hugging Face directory: pass it as weights=DIR to a transformers zoo entry."
+                if (directory / "config.json").exists() else "")
+        raise SaveError(f"{directory} has no {CONFIG_NAME}, so dpzoo.save did not write it.{hint}")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SaveError(f"{cfg_path} is corrupt ({e}).") from None
+    if not isinstance(cfg, dict) or "model_name" not in cfg:
+        raise SaveError(f"{cfg_path} lacks model_name; it is not a dpzoo config.")
+    if cfg.get("format_version", 0) > FORMAT_VERSION:
+        raise SaveError(f"{directory} was written by a newer dpzoo (format {cfg['format_version']}); upgrade dpzoo.")
+    return cfg
+
+
+def privacy_metadata(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """The privacy metadata saved with a model, or None for a model saved without it."""
+    return read_config(directory).get("privacy")
+
+
+def _load_saved(directory: Path) -> nn.Module:
+    from safetensors import SafetensorError, safe_open
+
+    cfg = read_config(directory)
+    weights_path = directory / WEIGHTS_NAME
+    if not weights_path.exists():
+        raise SaveError(f"{directory} has no {WEIGHTS_NAME}.")
+    patches = cfg.get("patches") or {}
+    overrides = dict(cfg.get("overrides") or {})
+    model = load(cfg["model_name"], **overrides)
+    if cfg.get("dtype"):
+        model = model.to(getattr(torch, cfg["dtype"]))
+    try:
+        with safe_open(str(weights_path), "pt") as f:
+            state = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{weights_path} is corrupt or truncated ({e}).") from None
+    expected = model.state_dict()
+    # save_model stores a shared tensor once; its other names are filled by the tie.
+    tied_aliases = [n for g in model.dpzoo_patch_report.tied_groups for n in g.names]
+    from .checkpoint import load_state_dict_checked
+    load_state_dict_checked(model, state, source=f"saved model {directory}",
+                            allow_missing=[n for n in tied_aliases if n in expected])
+    for g in model.dpzoo_patch_report.tied_groups:
+        if not any(n in state for n in g.names):
+            raise CheckpointError(f"{weights_path} lacks every name of the tied tensor {g.names}.")
+    if patches and model.dpzoo_patch_report.to_dict().get("biases_added") != patches.get("biases_added"):
+        raise SaveError(f"{directory}: rebuilding {cfg['model_name']} patched different layers than the "
+                        "saved model had (different dpzoo version?).")
+    model.dpzoo_config = {k: cfg.get(k) for k in ("model_name", "overrides", "pretrained", "pretrained_tag", "weights")}
+    if cfg.get("privacy"):
+        model.dpzoo_privacy = cfg["privacy"]
+    return model

@@ -1,0 +1,127 @@
+"""Builders for zoo entries backed by Hugging Face transformers models."""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from ..checkpoint import load_state_dict_checked, read_state_dict
+from ..errors import CheckpointError, OverrideError
+from ..surgery import make_dp_ready
+from ._common import reject_unknown, split_patch_options
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _config_kwargs(entry: str, config_cls, aliases: dict[str, str], arch_over: dict[str, Any]) -> dict:
+    defaults = config_cls()
+    accepted = set(aliases) | {k for k in vars(defaults) if not k.startswith("_")}
+    reject_unknown(entry, arch_over, accepted)
+    out = {}
+    for key, value in arch_over.items():
+        target = aliases.get(key, key)
+        if target == "num_labels":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise OverrideError(f"num_classes must be an integer >= 1, got {value!r}")
+        out[target] = value
+    return out
+
+
+def _check_hf_dir(path: Path) -> None:
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{path} has no config.json, so it is not a Hugging Face model "
+                              "directory. Pass the directory `save_pretrained` wrote, or a single "
+                              "weights file (.safetensors / .bin).")
+    try:
+        json.loads((path / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path / 'config.json'} is not valid JSON ({e}).") from None
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+    if not files:
+        raise CheckpointError(f"{path} has no weights (model.safetensors or pytorch_model.bin).")
+    for f in files:  # surface corruption as a clear error before transformers sees it
+        if f.suffix == ".safetensors":
+            from safetensors import SafetensorError, safe_open
+            try:
+                with safe_open(str(f), "pt") as h:
+                    for k in h.keys():
+                        h.get_slice(k)
+            except (SafetensorError, OSError, ValueError) as e:
+                raise CheckpointError(f"{f} is corrupt or truncated ({e}).") from None
+        else:
+            read_state_dict(f)
+
+
+def build_hf(entry: str, model_cls, config_cls, *, pretrained: bool, pretrained_tag: str | None,
+             weights, overrides: dict[str, Any], aliases: dict[str, str], base_config: dict[str, Any],
+             head_keys: tuple[str, ...] = (), ignorable_unexpected: tuple[str, ...] = (),
+             bias_exempt: tuple[str, ...] = (), hub_id: str | None = None) -> nn.Module:
+    """Build ``model_cls``, load weights (hub, HF directory or weights file), then patch it.
+
+    ``head_keys``: patterns of checkpoint keys that may be missing (a new task head).
+    ``ignorable_unexpected``: checkpoint keys a task model does not use (pre-training heads).
+    """
+    arch_over, patch_kw = split_patch_options(overrides)
+    patch_kw.setdefault("bias_exempt", bias_exempt)
+    cfg_kwargs = _config_kwargs(entry, config_cls, aliases, arch_over)
+    if pretrained and weights is not None:
+        raise OverrideError("Pass either pretrained=True or weights=PATH, not both.")
+    source = None
+    if pretrained:
+        source = pretrained_tag or hub_id
+        if source is None:
+            raise CheckpointError(f"{entry} has no pretrained weights; pass weights=PATH.")
+    elif weights is not None and Path(weights).is_dir():
+        source = Path(weights)
+        _check_hf_dir(source)
+    if source is not None:
+        with _quiet_transformers():
+            try:
+                model, info = model_cls.from_pretrained(str(source), output_loading_info=True, **cfg_kwargs)
+            except (OSError, EnvironmentError) as e:
+                raise CheckpointError(
+                    f"transformers could not load {source!s} ({str(e).splitlines()[0]}). Offline? "
+                    "Download the model where the hub is reachable and pass weights=DIR.") from None
+            except (ValueError, RuntimeError, TypeError) as e:
+                raise CheckpointError(f"{source!s} does not fit {entry}: {e}") from None
+        bad_missing = sorted(k for k in info["missing_keys"] if not any(fnmatch.fnmatch(k, p) for p in head_keys))
+        unexpected = sorted(k for k in info["unexpected_keys"]
+                            if not any(fnmatch.fnmatch(k, p) for p in ignorable_unexpected))
+        mismatched = sorted(str(k) for k in info["mismatched_keys"])
+        if bad_missing or unexpected or mismatched:
+            parts = []
+            if bad_missing:
+                parts.append(f"missing from the checkpoint ({len(bad_missing)}): {', '.join(bad_missing[:12])}")
+            if unexpected:
+                parts.append(f"not in the model ({len(unexpected)}): {', '.join(unexpected[:12])}"
+                             + (" ..." if len(unexpected) > 12 else ""))
+            if mismatched:
+                parts.append(f"wrong shape: {', '.join(mismatched[:12])}")
+            raise CheckpointError(f"The checkpoint {source!s} does not fit {entry}: {'; '.join(parts)}. "
+                                  "Size overrides must match the checkpoint's config.")
+    else:
+        config = config_cls(**{**base_config, **cfg_kwargs})
+        model = model_cls(config)
+        if weights is not None:
+            sd = read_state_dict(weights)
+            if getattr(model.config, "tie_word_embeddings", False):
+                model.tie_weights()
+            load_state_dict_checked(model, sd, source=f"checkpoint {weights}", allow_missing=head_keys,
+                                    ignore_unexpected=ignorable_unexpected,
+                                    hint="Size overrides must match the checkpoint's.")
+    model.eval()  # like from_pretrained; call .train() before training
+    return make_dp_ready(model, **patch_kw)

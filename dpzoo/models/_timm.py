@@ -1,0 +1,112 @@
+"""Builders for zoo entries backed by timm models."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..checkpoint import load_state_dict_checked, read_state_dict
+from ..errors import CheckpointError, OverrideError
+from ..surgery import make_dp_ready
+from ._common import reject_unknown, split_patch_options
+
+log = logging.getLogger("dpzoo")
+
+
+def _create(arch: str, pretrained: bool, **kwargs) -> nn.Module:
+    import timm
+    try:
+        return timm.create_model(arch, pretrained=pretrained, **kwargs)
+    except TypeError as e:  # an argument the timm architecture does not take
+        raise OverrideError(f"timm's {arch.split('.')[0]} rejected the overrides {kwargs}: {e}") from None
+    except (AssertionError, ValueError) as e:  # inconsistent sizes (e.g. img_size % patch_size)
+        raise OverrideError(f"timm's {arch.split('.')[0]} cannot be built with {kwargs}: {e}") from None
+
+
+def _load_local(model: nn.Module, path, *, num_classes_overridden: bool, entry: str) -> None:
+    sd = read_state_dict(path)
+    module = sys.modules.get(type(model).__module__)
+    filter_fn: Callable | None = getattr(module, "checkpoint_filter_fn", None)
+    if filter_fn is not None:  # timm's own conversions (e.g. ViT position-embedding resampling)
+        try:
+            sd = filter_fn(sd, model)
+        except Exception as e:
+            raise CheckpointError(f"{path}: timm could not adapt this checkpoint to {entry} ({e}).") from None
+    allow_missing = []
+    classifier = (getattr(model, "pretrained_cfg", None) or {}).get("classifier")
+    if classifier and num_classes_overridden:
+        # timm's convention: asking for another num_classes re-initialises the head.
+        expected = model.state_dict()
+        head_keys = [k for k in sd if k.startswith(classifier + ".")]
+        if any(k in expected and sd[k].shape != expected[k].shape for k in head_keys):
+            log.info("%s: classifier %s re-initialised for the new num_classes", entry, classifier)
+            sd = {k: v for k, v in sd.items() if k not in head_keys}
+            allow_missing.append(classifier + ".*")
+    load_state_dict_checked(model, sd, source=f"checkpoint {path}", allow_missing=allow_missing,
+                            hint=f"Is it a checkpoint of timm's {type(model).__name__} with the same "
+                                 f"sizes? Pass the matching overrides (dpzoo.model_card({entry!r})).")
+
+
+def build_timm(entry: str, arch: str, *, pretrained: bool, pretrained_tag: str | None, weights,
+               overrides: dict[str, Any], accepted: dict[str, Callable[[Any], dict]] | None = None,
+               base_kwargs: dict[str, Any] | None = None, patch_defaults: dict[str, Any] | None = None) -> nn.Module:
+    """Build timm's ``arch``, load weights, then apply dpzoo's patches.
+
+    ``accepted`` maps each user-facing override to a function returning timm kwargs.
+    """
+    accepted = accepted or {}
+    arch_over, patch_kw = split_patch_options(overrides, patch_defaults)
+    reject_unknown(entry, arch_over, accepted)
+    kwargs = dict(base_kwargs or {})
+    for key, value in arch_over.items():
+        kwargs.update(accepted[key](value))
+    if pretrained and weights is not None:
+        raise OverrideError("Pass either pretrained=True or weights=PATH, not both.")
+    if pretrained:
+        name = f"{arch}.{pretrained_tag}" if pretrained_tag else arch
+        try:
+            model = _create(name, True, **kwargs)
+        except (OverrideError, CheckpointError):
+            raise
+        except Exception as e:  # hub unreachable, unknown tag, ...
+            raise CheckpointError(
+                f"timm could not fetch pretrained weights for {name!r} ({type(e).__name__}: "
+                f"{str(e).splitlines()[0] if str(e) else ''}). Offline? Download the checkpoint "
+                f"where the hub is reachable and pass weights=PATH.") from None
+    else:
+        model = _create(arch, False, **kwargs)
+        if weights is not None:
+            _load_local(model, weights, num_classes_overridden="num_classes" in arch_over, entry=entry)
+    return make_dp_ready(model, **patch_kw)
+
+
+def as_int(key: str, minimum: int = 1):
+    def conv(v):
+        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+            raise OverrideError(f"{key} must be an integer >= {minimum}, got {v!r}")
+        return v
+    return conv
+
+
+def as_float(key: str, lo: float = 0.0, hi: float = 1.0):
+    def conv(v):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+            raise OverrideError(f"{key} must be a number in [{lo}, {hi}], got {v!r}")
+        return float(v)
+    return conv
+
+
+def as_int_tuple(key: str, length: int):
+    def conv(v):
+        if (not isinstance(v, (list, tuple)) or len(v) != length
+                or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in v)):
+            raise OverrideError(f"{key} must be a list of {length} positive integers, got {v!r}")
+        return list(v)
+    return conv
+
+
+_ = torch  # keep torch imported for type checkers

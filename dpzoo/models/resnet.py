@@ -1,0 +1,79 @@
+"""ResNet-GN with biases: timm ResNets made DP-ready.
+
+DP-BiTFiT paper App. A.2: BatchNorm → GroupNorm (BN mixes samples), and a zero bias on
+every convolution (§3.4, BiTFiT-Add) so that DP-BiTFiT trains every layer. Residual
+blocks run out of place so backward hooks (Opacus, dpzoo) work unchanged.
+"""
+
+from __future__ import annotations
+
+from ..registry import ModelCard, register_model
+from ._common import PATCH_OPTIONS
+from ._timm import as_float, as_int, as_int_tuple, build_timm
+
+_PAPERS = (
+    "He et al., Deep Residual Learning for Image Recognition, CVPR 2016",
+    "Wu & He, Group Normalization, ECCV 2018",
+    "Bu et al., Differentially Private Bias-Term Fine-tuning of Foundation Models (DP-BiTFiT), "
+    "ICML 2024: §3.4 (BiTFiT-Add), App. A.2 (ResNet-GN)",
+)
+
+_ACCEPTED = {
+    "num_classes": lambda v: {"num_classes": as_int("num_classes")(v)},
+    "in_chans": lambda v: {"in_chans": as_int("in_chans")(v)},
+    "layers": lambda v: {"layers": as_int_tuple("layers", 4)(v)},
+    "width": lambda v: {"channels": [as_int("width")(v) * m for m in (1, 2, 4, 8)], "stem_width": v},
+    "drop_rate": lambda v: {"drop_rate": as_float("drop_rate")(v)},
+    "drop_path_rate": lambda v: {"drop_path_rate": as_float("drop_path_rate")(v)},
+}
+_OVERRIDE_DOCS = {
+    "num_classes": "classifier outputs (default 1000); a new head when it differs from the checkpoint's",
+    "in_chans": "input channels (default 3)",
+    "layers": "blocks per stage, 4 integers (default the architecture's)",
+    "width": "channels of the first stage w; stages use w, 2w, 4w, 8w (default 64)",
+    "drop_rate": "dropout before the classifier",
+    "drop_path_rate": "stochastic depth rate",
+    **PATCH_OPTIONS,
+}
+_PATCHES = (
+    "BatchNorm2d → GroupNorm (groups: largest divisor of C ≤ 32 with ≥ 2 channels per group; "
+    "BN's γ, β copied)",
+    "BiTFiT-Add: a zero bias on every Conv2d (the fc layer already has one)",
+    "in-place ReLU and `x += shortcut` replaced by out-of-place ops (safe under backward hooks)",
+)
+
+
+def _card(name: str, arch: str, depth: int, tag: str) -> ModelCard:
+    return ModelCard(
+        name=name,
+        summary=f"ResNet-{depth} with GroupNorm and a bias on every convolution, ready for DP-SGD and DP-BiTFiT.",
+        architecture=f"timm `{arch}` (ResNet-{depth})",
+        library="timm",
+        task="image-classification",
+        patches=_PATCHES,
+        weight_source=("random initialisation; `pretrained=True` loads timm's ImageNet BatchNorm "
+                       "weights and converts them (GroupNorm statistics differ from BatchNorm's: "
+                       "fine-tune before use); `weights=PATH` loads a local timm checkpoint"),
+        pretrained_tags={tag: f"timm hub `timm/{arch}.{tag}` (ImageNet-1k, BatchNorm)"},
+        license="Apache-2.0 (timm code and weights)",
+        papers=_PAPERS,
+        overrides=_OVERRIDE_DOCS,
+        test_overrides={"num_classes": 10, "layers": [1, 1, 1, 1], "width": 8},
+        example_input={"kind": "image", "shape": [3, 32, 32]},
+        notes=("Group counts follow the 'auto' rule unless `gn_groups` is given. Any input size "
+               "works (global average pooling)."),
+    )
+
+
+def _builder(name: str, arch: str, depth: int, tag: str):
+    @register_model(name, card=_card(name, arch, depth, tag))
+    def build(pretrained: bool = False, pretrained_tag: str | None = None, weights=None, **overrides):
+        return build_timm(name, arch, pretrained=pretrained, pretrained_tag=pretrained_tag or tag,
+                          weights=weights, overrides=overrides, accepted=_ACCEPTED)
+    build.__name__ = name.replace("-", "_")
+    return build
+
+
+resnet18_gn_bias = _builder("resnet18-gn-bias", "resnet18", 18, "a1_in1k")
+resnet34_gn_bias = _builder("resnet34-gn-bias", "resnet34", 34, "a1_in1k")
+resnet50_gn_bias = _builder("resnet50-gn-bias", "resnet50", 50, "a1_in1k")

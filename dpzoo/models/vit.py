@@ -1,0 +1,73 @@
+"""Vision Transformers from timm. LayerNorm and biases are already present; dpzoo only
+checks for in-place ops. Its ``cls_token`` and ``pos_embed`` are parameters the model
+owns directly: the per-sample-norm hooks cover them with their own rules."""
+
+from __future__ import annotations
+
+from ..registry import ModelCard, register_model
+from ._common import PATCH_OPTIONS
+from ._timm import as_float, as_int, build_timm
+
+_ACCEPTED = {
+    "num_classes": lambda v: {"num_classes": as_int("num_classes")(v)},
+    "img_size": lambda v: {"img_size": as_int("img_size")(v)},
+    "patch_size": lambda v: {"patch_size": as_int("patch_size")(v)},
+    "in_chans": lambda v: {"in_chans": as_int("in_chans")(v)},
+    "depth": lambda v: {"depth": as_int("depth")(v)},
+    "width": lambda v: {"embed_dim": as_int("width")(v)},
+    "num_heads": lambda v: {"num_heads": as_int("num_heads")(v)},
+    "mlp_ratio": lambda v: {"mlp_ratio": as_float("mlp_ratio", 0.01, 64)(v)},
+    "drop_rate": lambda v: {"drop_rate": as_float("drop_rate")(v)},
+    "drop_path_rate": lambda v: {"drop_path_rate": as_float("drop_path_rate")(v)},
+}
+_DOCS = {
+    "num_classes": "classifier outputs (default 1000)",
+    "img_size": "input resolution (default 224); position embeddings are resampled when loading weights",
+    "patch_size": "patch size (default 16)",
+    "in_chans": "input channels (default 3)",
+    "depth": "number of Transformer blocks",
+    "width": "embedding dimension",
+    "num_heads": "attention heads",
+    "mlp_ratio": "MLP hidden size / width (default 4)",
+    "drop_rate": "dropout rate",
+    "drop_path_rate": "stochastic depth rate",
+    **PATCH_OPTIONS,
+}
+_SIZES = {"tiny": (192, 3), "small": (384, 6), "base": (768, 12)}
+
+
+def _builder(size: str):
+    name, arch = f"vit-{size}-patch16", f"vit_{size}_patch16_224"
+    tag = "augreg_in21k_ft_in1k"
+    width, heads = _SIZES[size]
+    card = ModelCard(
+        name=name,
+        summary=f"ViT-{size.capitalize()}/16 (width {width}, {heads} heads, 12 blocks) from timm; LayerNorm and biases already DP-friendly.",
+        architecture=f"timm `{arch}`",
+        library="timm",
+        task="image-classification",
+        patches=("none needed: LayerNorm, every Linear and the patch-embedding Conv2d have biases",
+                 "in-place ops switched off where a module offers the switch"),
+        weight_source="random initialisation; `pretrained=True`: timm hub; `weights=PATH`: a local timm checkpoint",
+        pretrained_tags={tag: f"timm hub `timm/{arch}.{tag}` (ImageNet-21k, fine-tuned on 1k)"},
+        license="Apache-2.0 (timm code and weights)",
+        papers=("Dosovitskiy et al., An Image is Worth 16x16 Words, ICLR 2021",
+                "Bu et al., DP-BiTFiT, ICML 2024: Table 1 (bias share of ViT parameters)"),
+        overrides=_DOCS,
+        test_overrides={"num_classes": 10, "img_size": 32, "patch_size": 8, "depth": 2,
+                        "width": 32, "num_heads": 2},
+        example_input={"kind": "image", "shape": [3, 32, 32]},
+        notes="`cls_token` and `pos_embed` are trainable tensors owned by the model itself, not by a layer.",
+    )
+
+    @register_model(name, card=card)
+    def build(pretrained: bool = False, pretrained_tag: str | None = None, weights=None, **overrides):
+        return build_timm(name, arch, pretrained=pretrained, pretrained_tag=pretrained_tag or tag,
+                          weights=weights, overrides=overrides, accepted=_ACCEPTED)
+    build.__name__ = name.replace("-", "_")
+    return build
+
+
+vit_tiny_patch16 = _builder("tiny")
+vit_small_patch16 = _builder("small")
+vit_base_patch16 = _builder("base")

@@ -1,0 +1,52 @@
+"""RMSNorm with a bias, for BiTFiT-Add on LLaMA-style models (DP-BiTFiT paper, §3.4)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square normalisation with an optional additive bias.
+
+    ``style`` fixes the arithmetic so that, with a zero bias, the output is bit-identical
+    to the module it replaces:
+
+    * ``"llama"``: Hugging Face ``LlamaRMSNorm`` (normalise in float32, cast back to the
+      input dtype, then scale): ``w ⊙ cast(x / sqrt(mean(x²) + eps)) + b``;
+    * ``"torch"``: ``torch.nn.RMSNorm`` (``F.rms_norm``), plus ``b``.
+    """
+
+    def __init__(self, hidden_size: int, eps: float | None = 1e-6, *, bias: bool = True,
+                 elementwise_affine: bool = True, style: str = "llama", device=None, dtype=None):
+        super().__init__()
+        if style not in ("llama", "torch"):
+            raise ValueError(f"RMSNorm style must be 'llama' or 'torch', got {style!r}")
+        factory = {"device": device, "dtype": dtype}
+        self.hidden_size, self.eps, self.style = int(hidden_size), eps, style
+        self.weight = nn.Parameter(torch.ones(hidden_size, **factory)) if elementwise_affine else None
+        self.bias = nn.Parameter(torch.zeros(hidden_size, **factory)) if bias else None
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """The normalised input x̂, before the affine map (the per-sample-norm rules use it)."""
+        if self.style == "torch":
+            return F.rms_norm(x, (self.hidden_size,), None, self.eps)
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return h.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.style == "torch":
+            out = F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
+        else:
+            out = self.normalize(x)
+            if self.weight is not None:
+                out = self.weight * out
+        if self.bias is not None:
+            out = out + self.bias
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"{self.hidden_size}, eps={self.eps}, style={self.style}, "
+                f"bias={self.bias is not None}")

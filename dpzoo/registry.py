@@ -1,0 +1,170 @@
+"""The zoo's registry, in timm's style.
+
+A zoo entry is a builder function decorated with :func:`register_model`. The builder
+takes ``pretrained``, ``pretrained_tag``, ``weights`` and size overrides, and returns a
+model that is already DP-ready (see :mod:`dpzoo.surgery`). Each entry carries a
+:class:`ModelCard`: the structured facts behind the markdown card in ``models/``.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import inspect
+from dataclasses import dataclass, field, asdict
+from typing import Any, Callable, Iterable
+
+from .errors import UnknownModelError
+
+__all__ = [
+    "ModelCard",
+    "ModelEntry",
+    "register_model",
+    "list_models",
+    "model_card",
+    "get_entry",
+    "is_model",
+]
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What a zoo entry is, what dpzoo did to it, and where its weights come from."""
+
+    name: str
+    summary: str
+    architecture: str
+    library: str  # "timm" | "transformers" | "dpzoo"
+    task: str
+    patches: tuple[str, ...] = ()
+    # Module-name patterns (fnmatch) of Conv/Linear layers that legitimately have no
+    # bias after patching (e.g. an output projection tied to the input embedding).
+    bias_exempt: tuple[str, ...] = ()
+    weight_source: str = "random initialisation"
+    pretrained_tags: dict[str, str] = field(default_factory=dict)
+    license: str = "unknown"
+    papers: tuple[str, ...] = ()
+    overrides: dict[str, str] = field(default_factory=dict)
+    # A small configuration for tests and quick experiments on a CPU.
+    test_overrides: dict[str, Any] = field(default_factory=dict)
+    # The input the model expects, for smoke tests: {"kind": "image", "shape": [3, 32, 32]}
+    # or {"kind": "tokens", "vocab_size": 256, "seq_len": 16}.
+    example_input: dict[str, Any] = field(default_factory=dict)
+    notes: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_markdown(self) -> str:
+        """Render the card as the markdown kept under ``models/<name>.md``."""
+        lines = [f"# {self.name}", "", self.summary, ""]
+        lines += ["| field | value |", "| --- | --- |"]
+        lines += [f"| architecture | {self.architecture} |"]
+        lines += [f"| library | {self.library} |", f"| task | {self.task} |"]
+        lines += [f"| weights | {self.weight_source} |", f"| licence | {self.license} |"]
+        lines += ["", "## Patches applied by dpzoo", ""]
+        lines += [f"- {p}" for p in self.patches] or ["- none"]
+        if self.bias_exempt:
+            lines += ["", "Layers left without a bias on purpose: "
+                      + ", ".join(f"`{p}`" for p in self.bias_exempt) + "."]
+        if self.pretrained_tags:
+            lines += ["", "## Pretrained tags", "", "| tag | source |", "| --- | --- |"]
+            lines += [f"| `{t}` | {s} |" for t, s in self.pretrained_tags.items()]
+        if self.overrides:
+            lines += ["", "## Overrides", "", "Keyword arguments of `dpzoo.load`:", ""]
+            lines += ["| override | meaning |", "| --- | --- |"]
+            lines += [f"| `{k}` | {v} |" for k, v in self.overrides.items()]
+        if self.test_overrides:
+            args = ", ".join(f"{k}={v!r}" for k, v in self.test_overrides.items())
+            lines += ["", "## Small configuration (tests, CPU)", "", "```python",
+                      f'dpzoo.load("{self.name}", {args})', "```"]
+        if self.papers:
+            lines += ["", "## Papers", ""] + [f"- {p}" for p in self.papers]
+        if self.notes:
+            lines += ["", "## Notes", "", self.notes.strip()]
+        return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    builder: Callable[..., Any]
+    card: ModelCard
+
+    @property
+    def accepts_weights(self) -> bool:
+        params = inspect.signature(self.builder).parameters
+        return "weights" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+_REGISTRY: dict[str, ModelEntry] = {}
+
+
+def register_model(name: str | Callable | None = None, *, card: ModelCard | None = None):
+    """Register a builder as a zoo entry, like ``timm.models.register_model``.
+
+    Use as ``@register_model`` (the name is the function's, with ``_`` → ``-``) or
+    ``@register_model("my-net", card=ModelCard(...))``. The builder is called as
+    ``builder(pretrained=..., pretrained_tag=..., weights=..., **overrides)`` and must
+    return a DP-ready ``nn.Module`` (``dpzoo.make_dp_ready`` does the surgery).
+    """
+
+    def decorate(fn: Callable, entry_name: str | None) -> Callable:
+        entry_name = entry_name or fn.__name__.replace("_", "-")
+        if entry_name in _REGISTRY and _REGISTRY[entry_name].builder is not fn:
+            raise ValueError(f"A zoo entry named {entry_name!r} is already registered.")
+        entry_card = card or ModelCard(
+            name=entry_name,
+            summary=(inspect.getdoc(fn) or "User-registered model.").splitlines()[0],
+            architecture=f"`{fn.__module__}.{fn.__qualname__}`",
+            library="user",
+            task="unspecified",
+        )
+        if entry_card.name != entry_name:
+            raise ValueError(f"Card name {entry_card.name!r} != entry name {entry_name!r}.")
+        _REGISTRY[entry_name] = ModelEntry(entry_name, fn, entry_card)
+        return fn
+
+    if callable(name):  # bare @register_model
+        return decorate(name, None)
+    return lambda fn: decorate(fn, name)
+
+
+def _ensure_builtin() -> None:
+    from . import models  # noqa: F401  (importing registers the built-in entries)
+
+
+def list_models(pattern: str | Iterable[str] = "*", *, pretrained: bool = False) -> list[str]:
+    """Names of zoo entries matching ``pattern`` (fnmatch, or a list of patterns).
+
+    With ``pretrained=True``, only entries that have at least one pretrained tag.
+    """
+    _ensure_builtin()
+    patterns = [pattern] if isinstance(pattern, str) else list(pattern)
+    names = [n for n in _REGISTRY if any(fnmatch.fnmatch(n, p) for p in patterns)]
+    if pretrained:
+        names = [n for n in names if _REGISTRY[n].card.pretrained_tags]
+    return sorted(names)
+
+
+def split_name(name: str) -> tuple[str, str | None]:
+    """``"resnet18-gn-bias.a1_in1k"`` → ``("resnet18-gn-bias", "a1_in1k")``."""
+    base, _, tag = name.partition(".")
+    return base, (tag or None)
+
+
+def get_entry(name: str) -> ModelEntry:
+    _ensure_builtin()
+    base, _ = split_name(name)
+    if base not in _REGISTRY:
+        raise UnknownModelError(name, _REGISTRY)
+    return _REGISTRY[base]
+
+
+def is_model(name: str) -> bool:
+    _ensure_builtin()
+    return split_name(name)[0] in _REGISTRY
+
+
+def model_card(name: str) -> ModelCard:
+    """The :class:`ModelCard` of a zoo entry (``str(card.to_markdown())`` to read it)."""
+    return get_entry(name).card

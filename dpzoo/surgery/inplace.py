@@ -1,0 +1,95 @@
+"""Remove in-place operations that break autograd backward hooks, and find any left.
+
+Backward hooks (``register_full_backward_hook``, used by Opacus and by dpzoo's norm
+hooks) wrap a module's output in a view; an in-place op on it afterwards raises
+"Output 0 of BackwardHookFunction is a view and is being modified inplace". dpzoo sets
+``inplace=False`` on every module that has the switch (ReLU, Dropout, timm activations,
+LayerScale, ...) and swaps timm's ResNet blocks (``x += shortcut``) for out-of-place
+subclasses. :func:`find_inplace_ops` runs a forward pass and lists any in-place op left
+on a tensor that autograd tracks, with the module it happened in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["disable_inplace", "find_inplace_ops", "InplaceReport", "InplaceOp"]
+
+
+@dataclass
+class InplaceReport:
+    switched_off: list[str] = field(default_factory=list)  # modules whose `inplace` was True
+    swapped_blocks: list[str] = field(default_factory=list)  # modules given an out-of-place class
+
+
+def _block_swaps() -> dict[type, type]:
+    from timm.models.resnet import BasicBlock, Bottleneck
+
+    from ..nn.resnet_blocks import DPBasicBlock, DPBottleneck
+    return {BasicBlock: DPBasicBlock, Bottleneck: DPBottleneck}
+
+
+def disable_inplace(model: nn.Module) -> InplaceReport:
+    """Make ``model`` safe for backward hooks, in place. Returns what was changed."""
+    report = InplaceReport()
+    swaps = _block_swaps()
+    for name, m in model.named_modules():
+        if isinstance(getattr(m, "inplace", None), bool) and m.inplace:
+            m.inplace = False
+            report.switched_off.append(name)
+        new_cls = swaps.get(type(m))
+        if new_cls is not None:
+            m.__class__ = new_cls
+            report.swapped_blocks.append(name)
+    return report
+
+
+@dataclass(frozen=True)
+class InplaceOp:
+    module: str  # innermost module running when the op happened ("" = the root)
+    op: str
+
+    def __str__(self) -> str:
+        return f"{self.op} in module {self.module or '<root>'}"
+
+
+class _InplaceRecorder(TorchFunctionMode):
+    def __init__(self, stack: list[str]):
+        super().__init__()
+        self.stack, self.found = stack, []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        inplace = (
+            (name.endswith("_") and not name.endswith("__") and not name.startswith("_"))
+            or name in ("__iadd__", "__isub__", "__imul__", "__itruediv__", "__setitem__")
+            or kwargs.get("inplace") is True
+            or "out" in kwargs
+        )
+        if inplace and name not in ("requires_grad_", "retain_grad"):
+            target = args[0] if args else kwargs.get("out")
+            if isinstance(target, torch.Tensor) and (target.requires_grad or target.grad_fn is not None):
+                self.found.append(InplaceOp(self.stack[-1] if self.stack else "", name))
+        return func(*args, **kwargs)
+
+
+def find_inplace_ops(model: nn.Module, *args, **kwargs) -> list[InplaceOp]:
+    """Run ``model(*args, **kwargs)`` and return the in-place ops on autograd-tracked tensors."""
+    stack: list[str] = []
+    handles = []
+    for name, m in model.named_modules():
+        handles.append(m.register_forward_pre_hook(lambda mod, inp, n=name: stack.append(n)))
+        handles.append(m.register_forward_hook(lambda mod, inp, out: stack.pop()))
+    recorder = _InplaceRecorder(stack)
+    try:
+        with recorder:
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return recorder.found
