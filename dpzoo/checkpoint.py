@@ -143,9 +143,18 @@ def load_state_dict_checked(model: nn.Module, state_dict: Mapping[str, torch.Ten
     ``allow_missing`` / ``ignore_unexpected`` are fnmatch patterns of keys that may be
     missing (freshly initialised, e.g. a new classifier) or extra in the checkpoint.
     """
+    from .surgery.tied import find_tied_parameters
+
     allow_missing, ignore_unexpected = tuple(allow_missing), tuple(ignore_unexpected)
     sd = {k: v for k, v in state_dict.items()
           if not any(fnmatch.fnmatch(k, p) for p in ignore_unexpected)}
+    # A tied tensor is often stored under one of its names only (safetensors' save_model,
+    # HF checkpoints): fill the other names of its group from the stored one.
+    for group in find_tied_parameters(model):
+        present = [n for n in group.names if n in sd]
+        for n in group.names:
+            if present and n not in sd:
+                sd[n] = sd[present[0]]
     mm = StateDictMismatch(model, sd)
     bad_missing = [k for k in mm.missing if not any(fnmatch.fnmatch(k, p) for p in allow_missing)]
     if bad_missing or mm.unexpected or mm.mis_shaped:

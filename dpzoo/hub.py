@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from . import __version__
+from .checkpoint import load_state_dict_checked
 from .errors import CheckpointError, OverrideError, SaveError
 from .registry import get_entry, split_name
 
@@ -234,15 +235,8 @@ def _load_saved(directory: Path) -> nn.Module:
             state = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{weights_path} is corrupt or truncated ({e}).") from None
-    expected = model.state_dict()
-    # save_model stores a shared tensor once; its other names are filled by the tie.
-    tied_aliases = [n for g in model.dpzoo_patch_report.tied_groups for n in g.names]
-    from .checkpoint import load_state_dict_checked
-    load_state_dict_checked(model, state, source=f"saved model {directory}",
-                            allow_missing=[n for n in tied_aliases if n in expected])
-    for g in model.dpzoo_patch_report.tied_groups:
-        if not any(n in state for n in g.names):
-            raise CheckpointError(f"{weights_path} lacks every name of the tied tensor {g.names}.")
+    # save_model stores a tied tensor once; load_state_dict_checked fills its other names.
+    load_state_dict_checked(model, state, source=f"saved model {directory}")
     if patches and model.dpzoo_patch_report.to_dict().get("biases_added") != patches.get("biases_added"):
         raise SaveError(f"{directory}: rebuilding {cfg['model_name']} patched different layers than the "
                         "saved model had (different dpzoo version?).")

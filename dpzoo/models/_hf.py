@@ -91,7 +91,9 @@ def build_hf(entry: str, model_cls, config_cls, *, pretrained: bool, pretrained_
     if source is not None:
         with _quiet_transformers():
             try:
-                model, info = model_cls.from_pretrained(str(source), output_loading_info=True, **cfg_kwargs)
+                # mismatches come back in `info` and are reported below, by name
+                model, info = model_cls.from_pretrained(str(source), output_loading_info=True,
+                                                        ignore_mismatched_sizes=True, **cfg_kwargs)
             except (OSError, EnvironmentError) as e:
                 raise CheckpointError(
                     f"transformers could not load {source!s} ({str(e).splitlines()[0]}). Offline? "
@@ -101,7 +103,9 @@ def build_hf(entry: str, model_cls, config_cls, *, pretrained: bool, pretrained_
         bad_missing = sorted(k for k in info["missing_keys"] if not any(fnmatch.fnmatch(k, p) for p in head_keys))
         unexpected = sorted(k for k in info["unexpected_keys"]
                             if not any(fnmatch.fnmatch(k, p) for p in ignorable_unexpected))
-        mismatched = sorted(str(k) for k in info["mismatched_keys"])
+        mismatched = sorted(k[0] if isinstance(k, tuple) else str(k) for k in info["mismatched_keys"])
+        if "num_labels" in cfg_kwargs:  # a new head for another number of classes is expected
+            mismatched = [k for k in mismatched if not any(fnmatch.fnmatch(k, p) for p in head_keys)]
         if bad_missing or unexpected or mismatched:
             parts = []
             if bad_missing:

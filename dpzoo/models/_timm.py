@@ -27,8 +27,11 @@ def _create(arch: str, pretrained: bool, **kwargs) -> nn.Module:
         raise OverrideError(f"timm's {arch.split('.')[0]} cannot be built with {kwargs}: {e}") from None
 
 
-def _load_local(model: nn.Module, path, *, num_classes_overridden: bool, entry: str) -> None:
+def _load_local(model: nn.Module, path, *, num_classes_overridden: bool, entry: str,
+                convert_state_dict: Callable[[dict], dict] | None = None) -> None:
     sd = read_state_dict(path)
+    if convert_state_dict is not None:  # the entry's own key mapping (e.g. another library's names)
+        sd = convert_state_dict(sd)
     module = sys.modules.get(type(model).__module__)
     filter_fn: Callable | None = getattr(module, "checkpoint_filter_fn", None)
     if filter_fn is not None:  # timm's own conversions (e.g. ViT position-embedding resampling)
@@ -53,10 +56,13 @@ def _load_local(model: nn.Module, path, *, num_classes_overridden: bool, entry: 
 
 def build_timm(entry: str, arch: str, *, pretrained: bool, pretrained_tag: str | None, weights,
                overrides: dict[str, Any], accepted: dict[str, Callable[[Any], dict]] | None = None,
-               base_kwargs: dict[str, Any] | None = None, patch_defaults: dict[str, Any] | None = None) -> nn.Module:
+               base_kwargs: dict[str, Any] | None = None, patch_defaults: dict[str, Any] | None = None,
+               convert_state_dict: Callable[[dict], dict] | None = None) -> nn.Module:
     """Build timm's ``arch``, load weights, then apply dpzoo's patches.
 
     ``accepted`` maps each user-facing override to a function returning timm kwargs.
+    ``convert_state_dict`` maps a ``weights=PATH`` state dict to timm's keys; it runs right
+    after the file is read, before timm's own ``checkpoint_filter_fn``.
     """
     accepted = accepted or {}
     arch_over, patch_kw = split_patch_options(overrides, patch_defaults)
@@ -80,7 +86,8 @@ def build_timm(entry: str, arch: str, *, pretrained: bool, pretrained_tag: str |
     else:
         model = _create(arch, False, **kwargs)
         if weights is not None:
-            _load_local(model, weights, num_classes_overridden="num_classes" in arch_over, entry=entry)
+            _load_local(model, weights, num_classes_overridden="num_classes" in arch_over, entry=entry,
+                        convert_state_dict=convert_state_dict)
     return make_dp_ready(model, **patch_kw)
 
 

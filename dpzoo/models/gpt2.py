@@ -45,4 +45,4 @@ def gpt2(pretrained: bool = False, pretrained_tag: str | None = None, weights=No
         overrides.setdefault("eos_token_id", vocab - 1)
     return build_hf("gpt2", GPT2LMHeadModel, GPT2Config, pretrained=pretrained, pretrained_tag=pretrained_tag,
                     weights=weights, overrides=overrides, aliases=ALIASES, base_config={},
-                    head_keys=("lm_head.weight",), bias_exempt=("lm_head",), hub_id="openai-community/gpt2")
+                    head_keys=(), bias_exempt=("lm_head",), hub_id="openai-community/gpt2")

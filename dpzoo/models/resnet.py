@@ -22,7 +22,7 @@ _ACCEPTED = {
     "num_classes": lambda v: {"num_classes": as_int("num_classes")(v)},
     "in_chans": lambda v: {"in_chans": as_int("in_chans")(v)},
     "layers": lambda v: {"layers": as_int_tuple("layers", 4)(v)},
-    "width": lambda v: {"channels": [as_int("width")(v) * m for m in (1, 2, 4, 8)], "stem_width": v},
+    "width": lambda v: {"channels": [as_int("width")(v) * m for m in (1, 2, 4, 8)]},
     "drop_rate": lambda v: {"drop_rate": as_float("drop_rate")(v)},
     "drop_path_rate": lambda v: {"drop_path_rate": as_float("drop_path_rate")(v)},
 }
@@ -30,7 +30,7 @@ _OVERRIDE_DOCS = {
     "num_classes": "classifier outputs (default 1000); a new head when it differs from the checkpoint's",
     "in_chans": "input channels (default 3)",
     "layers": "blocks per stage, 4 integers (default the architecture's)",
-    "width": "channels of the first stage w; stages use w, 2w, 4w, 8w (default 64)",
+    "width": "channels of the first stage w; stages use w, 2w, 4w, 8w (default 64; the 7×7 stem keeps timm's 64)",
     "drop_rate": "dropout before the classifier",
     "drop_path_rate": "stochastic depth rate",
     **PATCH_OPTIONS,

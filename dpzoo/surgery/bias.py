@@ -54,7 +54,7 @@ def _is_rmsnorm(m: nn.Module) -> bool:
     if isinstance(m, RMSNorm):
         return False
     if isinstance(m, getattr(nn, "RMSNorm", ())):
-        return True
+        return m.weight is not None  # elementwise_affine=False: no parameters, nothing to add
     w = getattr(m, "weight", None)
     return (type(m).__name__.lower().endswith("rmsnorm") and isinstance(w, nn.Parameter)
             and w.dim() == 1 and getattr(m, "bias", None) is None)
@@ -73,6 +73,11 @@ def _rmsnorm_replacement(m: nn.Module) -> RMSNorm | None:
             return None
         new = RMSNorm(w.shape[0], eps, style="llama")
     # Numerical proof on a CPU copy with random weights: same outputs, bit for bit.
+    with torch.device("cpu"):  # also inside a `with torch.device("meta")` block
+        return _proven_replacement(m, new, w)
+
+
+def _proven_replacement(m: nn.Module, new: RMSNorm, w: torch.Tensor) -> RMSNorm | None:
     probe_old = copy.deepcopy(m).to_empty(device="cpu") if w.device.type == "meta" else copy.deepcopy(m).cpu()
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -126,8 +131,10 @@ def add_missing_biases(model: nn.Module, *, exclude: Iterable[str] = (), init: s
                 m.bias = _new_bias(out, m.weight, init, std, gen)
                 report.added.append(name)
         elif isinstance(m, nn.MultiheadAttention):
-            if m.in_proj_bias is None and m.in_proj_weight is not None:
-                m.in_proj_bias = _new_bias(3 * m.embed_dim, m.in_proj_weight, init, std, gen)
+            # kdim/vdim != embed_dim: separate q/k/v weights, but still one packed in_proj_bias
+            like = m.in_proj_weight if m.in_proj_weight is not None else m.q_proj_weight
+            if m.in_proj_bias is None and like is not None:
+                m.in_proj_bias = _new_bias(3 * m.embed_dim, like, init, std, gen)
                 report.added.append(name)
         elif not norms:
             continue
@@ -140,6 +147,8 @@ def add_missing_biases(model: nn.Module, *, exclude: Iterable[str] = (), init: s
                               m.weight, init, std, gen)
                 m.bias = nn.Parameter(b.data.reshape(m.weight.shape), requires_grad=b.requires_grad)
                 report.added.append(name)
+        elif isinstance(m, getattr(nn, "RMSNorm", ())) and m.weight is None:
+            report.not_patched[name] = "RMSNorm has elementwise_affine=False (no parameters)"
         elif _is_rmsnorm(m):
             new = _rmsnorm_replacement(m)
             if new is None:

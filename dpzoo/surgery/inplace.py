@@ -82,9 +82,18 @@ def find_inplace_ops(model: nn.Module, *args, **kwargs) -> list[InplaceOp]:
     """Run ``model(*args, **kwargs)`` and return the in-place ops on autograd-tracked tensors."""
     stack: list[str] = []
     handles = []
+
+    def enter(name):
+        def hook(module, inputs):
+            stack.append(name)  # returns None: the inputs are left as they are
+        return hook
+
+    def leave(module, inputs, output):
+        stack.pop()  # must return None, or the hook would replace the module's output
+
     for name, m in model.named_modules():
-        handles.append(m.register_forward_pre_hook(lambda mod, inp, n=name: stack.append(n)))
-        handles.append(m.register_forward_hook(lambda mod, inp, out: stack.pop()))
+        handles.append(m.register_forward_pre_hook(enter(name)))
+        handles.append(m.register_forward_hook(leave))
     recorder = _InplaceRecorder(stack)
     try:
         with recorder:
