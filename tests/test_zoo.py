@@ -167,4 +167,9 @@ def test_full_size_cards_match_paper_bias_share():
     assert 0.04 < s.bias_percent < 0.1
     s = dpzoo.summary(llama)
     assert 6.5e9 < s.total_params < 7e9
+    # every RMSNorm replaced, even on meta: 2 per layer + the final one
+    assert s.norm_layers == {"RMSNorm": 65}
+    # q,k,v,o + gate,up,down + 2 norms per layer, final norm; no lm_head bias (card)
+    per_layer = 4 * 4096 + 2 * 11008 + 4096 + 2 * 4096
+    assert s.bias_params == 32 * per_layer + 4096
     assert s.bias_percent < 0.03  # "only 0.03% parameters on LLAMA2-7B" (§3.4)

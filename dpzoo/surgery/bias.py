@@ -66,13 +66,14 @@ def _rmsnorm_replacement(m: nn.Module) -> RMSNorm | None:
     if isinstance(m, getattr(nn, "RMSNorm", ())):
         if len(m.normalized_shape) != 1 or w is None:
             return None
-        new = RMSNorm(m.normalized_shape[0], m.eps, style="torch")
+        new = RMSNorm(m.normalized_shape[0], m.eps, style="torch", device="cpu")
     else:
         eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
         if not isinstance(eps, float):
             return None
-        new = RMSNorm(w.shape[0], eps, style="llama")
-    # Numerical proof on a CPU copy with random weights: same outputs, bit for bit.
+        new = RMSNorm(w.shape[0], eps, style="llama", device="cpu")
+    # Numerical proof on a CPU copy with random weights: same outputs, bit for bit. (`new` is
+    # built on the CPU explicitly: an ambient `with torch.device("meta")` would put it on meta.)
     with torch.device("cpu"):  # also inside a `with torch.device("meta")` block
         return _proven_replacement(m, new, w)
 
@@ -85,7 +86,8 @@ def _proven_replacement(m: nn.Module, new: RMSNorm, w: torch.Tensor) -> RMSNorm 
         probe_old.weight.copy_(rw)
         new = new.to(dtype=rw.dtype)
         new.weight.copy_(rw)
-        for dtype in (torch.float32, torch.bfloat16):
+        # torch-style RMSNorm warns on an input dtype other than its weight's: probe only that
+        for dtype in ((torch.float32,) if new.style == "torch" else (torch.float32, torch.bfloat16)):
             x = torch.randn(3, 5, w.shape[0], generator=g).to(dtype)
             try:
                 same = torch.equal(probe_old(x), new(x))
@@ -142,9 +144,9 @@ def add_missing_biases(model: nn.Module, *, exclude: Iterable[str] = (), init: s
             if m.weight is None:
                 report.not_patched[name] = f"{type(m).__name__} has affine=False (no parameters)"
             elif m.bias is None:
-                size = m.num_channels if isinstance(m, nn.GroupNorm) else m.weight.shape
-                b = _new_bias(int(torch.tensor(size).prod()) if not isinstance(size, int) else size,
-                              m.weight, init, std, gen)
+                # numel(), not torch.tensor(shape).prod(): that would be a meta tensor (and
+                # .item() fail) inside a `with torch.device("meta")` block
+                b = _new_bias(m.weight.numel(), m.weight, init, std, gen)
                 m.bias = nn.Parameter(b.data.reshape(m.weight.shape), requires_grad=b.requires_grad)
                 report.added.append(name)
         elif isinstance(m, getattr(nn, "RMSNorm", ())) and m.weight is None:
@@ -175,6 +177,8 @@ def missing_biases(model: nn.Module, exempt: Iterable[str] = ()) -> list[str]:
         if not name or _matches(name, exempt):
             continue
         if isinstance(m, BIAS_LAYER_TYPES) and m.bias is None:
+            out.append(name)
+        elif isinstance(m, nn.MultiheadAttention) and m.in_proj_bias is None:
             out.append(name)
         elif isinstance(m, (nn.LayerNorm, nn.GroupNorm)) and m.weight is not None and m.bias is None:
             out.append(name)

@@ -1,0 +1,153 @@
+"""The ``dpzoo`` command line.
+
+    dpzoo list [PATTERN]                 zoo entries
+    dpzoo card NAME                      the model card
+    dpzoo summary NAME [--set k=v ...]   parameters, bias share, norms, ties
+    dpzoo prepare NAME [--set k=v ...] [--weights PATH] [--out DIR]
+                                         build a DP-ready model, check it, run one
+                                         forward/backward on a synthetic batch, save it
+    dpzoo cards --write DIR              (re)write the markdown model cards
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _parse_sets(items: list[str]) -> dict:
+    out = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"dpzoo: --set expects KEY=VALUE, got {item!r}")
+        try:
+            out[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key] = raw  # plain strings need no quotes: --set gn_groups=auto
+    return out
+
+
+def _example_batch(card, batch_size=4):
+    import torch
+    spec = card.example_input
+    g = torch.Generator().manual_seed(0)
+    if spec.get("kind") == "image":
+        return (torch.randn(batch_size, *spec["shape"], generator=g),), {}
+    if spec.get("kind") == "tokens":
+        return (), {"input_ids": torch.randint(0, spec["vocab_size"], (batch_size, spec["seq_len"]), generator=g)}
+    return None
+
+
+def _cmd_list(args) -> int:
+    import dpzoo
+    for name in dpzoo.list_models(args.pattern):
+        print(f"{name:<24} {dpzoo.model_card(name).summary}")
+    return 0
+
+
+def _cmd_card(args) -> int:
+    import dpzoo
+    print(dpzoo.model_card(args.name).to_markdown(), end="")
+    return 0
+
+
+def _build(args):
+    import dpzoo
+    overrides = _parse_sets(args.set)
+    if getattr(args, "small", False):
+        overrides = {**dpzoo.model_card(args.name).test_overrides, **overrides}
+    if getattr(args, "meta", False):
+        import torch
+        with torch.device("meta"):
+            return dpzoo.load(args.name, **overrides)
+    return dpzoo.load(args.name, weights=getattr(args, "weights", None), **overrides)
+
+
+def _cmd_summary(args) -> int:
+    import dpzoo
+    model = _build(args)
+    print(dpzoo.summary(model))
+    return 0
+
+
+def _cmd_prepare(args) -> int:
+    import torch
+
+    import dpzoo
+    card = dpzoo.model_card(args.name)
+    model = _build(args)
+    report = model.dpzoo_patch_report
+    print(f"{args.name}: DP-ready")
+    for line in report.lines() or ["no patches needed"]:
+        print(f"  - {line}")
+    problems = dpzoo.check_dp_ready(model, bias_exempt=card.bias_exempt)
+    for p in problems:
+        print(f"  ! {p}")
+    print(dpzoo.summary(model))
+    batch = _example_batch(card)
+    if batch is not None and not args.small:
+        print("(synthetic batch skipped: it matches the small configuration; pass --small)")
+    elif batch is not None:
+        model.train()
+        out = model(*batch[0], **batch[1])
+        out = out if isinstance(out, torch.Tensor) else out.logits
+        out.float().pow(2).mean().backward()
+        print(f"forward/backward on a synthetic batch: output {list(out.shape)}, ok")
+    if args.out:
+        path = dpzoo.save(model, args.out)
+        print(f"saved to {path}")
+    return 1 if problems else 0
+
+
+def _cmd_cards(args) -> int:
+    import dpzoo
+    out = Path(args.write)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in dpzoo.list_models():
+        (out / f"{name}.md").write_text(dpzoo.model_card(name).to_markdown())
+    print(f"wrote {len(dpzoo.list_models())} cards to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dpzoo", description="A zoo of differentially-private-ready models.")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("list", help="list zoo entries")
+    s.add_argument("pattern", nargs="?", default="*")
+    s.set_defaults(fn=_cmd_list)
+    s = sub.add_parser("card", help="print a model card")
+    s.add_argument("name")
+    s.set_defaults(fn=_cmd_card)
+    for cmd, fn, hlp in (("summary", _cmd_summary, "parameter counts, bias share, norms, ties"),
+                         ("prepare", _cmd_prepare, "build, check, smoke-test and save a DP-ready model")):
+        s = sub.add_parser(cmd, help=hlp)
+        s.add_argument("name")
+        s.add_argument("--set", action="append", metavar="KEY=VALUE", help="an override (JSON value)")
+        s.add_argument("--small", action="store_true", help="start from the card's small test configuration")
+        if cmd == "summary":
+            s.add_argument("--meta", action="store_true", help="build on the meta device (no memory, full size)")
+        else:
+            s.add_argument("--weights", help="a local checkpoint to convert")
+            s.add_argument("--out", help="directory to save the DP-ready model to")
+        s.set_defaults(fn=fn)
+    s = sub.add_parser("cards", help="write the markdown model cards")
+    s.add_argument("--write", required=True, metavar="DIR")
+    s.set_defaults(fn=_cmd_cards)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import dpzoo
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except dpzoo.DPZooError as e:
+        print(f"dpzoo: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

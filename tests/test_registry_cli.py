@@ -1,0 +1,104 @@
+"""Registry behaviour (timm-style), model cards in models/ kept in sync, and the CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import dpzoo
+from dpzoo.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_list_models_patterns():
+    assert dpzoo.list_models("resnet*") == ["resnet18-gn-bias", "resnet34-gn-bias", "resnet50-gn-bias"]
+    assert dpzoo.list_models(["gpt2", "bert*"]) == ["bert-base", "gpt2"]
+    assert dpzoo.list_models("nothing-like-this*") == []
+    assert set(dpzoo.list_models(pretrained=True)) <= set(dpzoo.list_models())
+    assert "llama-tiny-bias" not in dpzoo.list_models(pretrained=True)
+
+
+@pytest.mark.parametrize("name", dpzoo.list_models())
+def test_every_entry_has_a_complete_card_in_models_dir(name):
+    card = dpzoo.model_card(name)
+    assert card.summary and card.architecture and card.patches and card.license and card.papers
+    assert card.weight_source and card.test_overrides is not None and card.example_input
+    path = ROOT / "models" / f"{name}.md"
+    assert path.exists(), f"models/{name}.md missing: run `dpzoo cards --write models`"
+    assert path.read_text() == card.to_markdown(), f"models/{name}.md is stale: run `dpzoo cards --write models`"
+
+
+def test_no_stray_cards():
+    cards = {p.stem for p in (ROOT / "models").glob("*.md")} - {"README"}
+    assert cards == set(dpzoo.list_models())
+
+
+def test_register_user_model(tmp_path):
+    class Tiny(nn.Module):
+        def __init__(self, width=4):
+            super().__init__()
+            self.conv = nn.Conv2d(3, width, 3, bias=False)
+            self.bn = nn.BatchNorm2d(width)
+            self.act = nn.ReLU(inplace=True)
+
+        def forward(self, x):
+            return self.act(self.bn(self.conv(x))).mean((2, 3))
+
+    @dpzoo.register_model("test-tiny-cnn")
+    def test_tiny_cnn(pretrained=False, weights=None, **kw):
+        """A tiny CNN registered by a test."""
+        return dpzoo.make_dp_ready(Tiny(**kw))
+
+    try:
+        assert "test-tiny-cnn" in dpzoo.list_models()
+        assert dpzoo.model_card("test-tiny-cnn").summary == "A tiny CNN registered by a test."
+        m = dpzoo.load("test-tiny-cnn", width=6)
+        assert dpzoo.check_dp_ready(m) == [] and m.conv.bias is not None
+        dpzoo.save(m, tmp_path / "t")
+        r = dpzoo.load(tmp_path / "t")
+        assert r.conv.weight.shape[0] == 6 and torch.equal(r.conv.weight, m.conv.weight)
+        with pytest.raises(ValueError, match="already registered"):
+            dpzoo.register_model("test-tiny-cnn")(lambda **kw: None)
+    finally:
+        from dpzoo import registry
+        registry._REGISTRY.pop("test-tiny-cnn", None)
+
+
+def test_create_model_is_load():
+    assert dpzoo.create_model is dpzoo.load
+
+
+def test_cli_list_and_card(capsys):
+    assert main(["list", "vit*"]) == 0
+    out = capsys.readouterr().out
+    assert "vit-tiny-patch16" in out and "resnet" not in out
+    assert main(["card", "gpt2"]) == 0
+    assert capsys.readouterr().out == dpzoo.model_card("gpt2").to_markdown()
+
+
+def test_cli_prepare_saves_a_loadable_model(tmp_path, capsys):
+    assert main(["prepare", "resnet18-gn-bias", "--small", "--set", "num_classes=4", "--out", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert "BatchNorm -> GroupNorm" in out and "forward/backward" in out
+    m = dpzoo.load(tmp_path / "r")
+    assert m.fc.out_features == 4
+
+
+def test_cli_reports_user_errors_without_traceback(capsys):
+    assert main(["summary", "resnet18-gnbias"]) == 2
+    err = capsys.readouterr().err
+    assert "Did you mean: resnet18-gn-bias" in err and "Traceback" not in err
+    assert main(["prepare", "resnet18-gn-bias", "--set", "colour=red"]) == 2
+    assert "does not accept" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["summary", "gpt2", "--set", "novalue"])
+
+
+def test_cli_summary_meta_counts_full_size(capsys):
+    assert main(["summary", "vit-base-patch16", "--meta"]) == 0
+    out = capsys.readouterr().out
+    assert "86,5" in out or "86,6" in out  # ViT-B/16 has ~86.6M parameters
