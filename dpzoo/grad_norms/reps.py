@@ -1,0 +1,189 @@
+"""Per-sample gradient representations and their exact inner products.
+
+A layer's per-sample gradient is handed over in the cheapest exact form:
+
+* :class:`Dense`: the per-sample gradients themselves, ``(B, *param.shape)`` (biases,
+  normalisation weights, loose tensors: small);
+* :class:`Factored`: ``g_i = Σ_t L_{i,t} ⊗ R_{i,t}`` for generalised linear layers
+  (Linear, Conv via unfolding, HF Conv1D), kept as the two factors the forward and
+  backward passes already produce: the activation and the output gradient (BK paper,
+  Fig. 1). Groups of a grouped convolution are a block dimension ``G``;
+* :class:`OneHot`: an embedding lookup, ``g_i = onehot(x_i)ᵀ R_i`` with token ids ``x_i``.
+
+The squared norm ``‖g_i‖²`` of a factored gradient is either the ghost norm
+``⟨L_i L_iᵀ, R_i R_iᵀ⟩`` (BK paper, eq. 2; cost ∝ T²) or the instantiated gradient's
+squared sum (cost ∝ p·d); :func:`sq_norm` picks the cheaper one by the BK rule
+(ghost iff ``2T² < p·d``, BK paper §3.2) unless forced.
+
+A parameter used several times (a tied embedding, a module called twice) has
+``g_i = Σ_u g_{u,i}``, so ``‖g_i‖² = Σ_u Σ_v ⟨g_{u,i}, g_{v,i}⟩``. Every pair of
+representations has an exact inner product that never forms the B×V×d gradient of a
+vocabulary-sized matrix: for an embedding use ``u`` and an output-projection use ``v``
+it is ``Σ_{t,s} L_v[s, x_t] ⟨R_{u,t}, R_{v,s}⟩`` (DPFormer paper, Claim 4.1 and eq. B.6:
+Phantom Clipping), at O(B·T_u·T_v) extra memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+__all__ = ["Dense", "Factored", "OneHot", "Rep", "inner", "sq_norm", "clipped_sum",
+           "prefers_ghost", "instantiate"]
+
+
+@dataclass
+class Dense:
+    grad: torch.Tensor  # (B, *shape)
+
+    @property
+    def batch_size(self) -> int:
+        return self.grad.shape[0]
+
+
+@dataclass
+class Factored:
+    """``g_i = to_param(Σ_t L[i,:,t,:]ᵀ R[i,:,t,:])`` with L: (B, G, T, r), R: (B, G, T, c)."""
+
+    left: torch.Tensor
+    right: torch.Tensor
+    shape: tuple[int, ...]  # the parameter's shape, numel = G·r·c
+
+    @property
+    def batch_size(self) -> int:
+        return self.left.shape[0]
+
+    def to_param(self, grc: torch.Tensor) -> torch.Tensor:
+        """(…, G, r, c) → (…, *shape). Every layout dpzoo uses is a plain reshape."""
+        return grc.reshape(*grc.shape[:-3], *self.shape)
+
+    def from_param(self, dense: torch.Tensor) -> torch.Tensor:
+        """(B, *shape) → (B, G, r, c)."""
+        g, r, c = self.left.shape[1], self.left.shape[3], self.right.shape[3]
+        return dense.reshape(dense.shape[0], g, r, c)
+
+
+@dataclass
+class OneHot:
+    """An embedding's per-sample gradient: rows ``index[i, t]`` of a (V, c) matrix get ``right[i, t]``."""
+
+    index: torch.Tensor  # (B, T) long
+    right: torch.Tensor  # (B, T, c), zero where the lookup has no gradient (padding_idx)
+    num_rows: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.num_rows, self.right.shape[-1])
+
+    @property
+    def batch_size(self) -> int:
+        return self.index.shape[0]
+
+
+Rep = Dense | Factored | OneHot
+
+
+def prefers_ghost(rep: Rep) -> bool:
+    """BK paper §3.2: ghost norm iff 2T² < p·d (per group for grouped convolutions)."""
+    if isinstance(rep, Factored):
+        t = rep.left.shape[2]
+        return 2 * t * t < rep.left.shape[3] * rep.right.shape[3]
+    if isinstance(rep, OneHot):
+        t = rep.index.shape[1]
+        return 2 * t * t < rep.num_rows * rep.right.shape[-1]
+    return False
+
+
+def instantiate(rep: Rep) -> torch.Tensor:
+    """The per-sample gradients, (B, *shape)."""
+    if isinstance(rep, Dense):
+        return rep.grad
+    if isinstance(rep, Factored):
+        return rep.to_param(torch.einsum("bgtr,bgtc->bgrc", rep.left, rep.right))
+    out = rep.right.new_zeros(rep.batch_size, rep.num_rows, rep.right.shape[-1])
+    return out.scatter_add_(1, rep.index.unsqueeze(-1).expand_as(rep.right), rep.right)
+
+
+def _gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("bgtk,bgsk->bgts", a, b)
+
+
+def _onehot_left_gram(index: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
+    """(onehot(index) Lᵀ)[b, t, s] = L[b, s, index[b, t]] for L: (B, S, V)."""
+    b, t = index.shape
+    s = left.shape[1]
+    return torch.gather(left.transpose(1, 2), 1, index.unsqueeze(-1).expand(b, t, s))
+
+
+def inner(u: Rep, v: Rep, *, ghost: bool | None = None) -> torch.Tensor:
+    """⟨g_{u,i}, g_{v,i}⟩ for every sample i: Tensor[B]. Both must describe the same tensor."""
+    if isinstance(v, Dense) and not isinstance(u, Dense):
+        u, v = v, u
+    if isinstance(u, Dense):
+        if isinstance(v, Dense):
+            return (u.grad * v.grad).flatten(1).sum(1)
+        if isinstance(v, Factored):
+            d = v.from_param(u.grad)  # (B, G, r, c)
+            # Σ_t L_tᵀ D R_t, without forming v's gradient
+            return torch.einsum("bgtr,bgrc,bgtc->b", v.left, d, v.right)
+        rows = torch.gather(u.grad, 1, v.index.unsqueeze(-1).expand_as(v.right))
+        return (rows * v.right).flatten(1).sum(1)
+    if isinstance(u, Factored) and isinstance(v, Factored):
+        use_ghost = prefers_ghost(u) and prefers_ghost(v) if ghost is None else ghost
+        if use_ghost:
+            return (_gram(u.left, v.left) * _gram(u.right, v.right)).flatten(1).sum(1)
+        return (instantiate(u) * instantiate(v)).flatten(1).sum(1)
+    if isinstance(v, OneHot) and isinstance(u, Factored):
+        u, v = v, u
+    if isinstance(u, OneHot) and isinstance(v, Factored):
+        # Phantom Clipping cross term (DPFormer eq. B.6), generalised to any factored use
+        # of the same (V, c) matrix; needs G = 1 and rows = V.
+        if v.left.shape[1] != 1 or v.left.shape[3] != u.num_rows:
+            return (instantiate(u) * instantiate(v)).flatten(1).sum(1)
+        lsel = _onehot_left_gram(u.index, v.left[:, 0])  # (B, T_u, T_v)
+        rr = torch.einsum("btc,bsc->bts", u.right, v.right[:, 0])
+        return (lsel * rr).flatten(1).sum(1)
+    # OneHot · OneHot: Σ_{t,s} [x_t = y_s] ⟨R_t, R'_s⟩
+    same = (u.index.unsqueeze(2) == v.index.unsqueeze(1)).to(u.right.dtype)
+    return (same * torch.einsum("btc,bsc->bts", u.right, v.right)).flatten(1).sum(1)
+
+
+def sq_norm(rep: Rep, *, ghost: bool | None = None) -> torch.Tensor:
+    """‖g_i‖² for every sample: ghost norm or instantiation (``ghost=None``: the BK rule)."""
+    if isinstance(rep, Dense):
+        return rep.grad.flatten(1).pow(2).sum(1)
+    use_ghost = prefers_ghost(rep) if ghost is None else ghost
+    if not use_ghost:
+        return instantiate(rep).flatten(1).pow(2).sum(1)
+    if isinstance(rep, Factored):  # BK paper eq. 2
+        return (_gram(rep.left, rep.left) * _gram(rep.right, rep.right)).flatten(1).sum(1)
+    return inner(rep, rep)
+
+
+def clipped_sum(rep: Rep, scale: torch.Tensor) -> torch.Tensor:
+    """Σ_i scale_i g_i, shape = the parameter's (book-keeping: BK paper Alg. 1 line 9)."""
+    scale = scale.to(dtype=_dtype(rep))
+    if isinstance(rep, Dense):
+        return torch.einsum("b...,b->...", rep.grad, scale)
+    if isinstance(rep, Factored):
+        return rep.to_param(torch.einsum("bgtr,bgtc,b->grc", rep.left, rep.right, scale))
+    weighted = (rep.right * scale.view(-1, 1, 1)).flatten(0, 1)
+    out = rep.right.new_zeros(rep.num_rows, rep.right.shape[-1])
+    return out.index_add_(0, rep.index.flatten(), weighted)
+
+
+def _dtype(rep: Rep) -> torch.dtype:
+    return rep.grad.dtype if isinstance(rep, Dense) else rep.right.dtype
+
+
+def cost(rep: Rep) -> float:  # pragma: no cover - informative only
+    if isinstance(rep, Factored):
+        t = rep.left.shape[2]
+        return float(min(2 * t * t, rep.left.shape[3] * rep.right.shape[3]))
+    return float(math.prod(rep.shape if not isinstance(rep, Dense) else rep.grad.shape[1:]))
+
+
+_ = Callable
