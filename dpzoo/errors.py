@@ -47,3 +47,10 @@ class PatchError(DPZooError):
 
 class SaveError(DPZooError):
     """A model or directory that `dpzoo.save` / `dpzoo.load(dir)` cannot handle."""
+
+
+class UnsupportedModuleError(DPZooError):
+    """A trainable parameter whose per-sample gradient dpzoo cannot account for.
+
+    Raised instead of silently leaving the parameter unclipped (a privacy leak).
+    """

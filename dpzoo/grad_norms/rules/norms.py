@@ -1,0 +1,104 @@
+"""LayerNorm, GroupNorm (and timm's GroupNormAct), RMSNorm (dpzoo's, torch's, LLaMA's).
+
+Weight: Σ_t g_t ⊙ x̂_t with x̂ the normalised input (recomputed from the stored input);
+bias: Σ_t g_t, activation-free (DP-BiTFiT Algorithm 1). Both are small: per-sample
+gradients are instantiated (Dense).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...nn.rmsnorm import RMSNorm
+from ..registry import register_rule
+from ..reps import Dense
+
+
+def _sum_to_trailing(x: torch.Tensor, ndims: int) -> torch.Tensor:
+    dims = tuple(range(1, x.dim() - ndims))
+    return x.sum(dims) if dims else x
+
+
+@register_rule(nn.LayerNorm, activation_free={"bias"})
+def layernorm_rule(module: nn.LayerNorm, activations, grad_output, params):
+    nd = len(module.normalized_shape)
+    out = {}
+    if "weight" in params:
+        xhat = F.layer_norm(activations[0], module.normalized_shape, None, None, module.eps)
+        out["weight"] = Dense(_sum_to_trailing(grad_output * xhat, nd))
+    if "bias" in params:
+        out["bias"] = Dense(_sum_to_trailing(grad_output, nd))
+    return out
+
+
+def _per_channel_sum(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(x.shape[0], x.shape[1], -1).sum(2)
+
+
+@register_rule(nn.GroupNorm, activation_free={"bias"})
+def groupnorm_rule(module: nn.GroupNorm, activations, grad_output, params):
+    out = {}
+    if "weight" in params:
+        xhat = F.group_norm(activations[0], module.num_groups, None, None, module.eps)
+        out["weight"] = Dense(_per_channel_sum(grad_output * xhat))
+    if "bias" in params:
+        out["bias"] = Dense(_per_channel_sum(grad_output))
+    return out
+
+
+try:
+    from timm.layers.norm_act import GroupNormAct
+except ImportError:  # pragma: no cover
+    GroupNormAct = None
+
+if GroupNormAct is not None:
+    def _check_gn_act(module) -> str | None:
+        if not isinstance(module.drop, nn.Identity):
+            return "GroupNormAct with dropout: its random mask cannot be recomputed"
+        return None
+
+    @register_rule(GroupNormAct, check=_check_gn_act)
+    def groupnorm_act_rule(module, activations, grad_output, params):
+        # The output is act(GN(x)): pull grad_output back through the activation first.
+        x = activations[0]
+        with torch.enable_grad():
+            y = F.group_norm(x, module.num_groups, module.weight.detach(), module.bias.detach(),
+                             module.eps).requires_grad_(True)
+            (g,) = torch.autograd.grad(module.act(y.clone()), y, grad_output)  # act may be in-place
+        return groupnorm_rule(module, activations, g, params)
+
+
+def _rms_rule(normalize):
+    def rule(module, activations, grad_output, params):
+        out = {}
+        if "weight" in params:
+            xhat = normalize(module, activations[0])
+            out["weight"] = Dense(_sum_to_trailing(grad_output * xhat, 1))
+        if "bias" in params:
+            out["bias"] = Dense(_sum_to_trailing(grad_output, 1))
+        return out
+    return rule
+
+
+register_rule(RMSNorm, activation_free={"bias"})(_rms_rule(lambda m, x: m.normalize(x)))
+
+if hasattr(nn, "RMSNorm"):
+    def _torch_rms_check(module) -> str | None:
+        return None if len(module.normalized_shape) == 1 else "RMSNorm over several dims"
+    register_rule(nn.RMSNorm, params=("weight",), check=_torch_rms_check)(
+        _rms_rule(lambda m, x: F.rms_norm(x, m.normalized_shape, None, m.eps)))
+
+
+def _llama_normalize(module, x):
+    h = x.to(torch.float32)
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)).to(x.dtype)
+
+
+try:
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+except ImportError:  # pragma: no cover
+    LlamaRMSNorm = None
+if LlamaRMSNorm is not None:
+    register_rule(LlamaRMSNorm, params=("weight",))(_rms_rule(_llama_normalize))

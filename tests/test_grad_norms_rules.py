@@ -1,0 +1,236 @@
+"""Every per-sample rule against brute force (a loop of per-sample backward passes), on random
+shapes, on the ghost and the instantiate paths, in float64 (≤ 1e-6) and float32 (≤ 1e-4)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpzoo
+from dpzoo.grad_norms import attach_norm_hooks
+from grad_reference import assert_close, reference
+
+TOL = {torch.float64: 1e-6, torch.float32: 1e-4}
+MODES = ["ghost", "instantiate", "auto"]
+
+
+class Head(nn.Module):
+    """Wraps a layer; the loss is a fixed random functional of its output, per sample."""
+
+    def __init__(self, layer, pre=None):
+        super().__init__()
+        self.layer, self.pre = layer, pre
+
+    def forward(self, x):
+        return self.layer(self.pre(x) if self.pre is not None else x)
+
+
+def _loss(model, x, target):
+    out = model(x)
+    return ((out - target) ** 2).sum() + out.sum()
+
+
+def _case_linear(rng):
+    d_in, d_out, t = rng.randint(1, 9), rng.randint(1, 9), rng.randint(1, 6)
+    shape = rng.choice([(d_in,), (t, d_in), (2, t, d_in)])
+    return nn.Linear(d_in, d_out, bias=rng.random() < 0.8), shape
+
+
+def _case_conv(rng):
+    nd = rng.choice([1, 2, 3])
+    groups = rng.choice([1, 2])
+    cin, cout = groups * rng.randint(1, 3), groups * rng.randint(1, 3)
+    k = rng.randint(1, 3)
+    stride, dil = rng.randint(1, 2), rng.randint(1, 2)
+    mode = rng.choice(["zeros", "zeros", "reflect", "circular"])
+    pad = rng.choice([0, 1, "same"]) if stride == 1 else rng.choice([0, 1])
+    size = {1: 9, 2: 7, 3: 5}[nd]
+    conv = [nn.Conv1d, nn.Conv2d, nn.Conv3d][nd - 1](cin, cout, k, stride=stride, padding=pad, dilation=dil,
+                                                     groups=groups, bias=rng.random() < 0.8, padding_mode=mode)
+    return conv, (cin,) + (size,) * nd
+
+
+CASES = {
+    **{f"linear-{i}": (lambda i=i: _case_linear(random.Random(i))) for i in range(4)},
+    **{f"conv-{i}": (lambda i=i: _case_conv(random.Random(100 + i))) for i in range(8)},
+    "conv2d-depthwise": lambda: (nn.Conv2d(4, 4, 3, padding=1, groups=4), (4, 6, 6)),
+    "conv2d-stride2-dilation2": lambda: (nn.Conv2d(3, 5, 3, stride=2, padding=2, dilation=2), (3, 9, 8)),
+    "layernorm": lambda: (nn.LayerNorm(6), (3, 6)),
+    "layernorm-2d-shape": lambda: (nn.LayerNorm((3, 4)), (2, 3, 4)),
+    "groupnorm": lambda: (nn.GroupNorm(2, 6), (6, 3, 3)),
+    "rmsnorm-dpzoo": lambda: (dpzoo.nn.RMSNorm(5, 1e-6), (4, 5)),
+    "rmsnorm-torch": lambda: (nn.RMSNorm(5, eps=1e-6), (4, 5)),
+}
+
+
+def _build(case, dtype):
+    torch.manual_seed(0)
+    layer, shape = CASES[case]()
+    layer = layer.to(dtype)
+    with torch.no_grad():  # non-trivial affine parameters
+        for n, p in layer.named_parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return Head(layer), shape
+
+
+def _check(model, inputs, b, dtype, mode, use_hooks_backward=True, loss_fn=_loss):
+    g = torch.Generator().manual_seed(7)
+    scale = torch.rand(b, generator=g, dtype=dtype) + 0.1
+    total, per_param, clipped = reference(model, loss_fn, inputs, b, scale)
+    hooks = attach_norm_hooks(model, mode=mode)
+    try:
+        loss = sum(loss_fn(model, **{k: v[i:i + 1] for k, v in inputs.items()}) for i in range(0))  # noqa
+        loss = loss_fn(model, **inputs)
+        if use_hooks_backward:
+            hooks.backward(loss)
+        else:
+            loss.backward()
+        tol = TOL[dtype]
+        assert_close(hooks.per_sample_norms(), total, tol, "per_sample_norms")
+        got = hooks.per_param_norms()
+        assert set(got) == set(per_param)
+        for n in per_param:
+            assert_close(got[n], per_param[n], tol, f"norm of {n}")
+        cs = hooks.clipped_sum(scale)
+        for n in clipped:
+            assert cs[n].shape == clipped[n].shape
+            assert_close(cs[n], clipped[n], tol, f"clipped sum of {n}")
+    finally:
+        hooks.detach()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_rule_matches_brute_force(case, mode, dtype):
+    model, shape = _build(case, dtype)
+    b = 3
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(b, *shape, generator=g, dtype=dtype)
+    with torch.no_grad():
+        target = torch.randn_like(model(x))
+    _check(model, {"x": x, "target": target}, b, dtype, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_loss_backward_path_equals_ghost_differentiation(mode):
+    model, shape = _build("conv-3", torch.float64)
+    x = torch.randn(4, *shape, dtype=torch.float64)
+    with torch.no_grad():
+        target = torch.randn_like(model(x))
+    _check(model, {"x": x, "target": target}, 4, torch.float64, mode, use_hooks_backward=False)
+
+
+class EmbedModel(nn.Module):
+    def __init__(self, vocab=11, dim=4, padding_idx=None, tied=False, twice=False):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim, padding_idx=padding_idx)
+        self.mix = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        if tied:
+            self.out.weight = self.emb.weight  # Phantom Clipping case
+        self.twice = twice
+
+    def forward(self, ids):
+        h = torch.tanh(self.mix(self.emb(ids)))
+        if self.twice:  # a module called twice in one forward pass
+            h = torch.tanh(self.mix(h))
+        return self.out(h)
+
+
+def _lm_loss(model, ids, target):
+    logits = model(ids)
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("variant", ["plain", "padding_idx", "tied", "tied+twice", "twice"])
+def test_embedding_tied_and_reused_modules(variant, mode, dtype):
+    torch.manual_seed(3)
+    model = EmbedModel(padding_idx=0 if variant == "padding_idx" else None,
+                       tied="tied" in variant, twice="twice" in variant).to(dtype)
+    b, t = 4, 6
+    ids = torch.randint(0, 11, (b, t))
+    ids[0, :2] = 0  # repeated tokens and, for padding_idx, padding
+    ids[1, 3] = ids[1, 4]
+    target = torch.randint(0, 11, (b, t))
+    _check(model, {"ids": ids, "target": target}, b, dtype, mode, loss_fn=_lm_loss)
+
+
+def test_phantom_clipping_memory_is_o_bl2_not_o_bv2():
+    """The tied embedding's cross term never forms a (B, V, d) or (V, V) tensor."""
+    from dpzoo.grad_norms import reps as R
+    b, t, v, d = 2, 5, 5000, 3
+    ids = torch.randint(0, v, (b, t))
+    emb = R.OneHot(ids, torch.randn(b, t, d), v)
+    out = R.Factored(torch.randn(b, 1, t, v), torch.randn(b, 1, t, d), (v, d))
+    called = []
+    orig = R.instantiate
+    R.instantiate = lambda rep: called.append(rep) or orig(rep)
+    try:
+        val = R.inner(emb, out)
+        ghost = R.sq_norm(emb)
+    finally:
+        R.instantiate = orig
+    assert called == []  # no per-sample gradient instantiated
+    dense = orig(emb) * 1.0
+    expected = (dense * orig(out)).flatten(1).sum(1)
+    assert_close(val, expected, 1e-5, "cross term")
+    assert_close(ghost, dense.flatten(1).pow(2).sum(1), 1e-5, "embedding ghost norm")
+
+
+class Loose(nn.Module):
+    """A module owning tensors directly, like timm's VisionTransformer (cls_token, pos_embed)."""
+
+    def __init__(self, d=4, n=3):
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.randn(1, 1, d))
+        self.pos_embed = nn.Parameter(torch.randn(1, n + 1, d))
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + self.pos_embed
+        return self.proj(torch.tanh(x))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_loose_parameters(mode):
+    torch.manual_seed(4)
+    model = Loose().double()
+    x = torch.randn(3, 3, 4, dtype=torch.float64)
+    with torch.no_grad():
+        target = torch.randn_like(model(x))
+    _check(model, {"x": x, "target": target}, 3, torch.float64, mode)
+
+
+def test_hf_conv1d_and_timm_layers():
+    from timm.layers import LayerScale
+    from timm.layers.conv2d_same import Conv2dSame
+    from transformers.pytorch_utils import Conv1D
+    torch.manual_seed(5)
+    for layer, shape in [(Conv1D(6, 4), (3, 4)), (LayerScale(4, init_values=0.5), (3, 4)),
+                         (Conv2dSame(3, 4, 3, stride=2), (3, 8, 7))]:
+        model = Head(layer).double()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.3)
+        x = torch.randn(3, *shape, dtype=torch.float64)
+        with torch.no_grad():
+            target = torch.randn_like(model(x))
+        for mode in MODES:
+            _check(model, {"x": x, "target": target}, 3, torch.float64, mode)
+
+
+def test_groupnorm_act_pulls_gradient_through_activation():
+    from timm.layers.norm_act import GroupNormAct
+    torch.manual_seed(6)
+    model = Head(GroupNormAct(4, num_groups=2, act_layer=nn.ReLU)).double()
+    x = torch.randn(3, 4, 3, 3, dtype=torch.float64)
+    with torch.no_grad():
+        target = torch.randn_like(model(x))
+    _check(model, {"x": x, "target": target}, 3, torch.float64, "auto")
