@@ -70,6 +70,8 @@ class _ModulePlan:
 class _State:
     uses: list[_Use] = field(default_factory=list)
     backward_done: bool = False
+    batch_size: int | None = None  # from the root module's input
+    task_id: int | None = None  # autograd graph task of the backward pass that filled it
     reps: dict | None = None
     sq_norms: dict | None = None
 
@@ -142,6 +144,9 @@ class NormHooks:
     # -- hooks ----------------------------------------------------------------------------
     def _register(self) -> None:
         state = weakref.proxy(self._state)
+        if any(p.needs_activations for p in self._plans):
+            # the batch size, to expand layers fed a batch-1 input broadcast over the batch
+            self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True))
         for plan in self._plans:
             m = plan.module
             if plan.loose:
@@ -149,6 +154,9 @@ class NormHooks:
                 self._handles.append(m.register_forward_hook(self._loose_post_hook(plan), always_call=True))
             elif plan.needs_activations:
                 self._handles.append(m.register_forward_hook(self._forward_hook(plan), with_kwargs=True))
+            elif plan.rule.grad_from is not None:  # activation-free via a submodule's input gradient
+                self._handles.append(plan.rule.grad_from(m).register_full_backward_hook(
+                    self._backward_hook(plan, use_grad_input=True)))
             else:  # activation-free: output gradient only, no forward hook, nothing stored
                 self._handles.append(m.register_full_backward_hook(self._backward_hook(plan)))
         del state
@@ -157,6 +165,14 @@ class NormHooks:
         if self._state.backward_done:
             self._state = _State()
 
+    def _root_pre_hook(self, module, args, kwargs):
+        if torch.is_grad_enabled():
+            self._new_step_if_done()
+            x = _first_tensor(tuple(args) + tuple(kwargs.values()))
+            if x is not None and x.dim() > 0:
+                self._state.batch_size = x.shape[0]
+        return None
+
     def _forward_hook(self, plan: _ModulePlan):
         def hook(module, args, kwargs, output):
             if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
@@ -164,12 +180,22 @@ class NormHooks:
             self._new_step_if_done()
             if not args:  # called as layer(input=x)
                 args = tuple(v for v in kwargs.values() if isinstance(v, torch.Tensor))[:1]
+            b = self._state.batch_size
+            x = _first_tensor(args)
+            expanded = None
+            if b is not None and b > 1 and x is not None and x.dim() > 0 and x.shape[0] == 1 \
+                    and output.dim() > 0 and output.shape[0] == 1:
+                # A batch-1 input broadcast over the batch (HF's position_ids): give every
+                # sample its own copy, so the layer's gradient splits per sample (exact).
+                args = tuple(a.expand(b, *a.shape[1:]) if isinstance(a, torch.Tensor) and a.dim() > 0
+                             and a.shape[0] == 1 else a for a in args)
+                output = expanded = output.expand(b, *output.shape[1:])
             acts = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
             use = _Use(module, plan.name, plan.params, acts,
                        tuple(a._version if isinstance(a, torch.Tensor) else None for a in args), output)
             output.register_hook(self._grad_catcher(use))
             self._state.uses.append(use)
-            return None
+            return expanded  # None (output unchanged) unless expanded
         return hook
 
     def _grad_catcher(self, use: _Use):
@@ -178,12 +204,17 @@ class NormHooks:
             self._state.backward_done = True
         return catch
 
-    def _backward_hook(self, plan: _ModulePlan):
+    def _backward_hook(self, plan: _ModulePlan, use_grad_input: bool = False):
         def hook(module, grad_input, grad_output):
-            if grad_output[0] is None:
+            grad = grad_input[0] if use_grad_input else grad_output[0]
+            if grad is None:
                 return None
-            self._new_step_if_done()
-            self._state.uses.append(_Use(module, plan.name, plan.params, grad=grad_output[0].detach()))
+            # Without forward hooks (bias-only) a new step shows as a new backward pass.
+            task = torch._C._current_graph_task_id()
+            if self._state.task_id is not None and self._state.task_id != task:
+                self._state = _State()
+            self._state.task_id = task
+            self._state.uses.append(_Use(plan.module, plan.name, plan.params, grad=grad.detach()))
             self._state.backward_done = True
             return None
         return hook
@@ -298,6 +329,12 @@ class NormHooks:
             out = plan_rule.fn(use.module, use.activations, use.grad, set(use.params))
             for local, rep in out.items():
                 by_param[self._param_names[id(getattr(use.module, local))]].append(rep)
+        sizes = {(n, r.batch_size) for n, rs in by_param.items() for r in rs}
+        if len({b for _, b in sizes}) > 1:
+            detail = ", ".join(sorted(f"{n}: {b}" for n, b in sizes))
+            raise UnsupportedModuleError(
+                "Layers saw different batch sizes in one step, so per-sample gradients cannot be "
+                f"matched across them ({detail}). Every hooked layer must take batch-first inputs.")
         missing = [n for n, rs in by_param.items() if not rs]
         for n in missing:  # unused in this step: zero gradient
             p = self._params[n]

@@ -30,6 +30,9 @@ class Rule:
     params: tuple[str, ...]  # parameter names the rule covers
     activation_free: frozenset[str]  # parameters it can handle without activations
     check: Callable[[nn.Module], str | None] | None = None  # why a module is unsupported, or None
+    # Activation-free path: the submodule whose *input* gradient is the gradient the rule
+    # needs (e.g. a fused norm+activation: the activation's input), instead of the output's.
+    grad_from: Callable[[nn.Module], nn.Module] | None = None
 
     def unsupported(self, module: nn.Module) -> str | None:
         return self.check(module) if self.check is not None else None
@@ -39,7 +42,8 @@ RULES: dict[type, Rule] = {}
 
 
 def register_rule(*module_types: type, params: Iterable[str] = ("weight", "bias"),
-                  activation_free: Iterable[str] = (), check: Callable[[nn.Module], str | None] | None = None):
+                  activation_free: Iterable[str] = (), check: Callable[[nn.Module], str | None] | None = None,
+                  grad_from: Callable[[nn.Module], nn.Module] | None = None):
     """Decorator: ``@register_rule(nn.Linear, activation_free={"bias"})``.
 
     ``check(module)`` returns why a particular module cannot be handled (e.g. an
@@ -47,7 +51,7 @@ def register_rule(*module_types: type, params: Iterable[str] = ("weight", "bias"
     """
     def deco(fn):
         for t in module_types:
-            RULES[t] = Rule(fn, t, tuple(params), frozenset(activation_free), check)
+            RULES[t] = Rule(fn, t, tuple(params), frozenset(activation_free), check, grad_from)
         return fn
     return deco
 

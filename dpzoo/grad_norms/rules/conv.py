@@ -62,13 +62,7 @@ def _conv_rule(module, activations, grad_output, params, pad_fn=_module_padding)
     return out
 
 
-def _check_conv(module) -> str | None:
-    if isinstance(module, nn.modules.conv._ConvTransposeNd):
-        return "transposed convolutions have no per-sample-gradient rule yet"
-    return None
-
-
-@register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d, activation_free={"bias"}, check=_check_conv)
+@register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d, activation_free={"bias"})
 def conv_rule(module, activations, grad_output, params):
     return _conv_rule(module, activations, grad_output, params)
 

@@ -59,8 +59,10 @@ if GroupNormAct is not None:
             return "GroupNormAct with dropout: its random mask cannot be recomputed"
         return None
 
-    @register_rule(GroupNormAct, check=_check_gn_act)
+    @register_rule(GroupNormAct, check=_check_gn_act, activation_free={"bias"}, grad_from=lambda m: m.act)
     def groupnorm_act_rule(module, activations, grad_output, params):
+        if activations is None:  # activation-free: grad_output is already ∂L/∂GN(x) (act's input)
+            return groupnorm_rule(module, None, grad_output, params)
         # The output is act(GN(x)): pull grad_output back through the activation first.
         x = activations[0]
         with torch.enable_grad():

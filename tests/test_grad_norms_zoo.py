@@ -1,0 +1,219 @@
+"""Per-sample norms and clipped sums on zoo entries (small configurations) against brute force,
+in full and in bias-only (DP-BiTFiT) training; bias-only stores no activations; unsupported
+trainable layers raise, naming themselves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dpzoo
+from dpzoo.grad_norms import attach_norm_hooks
+from grad_reference import assert_close, reference
+
+ENTRIES = ["resnet18-gn-bias", "vit-tiny-patch16", "gpt2", "llama-tiny-bias", "bert-base",
+           "roberta-base", "efficientnet-lite0-gn-bias"]
+
+
+def _model_and_inputs(name, b=3, seed=0):
+    torch.manual_seed(seed)
+    card = dpzoo.model_card(name)
+    model = dpzoo.load(name, **card.test_overrides).double().eval()  # eval: no dropout
+    spec = card.example_input
+    g = torch.Generator().manual_seed(seed + 1)
+    if spec["kind"] == "image":
+        x = torch.randn(b, *spec["shape"], generator=g, dtype=torch.float64)
+        y = torch.randint(0, card.test_overrides["num_classes"], (b,), generator=g)
+
+        def loss_fn(m, x, y):
+            return F.cross_entropy(m(x), y, reduction="sum")
+        return model, {"x": x, "y": y}, loss_fn
+    ids = torch.randint(0, spec["vocab_size"], (b, spec["seq_len"]), generator=g)
+    if card.task == "causal-lm":
+        def loss_fn(m, ids):
+            logits = m(input_ids=ids).logits[:, :-1]
+            return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+        return model, {"ids": ids}, loss_fn
+    y = torch.randint(0, card.test_overrides["num_classes"], (b,), generator=g)
+
+    def loss_fn(m, ids, y):
+        return F.cross_entropy(m(input_ids=ids).logits, y, reduction="sum")
+    return model, {"ids": ids, "y": y}, loss_fn
+
+
+def _bias_only(model):
+    for n, p in model.named_parameters():
+        p.requires_grad_(n.rsplit(".", 1)[-1].endswith("bias"))
+
+
+def _check(model, inputs, loss_fn, mode, tol=1e-6):
+    b = next(iter(inputs.values())).shape[0]
+    scale = torch.rand(b, dtype=torch.float64, generator=torch.Generator().manual_seed(9)) + 0.1
+    total, per_param, clipped = reference(model, loss_fn, inputs, b, scale)
+    hooks = attach_norm_hooks(model, mode=mode)
+    try:
+        hooks.backward(loss_fn(model, **inputs))
+        assert_close(hooks.per_sample_norms(), total, tol, "per_sample_norms")
+        got = hooks.per_param_norms()
+        assert set(got) == set(per_param)
+        for n in per_param:
+            assert_close(got[n], per_param[n], tol, n)
+        cs = hooks.clipped_sum(scale)
+        for n in clipped:
+            assert_close(cs[n], clipped[n], tol, f"clipped {n}")
+        return hooks
+    finally:
+        hooks.detach()
+
+
+@pytest.mark.parametrize("mode", ["auto", "ghost", "instantiate"])
+@pytest.mark.parametrize("name", ENTRIES)
+def test_zoo_full_training_norms(name, mode):
+    model, inputs, loss_fn = _model_and_inputs(name)
+    _check(model, inputs, loss_fn, mode)
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_zoo_bias_only_norms_and_no_activations(name):
+    model, inputs, loss_fn = _model_and_inputs(name)
+    _bias_only(model)
+    hooks = attach_norm_hooks(model)
+    try:
+        # DP-BiTFiT: no forward hook anywhere, nothing stored by the forward pass
+        assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+        loss = loss_fn(model, **inputs)
+        assert hooks._state.uses == []
+        hooks.backward(loss)
+        assert hooks._state.uses and all(u.activations is None for u in hooks._state.uses)
+    finally:
+        hooks.detach()
+    _check(model, inputs, loss_fn, "auto")
+
+
+def test_gpt2_tied_embedding_exact_and_untied_too():
+    model, inputs, loss_fn = _model_and_inputs("gpt2")
+    assert model.lm_head.weight is model.transformer.wte.weight
+    _check(model, inputs, loss_fn, "auto")
+    torch.manual_seed(0)
+    card = dpzoo.model_card("gpt2")
+    untied = dpzoo.load("gpt2", **card.test_overrides, tie_word_embeddings=False).double().eval()
+    _check(untied, inputs, loss_fn, "auto")
+
+
+def test_float32_resnet_within_1e4():
+    model, inputs, loss_fn = _model_and_inputs("resnet18-gn-bias")
+    model = model.float()
+    inputs = {k: (v.float() if v.is_floating_point() else v) for k, v in inputs.items()}
+    _check(model, inputs, loss_fn, "auto", tol=1e-4)
+
+
+# --- no silent privacy leak ---------------------------------------------------------------
+
+class WithUnsupported(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.prelu = nn.PReLU(4)  # no per-sample rule in dpzoo
+
+    def forward(self, x):
+        return self.prelu(self.lin(x))
+
+
+def test_unsupported_trainable_module_raises_naming_it():
+    with pytest.raises(dpzoo.UnsupportedModuleError, match=r"Module prelu \(PReLU\).*prelu\.weight"):
+        attach_norm_hooks(WithUnsupported())
+    m = WithUnsupported()
+    m.prelu.weight.requires_grad_(False)  # frozen: nothing to account for
+    attach_norm_hooks(m).detach()
+
+
+def test_unsupported_options_raise():
+    m = nn.Sequential(nn.Embedding(10, 3, max_norm=1.0))
+    with pytest.raises(dpzoo.UnsupportedModuleError, match="0 \\(Embedding\\): max_norm"):
+        attach_norm_hooks(m)
+    with pytest.raises(dpzoo.UnsupportedModuleError, match=r"Module 0 \(ConvTranspose2d\).*0\.weight"):
+        attach_norm_hooks(nn.Sequential(nn.ConvTranspose2d(2, 2, 3)))
+    with pytest.raises(dpzoo.UnsupportedModuleError, match="lstm"):
+        attach_norm_hooks(nn.ModuleDict({"lstm": nn.LSTM(3, 3)}))
+
+
+class FunctionalReuse(nn.Module):
+    """Uses emb.weight outside the Embedding module: the output projection is functional."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 3)
+
+    def forward(self, ids):
+        return self.emb(ids) @ self.emb.weight.t()
+
+
+def test_parameter_used_outside_its_module_raises():
+    m = FunctionalReuse()
+    hooks = attach_norm_hooks(m)
+    loss = m(torch.randint(0, 7, (2, 3))).sum()
+    with pytest.raises(dpzoo.UnsupportedModuleError, match="emb.weight is used 2 time\\(s\\).*recorded 1"):
+        hooks.backward(loss)
+
+
+def test_input_modified_in_place_after_use_raises():
+    class Bad(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x):
+            x = x * 1.0
+            y = self.lin(x)
+            x.mul_(2)  # the stored activation changes after the layer used it
+            return y + x
+    m = Bad()
+    hooks = attach_norm_hooks(m)
+    loss = m(torch.randn(2, 3)).sum()
+    # Ghost differentiation never unpacks the layer's saved input, so autograd cannot see the
+    # change (loss.backward() would): dpzoo's own version check must.
+    hooks.backward(loss)
+    with pytest.raises(dpzoo.UnsupportedModuleError, match="modified in place"):
+        hooks.per_sample_norms()
+
+
+def test_no_trainable_parameters_is_an_error():
+    m = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(dpzoo.UnsupportedModuleError, match="no trainable"):
+        attach_norm_hooks(m)
+
+
+def test_detach_removes_every_hook_and_results_need_a_backward():
+    model, inputs, loss_fn = _model_and_inputs("vit-tiny-patch16")
+    hooks = attach_norm_hooks(model)
+    with pytest.raises(RuntimeError, match="backward"):
+        hooks.per_sample_norms()
+    hooks.detach()
+    assert all(not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks
+               for m in model.modules())
+    assert isinstance(model.cls_token, nn.Parameter)
+
+
+def test_ghost_differentiation_computes_no_parameter_gradient():
+    model, inputs, loss_fn = _model_and_inputs("gpt2")
+    hooks = attach_norm_hooks(model)
+    hooks.backward(loss_fn(model, **inputs))
+    assert all(p.grad is None for p in model.parameters())
+    assert hooks.per_sample_norms().shape == (3,)
+    hooks.detach()
+
+
+def test_steps_do_not_mix():
+    """A second forward/backward replaces the first step's records."""
+    model, inputs, loss_fn = _model_and_inputs("resnet18-gn-bias")
+    hooks = attach_norm_hooks(model)
+    hooks.backward(loss_fn(model, **inputs))
+    first = hooks.per_sample_norms().clone()
+    half = {k: v[:2] for k, v in inputs.items()}
+    hooks.backward(loss_fn(model, **half))
+    second = hooks.per_sample_norms()
+    assert second.shape == (2,)
+    assert_close(second, first[:2], 1e-9, "same samples, same norms")
+    hooks.detach()
