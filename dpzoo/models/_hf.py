@@ -69,7 +69,8 @@ def _check_hf_dir(path: Path) -> None:
 def build_hf(entry: str, model_cls, config_cls, *, pretrained: bool, pretrained_tag: str | None,
              weights, overrides: dict[str, Any], aliases: dict[str, str], base_config: dict[str, Any],
              head_keys: tuple[str, ...] = (), ignorable_unexpected: tuple[str, ...] = (),
-             bias_exempt: tuple[str, ...] = (), hub_id: str | None = None) -> nn.Module:
+             bias_exempt: tuple[str, ...] = (), hub_id: str | None = None,
+             per_sample_positions: bool = False) -> nn.Module:
     """Build ``model_cls``, load weights (hub, HF directory or weights file), then patch it.
 
     ``head_keys``: patterns of checkpoint keys that may be missing (a new task head).
@@ -128,4 +129,9 @@ def build_hf(entry: str, model_cls, config_cls, *, pretrained: bool, pretrained_
                                     ignore_unexpected=ignorable_unexpected,
                                     hint="Size overrides must match the checkpoint's.")
     model.eval()  # like from_pretrained; call .train() before training
-    return make_dp_ready(model, **patch_kw)
+    model = make_dp_ready(model, **patch_kw)
+    if per_sample_positions:
+        from ..nn.hf_position_ids import with_per_sample_position_ids
+        with_per_sample_position_ids(model)
+        model.dpzoo_patch_report.position_ids_per_sample = True
+    return model

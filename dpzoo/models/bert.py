@@ -14,6 +14,8 @@ _OVERRIDES = {"num_classes": "labels of the classification head (default 2)",
               "intermediate_size": "feed-forward size", "max_positions": "maximum sequence length",
               "(any config field)": "passed to the config", **PATCH_OPTIONS}
 _PATCHES = ("none needed for biases: every Linear and LayerNorm has one",
+            "BERT: position ids passed per sample (B, T), so the position embedding's gradient splits per sample "
+            "(RoBERTa already derives them from input_ids)",
             "in-place ops switched off where a module offers the switch")
 
 
@@ -51,7 +53,8 @@ def bert_base(pretrained: bool = False, pretrained_tag: str | None = None, weigh
     return build_hf("bert-base", BertForSequenceClassification, BertConfig, pretrained=pretrained,
                     pretrained_tag=pretrained_tag, weights=weights, overrides=overrides, aliases=ALIASES,
                     base_config={}, head_keys=_HEAD + ("bert.pooler.*", "pooler.*"),
-                    ignorable_unexpected=("cls.*",), hub_id="google-bert/bert-base-uncased")
+                    ignorable_unexpected=("cls.*",), hub_id="google-bert/bert-base-uncased",
+                    per_sample_positions=True)
 
 
 @register_model("roberta-base", card=ROBERTA_CARD)

@@ -18,6 +18,7 @@ CARD = ModelCard(
     patches=("none needed for biases: every Conv1D and LayerNorm has one; `lm_head` (tied to "
              "`transformer.wte`) stays without a bias",
              "tied parameters recorded: `transformer.wte.weight` = `lm_head.weight`",
+             "position ids passed per sample (B, T), so the position embedding's gradient splits per sample",
              "in-place ops switched off where a module offers the switch"),
     bias_exempt=("lm_head",),
     weight_source="random initialisation; `pretrained=True`: hub `openai-community/gpt2`; `weights=DIR`: a Hugging Face directory",
@@ -45,4 +46,5 @@ def gpt2(pretrained: bool = False, pretrained_tag: str | None = None, weights=No
         overrides.setdefault("eos_token_id", vocab - 1)
     return build_hf("gpt2", GPT2LMHeadModel, GPT2Config, pretrained=pretrained, pretrained_tag=pretrained_tag,
                     weights=weights, overrides=overrides, aliases=ALIASES, base_config={},
-                    head_keys=(), bias_exempt=("lm_head",), hub_id="openai-community/gpt2")
+                    head_keys=(), bias_exempt=("lm_head",), hub_id="openai-community/gpt2",
+                    per_sample_positions=True)

@@ -28,6 +28,7 @@ class PatchReport:
     tied_groups: list[TiedGroup] = field(default_factory=list)
     not_patched: dict[str, str] = field(default_factory=dict)
     options: dict = field(default_factory=dict)
+    position_ids_per_sample: bool = False
 
     def to_dict(self) -> dict:
         return {
@@ -39,6 +40,7 @@ class PatchReport:
             "blocks_swapped": list(self.blocks_swapped),
             "tied_groups": [g.to_dict() for g in self.tied_groups],
             "not_patched": dict(self.not_patched),
+            "position_ids_per_sample": self.position_ids_per_sample,
         }
 
     def lines(self) -> list[str]:
@@ -56,6 +58,8 @@ class PatchReport:
                        f"{len(self.blocks_swapped)} residual blocks")
         for g in self.tied_groups:
             out.append("tied: " + " = ".join(g.names))
+        if self.position_ids_per_sample:
+            out.append("position ids passed per sample (B, T)")
         for name, why in self.not_patched.items():
             out.append(f"not patched: {name}: {why}")
         return out

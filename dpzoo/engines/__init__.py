@@ -1,0 +1,1 @@
+"""Adapters that let other DP engines use dpzoo's per-layer rules."""

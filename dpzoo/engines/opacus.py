@@ -1,0 +1,100 @@
+"""Opacus adapter: dpzoo's per-sample rules as Opacus grad samplers and norm samplers.
+
+Opacus looks samplers up by exact module type and, without one, falls back to functorch
+(``vmap``), which is slow and fails on modules with buffers. :func:`register_opacus_rules`
+registers dpzoo's rule for every module type Opacus lacks: dpzoo's RMSNorm, transformers'
+Conv1D (GPT-2), timm's Conv2dSame, GroupNormAct and LayerScale, LLaMA's RMSNorm; and, for
+ghost mode, a norm sampler for every layer family Opacus only instantiates (Conv, norms).
+:func:`make_private` registers them and calls ``PrivacyEngine.make_private``; where Opacus
+cannot do something (ghost clipping with tied embeddings), it says so and points to dpzoo's
+own hooks, which handle ties exactly (Phantom Clipping).
+
+Needs the optional extra: ``pip install "dpzoo[opacus]"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import UnsupportedModuleError
+from ..grad_norms import reps as R
+from ..grad_norms.registry import RULES, find_rule
+from ..surgery.tied import find_tied_parameters
+
+__all__ = ["register_opacus_rules", "make_private", "check_opacus_compatible"]
+
+_REGISTERED = False
+
+
+def _opacus():
+    try:
+        import opacus  # noqa: F401
+        from opacus.grad_sample import GradSampleModule
+        from opacus.grad_sample.grad_sample_module_fast_gradient_clipping import (
+            GradSampleModuleFastGradientClipping,
+        )
+    except ImportError as e:  # pragma: no cover - exercised without the extra
+        raise ImportError("Opacus is not installed: pip install 'dpzoo[opacus]'") from e
+    return GradSampleModule, GradSampleModuleFastGradientClipping
+
+
+def _reps(layer: nn.Module, activations, backprops) -> dict[nn.Parameter, R.Rep]:
+    rule = find_rule(layer)
+    params = {n for n, p in layer.named_parameters(recurse=False) if p.requires_grad}
+    acts = tuple(activations) if activations is not None else None
+    reps = rule.fn(layer, acts, backprops, params)
+    return {getattr(layer, n): rep for n, rep in reps.items()}
+
+
+def dpzoo_grad_sampler(layer, activations, backprops):
+    """Opacus grad sampler: per-sample gradients (B, *shape) from dpzoo's rule."""
+    return {p: R.instantiate(rep).to(p.dtype) for p, rep in _reps(layer, activations, backprops).items()}
+
+
+def dpzoo_norm_sampler(layer, activations, backprops):
+    """Opacus norm sampler: per-sample gradient norms Tensor[B] (ghost or instantiated, BK rule)."""
+    return {p: R.sq_norm(rep).clamp_min(0).sqrt() for p, rep in _reps(layer, activations, backprops).items()}
+
+
+def register_opacus_rules() -> list[type]:
+    """Register dpzoo's rules with Opacus for every module type it lacks. Idempotent.
+
+    Returns the module types registered by this call.
+    """
+    global _REGISTERED
+    gsm, fgc = _opacus()
+    from ..grad_norms import rules  # noqa: F401  (load the built-in rules)
+    added = []
+    for module_type in RULES:
+        if module_type not in gsm.GRAD_SAMPLERS:
+            gsm.GRAD_SAMPLERS[module_type] = dpzoo_grad_sampler
+            added.append(module_type)
+        if module_type not in fgc.NORM_SAMPLERS:
+            fgc.NORM_SAMPLERS[module_type] = dpzoo_norm_sampler
+    _REGISTERED = True
+    return added
+
+
+def check_opacus_compatible(module: nn.Module, grad_sample_mode: str = "hooks") -> None:
+    """Raise :class:`~dpzoo.UnsupportedModuleError` where Opacus would fail or be wrong."""
+    ties = [g for g in find_tied_parameters(module)
+            if any(p.requires_grad for n, p in module.named_parameters() if n in g.names)]
+    if "ghost" in grad_sample_mode and ties:
+        names = "; ".join(" = ".join(g.names) for g in ties)
+        raise UnsupportedModuleError(
+            f"Opacus' ghost clipping does not support tied parameters ({names}): it would need the "
+            "cross term between the two uses. Use dpzoo's hooks, which compute it exactly "
+            "(Phantom Clipping): dpzoo.attach_norm_hooks(model), or Opacus' grad_sample_mode='hooks'.")
+
+
+def make_private(privacy_engine, *, module: nn.Module, grad_sample_mode: str = "hooks", **kwargs: Any):
+    """``privacy_engine.make_private(...)`` with dpzoo's rules registered and checked first."""
+    check_opacus_compatible(module, grad_sample_mode)
+    register_opacus_rules()
+    return privacy_engine.make_private(module=module, grad_sample_mode=grad_sample_mode, **kwargs)
+
+
+_ = torch

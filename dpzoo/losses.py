@@ -1,0 +1,41 @@
+"""Per-sample losses for DP training (one privacy unit = one row of the batch)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["SequenceCrossEntropy"]
+
+
+class SequenceCrossEntropy(nn.Module):
+    """Cross-entropy of a whole sequence as one sample's loss.
+
+    ``logits``: (B, T, V) (or a model output with ``.logits``), ``target``: (B, T).
+    With ``reduction="none"`` it returns Tensor[B], the per-sample losses that
+    per-sample clipping needs (Opacus' ghost mode sets this itself); ``"sum"`` /
+    ``"mean"`` reduce over samples. ``ignore_index`` tokens contribute nothing.
+    ``token_reduction``: ``"sum"`` (default) or ``"mean"`` over a sequence's tokens.
+    """
+
+    def __init__(self, reduction: str = "mean", token_reduction: str = "sum", ignore_index: int = -100,
+                 shift: bool = False):
+        super().__init__()
+        if reduction not in ("none", "sum", "mean") or token_reduction not in ("sum", "mean"):
+            raise ValueError("reduction must be none|sum|mean and token_reduction sum|mean")
+        self.reduction, self.token_reduction = reduction, token_reduction
+        self.ignore_index, self.shift = ignore_index, shift
+
+    def forward(self, logits, target: torch.Tensor) -> torch.Tensor:
+        logits = getattr(logits, "logits", logits)
+        if self.shift:  # next-token prediction: logits[t] predicts target[t + 1]
+            logits, target = logits[:, :-1], target[:, 1:]
+        per_token = F.cross_entropy(logits.transpose(1, 2), target, reduction="none",
+                                    ignore_index=self.ignore_index)
+        per_sample = per_token.sum(1)
+        if self.token_reduction == "mean":
+            per_sample = per_sample / (target != self.ignore_index).sum(1).clamp_min(1)
+        if self.reduction == "none":
+            return per_sample
+        return per_sample.sum() if self.reduction == "sum" else per_sample.mean()
