@@ -150,12 +150,17 @@ class FunctionalReuse(nn.Module):
         return self.emb(ids) @ self.emb.weight.t()
 
 
-def test_parameter_used_outside_its_module_raises():
+@pytest.mark.parametrize("backward", ["hooks", "loss"])
+def test_parameter_used_outside_its_module_raises(backward):
     m = FunctionalReuse()
     hooks = attach_norm_hooks(m)
     loss = m(torch.randint(0, 7, (2, 3))).sum()
     with pytest.raises(dpzoo.UnsupportedModuleError, match="emb.weight is used 2 time\\(s\\).*recorded 1"):
-        hooks.backward(loss)
+        if backward == "hooks":
+            hooks.backward(loss)
+        else:
+            loss.backward()
+            hooks.per_sample_norms()
 
 
 def test_input_modified_in_place_after_use_raises():

@@ -26,6 +26,7 @@ mean, every per-sample gradient is divided by B.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -72,6 +73,8 @@ class _State:
     backward_done: bool = False
     batch_size: int | None = None  # from the root module's input
     task_id: int | None = None  # autograd graph task of the backward pass that filled it
+    outputs: list = field(default_factory=list)  # the model's output tensors (for the use check)
+    graph_checked: bool = False
     reps: dict | None = None
     sq_norms: dict | None = None
 
@@ -147,6 +150,7 @@ class NormHooks:
         if any(p.needs_activations for p in self._plans):
             # the batch size, to expand layers fed a batch-1 input broadcast over the batch
             self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True))
+            self._handles.append(self.model.register_forward_hook(self._root_post_hook))
         for plan in self._plans:
             m = plan.module
             if plan.loose:
@@ -171,6 +175,21 @@ class NormHooks:
             x = _first_tensor(tuple(args) + tuple(kwargs.values()))
             if x is not None and x.dim() > 0:
                 self._state.batch_size = x.shape[0]
+        return None
+
+    def _root_post_hook(self, module, args, output):
+        if torch.is_grad_enabled():
+            found, stack = [], [output]
+            while stack:  # tensors inside tuples, dicts and ModelOutputs
+                o = stack.pop()
+                if isinstance(o, torch.Tensor):
+                    if o.grad_fn is not None:
+                        found.append(o)
+                elif isinstance(o, dict):
+                    stack.extend(o.values())
+                elif isinstance(o, (list, tuple)):
+                    stack.extend(o)
+            self._state.outputs = found
         return None
 
     def _forward_hook(self, plan: _ModulePlan):
@@ -252,22 +271,27 @@ class NormHooks:
         bias-only layers, but no weight gradient (BK's ghost differentiation); parameters'
         ``.grad`` are left as they were.
         """
-        self._check_graph(loss)
+        self._check_graph([loss])
         targets = [u.output for u in self._state.uses if u.output is not None and u.output.requires_grad]
         for plan in self._plans:  # bias-only layers: their backward hooks fire on the way
             if not plan.needs_activations:
                 targets += [getattr(plan.module, n) for n in plan.params]
         if not targets:
             raise RuntimeError("No hooked layer took part in this forward pass; nothing to differentiate.")
-        torch.autograd.grad(loss, targets, allow_unused=True)
+        with warnings.catch_warnings():
+            # torch warns when a hooked layer's inputs need no gradient (the first layer's
+            # never do): expected here, since only output gradients are wanted
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            torch.autograd.grad(loss, targets, allow_unused=True)
         self._state.backward_done = True
 
-    def _check_graph(self, loss: torch.Tensor) -> None:
+    def _check_graph(self, roots: list) -> None:
         """Every direct use of a trainable parameter must be one dpzoo recorded."""
-        if loss.grad_fn is None:
+        if roots and all(r.grad_fn is None for r in roots):
             raise RuntimeError("loss does not require grad: did the forward pass run under no_grad?")
+        self._state.graph_checked = True
         edges: dict[int, int] = {}
-        stack, seen = [loss.grad_fn], set()
+        stack, seen = [r.grad_fn for r in roots], set()
         while stack:
             fn = stack.pop()
             if fn is None or id(fn) in seen:
@@ -309,6 +333,8 @@ class NormHooks:
         if not st.backward_done:
             raise RuntimeError("No backward pass since the last forward: call hooks.backward(loss) "
                                "or loss.backward() first.")
+        if not st.graph_checked and st.outputs:  # loss.backward() was used: check from the outputs
+            self._check_graph(st.outputs)
         by_param: dict[str, list] = {n: [] for n in self._params}
         for use in st.uses:
             if use.grad is None:
