@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 from .errors import (CheckpointError, DPZooError, OverrideError, PatchError, SaveError, UnknownModelError,
                      UnsupportedModuleError)
 from .grad_norms import NormHooks, attach_norm_hooks, register_rule
+from .privacy import PrivacyEngine
 from .hub import create_model, load, privacy_metadata, read_config, save
 from .registry import ModelCard, is_model, list_models, model_card, register_model
 from .summary import ModelSummary, summary
@@ -20,6 +21,6 @@ __all__ = [
     "list_models", "register_model", "model_card", "is_model", "ModelCard",
     "summary", "ModelSummary",
     "make_dp_ready", "check_dp_ready", "find_tied_parameters", "find_inplace_ops",
-    "attach_norm_hooks", "NormHooks", "register_rule",
+    "PrivacyEngine", "attach_norm_hooks", "NormHooks", "register_rule",
     "DPZooError", "UnknownModelError", "UnsupportedModuleError", "OverrideError", "CheckpointError", "PatchError", "SaveError",
 ]

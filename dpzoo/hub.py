@@ -151,7 +151,14 @@ def save(model: nn.Module, directory: str | os.PathLike, *, privacy: Mapping[str
         raise SaveError("dpzoo.save needs a model built by dpzoo.load (it records how to rebuild "
                         "the architecture). For any other module use safetensors.torch.save_model, "
                         "or register a builder with @dpzoo.register_model.")
-    privacy = _check_privacy(privacy if privacy is not None else getattr(model, "dpzoo_privacy", None))
+    if privacy is None:  # a model trained by dpzoo's engine carries its privacy spend
+        engine_ref = getattr(model, "_dpzoo_engine", None)
+        engine = engine_ref() if engine_ref is not None else None
+        if engine is not None and engine.steps > 0:
+            privacy = engine.privacy_metadata()
+        else:
+            privacy = getattr(model, "dpzoo_privacy", None)
+    privacy = _check_privacy(privacy)
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise SaveError(f"{directory} exists and is not a directory.")

@@ -86,13 +86,37 @@ def _first_tensor(args) -> torch.Tensor | None:
     return None
 
 
+class _GhostBackward(torch.autograd.Function):
+    """Identity on the model's outputs whose backward differentiates only to the hooked layers.
+
+    The outputs handed to the user are cut from the model graph (their only input is a
+    fresh leaf, ``anchor``); their backward runs ``autograd.grad`` from the real outputs to
+    the hooked layers' outputs (ghost differentiation), so ``loss.backward()`` computes no
+    weight gradient and leaves ``.grad`` alone.
+    """
+
+    @staticmethod
+    def forward(ctx, hooks, real_outputs, anchor, *detached):
+        ctx.hooks, ctx.real_outputs = hooks, real_outputs
+        return tuple(d.view_as(d) for d in detached)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        outs = [(o, g) for o, g in zip(ctx.real_outputs, grads) if g is not None]
+        if outs:
+            ctx.hooks._ghost_differentiate([o for o, _ in outs], [g for _, g in outs])
+        ctx.real_outputs = None
+        return (None, None, None) + (None,) * len(grads)
+
+
 class NormHooks:
     """Handle returned by :func:`attach_norm_hooks`. See the module docstring."""
 
-    def __init__(self, model: nn.Module, mode: str = "auto"):
+    def __init__(self, model: nn.Module, mode: str = "auto", ghost_backward: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.model, self.mode = model, mode
+        self.ghost_backward = ghost_backward
         self._state = _State()
         self._handles: list = []
         self._plans: list[_ModulePlan] = []
@@ -190,7 +214,28 @@ class NormHooks:
                 elif isinstance(o, (list, tuple)):
                     stack.extend(o)
             self._state.outputs = found
+            if self.ghost_backward and found:
+                return self._wrap_outputs(output, found)
         return None
+
+    def _wrap_outputs(self, output, found):
+        anchor = torch.zeros((), requires_grad=True)
+        wrapped = _GhostBackward.apply(self, tuple(found), anchor, *[t.detach() for t in found])
+        mapping = {id(t): w for t, w in zip(found, wrapped)}
+
+        def rebuild(o):
+            if isinstance(o, torch.Tensor):
+                return mapping.get(id(o), o)
+            if isinstance(o, dict):  # dicts and transformers' ModelOutput
+                for k in list(o.keys()):
+                    o[k] = rebuild(o[k])
+                return o
+            if isinstance(o, tuple) and not hasattr(o, "_fields"):
+                return tuple(rebuild(x) for x in o)
+            if isinstance(o, list):
+                return [rebuild(x) for x in o]
+            return o
+        return rebuild(output)
 
     def _forward_hook(self, plan: _ModulePlan):
         def hook(module, args, kwargs, output):
@@ -271,18 +316,24 @@ class NormHooks:
         bias-only layers, but no weight gradient (BK's ghost differentiation); parameters'
         ``.grad`` are left as they were.
         """
+        if self.ghost_backward and self._state.outputs:
+            loss.backward()  # the outputs are wrapped: this is ghost differentiation already
+            return
         self._check_graph([loss])
+        self._ghost_differentiate([loss], None)
+
+    def _ghost_differentiate(self, roots: list, grads: list | None) -> None:
         targets = [u.output for u in self._state.uses if u.output is not None and u.output.requires_grad]
         for plan in self._plans:  # bias-only layers: their backward hooks fire on the way
             if not plan.needs_activations:
-                targets += [getattr(plan.module, n) for n in plan.params]
+                targets += [getattr(plan.module, n) for n in plan.params if getattr(plan.module, n).requires_grad]
         if not targets:
             raise RuntimeError("No hooked layer took part in this forward pass; nothing to differentiate.")
         with warnings.catch_warnings():
             # torch warns when a hooked layer's inputs need no gradient (the first layer's
             # never do): expected here, since only output gradients are wanted
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            torch.autograd.grad(loss, targets, allow_unused=True)
+            torch.autograd.grad(roots, targets, grads, allow_unused=True)
         self._state.backward_done = True
 
     def _check_graph(self, roots: list) -> None:
@@ -456,14 +507,18 @@ class NormHooks:
         return lines
 
 
-def attach_norm_hooks(model: nn.Module, mode: str = "auto") -> NormHooks:
+def attach_norm_hooks(model: nn.Module, mode: str = "auto", *, ghost_backward: bool = False) -> NormHooks:
     """Hook every trainable parameter of ``model`` for per-sample norms and clipped sums.
 
     ``mode``: ``"auto"`` chooses ghost norm or instantiation per layer by the BK rule
     (ghost iff 2T² < p·d); ``"ghost"`` / ``"instantiate"`` force one. Raises
     :class:`~dpzoo.UnsupportedModuleError` naming any trainable parameter it cannot cover.
+
+    ``ghost_backward=True``: the model's outputs are returned through a node whose backward
+    differentiates only to the hooked layers, so a plain ``loss.backward()`` is BK's ghost
+    differentiation (no weight gradient, ``.grad`` untouched). dpzoo's engine uses this.
     """
-    return NormHooks(model, mode)
+    return NormHooks(model, mode, ghost_backward=ghost_backward)
 
 
 _ = Iterable

@@ -1,0 +1,281 @@
+"""dpzoo's DP engine: one step equals the DP-SGD formula by brute force, accounting equals the
+library's, Poisson sampling and physical batching, checkpoints, privacy metadata."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import dpzoo
+from dpzoo.privacy import Accountant, PoissonBatchSampler, clip_factors
+from grad_reference import assert_close, per_sample_grads
+
+R = 0.7
+SIGMA = 0.9
+SEED = 123
+
+
+def _resnet():
+    torch.manual_seed(0)
+    return dpzoo.load("resnet18-gn-bias", num_classes=3, layers=[1, 1, 1, 1], width=4).double().train()
+
+
+def _data(n=12, size=16):
+    g = torch.Generator().manual_seed(5)
+    return TensorDataset(torch.randn(n, 3, size, size, generator=g, dtype=torch.float64),
+                         torch.randint(0, 3, (n,), generator=g))
+
+
+def _expected_update(model, x, y, trainable, clipping, reduction, expected_b, lr):
+    def loss_fn(m, x, y):
+        return F.cross_entropy(m(x), y, reduction="sum")
+    grads = per_sample_grads(model, loss_fn, {"x": x, "y": y}, x.shape[0])
+    names = [n for n in trainable]
+    norms = torch.stack([torch.sqrt(sum(g[n].pow(2).sum() for n in names)) for g in grads])
+    c = clip_factors(norms, R, clipping)
+    gen = torch.Generator().manual_seed(SEED)
+    out = {}
+    for n in names:  # the engine draws noise per trainable parameter, in named_parameters order
+        p = dict(model.named_parameters())[n]
+        noise = torch.normal(0.0, SIGMA * R, size=p.shape, generator=gen, dtype=p.dtype)
+        g = sum(c[i] * grads[i][n] for i in range(len(grads))) + noise
+        if reduction == "mean":
+            g = g / expected_b
+        out[n] = -lr * g
+    return out
+
+
+@pytest.mark.parametrize("clipping", ["abadi", "automatic"])
+@pytest.mark.parametrize("mode", ["auto", "bk", "bk-mixopt", "instantiate", "bitfit"])
+def test_one_step_equals_dp_sgd_formula(mode, clipping):
+    reduction = "sum" if clipping == "automatic" else "mean"  # cover both reductions
+    model, ds, lr = _resnet(), _data(), 0.5
+    loader = DataLoader(ds, batch_size=6)
+    engine = dpzoo.PrivacyEngine()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    model, opt, ploader = engine.make_private(module=model, optimizer=opt, data_loader=loader,
+                                              noise_multiplier=SIGMA, max_grad_norm=R, clipping=clipping,
+                                              mode=mode, loss_reduction=reduction, noise_seed=SEED, sample_seed=1)
+    x, y = next(iter(ploader))
+    assert 0 < x.shape[0] < len(ds)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    if mode == "bitfit":
+        assert all(n.endswith("bias") or n.startswith("fc.") for n in trainable)
+        assert "fc.weight" in trainable and "conv1.weight" not in trainable
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine.detach()  # brute force on the bare model
+    expected = _expected_update(model, x, y, trainable, clipping, reduction, 6.0, lr)
+    engine._set_mode(mode, "auto")
+    engine.optimizer.hooks = engine.hooks
+    loss = F.cross_entropy(model(x), y, reduction=reduction)
+    loss.backward()
+    opt.step()
+    for n, p in model.named_parameters():
+        if n in expected:
+            assert_close(p.detach() - before[n], expected[n], 1e-6, n)
+        else:
+            assert torch.equal(p.detach(), before[n]), f"frozen {n} changed"
+    assert engine.steps == 1
+
+
+def test_reported_epsilon_equals_library_accountant():
+    from dp_accounting import dp_event
+    from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
+    model, ds = _resnet(), _data()
+    engine = dpzoo.PrivacyEngine(accountant="rdp")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=4),
+                                             noise_multiplier=1.1, max_grad_norm=1.0, sample_seed=0)
+    for x, y in loader:
+        if x.shape[0]:
+            F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    ref = RdpAccountant()
+    ref.compose(dp_event.PoissonSampledDpEvent(4 / 12, dp_event.GaussianDpEvent(1.1)), len(loader))
+    assert engine.steps == len(loader) == 3
+    assert engine.get_epsilon(1e-5) == pytest.approx(ref.get_epsilon(1e-5), rel=1e-12)
+
+
+def test_target_epsilon_calibrates_noise():
+    model, ds = _resnet(), _data(n=40)
+    engine = dpzoo.PrivacyEngine()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=4),
+                        target_epsilon=3.0, target_delta=1e-5, epochs=5)
+    a = Accountant("rdp")
+    a.step(engine.noise_multiplier, 0.1, 50)
+    eps = a.get_epsilon(1e-5)
+    assert 2.98 <= eps <= 3.0
+    a2 = Accountant("rdp")
+    a2.step(engine.noise_multiplier * 0.99, 0.1, 50)
+    assert a2.get_epsilon(1e-5) > 3.0  # not over-noised: a little less noise exceeds the target
+
+
+@pytest.mark.parametrize("name", ["pld", "prv"])
+def test_other_accountants_agree_with_their_library(name):
+    a = Accountant(name)
+    a.step(1.0, 0.02, 100)
+    if name == "pld":
+        from dp_accounting import dp_event
+        from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
+        ref = PLDAccountant()
+        ref.compose(dp_event.PoissonSampledDpEvent(0.02, dp_event.GaussianDpEvent(1.0)), 100)
+        expected = ref.get_epsilon(1e-5)
+    else:
+        from opacus.accountants import PRVAccountant
+        ref = PRVAccountant()
+        ref.history = [(1.0, 0.02, 100)]
+        expected = ref.get_epsilon(1e-5)
+    assert a.get_epsilon(1e-5) == pytest.approx(expected, rel=1e-9)
+
+
+def test_poisson_sampler_includes_each_sample_with_probability_q():
+    g = torch.Generator().manual_seed(0)
+    s = PoissonBatchSampler(200, 0.05, steps=400, generator=g)
+    batches = list(s)
+    sizes = torch.tensor([len(b) for b in batches], dtype=torch.float64)
+    counts = torch.zeros(200)
+    for b in batches:
+        counts[b] += 1
+    assert len(batches) == 400
+    assert abs(sizes.mean() - 10) < 0.5 and sizes.std() > 1.5  # variable batch size ~ Binomial(200, 0.05)
+    assert abs(counts.mean() / 400 - 0.05) < 0.005
+    assert all(len(set(b)) == len(b) for b in batches)
+
+
+def test_empty_poisson_batch_is_a_noise_only_step():
+    model, ds = _resnet(), _data(n=4)
+    engine = dpzoo.PrivacyEngine()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=1),
+                                             noise_multiplier=1.0, max_grad_norm=1.0, noise_seed=3, sample_seed=0)
+    seen_empty = False
+    for x, y in loader:
+        before = model.fc.bias.detach().clone()
+        if x.shape[0] == 0:
+            seen_empty = True
+            assert x.shape == (0, 3, 16, 16)
+        else:
+            F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        assert not torch.equal(before, model.fc.bias.detach())  # noise moved it
+    assert seen_empty and engine.steps == 4
+
+
+def test_physical_batches_accumulate_to_the_same_update():
+    """A logical batch split into micro-batches gives the same update, with one noise draw."""
+    updates = []
+    for chunk in (None, 2):
+        model, ds = _resnet(), _data(n=20)
+        engine = dpzoo.PrivacyEngine()
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=8),
+                                                 noise_multiplier=0.5, max_grad_norm=R, noise_seed=9, sample_seed=4,
+                                                 max_physical_batch_size=chunk)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        micro = 0
+        for x, y in loader:
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            micro += 1
+            if engine.steps == 1:
+                break
+        updates.append(({n: p.detach() - before[n] for n, p in model.named_parameters()}, micro))
+    (full, m1), (split, m2) = updates
+    assert m1 == 1 and m2 > 1
+    for n in full:
+        assert_close(split[n], full[n], 1e-9, n)
+
+
+def test_checkpoint_resumes_accounting(tmp_path):
+    model, ds = _resnet(), _data()
+    engine = dpzoo.PrivacyEngine()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=4),
+                                             noise_multiplier=1.0, max_grad_norm=1.0, target_delta=None)
+    for x, y in loader:
+        if x.shape[0]:
+            F.cross_entropy(model(x), y).backward()
+        opt.step()
+    torch.save({"engine": engine.state_dict(), "model": model.state_dict()}, tmp_path / "ckpt.pt")
+    eps = engine.get_epsilon(1e-5)
+    model2 = _resnet()
+    engine2 = dpzoo.PrivacyEngine()
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
+    model2, opt2, loader2 = engine2.make_private(module=model2, optimizer=opt2, data_loader=DataLoader(ds, batch_size=4),
+                                                 noise_multiplier=1.0, max_grad_norm=1.0)
+    engine2.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=False)["engine"])
+    assert engine2.steps == 3 and engine2.get_epsilon(1e-5) == eps
+    for x, y in loader2:
+        if x.shape[0]:
+            F.cross_entropy(model2(x), y).backward()
+        opt2.step()
+    assert engine2.steps == 6 and engine2.get_epsilon(1e-5) > eps
+
+
+def test_saved_model_carries_privacy_metadata(tmp_path):
+    model, ds = _resnet(), _data()
+    engine = dpzoo.PrivacyEngine()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=4),
+                                             target_epsilon=5.0, target_delta=1e-5, epochs=1)
+    for x, y in loader:
+        if x.shape[0]:
+            F.cross_entropy(model(x), y).backward()
+        opt.step()
+    dpzoo.save(model, tmp_path / "m")
+    meta = dpzoo.privacy_metadata(tmp_path / "m")
+    assert meta["epsilon"] == pytest.approx(engine.get_epsilon(1e-5))
+    assert meta["epsilon"] <= 5.0
+    assert meta["steps"] == 3 and meta["sample_rate"] == pytest.approx(4 / 12) and meta["accountant"] == "rdp"
+
+
+def test_bad_arguments_are_explained():
+    model, ds = _resnet(), _data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(ds, batch_size=4)
+    with pytest.raises(dpzoo.DPZooError, match="either noise_multiplier or target_epsilon"):
+        dpzoo.PrivacyEngine().make_private(module=model, optimizer=opt, data_loader=loader)
+    with pytest.raises(dpzoo.DPZooError, match="target_delta and epochs"):
+        dpzoo.PrivacyEngine().make_private(module=model, optimizer=opt, data_loader=loader, target_epsilon=1.0)
+    with pytest.raises(dpzoo.DPZooError, match="mode must be"):
+        dpzoo.PrivacyEngine().make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
+                                           mode="fast")
+    with pytest.raises(ValueError, match="Unknown accountant"):
+        dpzoo.PrivacyEngine(accountant="moments")
+    with pytest.raises(ValueError, match="clipping"):
+        dpzoo.PrivacyEngine().make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
+                                           clipping="flat")
+
+
+def test_two_phase_switch_to_bitfit_keeps_accounting():
+    model, ds = _resnet(), _data()
+    engine = dpzoo.PrivacyEngine()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=4),
+                                             noise_multiplier=1.0, max_grad_norm=1.0, noise_seed=0)
+    for x, y in loader:
+        if x.shape[0]:
+            F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    w = model.conv1.weight.detach().clone()
+    engine.switch_mode("bitfit")
+    assert not model.conv1.weight.requires_grad and model.conv1.bias.requires_grad
+    # activation-free everywhere but the trainable head (fc, whose weight needs its input)
+    assert [n for n, m in model.named_modules() if m._forward_hooks] == ["", "fc"]
+    for x, y in loader:
+        if x.shape[0]:
+            F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.equal(model.conv1.weight, w)  # no noise on frozen weights
+    assert engine.steps == 6 and math.isfinite(engine.get_epsilon(1e-5))
