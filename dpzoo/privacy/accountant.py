@@ -68,6 +68,19 @@ class Accountant:
 
 
 def _epsilon(name: str, history: list, delta: float) -> float:
+    import logging
+    absl = logging.getLogger("absl")
+    level = absl.level
+    # dp-accounting logs every fractional RDP order it cannot evaluate and then leaves it
+    # out (the bound only gets looser): expected at small σ, not worth a warning each time
+    absl.setLevel(logging.ERROR)
+    try:
+        return _library_epsilon(name, history, delta)
+    finally:
+        absl.setLevel(level)
+
+
+def _library_epsilon(name: str, history: list, delta: float) -> float:
     if name in ("pld", "rdp"):
         from dp_accounting import dp_event
         if name == "pld":

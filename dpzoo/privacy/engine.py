@@ -130,7 +130,11 @@ class PrivacyEngine:
         self.target_delta = target_delta
         self.sample_rate, self.noise_multiplier = sample_rate, float(noise_multiplier)
         self.max_grad_norm, self.clipping, self.loss_reduction = max_grad_norm, clipping, loss_reduction
-        self.expected_batch_size = sample_rate * n
+        world = (torch.distributed.get_world_size()
+                 if torch.distributed.is_available() and torch.distributed.is_initialized() else 1)
+        # each rank holds a shard of the data and samples it at rate q: the expected global
+        # batch is q · (shard size · world size)
+        self.expected_batch_size = sample_rate * n * world
         self.module = module
         self._signal, self._noise_seed = signal, noise_seed
         self._set_mode(mode, train_head)

@@ -1,0 +1,5 @@
+"""Small datasets for examples and tests (offline)."""
+
+from .digits import digits_dataset
+
+__all__ = ["digits_dataset"]

@@ -1,0 +1,28 @@
+"""scikit-learn's bundled handwritten digits (1,797 8×8 images, 10 classes), upscaled to RGB.
+
+A small real image dataset that needs no download (it ships inside scikit-learn), for
+examples and tests of private training.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+
+def digits_dataset(size: int = 32, test_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+    """(train, test) TensorDatasets of (3×size×size float images, label), normalised."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise ImportError("the digits dataset ships with scikit-learn: pip install scikit-learn") from None
+    data = load_digits()
+    x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0  # (N, 1, 8, 8) in [0, 1]
+    x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False).repeat(1, 3, 1, 1)
+    x = (x - 0.5) / 0.5
+    y = torch.tensor(data.target, dtype=torch.long)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    n_test = int(len(y) * test_fraction)
+    test, train = perm[:n_test], perm[n_test:]
+    return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
