@@ -279,3 +279,22 @@ def test_two_phase_switch_to_bitfit_keeps_accounting():
         opt.zero_grad()
     assert torch.equal(model.conv1.weight, w)  # no noise on frozen weights
     assert engine.steps == 6 and math.isfinite(engine.get_epsilon(1e-5))
+
+
+def test_parameter_used_in_the_loss_is_refused():
+    """A weight penalty computed from the parameters in the loss is outside the hooks: the
+    engine refuses rather than silently dropping its (unclipped) gradient."""
+    model, ds = _resnet(), _data()
+    engine = dpzoo.PrivacyEngine()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=4),
+                                             noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False)
+    x, y = next(iter(loader))
+    (F.cross_entropy(model(x), y) + 1e-3 * model.fc.weight.pow(2).sum()).backward()
+    with pytest.raises(dpzoo.UnsupportedModuleError, match="fc.weight received a gradient outside"):
+        opt.step()
+    # the usual loop (zero_grad or not) passes: .grad holds only what the optimizer wrote
+    opt.zero_grad()
+    for _ in range(2):
+        F.cross_entropy(model(x), y).backward()
+        opt.step()

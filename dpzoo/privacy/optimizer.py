@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..errors import UnsupportedModuleError
 from ..grad_norms.hooks import NormHooks
 from .accountant import Accountant
 from .data import StepSignal
@@ -60,6 +61,7 @@ class DPOptimizer:
         self._noise_seed = noise_seed if noise_seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         self._generators: dict[torch.device, torch.Generator] = {}
         self._summed: dict[str, torch.Tensor] = {}
+        self._written: dict[str, torch.Tensor] = {}  # the private .grad tensors this optimizer set
         self.samples_in_step = 0
         self.steps = 0
         self.last_per_sample_norms: torch.Tensor | None = None
@@ -108,6 +110,16 @@ class DPOptimizer:
         st = self.hooks._state
         if not st.backward_done:
             return  # no backward for this micro-batch (e.g. an empty Poisson batch was skipped)
+        if self.hooks.ghost_backward and st.outputs:
+            # With ghost differentiation nothing but this optimizer writes .grad: a gradient
+            # there came from a use of the parameter outside the model (e.g. in the loss).
+            for name, p in self.hooks._params.items():
+                if p.grad is not None and p.grad is not self._written.get(name):
+                    raise UnsupportedModuleError(
+                        f"Parameter {name} received a gradient outside dpzoo's hooks (is it used in the loss or "
+                        "outside the model's forward, e.g. a weight penalty or a tied projection?). Its "
+                        "per-sample gradient cannot be clipped; compute every use inside the model, or "
+                        "use the optimizer's weight_decay for penalties.")
         norms = self.hooks.per_sample_norms()
         b = norms.shape[0]
         if b:
@@ -138,6 +150,7 @@ class DPOptimizer:
             if self.loss_reduction == "mean":
                 g = g / self.expected_batch_size
             p.grad = g
+            self._written[name] = g
         self._summed = {}
 
     def pre_step(self) -> bool:
