@@ -7,6 +7,8 @@
                                          build a DP-ready model, check it, run one
                                          forward/backward on a synthetic batch, save it
     dpzoo cards --write DIR              (re)write the markdown model cards
+    dpzoo train NAME [--data digits] [--epsilon 8] [--epochs 5] [--mode bk-mixopt|bitfit|...]
+                                         private training on a built-in dataset
 """
 
 from __future__ import annotations
@@ -112,6 +114,15 @@ def _cmd_cards(args) -> int:
     return 0
 
 
+def _cmd_train(args) -> int:
+    from .train import train_image_classifier
+    train_image_classifier(args.name, data=args.data, epsilon=args.epsilon, delta=args.delta, epochs=args.epochs,
+                           batch_size=args.batch_size, lr=args.lr, mode=args.mode, clipping=args.clipping,
+                           max_grad_norm=args.max_grad_norm, out=args.out, small=not args.full_size,
+                           accountant=args.accountant, overrides=_parse_sets(args.set), seed=args.seed)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dpzoo", description="A zoo of differentially-private-ready models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -133,6 +144,23 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--weights", help="a local checkpoint to convert")
             s.add_argument("--out", help="directory to save the DP-ready model to")
         s.set_defaults(fn=fn)
+    s = sub.add_parser("train", help="private training of a zoo model on a built-in dataset")
+    s.add_argument("name")
+    s.add_argument("--data", default="digits", help="built-in dataset (default: digits, bundled with scikit-learn)")
+    s.add_argument("--epsilon", type=float, default=8.0)
+    s.add_argument("--delta", type=float, default=1e-5)
+    s.add_argument("--epochs", type=int, default=10)
+    s.add_argument("--batch-size", type=int, default=64)
+    s.add_argument("--lr", type=float, default=2e-3)
+    s.add_argument("--mode", default="bk-mixopt", choices=["auto", "bk", "bk-mixopt", "instantiate", "bitfit"])
+    s.add_argument("--clipping", default="automatic", choices=["automatic", "abadi"])
+    s.add_argument("--max-grad-norm", type=float, default=1.0)
+    s.add_argument("--accountant", default="rdp", choices=["rdp", "pld", "prv", "gdp", "opacus-rdp"])
+    s.add_argument("--full-size", action="store_true", help="the entry's full size instead of its small configuration")
+    s.add_argument("--set", action="append", metavar="KEY=VALUE", help="a model override (JSON value)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--out", help="directory for the trained model and metrics.json")
+    s.set_defaults(fn=_cmd_train)
     s = sub.add_parser("cards", help="write the markdown model cards")
     s.add_argument("--write", required=True, metavar="DIR")
     s.set_defaults(fn=_cmd_cards)

@@ -102,3 +102,21 @@ def test_cli_summary_meta_counts_full_size(capsys):
     assert main(["summary", "vit-base-patch16", "--meta"]) == 0
     out = capsys.readouterr().out
     assert "86,5" in out or "86,6" in out  # ViT-B/16 has ~86.6M parameters
+
+
+def test_cli_train_saves_model_with_privacy_metadata(tmp_path, capsys):
+    pytest.importorskip("sklearn", reason="the digits dataset ships with scikit-learn (test extra)")
+    assert main(["train", "resnet18-gn-bias", "--epochs", "1", "--epsilon", "4", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "epoch 1: test accuracy" in out
+    meta = dpzoo.privacy_metadata(tmp_path / "model")
+    assert meta["epsilon"] <= 4.0 and meta["accountant"] == "rdp" and meta["steps"] > 0
+    import json
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["history"][0]["epsilon"] == pytest.approx(meta["epsilon"])
+    assert dpzoo.load(tmp_path / "model").fc.out_features == 10
+
+
+def test_cli_train_rejects_non_image_models(capsys):
+    assert main(["train", "gpt2", "--epochs", "1"]) == 2
+    assert "only image classifiers" in capsys.readouterr().err
