@@ -198,14 +198,25 @@ class Loose(nn.Module):
         return self.proj(torch.tanh(x))
 
 
+def test_loose_parameters_need_a_declared_owner():
+    with pytest.raises(dpzoo.UnsupportedModuleError, match="cls_token, pos_embed.*register_loose_tensors"):
+        attach_norm_hooks(Loose())
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_loose_parameters(mode):
+    from dpzoo.grad_norms import LOOSE_TENSORS, register_loose_tensors
+    register_loose_tensors(Loose, ("cls_token", "pos_embed"))
+    request_cleanup = lambda: LOOSE_TENSORS.pop(Loose, None)  # noqa: E731
     torch.manual_seed(4)
     model = Loose().double()
     x = torch.randn(3, 3, 4, dtype=torch.float64)
     with torch.no_grad():
         target = torch.randn_like(model(x))
-    _check(model, {"x": x, "target": target}, 3, torch.float64, mode)
+    try:
+        _check(model, {"x": x, "target": target}, 3, torch.float64, mode)
+    finally:
+        request_cleanup()
 
 
 def test_hf_conv1d_and_timm_layers():
@@ -229,7 +240,7 @@ def test_hf_conv1d_and_timm_layers():
 def test_groupnorm_act_pulls_gradient_through_activation():
     from timm.layers.norm_act import GroupNormAct
     torch.manual_seed(6)
-    model = Head(GroupNormAct(4, num_groups=2, act_layer=nn.ReLU)).double()
+    model = Head(GroupNormAct(4, num_groups=2, act_layer=nn.ReLU, inplace=False)).double()
     x = torch.randn(3, 4, 3, 3, dtype=torch.float64)
     with torch.no_grad():
         target = torch.randn_like(model(x))

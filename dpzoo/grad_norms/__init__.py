@@ -1,8 +1,8 @@
 """Standardized per-sample gradient norms on every layer (see :func:`attach_norm_hooks`)."""
 
-from .hooks import MODES, NormHooks, attach_norm_hooks
+from .hooks import LOOSE_TENSORS, MODES, NormHooks, attach_norm_hooks, register_loose_tensors
 from .registry import RULES, Rule, find_rule, register_rule
 from .reps import Dense, Factored, OneHot
 
-__all__ = ["attach_norm_hooks", "NormHooks", "MODES", "register_rule", "find_rule", "Rule", "RULES",
+__all__ = ["register_loose_tensors", "LOOSE_TENSORS", "attach_norm_hooks", "NormHooks", "MODES", "register_rule", "find_rule", "Rule", "RULES",
            "Dense", "Factored", "OneHot"]

@@ -5,7 +5,7 @@ How it works (BK paper, Algorithm 1):
 
 1. forward: a hook on each layer with a trainable weight keeps the layer's input (the
    activation) and hooks its output tensor; layers whose only trainable parameters are
-   biases get a backward hook alone and store nothing (DP-BiTFiT Algorithm 1, App. B);
+   biases get a backward hook and store nothing (DP-BiTFiT Algorithm 1, App. B);
 2. backward: each hooked output's gradient is book-kept. ``hooks.backward(loss)`` asks
    autograd only for these output gradients (ghost differentiation), so no weight gradient
    is computed; ``loss.backward()`` works too;
@@ -17,7 +17,10 @@ Parameters used several times (tied embeddings, modules called twice) get exact 
 all cross terms (:mod:`dpzoo.grad_norms.reps`, Phantom Clipping). Trainable "loose"
 tensors a module owns directly (ViT ``cls_token``, ``pos_embed``) with a leading dimension
 of 1 are swapped, for the module's forward, for per-sample copies whose gradients are the
-per-sample gradients. Anything else raises :class:`~dpzoo.UnsupportedModuleError`.
+per-sample gradients, if the owner's type is declared in :data:`LOOSE_TENSORS`
+(:func:`register_loose_tensors`). Anything else raises :class:`~dpzoo.UnsupportedModuleError`,
+and so does, each step, a use of a trainable parameter dpzoo did not record (counted in the
+autograd graph).
 
 Privacy unit: one sample = one row of the batch (batch-first); for sequence models the
 whole sequence. Losses must be per-sample losses *summed* (``reduction="sum"``); with a
@@ -43,6 +46,38 @@ __all__ = ["attach_norm_hooks", "NormHooks", "MODES"]
 MODES = ("auto", "ghost", "instantiate")
 
 
+# Owners of loose tensors (trainable tensors used directly in the owner's forward, each
+# broadcast over the batch from a leading dimension of 1). Only these are swapped for
+# per-sample copies: the swap is exact only if the code expands the tensor over the batch
+# (``cls_token.expand(B, -1, -1)``, ``x + pos_embed``), which dpzoo cannot check.
+LOOSE_TENSORS: dict[type, tuple[str, ...]] = {}
+
+
+def register_loose_tensors(module_type: type, names: Iterable[str]) -> None:
+    """Declare that ``module_type`` uses its tensors ``names`` (shape (1, ...), dim ≥ 2) only
+    broadcast over the batch, so dpzoo may give each sample its own copy during forward."""
+    LOOSE_TENSORS[module_type] = tuple(names)
+
+
+try:  # timm's Vision Transformers: cls_token, pos_embed, reg_token, broadcast in _pos_embed
+    from timm.models.vision_transformer import VisionTransformer as _TimmViT
+    register_loose_tensors(_TimmViT, ("cls_token", "pos_embed", "reg_token"))
+except ImportError:  # pragma: no cover
+    pass
+try:  # timm's attention pooling (global_pool="map"): latent.expand(B, -1, -1)
+    from timm.layers.attention_pool import AttentionPoolLatent as _TimmAttnPool
+    register_loose_tensors(_TimmAttnPool, ("latent",))
+except ImportError:  # pragma: no cover
+    pass
+
+
+def _loose_names(module: nn.Module) -> tuple[str, ...]:
+    for cls in type(module).__mro__:
+        if cls in LOOSE_TENSORS:
+            return LOOSE_TENSORS[cls]
+    return ()
+
+
 @dataclass
 class _Use:
     """One call of a hooked module (or one swap of a loose tensor) in the current step."""
@@ -52,9 +87,12 @@ class _Use:
     params: tuple[str, ...]  # local names of the trainable parameters it covers
     activations: tuple | None = None
     versions: tuple | None = None
-    output: torch.Tensor | None = None  # what ghost differentiation differentiates
+    output: torch.Tensor | None = None
+    edge: object | None = None  # autograd GradientEdge of the output, taken before any in-place op
     grad: torch.Tensor | None = None
     loose: bool = False
+    batch_size: int | None = None
+    task: int | None = None  # activation-free uses: the backward pass (graph task) that recorded it
 
 
 @dataclass
@@ -71,12 +109,15 @@ class _ModulePlan:
 class _State:
     uses: list[_Use] = field(default_factory=list)
     backward_done: bool = False
-    batch_size: int | None = None  # from the root module's input
-    task_id: int | None = None  # autograd graph task of the backward pass that filled it
-    outputs: list = field(default_factory=list)  # the model's output tensors (for the use check)
-    graph_checked: bool = False
     reps: dict | None = None
     sq_norms: dict | None = None
+    batch_size: int | None = None  # from the root module's input
+    root_ran: bool = False
+    outputs: list = field(default_factory=list)  # the model's output tensors (for the use check)
+    edges: dict | None = None  # parameter id -> direct uses in the graph (counted before backward)
+    walked: set | None = None  # ids of the graph nodes reachable from the loss
+    graph_checked: bool = False
+    stray: list = field(default_factory=list)  # ghost_backward: parameters that got a weight gradient
 
 
 def _first_tensor(args) -> torch.Tensor | None:
@@ -84,6 +125,10 @@ def _first_tensor(args) -> torch.Tensor | None:
         if isinstance(a, torch.Tensor):
             return a
     return None
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
 
 class _GhostBackward(torch.autograd.Function):
@@ -96,17 +141,26 @@ class _GhostBackward(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hooks, real_outputs, anchor, *detached):
+    def forward(ctx, hooks, real_outputs, anchor):
         ctx.hooks, ctx.real_outputs = hooks, real_outputs
-        return tuple(d.view_as(d) for d in detached)
+        # Detached aliases of tensors that are not inputs of this Function: not views in
+        # autograd's sense, so the user may edit them in place (e.g. mask logits); they share
+        # the real outputs' version counters, so torch still refuses an in-place edit of an
+        # output the model's graph saved, exactly as without hooks.
+        return tuple(o.detach() for o in real_outputs)
 
     @staticmethod
     def backward(ctx, *grads):
+        if ctx.real_outputs is None:  # the model's graph was freed by the first pass
+            raise UnsupportedModuleError(
+                "With ghost_backward=True the model's outputs can be back-propagated once per forward pass "
+                "(the model's graph is freed then, even with retain_graph=True): add the losses and call "
+                "backward once.")
         outs = [(o, g) for o, g in zip(ctx.real_outputs, grads) if g is not None]
         if outs:
             ctx.hooks._ghost_differentiate([o for o, _ in outs], [g for _, g in outs])
         ctx.real_outputs = None
-        return (None, None, None) + (None,) * len(grads)
+        return None, None, None
 
 
 class NormHooks:
@@ -115,14 +169,21 @@ class NormHooks:
     def __init__(self, model: nn.Module, mode: str = "auto", ghost_backward: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        prev = getattr(model, "_dpzoo_norm_hooks", None)
+        if prev is not None and prev() is not None and prev()._handles:
+            raise UnsupportedModuleError("This model already has dpzoo norm hooks attached; call "
+                                         ".detach() on the old handle first (two sets would split the records).")
         self.model, self.mode = model, mode
         self.ghost_backward = ghost_backward
         self._state = _State()
         self._handles: list = []
         self._plans: list[_ModulePlan] = []
-        self._attached = True
+        self._pending: dict[int, list] = {}
+        self._by_edges = False
+        self._pass, self._n_passes = None, 0  # the backward pass ghost differentiation runs for
         self._build_plan()
         self._register()
+        model._dpzoo_norm_hooks = weakref.ref(self)
 
     # -- planning -------------------------------------------------------------------------
     def _build_plan(self) -> None:
@@ -133,6 +194,13 @@ class NormHooks:
         self._params = {self._param_names[id(p)]: p for p in self.model.parameters() if p.requires_grad}
         if not self._params:
             raise UnsupportedModuleError("The model has no trainable parameters (requires_grad=False everywhere).")
+        inplace = [n or "<root>" for n, m in self.model.named_modules()
+                   if isinstance(getattr(m, "inplace", None), bool) and m.inplace]
+        if inplace:
+            raise UnsupportedModuleError(
+                f"Module(s) {', '.join(inplace[:8])} run in place (inplace=True), which corrupts the "
+                "activations and output gradients dpzoo records. dpzoo.make_dp_ready(model) switches "
+                "them off.")
         seen: set[int] = set()
         for mname, module in self.model.named_modules():
             if id(module) in seen:
@@ -143,12 +211,13 @@ class NormHooks:
                 continue
             rule = find_rule(module)
             label = mname or "<root>"
+            qualified = ", ".join(f"{mname}.{n}" if mname else n for n in own)
             if rule is not None:
                 why = rule.unsupported(module)
                 if why:
                     raise UnsupportedModuleError(
                         f"Module {label} ({type(module).__name__}): {why}; its trainable parameter(s) "
-                        f"{', '.join(f'{mname}.{n}' if mname else n for n in own)} cannot be clipped per sample.")
+                        f"{qualified} cannot be clipped per sample.")
                 extra = [n for n in own if n not in rule.params]
                 if extra:
                     raise UnsupportedModuleError(
@@ -158,43 +227,64 @@ class NormHooks:
                 needs = any(n not in rule.activation_free for n in own)
                 self._plans.append(_ModulePlan(mname, module, rule, own, needs))
                 continue
-            bad = [n for n in own if getattr(module, n).dim() == 0 or getattr(module, n).shape[0] != 1]
+            allowed = _loose_names(module)
+            bad = [n for n in own if n not in allowed or getattr(module, n).dim() < 2
+                   or getattr(module, n).shape[0] != 1]
             if bad:
+                from .registry import RULES
+                parent = next((c for c in type(module).__mro__[1:] if c in RULES), None)
+                hint = (f" ({type(module).__name__} overrides the forward of {parent.__name__}, so that "
+                        "rule does not apply)" if parent is not None else "")
                 raise UnsupportedModuleError(
                     f"Module {label} ({type(module).__name__}) has no per-sample-gradient rule for its "
-                    f"trainable parameter(s) {', '.join(f'{mname}.{n}' if mname else n for n in bad)}. "
+                    f"trainable parameter(s) {', '.join(f'{mname}.{n}' if mname else n for n in bad)}{hint}. "
                     "dpzoo will not leave them unclipped: freeze them (requires_grad_(False)), "
-                    "replace the layer, or register a rule with dpzoo.grad_norms.register_rule.")
-            # Loose tensors with a leading dimension of 1 (cls_token, pos_embed, ...)
+                    "replace the layer, or register a rule with dpzoo.grad_norms.register_rule "
+                    "(tensors broadcast over the batch: dpzoo.grad_norms.register_loose_tensors).")
             self._plans.append(_ModulePlan(mname, module, None, own, True, loose=own))
 
     # -- hooks ----------------------------------------------------------------------------
     def _register(self) -> None:
-        state = weakref.proxy(self._state)
-        if any(p.needs_activations for p in self._plans):
-            # the batch size, to expand layers fed a batch-1 input broadcast over the batch
-            self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True))
-            self._handles.append(self.model.register_forward_hook(self._root_post_hook))
+        # Root hooks for every model (bias-only ones too): the batch size, and the outputs
+        # from which parameter uses are counted when loss.backward() is used.
+        self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(self._root_post_hook))
+        self._bw_modules = []
         for plan in self._plans:
             m = plan.module
             if plan.loose:
                 self._handles.append(m.register_forward_pre_hook(self._loose_pre_hook(plan)))
                 self._handles.append(m.register_forward_hook(self._loose_post_hook(plan), always_call=True))
             elif plan.needs_activations:
+                self._handles.append(m.register_forward_pre_hook(self._version_hook, with_kwargs=True))
                 self._handles.append(m.register_forward_hook(self._forward_hook(plan), with_kwargs=True))
-            elif plan.rule.grad_from is not None:  # activation-free via a submodule's input gradient
-                self._handles.append(plan.rule.grad_from(m).register_full_backward_hook(
-                    self._backward_hook(plan, use_grad_input=True)))
-            else:  # activation-free: output gradient only, no forward hook, nothing stored
-                self._handles.append(m.register_full_backward_hook(self._backward_hook(plan)))
-        del state
+            else:  # activation-free: no forward hook on the layer, nothing stored (the root's
+                # pre-hook marks a new step, so several backward passes in one step add up)
+                target = plan.rule.grad_from(m) if plan.rule.grad_from is not None else m
+                self._handles.append(target.register_full_backward_hook(
+                    self._backward_hook(plan, use_grad_input=plan.rule.grad_from is not None)))
+                self._bw_modules.append(target)
+        if self.ghost_backward:
+            # Ghost differentiation computes no parameter gradient (bias-only parameters only
+            # inside it): one reaching a parameter comes from a use dpzoo cannot see (e.g. in
+            # the loss, whose graph dpzoo does not walk on loss.backward()).
+            for name, p in self._params.items():
+                self._handles.append(p.register_hook(self._stray_grad_hook(name)))
 
     def _new_step_if_done(self) -> None:
-        if self._state.backward_done:
+        # Never inside a backward pass: activation checkpointing re-runs forwards there.
+        if self._state.backward_done and not _in_backward():
             self._state = _State()
 
+    def _stray_grad_hook(self, name: str):
+        def hook(grad):
+            if not self._by_edges:
+                self._state.stray.append(name)
+            return None
+        return hook
+
     def _root_pre_hook(self, module, args, kwargs):
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not _in_backward():
             self._new_step_if_done()
             x = _first_tensor(tuple(args) + tuple(kwargs.values()))
             if x is not None and x.dim() > 0:
@@ -202,25 +292,27 @@ class NormHooks:
         return None
 
     def _root_post_hook(self, module, args, output):
-        if torch.is_grad_enabled():
-            found, stack = [], [output]
-            while stack:  # tensors inside tuples, dicts and ModelOutputs
-                o = stack.pop()
-                if isinstance(o, torch.Tensor):
-                    if o.grad_fn is not None:
-                        found.append(o)
-                elif isinstance(o, dict):
-                    stack.extend(o.values())
-                elif isinstance(o, (list, tuple)):
-                    stack.extend(o)
-            self._state.outputs = found
-            if self.ghost_backward and found:
-                return self._wrap_outputs(output, found)
+        if not torch.is_grad_enabled() or _in_backward():
+            return None
+        self._state.root_ran = True
+        found, stack = [], [output]
+        while stack:  # tensors inside tuples, dicts and ModelOutputs
+            o = stack.pop()
+            if isinstance(o, torch.Tensor):
+                if o.grad_fn is not None:
+                    found.append(o)
+            elif isinstance(o, dict):
+                stack.extend(o.values())
+            elif isinstance(o, (list, tuple)):
+                stack.extend(o)
+        self._state.outputs.extend(found)  # several forward passes may feed one loss
+        if self.ghost_backward and found:
+            return self._wrap_outputs(output, found)
         return None
 
     def _wrap_outputs(self, output, found):
         anchor = torch.zeros((), requires_grad=True)
-        wrapped = _GhostBackward.apply(self, tuple(found), anchor, *[t.detach() for t in found])
+        wrapped = _GhostBackward.apply(self, tuple(found), anchor)
         mapping = {id(t): w for t, w in zip(found, wrapped)}
 
         def rebuild(o):
@@ -230,33 +322,56 @@ class NormHooks:
                 for k in list(o.keys()):
                     o[k] = rebuild(o[k])
                 return o
-            if isinstance(o, tuple) and not hasattr(o, "_fields"):
-                return tuple(rebuild(x) for x in o)
+            if isinstance(o, tuple):
+                items = [rebuild(x) for x in o]
+                return type(o)(*items) if hasattr(o, "_fields") else tuple(items)
             if isinstance(o, list):
                 return [rebuild(x) for x in o]
             return o
         return rebuild(output)
 
+    def _version_hook(self, module, args, kwargs):
+        if torch.is_grad_enabled():
+            ins = tuple(args) or tuple(v for v in kwargs.values() if isinstance(v, torch.Tensor))[:1]
+            self._pending.setdefault(id(module), []).append(
+                tuple(a._version if isinstance(a, torch.Tensor) else None for a in ins))
+        return None
+
     def _forward_hook(self, plan: _ModulePlan):
         def hook(module, args, kwargs, output):
+            pending = self._pending.get(id(module))
+            versions = pending.pop() if pending else None
             if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
                 return None
             self._new_step_if_done()
             if not args:  # called as layer(input=x)
                 args = tuple(v for v in kwargs.values() if isinstance(v, torch.Tensor))[:1]
+            now = tuple(a._version if isinstance(a, torch.Tensor) else None for a in args)
+            if versions is not None and now != versions:
+                raise UnsupportedModuleError(
+                    f"{plan.name} ({type(module).__name__}) modified its own input in place during forward; "
+                    "its per-sample gradient cannot be computed from the stored input. Switch the "
+                    "in-place option off (dpzoo.make_dp_ready does).")
             b = self._state.batch_size
             x = _first_tensor(args)
+            if x is None or x.dim() == 0:
+                raise UnsupportedModuleError(f"{plan.name} ({type(module).__name__}) got no batched tensor input.")
             expanded = None
-            if b is not None and b > 1 and x is not None and x.dim() > 0 and x.shape[0] == 1 \
-                    and output.dim() > 0 and output.shape[0] == 1:
-                # A batch-1 input broadcast over the batch (HF's position_ids): give every
-                # sample its own copy, so the layer's gradient splits per sample (exact).
-                args = tuple(a.expand(b, *a.shape[1:]) if isinstance(a, torch.Tensor) and a.dim() > 0
-                             and a.shape[0] == 1 else a for a in args)
+            if (b is not None and b > 1 and x.shape[0] == 1 and isinstance(module, nn.Embedding)
+                    and not x.is_floating_point() and output.shape[0] == 1):
+                # Position ids of batch 1 broadcast over the batch (HF): give every sample
+                # its own lookup, so the table's gradient splits per sample (exact).
+                args = tuple(a.expand(b, *a.shape[1:]) if isinstance(a, torch.Tensor) else a for a in args)
                 output = expanded = output.expand(b, *output.shape[1:])
+                x = args[0]
+            if b is not None and x.shape[0] != b:
+                raise UnsupportedModuleError(
+                    f"{plan.name} ({type(module).__name__}) got an input with {x.shape[0]} rows in its first "
+                    f"dimension but the batch has {b} samples. Per-sample gradients need every hooked layer to "
+                    "take batch-first inputs (no sequence-first, flattened or unbatched inputs).")
             acts = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-            use = _Use(module, plan.name, plan.params, acts,
-                       tuple(a._version if isinstance(a, torch.Tensor) else None for a in args), output)
+            use = _Use(module, plan.name, plan.params, acts, versions if versions is not None else now, output,
+                       torch.autograd.graph.get_gradient_edge(output), batch_size=x.shape[0])
             output.register_hook(self._grad_catcher(use))
             self._state.uses.append(use)
             return expanded  # None (output unchanged) unless expanded
@@ -264,6 +379,8 @@ class NormHooks:
 
     def _grad_catcher(self, use: _Use):
         def catch(grad):
+            if self._by_edges:
+                return  # hooks.backward collects this gradient from its gradient edge
             use.grad = grad.detach() if use.grad is None else use.grad + grad.detach()
             self._state.backward_done = True
         return catch
@@ -273,12 +390,10 @@ class NormHooks:
             grad = grad_input[0] if use_grad_input else grad_output[0]
             if grad is None:
                 return None
-            # Without forward hooks (bias-only) a new step shows as a new backward pass.
-            task = torch._C._current_graph_task_id()
-            if self._state.task_id is not None and self._state.task_id != task:
-                self._state = _State()
-            self._state.task_id = task
-            self._state.uses.append(_Use(plan.module, plan.name, plan.params, grad=grad.detach()))
+            # the backward pass: the user's, also when ghost differentiation runs inside it
+            task = self._pass if self._by_edges else torch._C._current_graph_task_id()
+            self._state.uses.append(_Use(plan.module, plan.name, plan.params, grad=grad.detach(),
+                                         batch_size=grad.shape[0], task=task))
             self._state.backward_done = True
             return None
         return hook
@@ -286,7 +401,7 @@ class NormHooks:
     def _loose_pre_hook(self, plan: _ModulePlan):
         def hook(module, args, kwargs=None):
             x = _first_tensor(args)
-            if x is None or not torch.is_grad_enabled():
+            if x is None or not torch.is_grad_enabled() or _in_backward():
                 return None
             self._new_step_if_done()
             b = x.shape[0]
@@ -295,7 +410,8 @@ class NormHooks:
                 # a per-sample copy, detached from p: any use of p itself is then visible
                 copy = p.detach().expand(b, *p.shape[1:]).clone().requires_grad_(True)
                 module.__dict__[n] = copy  # shadows the registered parameter during forward
-                use = _Use(module, plan.name, (n,), output=copy, loose=True)
+                use = _Use(module, plan.name, (n,), output=copy, edge=torch.autograd.graph.get_gradient_edge(copy),
+                           loose=True, batch_size=b)
                 copy.register_hook(self._grad_catcher(use))
                 self._state.uses.append(use)
             return None
@@ -316,38 +432,62 @@ class NormHooks:
         bias-only layers, but no weight gradient (BK's ghost differentiation); parameters'
         ``.grad`` are left as they were.
         """
+        if self._state.backward_done:
+            raise UnsupportedModuleError(
+                "A backward pass already ran since the last forward (loss.backward() or hooks.backward()); "
+                "hooks.backward(loss) would add this loss's per-sample gradients to it. Call hooks.backward "
+                "once per forward pass, and not after loss.backward() (several loss.backward() calls in "
+                "one step add up).")
         if self.ghost_backward and self._state.outputs:
+            self._count_edges([loss])  # uses of parameters in the loss are checked too
             loss.backward()  # the outputs are wrapped: this is ghost differentiation already
             return
-        self._check_graph([loss])
         self._ghost_differentiate([loss], None)
 
     def _ghost_differentiate(self, roots: list, grads: list | None) -> None:
-        targets = [u.output for u in self._state.uses if u.output is not None and u.output.requires_grad]
+        # Count the uses in the graph of these roots too: with ghost_backward, hooks.backward
+        # counted only the loss's graph, and several forward passes each reach here once.
+        self._count_edges(roots)
+        uses = [u for u in self._state.uses if u.edge is not None and u.output is not None and u.output.requires_grad]
+        targets = [u.edge for u in uses]
+        n_edges = len(targets)
         for plan in self._plans:  # bias-only layers: their backward hooks fire on the way
             if not plan.needs_activations:
                 targets += [getattr(plan.module, n) for n in plan.params if getattr(plan.module, n).requires_grad]
         if not targets:
             raise RuntimeError("No hooked layer took part in this forward pass; nothing to differentiate.")
-        with warnings.catch_warnings():
-            # torch warns when a hooked layer's inputs need no gradient (the first layer's
-            # never do): expected here, since only output gradients are wanted
-            warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            torch.autograd.grad(roots, targets, grads, allow_unused=True)
+        outer = torch._C._current_graph_task_id()  # the user's loss.backward() (ghost_backward), or none
+        self._n_passes += 1
+        self._pass = outer if outer != -1 else ("hooks.backward", self._n_passes)
+        self._by_edges = True
+        try:
+            with warnings.catch_warnings():
+                # torch warns when a hooked layer's inputs need no gradient (the first layer's
+                # never do): expected here, since only output gradients are wanted
+                warnings.filterwarnings("ignore", message="Full backward hook is firing")
+                got = torch.autograd.grad(roots, targets, grads, allow_unused=True)
+        finally:
+            self._by_edges = False
+        for use, g in zip(uses, got[:n_edges]):
+            if g is not None:
+                use.grad = g.detach() if use.grad is None else use.grad + g.detach()
         self._state.backward_done = True
+        self._compare_uses()
 
-    def _check_graph(self, roots: list) -> None:
-        """Every direct use of a trainable parameter must be one dpzoo recorded."""
+    def _count_edges(self, roots: list) -> None:
+        """Count the direct uses of every trainable parameter in the graph of ``roots`` (added to
+        the counts of graphs walked before in this step; shared nodes are walked once)."""
         if roots and all(r.grad_fn is None for r in roots):
             raise RuntimeError("loss does not require grad: did the forward pass run under no_grad?")
-        self._state.graph_checked = True
-        edges: dict[int, int] = {}
-        stack, seen = [r.grad_fn for r in roots], set()
+        st = self._state
+        edges: dict[int, int] = st.edges if st.edges is not None else {}
+        walked: set = st.walked if st.walked is not None else set()
+        stack = [r.grad_fn for r in roots]
         while stack:
             fn = stack.pop()
-            if fn is None or id(fn) in seen:
+            if fn is None or id(fn) in walked:
                 continue
-            seen.add(id(fn))
+            walked.add(id(fn))
             for nxt, _ in fn.next_functions:
                 if nxt is None:
                     continue
@@ -356,25 +496,39 @@ class NormHooks:
                     edges[id(var)] = edges.get(id(var), 0) + 1
                 else:
                     stack.append(nxt)
+        self._state.edges, self._state.walked = edges, walked
+
+    def _compare_uses(self) -> None:
+        """Every direct use of a trainable parameter must be one dpzoo recorded."""
+        st = self._state
+        if st.edges is None:
+            return
         recorded: dict[int, int] = {}
-        for u in self._state.uses:
+        per_task: dict[tuple, int] = {}  # activation-free uses: (parameter, backward pass) -> count
+        for u in st.uses:
             if u.loose:
                 continue
+            if u.edge is not None and id(u.edge.node) not in st.walked:
+                continue  # this call's output does not reach the loss
             for n in u.params:
                 pid = id(getattr(u.module, n))
-                recorded[pid] = recorded.get(pid, 0) + 1
-        for plan in self._plans:
-            if plan.needs_activations or plan.loose:
-                continue
-            for n in plan.params:  # bias-only modules are recorded during backward: count calls later
-                recorded.setdefault(id(getattr(plan.module, n)), 10**9)
+                if u.edge is None:  # one use per module call per backward pass
+                    per_task[pid, u.task] = per_task.get((pid, u.task), 0) + 1
+                else:
+                    recorded[pid] = recorded.get(pid, 0) + 1
+        calls: dict[int, int] = {}
+        for (pid, _), k in per_task.items():  # several backward passes replay the same calls
+            calls[pid] = max(calls.get(pid, 0), k)
+        for pid, k in calls.items():
+            recorded[pid] = recorded.get(pid, 0) + k
         for name, p in self._params.items():
-            if edges.get(id(p), 0) > recorded.get(id(p), 0):
+            if st.edges.get(id(p), 0) > recorded.get(id(p), 0):
                 raise UnsupportedModuleError(
-                    f"Parameter {name} is used {edges[id(p)]} time(s) in this forward pass but dpzoo "
-                    f"recorded {recorded.get(id(p), 0)}: it is used outside the module that owns it "
-                    "(e.g. `x @ module.weight` in another module's forward). Its per-sample gradient "
+                    f"Parameter {name} is used {st.edges[id(p)]} time(s) in this step but dpzoo recorded "
+                    f"{recorded.get(id(p), 0)}: it is used outside the module that owns it (e.g. `x @ "
+                    "module.weight` in another module's forward, or in the loss). Its per-sample gradient "
                     "cannot be accounted for; route every use through a module, or freeze it.")
+        st.graph_checked = True
 
     # -- results ----------------------------------------------------------------------------
     def _collect(self) -> dict[str, list]:
@@ -384,9 +538,28 @@ class NormHooks:
         if not st.backward_done:
             raise RuntimeError("No backward pass since the last forward: call hooks.backward(loss) "
                                "or loss.backward() first.")
-        if not st.graph_checked and st.outputs:  # loss.backward() was used: check from the outputs
-            self._check_graph(st.outputs)
+        if st.stray:
+            raise UnsupportedModuleError(
+                f"Parameter(s) {', '.join(dict.fromkeys(st.stray))} received a gradient outside dpzoo's ghost "
+                "differentiation: they are used outside the model's forward (e.g. a weight penalty or a tied "
+                "projection in the loss), so their per-sample gradient cannot be accounted for. Compute "
+                "every use inside the model (or use the optimizer's weight_decay), or freeze them.")
+        if not st.graph_checked:
+            if st.outputs:  # loss.backward() was used: check from the model's outputs
+                self._count_edges(st.outputs)
+                self._compare_uses()
+            elif not st.root_ran:
+                raise UnsupportedModuleError(
+                    "Hooked layers ran, but not through the model itself (model.forward(...) or a submodule "
+                    "was called): dpzoo cannot check every parameter use. Call model(...), or use "
+                    "hooks.backward(loss).")
+            else:
+                raise UnsupportedModuleError(
+                    "The model's output holds no tensor dpzoo can find (it looks inside tensors, tuples, "
+                    "lists and dicts), so the parameter uses behind loss.backward() cannot be checked. "
+                    "Use hooks.backward(loss), or return tensors in one of these containers.")
         by_param: dict[str, list] = {n: [] for n in self._params}
+        sizes = set()
         for use in st.uses:
             if use.grad is None:
                 continue  # output did not reach the loss
@@ -394,28 +567,39 @@ class NormHooks:
                 n = use.params[0]
                 name = self._param_names[id(use.module._parameters[n])]
                 by_param[name].append(R.Dense(use.grad.unsqueeze(1)))
+                sizes.add((use.module_name, use.grad.shape[0]))
                 continue
-            plan_rule = find_rule(use.module)
+            rule = find_rule(use.module)
             if use.versions is not None:
                 for a, v in zip(use.activations, use.versions):
-                    if isinstance(a, torch.Tensor) and a._version != v:
+                    if isinstance(a, torch.Tensor) and v is not None and a._version != v:
                         raise UnsupportedModuleError(
                             f"The input of {use.module_name} was modified in place after the layer used "
                             "it; its per-sample gradient would be wrong. Remove the in-place op "
                             "(dpzoo.make_dp_ready switches off the usual ones).")
-            out = plan_rule.fn(use.module, use.activations, use.grad, set(use.params))
+            out = rule.fn(use.module, use.activations, use.grad, set(use.params))
             for local, rep in out.items():
-                by_param[self._param_names[id(getattr(use.module, local))]].append(rep)
-        sizes = {(n, r.batch_size) for n, rs in by_param.items() for r in rs}
-        if len({b for _, b in sizes}) > 1:
-            detail = ", ".join(sorted(f"{n}: {b}" for n, b in sizes))
+                p = getattr(use.module, local)
+                if tuple(_rep_shape(rep)) != tuple(p.shape):
+                    raise UnsupportedModuleError(
+                        f"The rule for {use.module_name} ({type(use.module).__name__}) produced a per-sample "
+                        f"gradient of shape {tuple(_rep_shape(rep))} for {local}, whose shape is {tuple(p.shape)}: "
+                        "the module does not compute what its rule assumes.")
+                by_param[self._param_names[id(p)]].append(rep)
+                sizes.add((use.module_name, rep.batch_size))
+        batch = {b for _, b in sizes}
+        if st.batch_size is not None:
+            batch.add(st.batch_size)
+        if len(batch) > 1:
+            detail = ", ".join(sorted(f"{n or '<root>'}: {b}" for n, b in sizes))
             raise UnsupportedModuleError(
-                "Layers saw different batch sizes in one step, so per-sample gradients cannot be "
-                f"matched across them ({detail}). Every hooked layer must take batch-first inputs.")
-        missing = [n for n, rs in by_param.items() if not rs]
-        for n in missing:  # unused in this step: zero gradient
+                f"Layers saw different batch sizes in one step (batch {st.batch_size}; {detail}), so "
+                "per-sample gradients cannot be matched across them. Every hooked layer must take "
+                "batch-first inputs.")
+        for n in [n for n, rs in by_param.items() if not rs]:  # unused in this step: zero gradient
             p = self._params[n]
-            by_param[n] = [R.Dense(torch.zeros(self._batch_size(by_param), *p.shape, dtype=p.dtype, device=p.device))]
+            b = next(iter(batch)) if batch else 0
+            by_param[n] = [R.Dense(torch.zeros(b, *p.shape, dtype=p.dtype, device=p.device))]
         st.reps = by_param
         return by_param
 
@@ -450,9 +634,10 @@ class NormHooks:
         return {n: v.sqrt() for n, v in self.per_param_sq_norms().items()}
 
     def per_sample_norms(self) -> torch.Tensor:
-        """Tensor[B]: ‖∂L_i/∂θ‖₂ over all trainable parameters θ."""
+        """Tensor[B]: ‖∂L_i/∂θ‖₂ over all trainable parameters θ (float32 or float64)."""
         sq = list(self.per_param_sq_norms().values())
-        return torch.stack([s.to(torch.float64 if s.dtype == torch.float64 else torch.float32) for s in sq]).sum(0).sqrt()
+        dtype = torch.float64 if any(s.dtype == torch.float64 for s in sq) else torch.float32
+        return torch.stack([s.to(dtype) for s in sq]).sum(0).sqrt()
 
     def clipped_sum(self, scale: torch.Tensor) -> dict[str, torch.Tensor]:
         """{parameter name: Σ_i scale[i] · ∂L_i/∂θ} (book-keeping: no second backward)."""
@@ -479,17 +664,22 @@ class NormHooks:
     def clear(self) -> None:
         """Drop the stored activations and gradients of the current step."""
         self._state = _State()
+        self._pending.clear()
 
     def detach(self) -> None:
         """Remove every hook; the model is left as it was."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for m in getattr(self, "_bw_modules", []):
+            if not m._backward_hooks:
+                m._is_full_backward_hook = None
         for plan in self._plans:
             for n in plan.loose:
                 plan.module.__dict__.pop(n, None)
         self.clear()
-        self._attached = False
+        if getattr(self.model, "_dpzoo_norm_hooks", None) is not None:
+            self.model._dpzoo_norm_hooks = None
 
     def __enter__(self):
         return self
@@ -505,6 +695,10 @@ class NormHooks:
             store = "activations" if p.needs_activations else "output gradient only"
             lines.append(f"{p.name or '<root>'}: {', '.join(p.params)} via {kind} ({store})")
         return lines
+
+
+def _rep_shape(rep) -> tuple:
+    return tuple(rep.grad.shape[1:]) if isinstance(rep, R.Dense) else tuple(rep.shape)
 
 
 def attach_norm_hooks(model: nn.Module, mode: str = "auto", *, ghost_backward: bool = False) -> NormHooks:

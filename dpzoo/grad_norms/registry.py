@@ -9,8 +9,9 @@ A rule is a plain function ``rule(module, activations, grad_output, params) -> {
 * ``params``: the names of the module's own trainable parameters to return.
 
 Each returned :class:`~dpzoo.grad_norms.reps.Rep` describes the per-sample gradients of one
-parameter exactly. Look-up walks the module's MRO, so a subclass uses its parent's rule
-unless it registers its own (timm's ``Conv2dSame`` does: it pads inside ``forward``).
+parameter exactly. A subclass uses its parent's rule only if it does not override
+``forward`` (it might compute something else: timm's ``StdConv2d`` standardises its weight,
+``Conv2dSame`` pads inside ``forward``); otherwise it needs a rule of its own.
 """
 
 from __future__ import annotations
@@ -57,10 +58,12 @@ def register_rule(*module_types: type, params: Iterable[str] = ("weight", "bias"
 
 
 def find_rule(module: nn.Module) -> Rule | None:
+    """The rule registered for the module's type, or for a parent whose ``forward`` it keeps."""
     from . import rules  # noqa: F401  (registers the built-in rules)
-    for cls in type(module).__mro__:
+    t = type(module)
+    for cls in t.__mro__:
         if cls in RULES:
-            return RULES[cls]
+            return RULES[cls] if t.forward is cls.forward else None
         if cls is nn.Module:
             break
     return None

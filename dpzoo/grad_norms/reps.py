@@ -86,6 +86,19 @@ class OneHot:
 Rep = Dense | Factored | OneHot
 
 
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    """Half-precision tensors are squared and summed in float32 (‖g‖ > 256 overflows float16)."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _acc_rep(rep):
+    if isinstance(rep, Dense):
+        return Dense(_acc(rep.grad))
+    if isinstance(rep, Factored):
+        return Factored(_acc(rep.left), _acc(rep.right), rep.shape)
+    return OneHot(rep.index, _acc(rep.right), rep.num_rows)
+
+
 def prefers_ghost(rep: Rep) -> bool:
     """BK paper §3.2: ghost norm iff 2T² < p·d (per group for grouped convolutions)."""
     if isinstance(rep, Factored):
@@ -120,6 +133,7 @@ def _onehot_left_gram(index: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
 
 def inner(u: Rep, v: Rep, *, ghost: bool | None = None) -> torch.Tensor:
     """⟨g_{u,i}, g_{v,i}⟩ for every sample i: Tensor[B]. Both must describe the same tensor."""
+    u, v = _acc_rep(u), _acc_rep(v)
     if isinstance(v, Dense) and not isinstance(u, Dense):
         u, v = v, u
     if isinstance(u, Dense):
@@ -153,6 +167,7 @@ def inner(u: Rep, v: Rep, *, ghost: bool | None = None) -> torch.Tensor:
 
 def sq_norm(rep: Rep, *, ghost: bool | None = None) -> torch.Tensor:
     """‖g_i‖² for every sample: ghost norm or instantiation (``ghost=None``: the BK rule)."""
+    rep = _acc_rep(rep)
     if isinstance(rep, Dense):
         return rep.grad.flatten(1).pow(2).sum(1)
     use_ghost = prefers_ghost(rep) if ghost is None else ghost

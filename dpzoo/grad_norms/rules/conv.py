@@ -50,9 +50,11 @@ def _conv_rule(module, activations, grad_output, params, pad_fn=_module_padding)
     out = {}
     if "weight" in params:
         x = activations[0]
-        unbatched = x.dim() == module.weight.dim() - 1
-        if unbatched:  # torch accepts (C, *spatial); the sample is the whole input
-            x, grad_output = x.unsqueeze(0), grad_output.unsqueeze(0)
+        if x.dim() == module.weight.dim() - 1:
+            from ...errors import UnsupportedModuleError
+            raise UnsupportedModuleError(
+                f"{type(module).__name__} got an unbatched input {tuple(x.shape)}: per-sample gradients "
+                "need batch-first inputs (N, C, ...).")
         pad, mode = pad_fn(module) if pad_fn is _module_padding else pad_fn(module, x)
         patches = _patches(x, module, pad, mode)
         g = _grad_by_group(grad_output, module.groups)

@@ -33,6 +33,20 @@ def layernorm_rule(module: nn.LayerNorm, activations, grad_output, params):
     return out
 
 
+try:  # timm's LayerNorm computes F.layer_norm too (optionally a fused kernel)
+    from timm.layers.norm import LayerNorm as TimmLayerNorm, LayerNorm2d as TimmLayerNorm2d
+except ImportError:  # pragma: no cover
+    TimmLayerNorm = TimmLayerNorm2d = None
+if TimmLayerNorm is not None:
+    register_rule(TimmLayerNorm, activation_free={"bias"})(layernorm_rule)
+
+    @register_rule(TimmLayerNorm2d, activation_free={"bias"})
+    def layernorm2d_rule(module, activations, grad_output, params):
+        # channels first: normalise over C at every position, i.e. LayerNorm on (B, H, W, C)
+        acts = None if activations is None else (activations[0].permute(0, 2, 3, 1),)
+        return layernorm_rule(module, acts, grad_output.permute(0, 2, 3, 1), params)
+
+
 def _per_channel_sum(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], x.shape[1], -1).sum(2)
 
