@@ -378,11 +378,17 @@ class NormHooks:
         return hook
 
     def _grad_catcher(self, use: _Use):
+        # Weak references only: the hook lives on the output's autograd node, and a strong
+        # reference back to the record (which holds that output) would form a cycle through
+        # C++ that Python's garbage collector cannot see, leaking every step's activations.
+        use_ref, self_ref = weakref.ref(use), weakref.ref(self)
+
         def catch(grad):
-            if self._by_edges:
-                return  # hooks.backward collects this gradient from its gradient edge
-            use.grad = grad.detach() if use.grad is None else use.grad + grad.detach()
-            self._state.backward_done = True
+            hooks, u = self_ref(), use_ref()
+            if hooks is None or u is None or hooks._by_edges:
+                return  # step already dropped, or hooks.backward collects it from its edge
+            u.grad = grad.detach() if u.grad is None else u.grad + grad.detach()
+            hooks._state.backward_done = True
         return catch
 
     def _backward_hook(self, plan: _ModulePlan, use_grad_input: bool = False):
@@ -578,6 +584,7 @@ class NormHooks:
                             "it; its per-sample gradient would be wrong. Remove the in-place op "
                             "(dpzoo.make_dp_ready switches off the usual ones).")
             out = rule.fn(use.module, use.activations, use.grad, set(use.params))
+            use.activations = None  # the representations hold what is needed from here on
             for local, rep in out.items():
                 p = getattr(use.module, local)
                 if tuple(_rep_shape(rep)) != tuple(p.shape):
@@ -617,8 +624,15 @@ class NormHooks:
         st = self._state
         if st.sq_norms is None:
             ghost = self._ghost_flag()
+            reps = self._collect()
             out = {}
-            for name, rs in self._collect().items():
+            for name, rs in reps.items():
+                # BK-MixOpt (BK paper §3.2): a layer on the instantiation path has its per-sample
+                # gradients formed once; the clipped sum reuses them and its factors (activations,
+                # unfolded patches) are dropped here.
+                rs = [R.Dense(R.instantiate(r)) if not isinstance(r, R.Dense)
+                      and not (R.prefers_ghost(r) if ghost is None else ghost) else r for r in rs]
+                reps[name] = rs
                 total = R.sq_norm(rs[0], ghost=ghost)
                 for i in range(len(rs)):
                     if i:
