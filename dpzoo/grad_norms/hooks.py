@@ -260,9 +260,14 @@ class NormHooks:
                 self._handles.append(m.register_forward_hook(self._forward_hook(plan), with_kwargs=True))
             else:  # activation-free: no forward hook on the layer, nothing stored (the root's
                 # pre-hook marks a new step, so several backward passes in one step add up)
-                target = plan.rule.grad_from(m) if plan.rule.grad_from is not None else m
-                self._handles.append(target.register_full_backward_hook(
-                    self._backward_hook(plan, use_grad_input=plan.rule.grad_from is not None)))
+                if plan.rule.grad_from is not None:  # the gradient at a submodule's input
+                    target = plan.rule.grad_from(m)
+                    self._handles.append(target.register_full_backward_hook(
+                        self._backward_hook(plan, use_grad_input=True)))
+                else:  # the output gradient: a pre-hook needs no wrapping of the inputs (cheaper)
+                    target = m
+                    pre = self._backward_hook(plan)
+                    self._handles.append(m.register_full_backward_pre_hook(lambda mod, go, f=pre: f(mod, None, go)))
                 self._bw_modules.append(target)
         if self.ghost_backward:
             # Ghost differentiation computes no parameter gradient (bias-only parameters only
