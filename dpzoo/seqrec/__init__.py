@@ -1,0 +1,1 @@
+"""Sequential recommendation: data, metrics and DPFormer (issue 5)."""
