@@ -115,8 +115,18 @@ def _cmd_cards(args) -> int:
 
 
 def _cmd_train(args) -> int:
+    import dpzoo
+    if dpzoo.model_card(args.name).task == "sequential-recommendation":
+        from .seqrec.train import train_seqrec
+        train_seqrec(args.name, data=args.data if args.data != "digits" else "synthetic", epsilon=args.epsilon,
+                     delta=args.delta, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                     max_len=args.max_len, max_grad_norm=args.max_grad_norm, clipping=args.clipping,
+                     eval_every=args.eval_every, accountant=args.accountant, seed=args.seed, out=args.out,
+                     overrides=_parse_sets(args.set), max_physical_batch_size=args.max_physical_batch_size)
+        return 0
     from .train import train_image_classifier
-    train_image_classifier(args.name, data=args.data, epsilon=args.epsilon, delta=args.delta, epochs=args.epochs,
+    train_image_classifier(args.name, data=args.data, epsilon=args.epsilon,
+                           delta=args.delta if args.delta is not None else 1e-5, epochs=args.epochs,
                            batch_size=args.batch_size, lr=args.lr, mode=args.mode, clipping=args.clipping,
                            max_grad_norm=args.max_grad_norm, out=args.out, small=not args.full_size,
                            accountant=args.accountant, overrides=_parse_sets(args.set), seed=args.seed)
@@ -146,9 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
         s.set_defaults(fn=fn)
     s = sub.add_parser("train", help="private training of a zoo model on a built-in dataset")
     s.add_argument("name")
-    s.add_argument("--data", default="digits", help="built-in dataset (default: digits, bundled with scikit-learn)")
+    s.add_argument("--data", default="digits",
+                   help="image models: digits (bundled with scikit-learn); sequence models: synthetic (default), "
+                        "ml-1m, ml-100k, amazon-games or a file path")
     s.add_argument("--epsilon", type=float, default=8.0)
-    s.add_argument("--delta", type=float, default=1e-5)
+    s.add_argument("--delta", type=float, default=None,
+                   help="delta (default: 1e-5 for images, N^-1.1 for N users of sequence data)")
+    s.add_argument("--max-len", type=int, default=None, help="sequence models: input length (ml-1m: 200, else 50)")
+    s.add_argument("--eval-every", type=int, default=5, help="sequence models: evaluate every k epochs")
+    s.add_argument("--max-physical-batch-size", type=int, default=None)
     s.add_argument("--epochs", type=int, default=10)
     s.add_argument("--batch-size", type=int, default=64)
     s.add_argument("--lr", type=float, default=2e-3)

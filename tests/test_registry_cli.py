@@ -120,3 +120,20 @@ def test_cli_train_saves_model_with_privacy_metadata(tmp_path, capsys):
 def test_cli_train_rejects_non_image_models(capsys):
     assert main(["train", "gpt2", "--epochs", "1"]) == 2
     assert "only image classifiers" in capsys.readouterr().err
+
+
+def test_cli_trains_a_sequence_model_on_synthetic_data(tmp_path, capsys):
+    """issue 5: a 2-epoch run on synthetic data completes from the CLI, user-level privacy."""
+    assert main(["train", "transformer-seqrec", "--data", "synthetic", "--epochs", "2", "--eval-every", "1",
+                 "--epsilon", "5", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "epoch 2: test NDCG@10" in out
+    import json
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert len(metrics["history"]) == 2 and metrics["history"][-1]["epsilon"] <= 5.0
+    assert 0 <= metrics["history"][-1]["test_ndcg@10"] <= metrics["history"][-1]["test_hit@10"] <= 1
+    meta = dpzoo.privacy_metadata(tmp_path / "model")
+    assert meta["privacy_unit"] == "user" and meta["epsilon"] <= 5.0
+    assert (tmp_path / "metrics.png").stat().st_size > 0
+    m = dpzoo.load(tmp_path / "model")
+    assert m.out.weight is m.item_emb.weight
