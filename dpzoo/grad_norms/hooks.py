@@ -637,6 +637,13 @@ class NormHooks:
                 # unfolded patches) are dropped here.
                 rs = [R.Dense(R.instantiate(r)) if not isinstance(r, R.Dense)
                       and not (R.prefers_ghost(r) if ghost is None else ghost) else r for r in rs]
+                if len(rs) > 2 and ghost is not True:
+                    # Many uses (a recurrent cell called at every time step): summing the
+                    # per-sample gradients costs O(uses) instead of O(uses²) cross terms.
+                    dense = R.instantiate(rs[0])
+                    for r in rs[1:]:
+                        dense = dense + R.instantiate(r)
+                    rs = [R.Dense(dense)]
                 reps[name] = rs
                 total = R.sq_norm(rs[0], ghost=ghost)
                 for i in range(len(rs)):

@@ -108,6 +108,34 @@ class SeqRecTransformer(nn.Module):
         return self.out(self.ln_f(x))
 
 
+class SeqRecRNN(nn.Module):
+    """GRU / LSTM baseline for next-item prediction (DPFormer paper Table 1), DP-ready.
+
+    Item embedding (tied to the output layer, like the vanilla Transformer), one recurrent
+    layer of width d_model (:class:`dpzoo.nn.DPGRU` / :class:`~dpzoo.nn.DPLSTM`), LayerNorm
+    and a full softmax over all items."""
+
+    def __init__(self, cfg: SeqRecConfig, cell: str):
+        super().__init__()
+        from ..nn.recurrent import DPGRU, DPLSTM
+        self.config, self.cell = cfg, cell
+        self.item_emb = nn.Embedding(cfg.num_items + 1, cfg.d_model, padding_idx=0)
+        self.rnn = (DPGRU if cell == "gru" else DPLSTM)(cfg.d_model, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.out = nn.Linear(cfg.d_model, cfg.num_items + 1)
+        if cfg.tied:
+            self.out.weight = self.item_emb.weight
+        nn.init.normal_(self.item_emb.weight, std=0.02)
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] > self.config.max_len:
+            raise ValueError(f"sequence length {input_ids.shape[1]} > max_len {self.config.max_len}")
+        h, _ = self.rnn(self.drop(self.item_emb(input_ids)))
+        return self.out(self.ln_f(self.drop(h)))
+
+
 _OVERRIDES = {
     "num_items": "items (output classes = num_items + 1; id 0 is padding)",
     "max_len": "longest input sequence (positional embeddings)", "d_model": "model width (default 64)",
@@ -164,4 +192,39 @@ def _entry(name: str, tied: bool):
 
 transformer_seqrec = _entry("transformer-seqrec", True)
 transformer_seqrec_untied = _entry("transformer-seqrec-untied", False)
+
+
+def _rnn_entry(name: str, cell: str):
+    card = ModelCard(
+        name=name,
+        summary=f"{cell.upper()} baseline for next-item prediction (item embedding tied to the output layer), DP-ready.",
+        architecture=f"dpzoo `SeqRecRNN`: item embedding d=64, one dpzoo.nn.DP{cell.upper()} layer, full softmax",
+        library="dpzoo", task="sequential-recommendation",
+        patches=(f"DP{cell.upper()} built from nn.Linear (torch's fused {cell.upper()} has no per-sample rule); same "
+                 "equations and gate order as torch", "tied: `item_emb.weight` = `out.weight`"),
+        weight_source="random initialisation (train with `dpzoo train`)", license="Apache-2.0",
+        papers=("DPFormer: Learning Differentially Private Transformer on Long-Tailed Data: Table 1 baselines",),
+        overrides={k: v for k, v in _OVERRIDES.items() if k not in ("num_heads", "num_blocks", "ffn_mult")},
+        test_overrides={"num_items": 50, "max_len": 8, "d_model": 8, "dropout": 0.0},
+        example_input={"kind": "tokens", "vocab_size": 51, "seq_len": 8},
+    )
+
+    @register_model(name, card=card)
+    def build(pretrained: bool = False, pretrained_tag: str | None = None, weights=None, **overrides):
+        if pretrained:
+            from ..errors import CheckpointError
+            raise CheckpointError(f"{name} has no pretrained weights; train it with `dpzoo train {name}`.")
+        arch, patch = split_patch_options(overrides)
+        reject_unknown(name, arch, card.overrides)
+        model = make_dp_ready(SeqRecRNN(SeqRecConfig(**arch), cell), groupnorm=False, **patch)
+        if weights is not None:
+            from ..checkpoint import load_state_dict_checked, read_state_dict
+            load_state_dict_checked(model, read_state_dict(weights), source=f"checkpoint {weights}")
+        return model
+    build.__name__ = name.replace("-", "_")
+    return build
+
+
+gru_seqrec = _rnn_entry("gru-seqrec", "gru")
+lstm_seqrec = _rnn_entry("lstm-seqrec", "lstm")
 _ = F
