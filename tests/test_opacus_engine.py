@@ -7,7 +7,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import dpzoo
 from dpzoo.losses import SequenceCrossEntropy

@@ -58,11 +58,6 @@ def test_no_inplace_ops_on_tracked_tensors(name, small_model):
     assert find_inplace_ops(model, *args, **kwargs) == []
 
 
-def _unpatched_twin(name, card):
-    """The same architecture without dpzoo's bias patch (GroupNorm and in-place fixes kept)."""
-    return dpzoo.load(name, **card.test_overrides)
-
-
 @pytest.mark.parametrize("name", ALL)
 def test_zero_biases_leave_outputs_identical(name):
     """Adding zero biases (BiTFiT-Add) must not change the function: compare against the

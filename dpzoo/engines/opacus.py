@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from ..errors import UnsupportedModuleError
@@ -96,5 +95,3 @@ def make_private(privacy_engine, *, module: nn.Module, grad_sample_mode: str = "
     register_opacus_rules()
     return privacy_engine.make_private(module=module, grad_sample_mode=grad_sample_mode, **kwargs)
 
-
-_ = torch

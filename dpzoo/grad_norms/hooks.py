@@ -178,6 +178,7 @@ class NormHooks:
         self._state = _State()
         self._handles: list = []
         self._plans: list[_ModulePlan] = []
+        self._rules: dict[int, Rule] = {}  # id(module) -> its rule, looked up once at attach
         self._pending: dict[int, list] = {}
         self._by_edges = False
         self._pass, self._n_passes = None, 0  # the backward pass ghost differentiation runs for
@@ -226,6 +227,7 @@ class NormHooks:
                         "(requires_grad_(False)) or register a rule with dpzoo.grad_norms.register_rule.")
                 needs = any(n not in rule.activation_free for n in own)
                 self._plans.append(_ModulePlan(mname, module, rule, own, needs))
+                self._rules[id(module)] = rule
                 continue
             allowed = _loose_names(module)
             bad = [n for n in own if n not in allowed or getattr(module, n).dim() < 2
@@ -580,7 +582,7 @@ class NormHooks:
                 by_param[name].append(R.Dense(use.grad.unsqueeze(1)))
                 sizes.add((use.module_name, use.grad.shape[0]))
                 continue
-            rule = find_rule(use.module)
+            rule = self._rules[id(use.module)]
             if use.versions is not None:
                 for a, v in zip(use.activations, use.versions):
                     if isinstance(a, torch.Tensor) and v is not None and a._version != v:
@@ -740,5 +742,3 @@ def attach_norm_hooks(model: nn.Module, mode: str = "auto", *, ghost_backward: b
     """
     return NormHooks(model, mode, ghost_backward=ghost_backward)
 
-
-_ = Iterable

@@ -25,10 +25,7 @@ Phantom Clipping), at O(B·T_u·T_v) extra memory.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
 __all__ = ["Dense", "Factored", "OneHot", "Rep", "inner", "sq_norm", "clipped_sum",
@@ -192,13 +189,3 @@ def clipped_sum(rep: Rep, scale: torch.Tensor) -> torch.Tensor:
 
 def _dtype(rep: Rep) -> torch.dtype:
     return rep.grad.dtype if isinstance(rep, Dense) else rep.right.dtype
-
-
-def cost(rep: Rep) -> float:  # pragma: no cover - informative only
-    if isinstance(rep, Factored):
-        t = rep.left.shape[2]
-        return float(min(2 * t * t, rep.left.shape[3] * rep.right.shape[3]))
-    return float(math.prod(rep.shape if not isinstance(rep, Dense) else rep.grad.shape[1:]))
-
-
-_ = Callable

@@ -6,7 +6,6 @@ import logging
 import sys
 from typing import Any, Callable
 
-import torch
 from torch import nn
 
 from ..checkpoint import load_state_dict_checked, read_state_dict
@@ -115,5 +114,3 @@ def as_int_tuple(key: str, length: int):
         return list(v)
     return conv
 
-
-_ = torch  # keep torch imported for type checkers

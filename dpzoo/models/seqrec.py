@@ -15,7 +15,6 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..registry import ModelCard, register_model
@@ -227,4 +226,3 @@ def _rnn_entry(name: str, cell: str):
 
 gru_seqrec = _rnn_entry("gru-seqrec", "gru")
 lstm_seqrec = _rnn_entry("lstm-seqrec", "lstm")
-_ = F

@@ -16,6 +16,20 @@ from torch import nn
 __all__ = ["DPGRU", "DPLSTM"]
 
 
+def _from_torch(cls, rnn: nn.RNNBase):
+    """A dpzoo cell with ``rnn``'s weights (one layer, unidirectional, batch_first, biases)."""
+    if (rnn.num_layers != 1 or rnn.bidirectional or not rnn.batch_first or not rnn.bias
+            or getattr(rnn, "proj_size", 0)):
+        raise ValueError(f"{cls.__name__}.from_torch supports one layer, unidirectional, batch_first, with biases")
+    m = cls(rnn.input_size, rnn.hidden_size)
+    with torch.no_grad():
+        m.ih.weight.copy_(rnn.weight_ih_l0)
+        m.ih.bias.copy_(rnn.bias_ih_l0)
+        m.hh.weight.copy_(rnn.weight_hh_l0)
+        m.hh.bias.copy_(rnn.bias_hh_l0)
+    return m
+
+
 class DPGRU(nn.Module):
     def __init__(self, input_size: int, hidden_size: int):
         super().__init__()
@@ -39,15 +53,7 @@ class DPGRU(nn.Module):
 
     @classmethod
     def from_torch(cls, gru: nn.GRU) -> "DPGRU":
-        if gru.num_layers != 1 or gru.bidirectional or not gru.batch_first or not gru.bias:
-            raise ValueError("DPGRU.from_torch supports one layer, unidirectional, batch_first, with biases")
-        m = cls(gru.input_size, gru.hidden_size)
-        with torch.no_grad():
-            m.ih.weight.copy_(gru.weight_ih_l0)
-            m.ih.bias.copy_(gru.bias_ih_l0)
-            m.hh.weight.copy_(gru.weight_hh_l0)
-            m.hh.bias.copy_(gru.bias_hh_l0)
-        return m
+        return _from_torch(cls, gru)
 
 
 class DPLSTM(nn.Module):
@@ -74,12 +80,4 @@ class DPLSTM(nn.Module):
 
     @classmethod
     def from_torch(cls, lstm: nn.LSTM) -> "DPLSTM":
-        if lstm.num_layers != 1 or lstm.bidirectional or not lstm.batch_first or not lstm.bias or lstm.proj_size:
-            raise ValueError("DPLSTM.from_torch supports one layer, unidirectional, batch_first, with biases")
-        m = cls(lstm.input_size, lstm.hidden_size)
-        with torch.no_grad():
-            m.ih.weight.copy_(lstm.weight_ih_l0)
-            m.ih.bias.copy_(lstm.bias_ih_l0)
-            m.hh.weight.copy_(lstm.weight_hh_l0)
-            m.hh.bias.copy_(lstm.bias_hh_l0)
-        return m
+        return _from_torch(cls, lstm)
