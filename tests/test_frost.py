@@ -290,3 +290,27 @@ def test_bad_input_is_refused_clearly():
     with pytest.raises(dpzoo.DPZooError, match="always_train"):
         frost.select(model, loader, 8.0, 1e-5, epochs=1, always_train=["nope"])
     assert all(p.requires_grad for p in model.parameters())  # nothing frozen by a failed call
+
+
+class BagOfTokens(nn.Module):
+    def __init__(self, vocab=12, d=5, classes=3):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.classifier = nn.Linear(d, classes)
+
+    def forward(self, ids):
+        return self.classifier(self.emb(ids).mean(1))
+
+
+def test_embedding_rows_coalesced_before_abs():
+    """A token repeated in a sample: its row gradients add before |·| (row-sparse path)."""
+    torch.manual_seed(0)
+    model = BagOfTokens().double()
+    ids = torch.tensor([[1, 1, 1, 2], [3, 4, 3, 3], [5, 5, 6, 1]])
+    y = torch.tensor([0, 2, 1])
+    ds = TensorDataset(ids, y)
+    parts = frost.default_partitions(model)
+    got = _Measurer(model, ds, None, frost.default_loss, "mgna", 1, 0.05, 2)(parts, [0, 1, 2])
+    grads = per_sample_grads(model, lambda m, i, y: F.cross_entropy(m(i), y, reduction="sum"), {"i": ids, "y": y}, 3)
+    pg = [torch.stack([torch.cat([g[n].flatten() for n in p.params]) for g in grads]) for p in parts]
+    assert torch.allclose(got, _definition(pg, "mgna", 1, 0.05, [p.size for p in parts]))

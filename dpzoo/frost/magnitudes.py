@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ..grad_norms.reps import RowSparse
 from .partitions import Partition
 
 __all__ = ["METHODS", "sensitivity", "clip_threshold", "clipped_partition_sums", "pgms"]
@@ -51,23 +52,46 @@ def sensitivity(method: str, alpha: int, clip: float, sizes: list[int]) -> float
     return clip_threshold(method, alpha, clip, sizes)
 
 
-def clipped_partition_sums(grads: list[torch.Tensor], method: str, alpha: int, clip: float,
-                           sizes: list[int]) -> list[torch.Tensor]:
+def _pieces(part) -> list:
+    return [part] if isinstance(part, torch.Tensor) else list(part)
+
+
+def _transform(x: torch.Tensor, scale: float, absolute: bool) -> torch.Tensor:
+    x = x * scale if scale != 1.0 else x
+    return x.abs() if absolute else x
+
+
+def _norm_contrib(piece, alpha: int, scale: float) -> torch.Tensor:
+    """Per-sample Σ|x|^α of the scaled piece: (B,)."""
+    if isinstance(piece, RowSparse):
+        rows = piece.values.abs().sum(1) * scale if alpha == 1 else piece.values.pow(2).sum(1) * scale ** 2
+        return rows.new_zeros(piece.batch_size).index_add_(0, piece.sample, rows)
+    return piece.abs().sum(1) * scale if alpha == 1 else piece.pow(2).sum(1) * scale ** 2
+
+
+def _weighted_sum(piece, factor: torch.Tensor, scale: float, absolute: bool) -> torch.Tensor:
+    if isinstance(piece, RowSparse):
+        vals = _transform(piece.values, scale, absolute) * factor[piece.sample].unsqueeze(1).to(piece.values.dtype)
+        out = vals.new_zeros(piece.num_rows, vals.shape[1])
+        return out.index_add_(0, piece.row, vals).flatten()
+    return factor.to(piece.dtype) @ _transform(piece, scale, absolute)
+
+
+def clipped_partition_sums(grads: list, method: str, alpha: int, clip: float, sizes: list[int]) -> list[torch.Tensor]:
     """Σ_x of the transformed, clipped per-example gradients, one flat vector per partition.
 
-    ``grads``: per partition, a (B, |P_i|) tensor of per-example gradients."""
+    ``grads``: per partition, a (B, |P_i|) tensor of per-example gradients, or a list of
+    pieces in parameter order, each a (B, n) tensor or a
+    :class:`~dpzoo.grad_norms.reps.RowSparse` embedding gradient."""
     _check(method, alpha)
-    if method != "mg":
-        grads = [g / float(n) ** (1.0 / alpha) for g, n in zip(grads, sizes)]
-        if method == "mgna":
-            grads = [g.abs() for g in grads]
-    if alpha == 1:
-        norms = sum(g.abs().sum(1) for g in grads)
-    else:
-        norms = sum(g.pow(2).sum(1) for g in grads).sqrt()
+    scales = [1.0 if method == "mg" else 1.0 / float(n) ** (1.0 / alpha) for n in sizes]
+    absolute = method == "mgna"
+    parts = [_pieces(g) for g in grads]
+    total = sum(_norm_contrib(pc, alpha, sc) for ps, sc in zip(parts, scales) for pc in ps)
+    norms = total if alpha == 1 else total.sqrt()
     thr = clip_threshold(method, alpha, clip, sizes)
     factor = (thr / norms.clamp_min(1e-30)).clamp(max=1.0)
-    return [factor @ g for g in grads]
+    return [torch.cat([_weighted_sum(pc, factor, sc, absolute) for pc in ps]) for ps, sc in zip(parts, scales)]
 
 
 def pgms(sums: list[torch.Tensor], method: str, alpha: int, sizes: list[int]) -> torch.Tensor:
@@ -78,6 +102,8 @@ def pgms(sums: list[torch.Tensor], method: str, alpha: int, sizes: list[int]) ->
     return norms
 
 
-def partition_grads(per_sample: dict[str, torch.Tensor], partitions: list[Partition]) -> list[torch.Tensor]:
-    """(B, |P_i|) per partition from {parameter name: (B, *shape)}."""
-    return [torch.cat([per_sample[n].flatten(1) for n in p.params], 1) for p in partitions]
+def partition_grads(per_sample: dict, partitions: list[Partition]) -> list[list]:
+    """Per partition, its parameters' per-sample gradients in order: (B, n) tensors, or
+    :class:`RowSparse` for embeddings (from ``NormHooks.per_sample_grads(row_sparse=True)``)."""
+    return [[g if isinstance(g := per_sample[n], RowSparse) else g.flatten(1) for n in p.params]
+            for p in partitions]

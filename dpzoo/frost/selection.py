@@ -155,7 +155,7 @@ class _Measurer:
                                         collate_fn=self.collate_fn)
                     for batch in loader:
                         hooks.backward(self.loss_fn(self.model, batch))
-                        grads = MG.partition_grads(hooks.per_sample_grads(), parts)
+                        grads = MG.partition_grads(hooks.per_sample_grads(row_sparse=True), parts)
                         part = MG.clipped_partition_sums(grads, self.method, self.alpha, self.clip, sizes)
                         sums = part if sums is None else [a + b for a, b in zip(sums, part)]
                         self.samples += _batch_len(batch)

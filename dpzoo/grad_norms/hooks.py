@@ -681,12 +681,20 @@ class NormHooks:
             out[name] = total.to(self._params[name].dtype)
         return out
 
-    def per_sample_grads(self) -> dict[str, torch.Tensor]:
+    def per_sample_grads(self, row_sparse: bool = False) -> dict[str, "torch.Tensor | R.RowSparse"]:
         """{parameter name: Tensor[B, *shape]}: the per-sample gradients themselves, every use of
         a parameter summed (tied embeddings included). Memory B × parameters: use small physical
-        batches. For what needs more than norms (DP-FROST's element-wise |g| and ℓ1 norms)."""
+        batches. For what needs more than norms (DP-FROST's element-wise |g| and ℓ1 norms).
+
+        ``row_sparse=True``: an embedding used only by lookups comes back as
+        :class:`~dpzoo.grad_norms.reps.RowSparse` (the rows each sample touched), not B dense tables."""
         out = {}
         for name, rs in self._collect().items():
+            if row_sparse and all(isinstance(r, R.OneHot) for r in rs):
+                merged = rs[0] if len(rs) == 1 else R.OneHot(
+                    torch.cat([r.index for r in rs], 1), torch.cat([r.right for r in rs], 1), rs[0].num_rows)
+                out[name] = R.row_sparse(merged)
+                continue
             total = R.instantiate(rs[0])
             for r in rs[1:]:
                 total = total + R.instantiate(r)

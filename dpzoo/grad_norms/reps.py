@@ -107,6 +107,27 @@ def prefers_ghost(rep: Rep) -> bool:
     return False
 
 
+@dataclass
+class RowSparse:
+    """Per-sample gradients of an embedding with only the looked-up rows: sample ``sample[k]``
+    has row ``row[k]`` equal to ``values[k]``; (sample, row) pairs are unique (coalesced)."""
+    sample: torch.Tensor  # (K,) long
+    row: torch.Tensor  # (K,) long
+    values: torch.Tensor  # (K, c)
+    batch_size: int
+    num_rows: int
+
+
+def row_sparse(rep: "OneHot") -> RowSparse:
+    """Coalesce an embedding's per-sample gradient: O(B·T·c) instead of B × the table."""
+    b, t = rep.index.shape
+    key = (torch.arange(b, device=rep.index.device).unsqueeze(1) * rep.num_rows + rep.index).flatten()
+    uniq, inverse = torch.unique(key, return_inverse=True)
+    values = rep.right.new_zeros(len(uniq), rep.right.shape[-1])
+    values.index_add_(0, inverse, rep.right.reshape(b * t, -1))
+    return RowSparse(uniq // rep.num_rows, uniq % rep.num_rows, values, b, rep.num_rows)
+
+
 def instantiate(rep: Rep) -> torch.Tensor:
     """The per-sample gradients, (B, *shape)."""
     if isinstance(rep, Dense):
