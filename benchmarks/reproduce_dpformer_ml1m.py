@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import statistics
 import time
 from pathlib import Path
@@ -27,24 +28,39 @@ PAPER_EPS5 = {  # DPFormer paper Table 1, MovieLens-1M, ε = 5: (NDCG@10 %, HIT@
     "lstm-seqrec": (2.65, 5.08), "gru-seqrec": (2.26, 4.58)}
 
 
-def run_one(args, model, eps, lr, seed, runs: Path) -> dict:
-    path = runs / f"{model}_eps{eps:g}_lr{lr:g}_seed{seed}.json"
+def run_one(args, model, eps, lr, bs, seed, runs: Path) -> dict:
+    path = runs / f"{model}_eps{eps:g}_lr{lr:g}_bs{bs}_seed{seed}.json"
     if path.exists():
         return json.loads(path.read_text())
+    if args.summary_only:
+        print(f"missing (not trained, --summary-only): {path.name}", flush=True)
+        return None
     from dpzoo.seqrec.train import train_seqrec
     t0 = time.time()
-    result = train_seqrec(model, data=args.data, epsilon=eps, epochs=args.epochs, batch_size=args.batch_size,
+    result = train_seqrec(model, data=args.data, epsilon=eps, epochs=args.epochs, batch_size=bs,
                           lr=lr, max_len=args.max_len, eval_every=args.eval_every, seed=seed,
-                          max_physical_batch_size=args.max_physical_batch_size, log=lambda *a: None)
+                          max_physical_batch_size=args.max_physical_batch_size, device=args.device,
+                          log=lambda *a: None)
     result["wall_seconds"] = time.time() - t0
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")
     tmp.replace(path)  # never a half-written result
     last = result["history"][-1]
-    print(f"{model:26s} ε={eps:<4g} lr={lr:<7g} seed={seed}  valid NDCG@10 {100 * last['valid_ndcg@10']:.2f}%  "
+    print(f"{model:26s} ε={eps:<4g} lr={lr:<7g} B={bs:<5d} seed={seed}  valid NDCG@10 {100 * last['valid_ndcg@10']:.2f}%  "
           f"test NDCG@10 {100 * last['test_ndcg@10']:.2f}%  HIT@10 {100 * last['test_hit@10']:.2f}%  "
           f"({result['wall_seconds']:.0f}s)", flush=True)
     return result
+
+
+def run_many(args, jobs: list[tuple], runs: Path) -> list[dict]:
+    """Run (model, eps, lr, seed) jobs, ``args.jobs`` at a time in spawned processes (CUDA-safe);
+    small models leave an accelerator mostly idle, so several runs share it."""
+    if args.jobs <= 1:
+        return [r for r in (run_one(args, *job, runs) for job in jobs) if r is not None]
+    from concurrent.futures import ProcessPoolExecutor
+    with ProcessPoolExecutor(args.jobs, mp_context=mp.get_context("spawn")) as pool:
+        futures = [pool.submit(run_one, args, *job, runs) for job in jobs]
+        return [r for r in (f.result() for f in futures) if r is not None]
 
 
 def main(argv=None) -> None:
@@ -55,46 +71,61 @@ def main(argv=None) -> None:
     p.add_argument("--lrs", nargs="+", type=float, default=[3e-3, 9e-3])
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--batch-size", type=int, default=1024)
+    p.add_argument("--batch-sizes", nargs="+", type=int, default=[1024])
     p.add_argument("--max-len", type=int, default=50)
     p.add_argument("--eval-every", type=int, default=1)
-    p.add_argument("--max-physical-batch-size", type=int, default=256)
+    p.add_argument("--max-physical-batch-size", type=int, default=None,
+                   help="split logical batches into physical ones of this size (CPU memory)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time (processes)")
     p.add_argument("--out", default="benchmarks/results/dpformer_ml1m")
+    p.add_argument("--summary-only", action="store_true",
+                   help="train nothing; summarise the runs already under OUT/runs (missing ones are listed)")
     args = p.parse_args(argv)
     out = Path(args.out)
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     eps0 = args.epsilons[0]
 
-    best_lr = {}
-    for model in args.models:  # stage 1
-        grid = {lr: run_one(args, model, eps0, lr, 0, runs) for lr in args.lrs}
-        best_lr[model] = max(grid, key=lambda lr: grid[lr]["history"][-1]["valid_ndcg@10"])
-    for seed in range(1, args.seeds):  # stage 2, seeds interleaved across models
-        for model in args.models:
-            run_one(args, model, eps0, best_lr[model], seed, runs)
-    for eps in args.epsilons[1:]:  # stage 3
-        for model in args.models:
-            run_one(args, model, eps, best_lr[model], 0, runs)
+    stage1 = run_many(args, [(m, eps0, lr, bs, 0) for m in args.models for lr in args.lrs
+                             for bs in args.batch_sizes], runs)
+    best = {}
+    for model in args.models:  # stage 1: best (lr, batch size) on validation NDCG@10, seed 0
+        grid = {(r["lr"], r["batch_size"]): r for r in stage1 if r["model"] == model}
+        best[model] = max(grid, key=lambda k: grid[k]["history"][-1]["valid_ndcg@10"])
+    # stage 2 (more seeds at ε0) and stage 3 (the other ε, seed 0), seeds interleaved across models
+    later = [(m, eps0, *best[m], seed) for seed in range(1, args.seeds) for m in args.models]
+    later += [(m, eps, *best[m], 0) for eps in args.epsilons[1:] for m in args.models]
+    run_many(args, later, runs)
 
-    summary = {"settings": {k: v for k, v in vars(args).items() if k != "out"}, "best_lr": best_lr, "results": []}
+    summary = {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "summary_only")},
+               "best": {m: {"lr": lr, "batch_size": bs} for m, (lr, bs) in best.items()},
+               "stage1": [{"model": r["model"], "lr": r["lr"], "batch_size": r["batch_size"],
+                           "valid_ndcg@10": r["history"][-1]["valid_ndcg@10"]} for r in stage1],
+               "results": []}
     for eps in args.epsilons:
         for model in args.models:
-            rows = [json.loads(f.read_text()) for f in sorted(runs.glob(f"{model}_eps{eps:g}_lr{best_lr[model]:g}_seed*.json"))]
+            rows = [json.loads(f.read_text()) for f in sorted(runs.glob(f"{model}_eps{eps:g}_lr{best[model][0]:g}_bs{best[model][1]}_seed*.json"))]
+            if not rows:  # only with --summary-only: a run that was never finished
+                summary.setdefault("missing", []).append({"model": model, "epsilon": eps})
+                continue
             nd = [100 * r["history"][-1]["test_ndcg@10"] for r in rows]
             hit = [100 * r["history"][-1]["test_hit@10"] for r in rows]
             summary["results"].append({
-                "model": model, "epsilon": eps, "lr": best_lr[model], "seeds": len(rows),
+                "model": model, "epsilon": eps, "lr": best[model][0], "batch_size": best[model][1], "seeds": len(rows),
                 "ndcg@10_mean": statistics.mean(nd), "ndcg@10_std": statistics.stdev(nd) if len(nd) > 1 else 0.0,
                 "hit@10_mean": statistics.mean(hit), "hit@10_std": statistics.stdev(hit) if len(hit) > 1 else 0.0,
                 "noise_multiplier": rows[0]["noise_multiplier"], "sample_rate": rows[0]["sample_rate"],
                 "paper_eps5": PAPER_EPS5.get(model) if eps == 5 else None})
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    lines = ["| model | ε | lr | seeds | NDCG@10 (%) | HIT@10 (%) | paper NDCG@10 / HIT@10 (ε=5) |", "|---|---|---|---|---|---|---|"]
+    lines = ["| model | ε | lr | B | seeds | NDCG@10 (%) | HIT@10 (%) | paper NDCG@10 / HIT@10 (ε=5) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in summary["results"]:
         paper = f"{r['paper_eps5'][0]} / {r['paper_eps5'][1]}" if r["paper_eps5"] else ""
-        lines.append(f"| {r['model']} | {r['epsilon']:g} | {r['lr']:g} | {r['seeds']} | {r['ndcg@10_mean']:.2f} ± "
+        lines.append(f"| {r['model']} | {r['epsilon']:g} | {r['lr']:g} | {r['batch_size']} | {r['seeds']} | {r['ndcg@10_mean']:.2f} ± "
                      f"{r['ndcg@10_std']:.2f} | {r['hit@10_mean']:.2f} ± {r['hit@10_std']:.2f} | {paper} |")
+    for m in summary.get("missing", []):
+        lines.append(f"| {m['model']} | {m['epsilon']:g} | | | 0 | not run | not run | |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

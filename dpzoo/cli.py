@@ -122,7 +122,8 @@ def _cmd_train(args) -> int:
                      delta=args.delta, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                      max_len=args.max_len, max_grad_norm=args.max_grad_norm, clipping=args.clipping,
                      eval_every=args.eval_every, accountant=args.accountant, seed=args.seed, out=args.out,
-                     overrides=_parse_sets(args.set), max_physical_batch_size=args.max_physical_batch_size)
+                     overrides=_parse_sets(args.set), max_physical_batch_size=args.max_physical_batch_size,
+                     device=args.device)
         return 0
     from .train import train_image_classifier
     train_image_classifier(args.name, data=args.data, epsilon=args.epsilon,
@@ -175,6 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--full-size", action="store_true", help="the entry's full size instead of its small configuration")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="a model override (JSON value)")
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--device", default="cpu", help="sequence models: where to train (cpu, cuda, cuda:1, ...)")
     s.add_argument("--out", help="directory for the trained model and metrics.json")
     s.set_defaults(fn=_cmd_train)
     s = sub.add_parser("cards", help="write the markdown model cards")

@@ -149,9 +149,9 @@ class ReAttention(nn.Module):
             raise ValueError(f"inputs are {t} long, the model's max_len is {self.pos_freq.numel()}")
         if n == 0:
             raise ValueError("no training inputs to count item frequencies from")
-        ids = train_inputs.long()
-        rows = torch.arange(n).unsqueeze(1).expand_as(ids)
-        seen = torch.zeros(n, self.item_freq.numel(), dtype=torch.bool)
+        ids = train_inputs.long().to(self.item_freq.device)
+        rows = torch.arange(n, device=ids.device).unsqueeze(1).expand_as(ids)
+        seen = torch.zeros(n, self.item_freq.numel(), dtype=torch.bool, device=ids.device)
         seen[rows.reshape(-1), ids.reshape(-1)] = True  # each sequence counts an item once
         freq = seen[:, 1:].sum(0).double() / n
         self.item_freq[1:] = freq.clamp_min(1.0 / n).to(self.item_freq)  # never seen: as if once

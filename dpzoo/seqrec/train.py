@@ -38,14 +38,15 @@ def evaluate(model, dataset: SequenceDataset, max_len: int, part: str = "test", 
              batch_size: int = 512) -> dict[str, float]:
     """NDCG@k and HIT@k of the held-out item, ranked against all items (history excluded)."""
     inputs, targets = dataset.to_padded(max_len, part)
+    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     ranks = []
     for i in range(0, len(targets), batch_size):
-        x = inputs[i:i + batch_size]
+        x, t = inputs[i:i + batch_size].to(device), targets[i:i + batch_size].to(device)
         # left padding: the last position predicts the next item; only its logits are computed
         scores = model.out(model.features(x)[:, -1]) if hasattr(model, "features") else model(x)[:, -1]
-        ranks.append(target_ranks(scores, targets[i:i + batch_size], x))
+        ranks.append(target_ranks(scores, t, x).cpu())
     model.train(was_training)
     ndcg, hit = ndcg_hit_at_k(torch.cat(ranks), k)
     return {f"ndcg@{k}": ndcg, f"hit@{k}": hit}
@@ -72,15 +73,18 @@ def train_seqrec(name: str, *, data: str = "synthetic", epsilon: float = 5.0, de
                  epochs: int = 100, batch_size: int = 256, lr: float = 1e-3, max_len: int | None = None,
                  max_grad_norm: float = 1.0, clipping: str = "automatic", eval_every: int = 5,
                  max_physical_batch_size: int | None = None, accountant: str = "rdp", seed: int = 0,
-                 weight_decay: float = 1e-5,
+                 weight_decay: float = 1e-5, device: str | torch.device = "cpu",
                  out: str | Path | None = None, overrides: dict | None = None, log=print) -> dict:
-    """Train ``name`` (a sequential-recommendation zoo entry) privately on ``data``."""
+    """Train ``name`` (a sequential-recommendation zoo entry) privately on ``data``.
+
+    ``device`` is where the model and each batch live ("cpu", "cuda", ...); Poisson sampling
+    and the accountant stay on the CPU."""
     torch.manual_seed(seed)
     ds = get_dataset(data, seed)
     n_users = len(ds.train_sequences())
     delta = delta if delta is not None else 1.0 / n_users ** 1.1  # delta < 1/N, the usual choice
     max_len = max_len or (200 if data == "ml-1m" else 50)
-    model = load(name, num_items=ds.num_items, max_len=max_len, **(overrides or {})).train()
+    model = load(name, num_items=ds.num_items, max_len=max_len, **(overrides or {})).train().to(device)
     x, y = ds.to_padded(max_len, "train")
     if len(x) == 0:
         raise DPZooError(f"{data}: no user has 2 or more training items.")
@@ -109,7 +113,7 @@ def train_seqrec(name: str, *, data: str = "synthetic", epsilon: float = 5.0, de
     for epoch in epoch_iter:
         for xb, yb in loader:
             if xb.shape[0]:
-                crit(model(xb), yb).backward()
+                crit(model(xb.to(device)), yb.to(device)).backward()
             before = opt.steps
             opt.step()  # with physical batches only the last one of a logical batch steps
             opt.zero_grad()
@@ -124,7 +128,7 @@ def train_seqrec(name: str, *, data: str = "synthetic", epsilon: float = 5.0, de
                 f"ε = {row['epsilon']:.2f}  ({row['seconds']:.0f}s)")
     result = {"model": name, "data": data, "epsilon_target": epsilon, "delta": delta, "epochs": epochs,
               "batch_size": batch_size, "lr": lr, "max_len": max_len, "noise_multiplier": engine.noise_multiplier,
-              "sample_rate": engine.sample_rate, "accountant": accountant, "seed": seed, "history": history,
+              "sample_rate": engine.sample_rate, "accountant": accountant, "seed": seed, "device": str(device), "history": history,
               "dataset": ds.summary()}
     if out is not None:
         out = Path(out)
