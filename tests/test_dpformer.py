@@ -153,3 +153,34 @@ def test_cli_trains_dpformer_on_synthetic(tmp_path, capsys):
     assert m.reattention is not None and m.reattention.noise_std > 0
     assert (m.reattention.item_freq < 1).any()
     assert dpzoo.privacy_metadata(tmp_path / "model")["privacy_unit"] == "user"
+
+
+def test_non_private_reference_trains_without_noise_or_metadata(tmp_path):
+    """The reference run used to read DP results: same model and schedule, no engine."""
+    from dpzoo.seqrec.train import train_seqrec
+    result = train_seqrec("dpformer", data="synthetic", epochs=1, batch_size=128, lr=3e-3, eval_every=1,
+                          private=False, out=tmp_path, log=lambda *a: None)
+    assert result["private"] is False and result["history"][0]["epsilon"] is None
+    assert result["noise_multiplier"] == 0.0
+    m = dpzoo.load(tmp_path / "model")
+    assert float(m.reattention.noise_std) == 0.0  # Re-Attention is exactly off without DP noise
+    assert dpzoo.privacy_metadata(tmp_path / "model") is None
+
+
+def test_cli_refuses_non_private_for_image_models(capsys):
+    from dpzoo.cli import main
+    assert main(["train", "resnet18-gn-bias", "--non-private", "--epochs", "1"]) == 2
+    assert "--non-private is for sequence models" in capsys.readouterr().err
+
+
+def test_every_parameter_gets_a_gradient_with_reattention_active():
+    """Re-Attention's correction is a constant, but the scores it corrects must stay in the graph:
+    with the noise set, the attention's query and key weights still train (regression: the
+    correction was once subtracted under no_grad, detaching the scores)."""
+    _, dpformer = _pair()
+    ids = _ids()
+    dpformer.set_token_frequencies(ids)
+    dpformer.set_dp_noise(noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4)
+    dpformer(ids).logsumexp(-1).sum().backward()
+    for name, p in dpformer.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, f"{name} got no gradient"

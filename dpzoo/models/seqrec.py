@@ -64,7 +64,8 @@ class CausalSelfAttention(nn.Module):
         if var is not None:
             with torch.no_grad():  # a debiasing constant, not a learned path (no gradient)
                 var_k = ep.iso_linear(x, var, self.k.weight, var_w, var_w)
-                s = s - ep.score_correction(q.detach(), var_k, 1 / math.sqrt(self.dk))
+                correction = ep.score_correction(q.detach(), var_k, 1 / math.sqrt(self.dk))
+            s = s - correction  # outside no_grad: the scores must stay in the graph (q and k train)
         causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         allowed = causal & key_mask[:, None, None, :]
         s = s.masked_fill(~allowed, -1e9)  # finite: rows of padding stay finite (their loss is ignored)
