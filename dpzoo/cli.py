@@ -123,8 +123,10 @@ def _cmd_train(args) -> int:
                      max_len=args.max_len, max_grad_norm=args.max_grad_norm, clipping=args.clipping,
                      eval_every=args.eval_every, accountant=args.accountant, seed=args.seed, out=args.out,
                      overrides=_parse_sets(args.set), max_physical_batch_size=args.max_physical_batch_size,
-                     device=args.device)
+                     device=args.device, private=not args.non_private)
         return 0
+    if args.non_private:
+        raise dpzoo.DPZooError("--non-private is for sequence models; image models train privately only.")
     from .train import train_image_classifier
     train_image_classifier(args.name, data=args.data, epsilon=args.epsilon,
                            delta=args.delta if args.delta is not None else 1e-5, epochs=args.epochs,
@@ -177,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="a model override (JSON value)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device", default="cpu", help="sequence models: where to train (cpu, cuda, cuda:1, ...)")
+    s.add_argument("--non-private", action="store_true",
+                   help="sequence models: the same training without clipping or noise (a reference, no guarantee)")
     s.add_argument("--out", help="directory for the trained model and metrics.json")
     s.set_defaults(fn=_cmd_train)
     s = sub.add_parser("cards", help="write the markdown model cards")

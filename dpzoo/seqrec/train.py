@@ -73,12 +73,14 @@ def train_seqrec(name: str, *, data: str = "synthetic", epsilon: float = 5.0, de
                  epochs: int = 100, batch_size: int = 256, lr: float = 1e-3, max_len: int | None = None,
                  max_grad_norm: float = 1.0, clipping: str = "automatic", eval_every: int = 5,
                  max_physical_batch_size: int | None = None, accountant: str = "rdp", seed: int = 0,
-                 weight_decay: float = 1e-5, device: str | torch.device = "cpu",
+                 weight_decay: float = 1e-5, device: str | torch.device = "cpu", private: bool = True,
                  out: str | Path | None = None, overrides: dict | None = None, log=print) -> dict:
     """Train ``name`` (a sequential-recommendation zoo entry) privately on ``data``.
 
     ``device`` is where the model and each batch live ("cpu", "cuda", ...); Poisson sampling
-    and the accountant stay on the CPU."""
+    and the accountant stay on the CPU. ``private=False`` trains the same model with the same
+    batch size, schedule and evaluation but no clipping, noise or accounting (shuffled batches):
+    the non-private reference (its ε is reported as ``None``; no privacy metadata is saved)."""
     torch.manual_seed(seed)
     ds = get_dataset(data, seed)
     n_users = len(ds.train_sequences())
@@ -91,18 +93,30 @@ def train_seqrec(name: str, *, data: str = "synthetic", epsilon: float = 5.0, de
     if hasattr(model, "set_token_frequencies"):  # Re-Attention's p_i (Claim 5.4)
         model.set_token_frequencies(x)
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
-    engine = PrivacyEngine(accountant=accountant)
-    model, opt, loader = engine.make_private(
-        module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y), batch_size=min(batch_size, len(x))),
-        target_epsilon=epsilon, target_delta=delta, epochs=epochs, max_grad_norm=max_grad_norm,
-        clipping=clipping, mode="bk-mixopt", max_physical_batch_size=max_physical_batch_size, sample_seed=seed)
+    data_loader = DataLoader(TensorDataset(x, y), batch_size=min(batch_size, len(x)))
+    engine = None
+    if private:
+        engine = PrivacyEngine(accountant=accountant)
+        model, opt, loader = engine.make_private(
+            module=model, optimizer=opt, data_loader=data_loader,
+            target_epsilon=epsilon, target_delta=delta, epochs=epochs, max_grad_norm=max_grad_norm,
+            clipping=clipping, mode="bk-mixopt", max_physical_batch_size=max_physical_batch_size, sample_seed=seed)
+        base_opt = opt.original_optimizer
+    else:
+        loader = DataLoader(TensorDataset(x, y), batch_size=min(batch_size, len(x)), shuffle=True,
+                            generator=torch.Generator().manual_seed(seed))
+        base_opt = opt
     total = epochs * len(loader)
     warm = max(1, int(0.2 * total))
     sched = torch.optim.lr_scheduler.LambdaLR(  # App. E.3: 20% warm-up, then linear decay
-        opt.original_optimizer, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / (total - warm)))
+        base_opt, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / (total - warm)))
     crit = SequenceCrossEntropy(ignore_index=0, token_reduction="mean")
-    log(f"{name} on {data}: {n_users} users (one sequence each = the privacy unit), {ds.num_items} items; "
-        f"σ = {engine.noise_multiplier:.3f}, q = {engine.sample_rate:.4f}, {total} steps, target ε = {epsilon} at δ = {delta:.2e}")
+    if private:
+        log(f"{name} on {data}: {n_users} users (one sequence each = the privacy unit), {ds.num_items} items; "
+            f"σ = {engine.noise_multiplier:.3f}, q = {engine.sample_rate:.4f}, {total} steps, target ε = {epsilon} at δ = {delta:.2e}")
+    else:
+        log(f"{name} on {data}: NON-PRIVATE reference (no clipping, no noise), {n_users} users, "
+            f"{ds.num_items} items, {total} steps")
     history = []
     t0 = time.time()
     try:
@@ -114,28 +128,34 @@ def train_seqrec(name: str, *, data: str = "synthetic", epsilon: float = 5.0, de
         for xb, yb in loader:
             if xb.shape[0]:
                 crit(model(xb.to(device)), yb.to(device)).backward()
-            before = opt.steps
+            before = opt.steps if private else 0
             opt.step()  # with physical batches only the last one of a logical batch steps
             opt.zero_grad()
-            if opt.steps > before:
+            if not private or opt.steps > before:
                 sched.step()
         if epoch % eval_every == 0 or epoch == epochs:
             val, test = evaluate(model, ds, max_len, "valid"), evaluate(model, ds, max_len, "test")
-            row = {"epoch": epoch, "epsilon": engine.get_epsilon(delta), "seconds": time.time() - t0,
+            row = {"epoch": epoch, "epsilon": engine.get_epsilon(delta) if private else None,
+                   "seconds": time.time() - t0,
                    **{f"valid_{k}": v for k, v in val.items()}, **{f"test_{k}": v for k, v in test.items()}}
             history.append(row)
+            eps_text = f"ε = {row['epsilon']:.2f}" if private else "non-private"
             log(f"epoch {epoch}: test NDCG@10 {100 * test['ndcg@10']:.2f}%  HIT@10 {100 * test['hit@10']:.2f}%  "
-                f"ε = {row['epsilon']:.2f}  ({row['seconds']:.0f}s)")
-    result = {"model": name, "data": data, "epsilon_target": epsilon, "delta": delta, "epochs": epochs,
-              "batch_size": batch_size, "lr": lr, "max_len": max_len, "noise_multiplier": engine.noise_multiplier,
-              "sample_rate": engine.sample_rate, "accountant": accountant, "seed": seed, "device": str(device), "history": history,
-              "dataset": ds.summary()}
+                f"{eps_text}  ({row['seconds']:.0f}s)")
+    result = {"model": name, "data": data, "private": private, "epsilon_target": epsilon if private else None,
+              "delta": delta if private else None, "epochs": epochs, "batch_size": batch_size, "lr": lr,
+              "max_len": max_len, "noise_multiplier": engine.noise_multiplier if private else 0.0,
+              "sample_rate": engine.sample_rate if private else None, "accountant": accountant if private else None,
+              "seed": seed, "device": str(device), "history": history, "dataset": ds.summary()}
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
-        engine.detach()
-        save(model, out / "model", privacy={**engine.privacy_metadata(delta), "privacy_unit": "user"})
+        privacy = None
+        if private:
+            engine.detach()
+            privacy = {**engine.privacy_metadata(delta), "privacy_unit": "user"}
+        save(model, out / "model", privacy=privacy)
         (out / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
-        _plot(history, out / "metrics.png", f"{name} on {data}, ε = {epsilon}")
-        log(f"saved the model (with its privacy metadata), metrics.json and metrics.png to {out}")
+        _plot(history, out / "metrics.png", f"{name} on {data}, " + (f"ε = {epsilon}" if private else "non-private"))
+        log(f"saved the model{' (with its privacy metadata)' if private else ''}, metrics.json and metrics.png to {out}")
     return result
