@@ -6,8 +6,8 @@
 
 __version__ = "0.1.0"
 
-from .errors import (CheckpointError, DPZooError, OverrideError, PatchError, SaveError, UnknownModelError,
-                     UnsupportedModuleError)
+from .errors import (CheckpointError, DPZooError, NoGradientWarning, OverrideError, PatchError, SaveError,
+                     UnknownModelError, UnsupportedModuleError)
 from .grad_norms import NormHooks, attach_norm_hooks, register_rule
 from .privacy import PrivacyEngine
 from .hub import create_model, load, privacy_metadata, read_config, save
@@ -24,4 +24,5 @@ __all__ = [
     "make_dp_ready", "check_dp_ready", "find_tied_parameters", "find_inplace_ops",
     "PrivacyEngine", "attach_norm_hooks", "NormHooks", "register_rule", "frost",
     "DPZooError", "UnknownModelError", "UnsupportedModuleError", "OverrideError", "CheckpointError", "PatchError", "SaveError",
+    "NoGradientWarning",
 ]

@@ -54,3 +54,7 @@ class UnsupportedModuleError(DPZooError):
 
     Raised instead of silently leaving the parameter unclipped (a privacy leak).
     """
+
+
+class NoGradientWarning(UserWarning):
+    """A trainable parameter got no gradient in a whole DP step: it is moved by noise only."""

@@ -297,3 +297,48 @@ def test_parameter_used_in_the_loss_is_refused():
     for _ in range(2):
         F.cross_entropy(model(x), y).backward()
         opt.step()
+
+
+class _WithUnusedBranch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+        self.scale = torch.nn.Linear(4, 1)
+
+    def forward(self, x):
+        with torch.no_grad():  # the classic slip: the path through `scale` is detached
+            s = self.scale(x)
+        return self.used(x) * s
+
+
+def test_parameter_without_gradient_warns_once_by_name():
+    """Unused or detached trainable parameters get noise only: private, but a silent training bug."""
+    torch.manual_seed(0)
+    model = _WithUnusedBranch()
+    ds = TensorDataset(torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    engine = dpzoo.PrivacyEngine()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=4),
+                                             noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False)
+    with pytest.warns(dpzoo.NoGradientWarning) as rec:
+        for x, y in loader:
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert len(rec) == 1  # once, not every step
+    msg = str(rec[0].message)
+    for name in ("unused.weight", "unused.bias", "scale.weight", "scale.bias"):
+        assert name in msg
+    assert "used.weight" not in msg.replace("unused.weight", "")
+
+
+def test_no_gradient_warning_stays_quiet_when_everything_trains(recwarn):
+    model, ds = _resnet(), _data()
+    engine = dpzoo.PrivacyEngine()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=4),
+                                             noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False)
+    x, y = next(iter(loader))
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert not [w for w in recwarn if issubclass(w.category, dpzoo.NoGradientWarning)]

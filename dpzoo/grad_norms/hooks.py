@@ -118,6 +118,7 @@ class _State:
     walked: set | None = None  # ids of the graph nodes reachable from the loss
     graph_checked: bool = False
     stray: list = field(default_factory=list)  # ghost_backward: parameters that got a weight gradient
+    unreached: list = field(default_factory=list)  # parameters no gradient reached this step (zeros)
 
 
 def _first_tensor(args) -> torch.Tensor | None:
@@ -610,7 +611,8 @@ class NormHooks:
                 f"Layers saw different batch sizes in one step (batch {st.batch_size}; {detail}), so "
                 "per-sample gradients cannot be matched across them. Every hooked layer must take "
                 "batch-first inputs.")
-        for n in [n for n, rs in by_param.items() if not rs]:  # unused in this step: zero gradient
+        st.unreached = [n for n, rs in by_param.items() if not rs]
+        for n in st.unreached:  # unused in this step: zero gradient
             p = self._params[n]
             b = next(iter(batch)) if batch else 0
             by_param[n] = [R.Dense(torch.zeros(b, *p.shape, dtype=p.dtype, device=p.device))]
@@ -660,6 +662,11 @@ class NormHooks:
     def per_param_norms(self) -> dict[str, torch.Tensor]:
         """{parameter name: Tensor[B]} of ‖∂L_i/∂θ‖₂."""
         return {n: v.sqrt() for n, v in self.per_param_sq_norms().items()}
+
+    def unreached_parameters(self) -> list[str]:
+        """Trainable parameters no gradient reached in this step (their per-sample gradients are 0)."""
+        self._collect()
+        return list(self._state.unreached)
 
     def per_sample_norms(self) -> torch.Tensor:
         """Tensor[B]: ‖∂L_i/∂θ‖₂ over all trainable parameters θ (float32 or float64)."""

@@ -15,10 +15,12 @@ One logical step (BK paper Algorithm 1, lines 6–12):
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
-from ..errors import UnsupportedModuleError
+from ..errors import NoGradientWarning, UnsupportedModuleError
 from ..grad_norms.hooks import NormHooks
 from .accountant import Accountant
 from .data import StepSignal
@@ -62,6 +64,8 @@ class DPOptimizer:
         self._generators: dict[torch.device, torch.Generator] = {}
         self._summed: dict[str, torch.Tensor] = {}
         self._written: dict[str, torch.Tensor] = {}  # the private .grad tensors this optimizer set
+        self._warned_no_grad: set[str] = set()
+        self._reached: set[str] = set()  # parameters some sample's gradient reached in this logical step
         self.samples_in_step = 0
         self.steps = 0
         self.last_per_sample_norms: torch.Tensor | None = None
@@ -123,6 +127,9 @@ class DPOptimizer:
         norms = self.hooks.per_sample_norms()
         b = norms.shape[0]
         if b:
+            unreached = set(self.hooks.unreached_parameters())
+            self._reached.update(n for n in self.hooks._params if n not in unreached)
+        if b:
             true_norms = norms * b if self.loss_reduction == "mean" else norms
             factors = clip_factors(true_norms, self.max_grad_norm, self.clipping)
             scale = factors * b if self.loss_reduction == "mean" else factors
@@ -137,6 +144,9 @@ class DPOptimizer:
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         rank = dist.get_rank() if world > 1 else 0
         std = self.noise_multiplier * self.max_grad_norm
+        if self.samples_in_step:
+            self._warn_no_gradient([n for n in params if n not in self._reached])
+        self._reached = set()
         for name, p in params.items():
             g = self._summed.get(name)
             g = torch.zeros_like(p) if g is None else g.to(p.dtype)
@@ -152,6 +162,22 @@ class DPOptimizer:
             p.grad = g
             self._written[name] = g
         self._summed = {}
+
+    def _warn_no_gradient(self, names: list[str]) -> None:
+        """Once per parameter: trainable, yet no sample of a whole logical step reached it (unused
+        in forward, or its path was detached). Still private (it gets noise like every
+        parameter), but almost always a bug that silently stops it from learning."""
+        new = [n for n in names if n not in self._warned_no_grad]
+        if not new:
+            return
+        self._warned_no_grad.update(new)
+        shown = ", ".join(new[:8]) + (f" and {len(new) - 8} more" if len(new) > 8 else "")
+        warnings.warn(
+            f"Trainable parameter(s) {shown} received no gradient in a DP step of {self.samples_in_step} "
+            "samples: they are moved by noise only. If they are not meant to train, freeze them "
+            "(requires_grad_(False)) before make_private; if they are, check that the forward pass uses them "
+            "and does not detach their path (e.g. a result reassigned under torch.no_grad()).",
+            NoGradientWarning, stacklevel=4)
 
     def pre_step(self) -> bool:
         """Accumulate; at the end of a logical step write private ``.grad``s. True if it did."""
