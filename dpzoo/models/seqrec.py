@@ -272,7 +272,8 @@ def _card(name: str, tied: bool, reattention: bool = False) -> ModelCard:
             patches=("written DP-ready: LayerNorm, biases on every Linear, no in-place ops, per-sample position ids",
                      "tied: `item_emb.weight` = `out.weight` (exact per-sample norms by Phantom Clipping)",
                      "Re-Attention: logits minus C·σ_k²/2 with σ_k² propagated from the effective errors "
-                     "(σ_dp·R/B per block weight, ÷ p_i per item embedding); no trainable parameters, no gradient"),
+                     "(σ_dp·R/B per block weight, ÷ p_i per item embedding); no trainable parameters, the correction a "
+                     "constant (no gradient through it; the scores themselves train q and k)"),
             weight_source="random initialisation (train with `dpzoo train dpformer`)",
             license="Apache-2.0",
             papers=("DPFormer: Learning Differentially Private Transformer on Long-Tailed Data: §4 (Phantom "
@@ -282,7 +283,8 @@ def _card(name: str, tied: bool, reattention: bool = False) -> ModelCard:
             notes=("The engine sets the noise (σ_dp, R, expected batch B) when the model is made private; "
                    "`dpzoo train` sets the item and position frequencies from the training inputs. Until both "
                    "are set the model computes exactly transformer-seqrec. The frequencies are treated as "
-                   "public, as the paper does (Remark C.1): see docs/DESIGN.md."),
+                   "public, as the paper does (Remark C.1): see docs/DESIGN.md. MovieLens-1M runs beside the "
+                   "paper's Table 1, and why its gain does not show at this project's budget: docs/RESULTS.md."),
         )
     return ModelCard(
         name=name,
