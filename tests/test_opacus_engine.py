@@ -29,7 +29,16 @@ def _setup(name, b=4, **extra):
             m.p = 0.0
     spec = card.example_input
     g = torch.Generator().manual_seed(1)
-    if spec["kind"] == "image":
+    if card.task == "sequential-recommendation":
+        x = torch.randint(1, spec["vocab_size"], (b, spec["seq_len"]), generator=g)
+        x[0, :2] = 0  # left padding
+        y = torch.randint(1, spec["vocab_size"], (b, spec["seq_len"]), generator=g)
+        if hasattr(model, "set_token_frequencies"):  # DPFormer: Re-Attention active, as in training
+            model.set_token_frequencies(x)
+            model.set_dp_noise(noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=b)
+        crit = SequenceCrossEntropy(ignore_index=0)
+        fwd = lambda m, x: m(x)  # noqa: E731
+    elif spec["kind"] == "image":
         x = torch.randn(b, *spec["shape"], generator=g, dtype=torch.float64)
         y = torch.randint(0, card.test_overrides["num_classes"], (b,), generator=g)
         crit = torch.nn.CrossEntropyLoss()
@@ -74,7 +83,8 @@ def _opacus_step(model, x, y, crit, fwd, mode):
 CASES = [("resnet18-gn-bias", "hooks"), ("resnet18-gn-bias", "ghost"),
          ("vit-tiny-patch16", "hooks"), ("vit-tiny-patch16", "ghost"),
          ("gpt2", "hooks"), ("llama-tiny-bias", "hooks"), ("llama-tiny-bias", "ghost"),
-         ("efficientnet-lite0-gn-bias", "hooks")]
+         ("efficientnet-lite0-gn-bias", "hooks"), ("dpformer", "hooks"), ("transformer-seqrec-untied", "ghost"),
+         ("gru-seqrec", "hooks")]
 
 
 @pytest.mark.parametrize("name, mode", CASES)

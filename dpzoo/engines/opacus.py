@@ -4,7 +4,13 @@ Opacus looks samplers up by exact module type and, without one, falls back to fu
 (``vmap``), which is slow and fails on modules with buffers. :func:`register_opacus_rules`
 registers dpzoo's rule for every module type Opacus lacks: dpzoo's RMSNorm, transformers'
 Conv1D (GPT-2), timm's Conv2dSame, GroupNormAct and LayerScale, LLaMA's RMSNorm; and, for
-ghost mode, a norm sampler for every layer family Opacus only instantiates (Conv, norms).
+ghost mode, a norm sampler for every layer family Opacus only instantiates (Conv, norms). It also
+**replaces** Opacus' own ``nn.Embedding`` samplers (globally, for that process), which are wrong
+or fail on what dpzoo's sequence models do: the grad sampler ignores ``padding_idx`` (it gives
+the padding row the padding positions' gradient, which torch zeroes, inflating every per-sample
+norm that has padding), and the ghost norm sampler calls ``view`` on the ids, which fails on
+per-sample position ids made by ``expand``. Both were found by comparing Opacus' DP step with
+the brute-force reference (tests/test_opacus_engine.py).
 :func:`make_private` registers them and calls ``PrivacyEngine.make_private``; where Opacus
 cannot do something (ghost clipping with tied embeddings), it says so and points to dpzoo's
 own hooks, which handle ties exactly (Phantom Clipping).
@@ -26,6 +32,7 @@ from ..surgery.tied import find_tied_parameters
 __all__ = ["register_opacus_rules", "make_private", "check_opacus_compatible"]
 
 _REGISTERED = False
+_REPLACE = (nn.Embedding,)  # Opacus' samplers for these are wrong with padding_idx / strided ids
 
 
 def _opacus():
@@ -68,10 +75,10 @@ def register_opacus_rules() -> list[type]:
     from ..grad_norms import rules  # noqa: F401  (load the built-in rules)
     added = []
     for module_type in RULES:
-        if module_type not in gsm.GRAD_SAMPLERS:
+        if module_type in _REPLACE or module_type not in gsm.GRAD_SAMPLERS:
             gsm.GRAD_SAMPLERS[module_type] = dpzoo_grad_sampler
             added.append(module_type)
-        if module_type not in fgc.NORM_SAMPLERS:
+        if module_type in _REPLACE or module_type not in fgc.NORM_SAMPLERS:
             fgc.NORM_SAMPLERS[module_type] = dpzoo_norm_sampler
     _REGISTERED = True
     return added
