@@ -177,7 +177,7 @@ class DPOptimizer:
             "samples: they are moved by noise only. If they are not meant to train, freeze them "
             "(requires_grad_(False)) before make_private; if they are, check that the forward pass uses them "
             "and does not detach their path (e.g. a result reassigned under torch.no_grad()).",
-            NoGradientWarning, stacklevel=4)
+            NoGradientWarning, stacklevel=5)  # the caller of opt.step()
 
     def pre_step(self) -> bool:
         """Accumulate; at the end of a logical step write private ``.grad``s. True if it did."""
