@@ -28,6 +28,9 @@ CONFIGS = {
     "resnet18-gn-bias@128": dict(kind="image", name="resnet18-gn-bias", size=128, batch=32),
     "gpt2-4x256-v1024-tied": dict(kind="lm", tied=True, batch=16, seq=128),
     "gpt2-4x256-v1024-untied": dict(kind="lm", tied=False, batch=16, seq=128),
+    # MovieLens-1M sized next-item models (3,416 items, d = 64, 2 blocks), the DPFormer setting
+    "transformer-seqrec-ml1m": dict(kind="seqrec", name="transformer-seqrec", batch=128, seq=50, items=3416),
+    "dpformer-ml1m": dict(kind="seqrec", name="dpformer", batch=128, seq=50, items=3416),
 }
 
 
@@ -40,6 +43,16 @@ def _build(cfg):
         x = torch.randn(cfg["batch"], 3, cfg["size"], cfg["size"])
         y = torch.randint(0, 10, (cfg["batch"],))
         crit = torch.nn.CrossEntropyLoss()
+        fwd = lambda m, x: m(x)  # noqa: E731
+    elif cfg["kind"] == "seqrec":
+        from dpzoo.losses import SequenceCrossEntropy
+        model = dpzoo.load(cfg["name"], num_items=cfg["items"], max_len=cfg["seq"])
+        x = torch.randint(1, cfg["items"] + 1, (cfg["batch"], cfg["seq"]))
+        y = torch.randint(1, cfg["items"] + 1, (cfg["batch"], cfg["seq"]))
+        if hasattr(model, "set_token_frequencies"):  # Re-Attention active in every mode, as in training
+            model.set_token_frequencies(x)
+            model.set_dp_noise(noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=cfg["batch"])
+        crit = SequenceCrossEntropy(ignore_index=0)
         fwd = lambda m, x: m(x)  # noqa: E731
     else:
         from dpzoo.losses import SequenceCrossEntropy
