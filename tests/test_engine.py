@@ -30,6 +30,15 @@ def _data(n=12, size=16):
                          torch.randint(0, 3, (n,), generator=g))
 
 
+def _private_sgd(model, ds, batch_size=4):
+    """dpzoo's engine on SGD, fixed batches, σ = 1, R = 1: (engine, model, optimizer, loader)."""
+    engine = dpzoo.PrivacyEngine()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=batch_size),
+                                             noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False)
+    return engine, model, opt, loader
+
+
 def _expected_update(model, x, y, trainable, clipping, reduction, expected_b, lr):
     def loss_fn(m, x, y):
         return F.cross_entropy(m(x), y, reduction="sum")
@@ -284,10 +293,7 @@ def test_parameter_used_in_the_loss_is_refused():
     """A weight penalty computed from the parameters in the loss is outside the hooks: the
     engine refuses rather than silently dropping its (unclipped) gradient."""
     model, ds = _resnet(), _data()
-    engine = dpzoo.PrivacyEngine()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=4),
-                                             noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False)
+    engine, model, opt, loader = _private_sgd(model, ds)
     x, y = next(iter(loader))
     (F.cross_entropy(model(x), y) + 1e-3 * model.fc.weight.pow(2).sum()).backward()
     with pytest.raises(dpzoo.UnsupportedModuleError, match="fc.weight received a gradient outside"):
@@ -316,10 +322,7 @@ def test_parameter_without_gradient_warns_once_by_name():
     torch.manual_seed(0)
     model = _WithUnusedBranch()
     ds = TensorDataset(torch.randn(8, 4), torch.randint(0, 3, (8,)))
-    engine = dpzoo.PrivacyEngine()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=4),
-                                             noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False)
+    engine, model, opt, loader = _private_sgd(model, ds)
     with pytest.warns(dpzoo.NoGradientWarning) as rec:
         for x, y in loader:
             F.cross_entropy(model(x), y).backward()
@@ -334,10 +337,7 @@ def test_parameter_without_gradient_warns_once_by_name():
 
 def test_no_gradient_warning_stays_quiet_when_everything_trains(recwarn):
     model, ds = _resnet(), _data()
-    engine = dpzoo.PrivacyEngine()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=4),
-                                             noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False)
+    engine, model, opt, loader = _private_sgd(model, ds)
     x, y = next(iter(loader))
     F.cross_entropy(model(x), y).backward()
     opt.step()

@@ -93,18 +93,17 @@ def train_seqrec(name: str, *, data: str = "synthetic", epsilon: float = 5.0, de
     if hasattr(model, "set_token_frequencies"):  # Re-Attention's p_i (Claim 5.4)
         model.set_token_frequencies(x)
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
-    data_loader = DataLoader(TensorDataset(x, y), batch_size=min(batch_size, len(x)))
+    train_set, batch = TensorDataset(x, y), min(batch_size, len(x))
     engine = None
-    if private:
+    if private:  # the engine replaces the loader by Poisson sampling at rate batch / N
         engine = PrivacyEngine(accountant=accountant)
         model, opt, loader = engine.make_private(
-            module=model, optimizer=opt, data_loader=data_loader,
+            module=model, optimizer=opt, data_loader=DataLoader(train_set, batch_size=batch),
             target_epsilon=epsilon, target_delta=delta, epochs=epochs, max_grad_norm=max_grad_norm,
             clipping=clipping, mode="bk-mixopt", max_physical_batch_size=max_physical_batch_size, sample_seed=seed)
         base_opt = opt.original_optimizer
     else:
-        loader = DataLoader(TensorDataset(x, y), batch_size=min(batch_size, len(x)), shuffle=True,
-                            generator=torch.Generator().manual_seed(seed))
+        loader = DataLoader(train_set, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(seed))
         base_opt = opt
     total = epochs * len(loader)
     warm = max(1, int(0.2 * total))
