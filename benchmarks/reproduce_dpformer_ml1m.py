@@ -37,10 +37,12 @@ def run_one(args, model, eps, lr, bs, seed, runs: Path) -> dict:
         return None
     from dpzoo.seqrec.train import train_seqrec
     t0 = time.time()
+    tag = path.stem
+    log = (lambda msg: print(f"[{tag}] {msg}", flush=True)) if args.verbose else (lambda *a: None)
     result = train_seqrec(model, data=args.data, epsilon=eps, epochs=args.epochs, batch_size=bs,
                           lr=lr, max_len=args.max_len, eval_every=args.eval_every, seed=seed,
                           max_physical_batch_size=args.max_physical_batch_size, device=args.device,
-                          log=lambda *a: None)
+                          log=log)
     result["wall_seconds"] = time.time() - t0
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n")
@@ -79,6 +81,8 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (processes)")
     p.add_argument("--out", default="benchmarks/results/dpformer_ml1m")
+    p.add_argument("--verbose", action="store_true",
+                   help="print every evaluation of every run as it happens (partial results if a run is cut off)")
     p.add_argument("--summary-only", action="store_true",
                    help="train nothing; summarise the runs already under OUT/runs (missing ones are listed)")
     args = p.parse_args(argv)
@@ -87,8 +91,13 @@ def main(argv=None) -> None:
     runs.mkdir(parents=True, exist_ok=True)
     eps0 = args.epsilons[0]
 
-    stage1 = run_many(args, [(m, eps0, lr, bs, 0) for m in args.models for lr in args.lrs
-                             for bs in args.batch_sizes], runs)
+    grid1 = [(m, eps0, lr, bs, 0) for m in args.models for lr in args.lrs for bs in args.batch_sizes]
+    if len(args.lrs) * len(args.batch_sizes) == 1:
+        # nothing to select: every run is known now, so all of them share the pool at once
+        lr, bs = args.lrs[0], args.batch_sizes[0]
+        run_many(args, grid1 + [(m, eps0, lr, bs, seed) for seed in range(1, args.seeds) for m in args.models]
+                 + [(m, eps, lr, bs, 0) for eps in args.epsilons[1:] for m in args.models], runs)
+    stage1 = run_many(args, grid1, runs)  # with one grid point: already trained, read back
     best = {}
     for model in args.models:  # stage 1: best (lr, batch size) on validation NDCG@10, seed 0
         grid = {(r["lr"], r["batch_size"]): r for r in stage1 if r["model"] == model}
