@@ -123,7 +123,7 @@ def _cmd_train(args) -> int:
                      max_len=args.max_len, max_grad_norm=args.max_grad_norm, clipping=args.clipping,
                      eval_every=args.eval_every, accountant=args.accountant, seed=args.seed, out=args.out,
                      overrides=_parse_sets(args.set), max_physical_batch_size=args.max_physical_batch_size,
-                     device=args.device, private=not args.non_private)
+                     device=args.device, private=not args.non_private, amazon_columns=args.amazon_columns)
         return 0
     if args.non_private:
         raise dpzoo.DPZooError("--non-private is for sequence models; image models train privately only.")
@@ -161,7 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("name")
     s.add_argument("--data", default="digits",
                    help="image models: digits (bundled with scikit-learn); sequence models: synthetic (default), "
-                        "ml-1m, ml-100k, amazon-games or a file path")
+                        "ml-1m, ml-100k, amazon-games (2014 release), amazon-games-2018 or a file path")
+    s.add_argument("--amazon-columns", default=None,
+                   choices=["user,item,rating,timestamp", "item,user,rating,timestamp"],
+                   help="column order of an Amazon CSV given as a path (2014 release: user first; "
+                        "2018: item first); default: told from the ids' shape")
     s.add_argument("--epsilon", type=float, default=8.0)
     s.add_argument("--delta", type=float, default=None,
                    help="delta (default: 1e-5 for images, N^-1.1 for N users of sequence data)")

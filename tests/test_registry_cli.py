@@ -137,3 +137,15 @@ def test_cli_trains_a_sequence_model_on_synthetic_data(tmp_path, capsys):
     assert (tmp_path / "metrics.png").stat().st_size > 0
     m = dpzoo.load(tmp_path / "model")
     assert m.out.weight is m.item_emb.weight
+
+
+def test_cli_amazon_columns_reaches_the_loader(tmp_path, capsys):
+    """An Amazon CSV whose ids cannot tell the column order is refused unless --amazon-columns says it."""
+    rows = [(f"B{u:09d}", f"B{900000000 + i:09d}", 1000 + 10 * u + i) for u in range(7) for i in range(5)]
+    path = tmp_path / "games.csv"
+    path.write_text("".join(f"{i},{u},5.0,{t}\n" for u, i, t in rows))  # item first, all ids ASIN-shaped
+    args = ["train", "gru-seqrec", "--data", str(path), "--epochs", "1", "--eval-every", "1", "--batch-size", "4"]
+    assert main(args) == 2
+    assert "--amazon-columns" in capsys.readouterr().err
+    assert main(args + ["--amazon-columns", "item,user,rating,timestamp"]) == 0
+    assert "7 users" in capsys.readouterr().out  # read the other way round: 5 users of 7 items

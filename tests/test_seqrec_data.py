@@ -74,6 +74,81 @@ def test_amazon(tmp_path, suffix):
     assert D.sniff_format(p) == "amazon"
 
 
+# Shaped like the two releases' "ratings only" files (ids invented): 2014 ratings_Video_Games.csv
+# is user,item,rating,timestamp; 2018 categoryFilesSmall/Video_Games.csv is item,user,...
+_AMZ = [("A2HD75EMZR8QLN", "0700099867", "5.0", 1341792000), ("A1JGAP0185YJI6", "B00004SVYK", "4.0", 1101168000),
+        ("AB9S9279OZ3QO", "0700099867", "1.0", 1373155200), ("A3V6Z4RCDGRC44", "B0000296O5", "3.0", 1248739200)]
+
+
+@pytest.mark.parametrize("suffix", ["", ".gz"])
+def test_amazon_2018_column_order(tmp_path, suffix):
+    p14 = _write(tmp_path / f"ratings_Video_Games.csv{suffix}", "".join(f"{u},{i},{r},{t}\n" for u, i, r, t in _AMZ))
+    p18 = _write(tmp_path / f"Video_Games.csv{suffix}", "".join(f"{i},{u},{r},{t}\n" for u, i, r, t in _AMZ))
+    want = [(u, i, t) for u, i, _, t in _AMZ]
+    assert read_amazon_csv(p14) == want
+    assert read_amazon_csv(p18, D.AMAZON_2018) == want
+    assert read_amazon_csv(p18) == [(i, u, t) for u, i, t in want]  # the wrong order swaps the roles
+    assert D.sniff_amazon_columns(p14) == D.AMAZON_2014
+    assert D.sniff_amazon_columns(p18) == D.AMAZON_2018
+    h = _write(tmp_path / f"h.csv{suffix}",
+               "item,user,rating,timestamp\n" + "".join(f"{i},{u},{r},{t}\n" for u, i, r, t in _AMZ))
+    assert read_amazon_csv(h, D.AMAZON_2018) == want and D.sniff_amazon_columns(h) == D.AMAZON_2018
+
+
+def test_amazon_column_order_that_cannot_be_told_is_an_error(tmp_path):
+    both = _write(tmp_path / "a.csv", "B000000001,B000000002,5.0,1\nB000000003,B000000001,4.0,2\n")
+    with pytest.raises(DPZooError, match="amazon_columns"):
+        D.sniff_amazon_columns(both)
+    with pytest.raises(DPZooError, match="amazon_columns"):
+        load_dataset(both)
+    with pytest.raises(DPZooError, match="expected"):
+        read_amazon_csv(both, "user,item")
+
+
+def _amazon_rows(n_users=6, n_items=6):
+    users = [f"A{u:013d}" for u in range(n_users)]  # 14 characters, like reviewer ids
+    items = [f"B{i:09d}" for i in range(n_items)]   # 10 characters, like ASINs
+    return [(u, it, 1_000_000 + 100 * k + j) for k, u in enumerate(users) for j, it in enumerate(items)]
+
+
+@pytest.mark.parametrize("order", ["2014", "2018"])
+def test_load_dataset_reads_either_amazon_release_as_users_by_items(tmp_path, order):
+    rows = _amazon_rows(n_users=7, n_items=5)
+    text = "".join((f"{u},{i},5.0,{t}\n" if order == "2014" else f"{i},{u},5.0,{t}\n") for u, i, t in rows)
+    ds = load_dataset(_write(tmp_path / "games.csv", text))
+    assert ds.num_users == 7 and ds.num_items == 5
+    assert sorted(ds.user_ids) == sorted({u for u, _, _ in rows})
+    explicit = load_dataset(tmp_path / "games.csv", amazon_columns=getattr(D, f"AMAZON_{order}"))
+    assert explicit.sequences == ds.sequences
+
+
+def test_named_amazon_datasets_download_their_release(tmp_path, monkeypatch):
+    rows = _amazon_rows()
+    bodies = {"2014": "".join(f"{u},{i},5.0,{t}\n" for u, i, t in rows).encode(),
+              "2018": "".join(f"{i},{u},5.0,{t}\n" for u, i, t in rows).encode()}
+    calls = []
+
+    def fake_urlopen(url):
+        calls.append(url)
+        return io.BytesIO(bodies["2018" if "amazon_v2" in url else "2014"])
+
+    monkeypatch.setattr(D, "_urlopen", fake_urlopen)
+    monkeypatch.setattr(D, "network_reachable", lambda url, timeout=3.0: True)
+    monkeypatch.setattr(D, "_search_roots", lambda c: [Path(c)])
+    ds = load_dataset("amazon-games", cache_dir=tmp_path)
+    assert calls == [D.DATASETS["amazon-games"]["url"]] and "ratings_Video_Games.csv" in calls[0]
+    assert ds.num_users == 6 and sorted(ds.user_ids) == sorted({u for u, _, _ in rows})
+    # the 2018 file is checked against its published sha256: this stand-in body is refused
+    with pytest.raises(DPZooError, match="sha256"):
+        load_dataset("amazon-games-2018", cache_dir=tmp_path)
+    assert not (tmp_path / "amazon-games-2018").exists() or not any((tmp_path / "amazon-games-2018").iterdir())
+    # placed by hand (item,user order) it is read as users × items
+    (tmp_path / "amazon-games-2018").mkdir(exist_ok=True)
+    _write(tmp_path / "amazon-games-2018" / "Video_Games.csv", bodies["2018"].decode())
+    ds18 = load_dataset("amazon-games-2018", cache_dir=tmp_path)
+    assert ds18.sequences == ds.sequences and ds18.user_ids == ds.user_ids
+
+
 @pytest.mark.parametrize("suffix", ["", ".gz"])
 def test_sasrec_text(tmp_path, suffix):
     p = _write(tmp_path / f"x.txt{suffix}", "1 1\n1 2\n2 1\n")

@@ -40,6 +40,9 @@ __all__ = [
     "read_grouplens_ratings",
     "read_ml100k",
     "read_amazon_csv",
+    "sniff_amazon_columns",
+    "AMAZON_2014",
+    "AMAZON_2018",
     "read_sasrec_text",
     "sniff_format",
     "sasrec_preprocess",
@@ -113,12 +116,12 @@ def _parse_ml100k(line: str) -> tuple[int, int, int]:
     return _int(u), _int(i), _int(t)
 
 
-def _parse_amazon(line: str) -> tuple[str, str, int]:
-    u, i, r, t = _fields(line, ",", 4)
-    if not u or not i:
+def _parse_amazon(line: str, item_first: bool = False) -> tuple[str, str, int]:
+    a, b, r, t = _fields(line, ",", 4)
+    if not a or not b:
         raise ValueError("empty id")
     float(r)
-    return u, i, _int(t)
+    return (b, a, _int(t)) if item_first else (a, b, _int(t))
 
 
 def read_grouplens_ratings(path) -> list[tuple[int, int, int]]:
@@ -138,18 +141,60 @@ def read_ml100k(path) -> list[tuple[int, int, int]]:
                       "integer ids and timestamp)")
 
 
-AMAZON_HEADER = "user,item,rating,timestamp"
+AMAZON_2014 = "user,item,rating,timestamp"  # the 2014 release's ratings_*.csv (DPFormer's [28])
+AMAZON_2018 = "item,user,rating,timestamp"  # the 2018 release's categoryFilesSmall/*.csv
+AMAZON_COLUMNS = (AMAZON_2014, AMAZON_2018)
 
 
-def read_amazon_csv(path) -> list[tuple[str, str, int]]:
-    """Amazon review "ratings only" CSV (``user,item,rating,timestamp``), plain or .gz.
+def read_amazon_csv(path, columns: str = AMAZON_2014) -> list[tuple[str, str, int]]:
+    """Amazon review "ratings only" CSV, plain or .gz; returns ``[(user, item, timestamp), ...]``.
 
-    No header in the official files; a first line exactly ``user,item,rating,timestamp``
-    is skipped, any other non-numeric line is an error. Ids stay strings (``A1B2C3``).
+    The two releases order the columns differently: 2014 ``ratings_Video_Games.csv`` is
+    ``user,item,rating,timestamp``, 2018 ``Video_Games.csv`` is ``item,user,rating,timestamp``;
+    pass ``columns`` accordingly (:func:`sniff_amazon_columns` tells them apart by the ids'
+    shape). No header in the official files; a first line exactly equal to ``columns`` is
+    skipped, any other non-numeric line is an error. Ids stay strings (``A1B2C3``).
     """
-    return _read_rows(path, _parse_amazon,
-                      "'user,item,rating,timestamp' (4 comma-separated fields, numeric "
-                      "rating, integer unix timestamp)", header=AMAZON_HEADER)
+    if columns not in AMAZON_COLUMNS:
+        raise DPZooError(f"columns={columns!r}: expected {AMAZON_2014!r} (2014 release) "
+                         f"or {AMAZON_2018!r} (2018 release)")
+    item_first = columns == AMAZON_2018
+    return _read_rows(path, lambda line: _parse_amazon(line, item_first),
+                      f"'{columns}' (4 comma-separated fields, numeric rating, integer unix "
+                      "timestamp)", header=columns)
+
+
+def _is_asin(s: str) -> bool:
+    return len(s) == 10 and s.isalnum()
+
+
+def sniff_amazon_columns(path, lines: int = 2000) -> str:
+    """Which Amazon column order `path` has, from the shape of its ids.
+
+    Product ids (ASINs, ISBN-10s) are always 10 letters or digits; reviewer ids are mostly
+    longer (``A2HD75EMZR8QLN``). Over the first `lines` rows, the column in which every id is
+    ASIN-shaped while the other column's ids are not all ASIN-shaped is the item column. If
+    that does not decide it (both or neither look like ASINs), a DPZooError asks for the order.
+    """
+    first = second = n = 0
+    with _open_text(path) as f:
+        for line in f:
+            parts = line.strip().split(",")
+            if len(parts) != 4 or ",".join(parts) in AMAZON_COLUMNS:
+                continue
+            n += 1
+            first += _is_asin(parts[0].strip())
+            second += _is_asin(parts[1].strip())
+            if n >= lines:
+                break
+    if n and second == n and first < n:
+        return AMAZON_2014
+    if n and first == n and second < n:
+        return AMAZON_2018
+    raise DPZooError(
+        f"{path}: cannot tell whether the Amazon CSV is {AMAZON_2014!r} (2014 release) or "
+        f"{AMAZON_2018!r} (2018 release) from its ids; give the order explicitly "
+        "(load_dataset(path, amazon_columns=...) or `dpzoo train --amazon-columns ...`).")
 
 
 def read_sasrec_text(path) -> list[tuple[int, int, int]]:
@@ -187,7 +232,7 @@ def sniff_format(path) -> str:
     raise DataFormatError(
         f"{path}: line 1: cannot tell the format from {line[:80]!r}; expected one of "
         "'UserID::MovieID::Rating::Timestamp', tab-separated 'user item rating timestamp', "
-        "'user,item,rating,timestamp' or 'user item'.")
+        "'user,item,rating,timestamp' (or 'item,user,...') or 'user item'.")
 
 
 _READERS = {"grouplens": read_grouplens_ratings, "ml100k": read_ml100k,
@@ -373,12 +418,25 @@ DATASETS = {
         "member": "ml-100k/u.data",
         "file": "ml-100k/u.data",
     },
+    # The 'Games' category of McAuley et al. 2015, the release DPFormer (App. E.1, ref. [28])
+    # and SASRec use: user,item,rating,timestamp.
     "amazon-games": {
-        "local": ["amazon-games/Video_Games.csv", "amazon-games/Video_Games.csv.gz"],
-        "url": "https://jmcauley.ucsd.edu/data/amazon_v2/categoryFilesSmall/Video_Games.csv",
+        "local": ["amazon-games/ratings_Video_Games.csv", "amazon-games/ratings_Video_Games.csv.gz"],
+        "url": "http://snap.stanford.edu/data/amazon/productGraph/categoryFiles/ratings_Video_Games.csv",
         "sha256": None,  # unknown
         "member": None,  # a plain CSV, not an archive
-        "file": "amazon-games/Video_Games.csv",
+        "file": "amazon-games/ratings_Video_Games.csv",
+        "columns": AMAZON_2014,
+    },
+    # The 2018 release (Ni et al.): item,user,rating,timestamp. The checksum is the one other
+    # public loaders verify this file against; it was not re-computed here (offline).
+    "amazon-games-2018": {
+        "local": ["amazon-games-2018/Video_Games.csv", "amazon-games-2018/Video_Games.csv.gz"],
+        "url": "https://mcauleylab.ucsd.edu/public_datasets/data/amazon_v2/categoryFilesSmall/Video_Games.csv",
+        "sha256": "c3fec1cce4ee67f0d51f8b53a7e294d8bbe6f75ca1d8732256e900b3c46606d8",
+        "member": None,
+        "file": "amazon-games-2018/Video_Games.csv",
+        "columns": AMAZON_2018,
     },
 }
 
@@ -463,9 +521,13 @@ def _fetch(name: str, cache_dir: Path) -> Path:
     return target
 
 
-def _load_file(path: Path, min_count: int, name: str | None) -> SequenceDataset:
+def _load_file(path: Path, min_count: int, name: str | None,
+               amazon_columns: str | None = None) -> SequenceDataset:
     fmt = sniff_format(path)
-    rows = _READERS[fmt](path)
+    if fmt == "amazon":
+        rows = read_amazon_csv(path, amazon_columns or sniff_amazon_columns(path))
+    else:
+        rows = _READERS[fmt](path)
     if fmt == "sasrec":
         # Already preprocessed (filtered, time-ordered, renumbered): keep the ids as they are.
         by_user: dict = {}
@@ -477,8 +539,8 @@ def _load_file(path: Path, min_count: int, name: str | None) -> SequenceDataset:
 
 
 def load_dataset(name_or_path, cache_dir=None, min_count: int = 5,
-                 allow_download: bool = True) -> SequenceDataset:
-    """A SequenceDataset by name ('ml-1m', 'ml-100k', 'amazon-games') or from a file.
+                 allow_download: bool = True, amazon_columns: str | None = None) -> SequenceDataset:
+    """A SequenceDataset by name ('ml-1m', 'ml-100k', 'amazon-games', 'amazon-games-2018') or from a file.
 
     Names are looked up, in order, under ``$DPZOO_DATA``, ``../shared/data`` relative to
     the repository and to the current directory, then `cache_dir` (default
@@ -486,24 +548,29 @@ def load_dataset(name_or_path, cache_dir=None, min_count: int = 5,
     ``ml-1m/ml-1m.txt`` is preferred (loaded as is); a raw ``ratings.dat`` goes through
     :func:`sasrec_preprocess`. If nothing is found and the network is reachable, the
     official file is downloaded into `cache_dir`; otherwise a DPZooError says which file
-    to put where. A path is read in the format sniffed from its first line.
+    to put where. A path is read in the format sniffed from its first line; an Amazon CSV's
+    column order is `amazon_columns` if given, else sniffed (:func:`sniff_amazon_columns`).
+    The named Amazon datasets know their release's order.
     """
+    if amazon_columns is not None and amazon_columns not in AMAZON_COLUMNS:
+        raise DPZooError(f"amazon_columns={amazon_columns!r}: expected one of {AMAZON_COLUMNS}")
     if str(name_or_path) not in DATASETS:
         path = Path(name_or_path)
         if not path.is_file():
             raise DPZooError(f"{str(name_or_path)!r} is neither a dataset name "
                              f"({', '.join(DATASETS)}) nor an existing file.")
-        return _load_file(path, min_count, path.name)
+        return _load_file(path, min_count, path.name, amazon_columns)
     name = str(name_or_path)
     spec = DATASETS[name]
+    amazon_columns = spec.get("columns")
     roots = _search_roots(cache_dir)
     for root in roots:
         for rel in spec["local"]:
             if (root / rel).is_file():
-                return _load_file(root / rel, min_count, name)
+                return _load_file(root / rel, min_count, name, amazon_columns)
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if allow_download and network_reachable(spec["url"]):
-        return _load_file(_fetch(name, cache), min_count, name)
+        return _load_file(_fetch(name, cache), min_count, name, amazon_columns)
     raise DPZooError(
         f"Dataset {name!r} not found and cannot be downloaded (no network). Download "
         f"{spec['url']}" + (f", unzip it and put {spec['member']}" if spec["member"] else "")

@@ -27,10 +27,10 @@ from .synthetic import zipf_interactions
 __all__ = ["train_seqrec", "evaluate", "get_dataset"]
 
 
-def get_dataset(data: str, seed: int = 0) -> SequenceDataset:
+def get_dataset(data: str, seed: int = 0, amazon_columns: str | None = None) -> SequenceDataset:
     if data == "synthetic":
         return sasrec_preprocess(zipf_interactions(seed=seed), name="synthetic")
-    return load_dataset(data)
+    return load_dataset(data, amazon_columns=amazon_columns)
 
 
 @torch.no_grad()
@@ -74,15 +74,18 @@ def train_seqrec(name: str, *, data: str = "synthetic", epsilon: float = 5.0, de
                  max_grad_norm: float = 1.0, clipping: str = "automatic", eval_every: int = 5,
                  max_physical_batch_size: int | None = None, accountant: str = "rdp", seed: int = 0,
                  weight_decay: float = 1e-5, device: str | torch.device = "cpu", private: bool = True,
-                 out: str | Path | None = None, overrides: dict | None = None, log=print) -> dict:
+                 out: str | Path | None = None, overrides: dict | None = None, log=print,
+                 amazon_columns: str | None = None) -> dict:
     """Train ``name`` (a sequential-recommendation zoo entry) privately on ``data``.
 
     ``device`` is where the model and each batch live ("cpu", "cuda", ...); Poisson sampling
     and the accountant stay on the CPU. ``private=False`` trains the same model with the same
     batch size, schedule and evaluation but no clipping, noise or accounting (shuffled batches):
-    the non-private reference (its ε is reported as ``None``; no privacy metadata is saved)."""
+    the non-private reference (its ε is reported as ``None``; no privacy metadata is saved).
+    ``amazon_columns`` gives the column order of an Amazon CSV passed as a path (see
+    :func:`dpzoo.seqrec.data.load_dataset`)."""
     torch.manual_seed(seed)
-    ds = get_dataset(data, seed)
+    ds = get_dataset(data, seed, amazon_columns)
     n_users = len(ds.train_sequences())
     delta = delta if delta is not None else 1.0 / n_users ** 1.1  # delta < 1/N, the usual choice
     max_len = max_len or (200 if data == "ml-1m" else 50)
