@@ -10,6 +10,12 @@ from torch import nn
 
 import dpzoo
 
+# Opacus' own warnings, expected here: its PrivacyEngine without secure_mode, and torch noting that
+# a full backward hook on the first layer fires although the input images need no gradient.
+def _expected_opacus_warnings(test):
+    test = pytest.mark.filterwarnings("ignore:Secure RNG turned off:UserWarning")(test)
+    return pytest.mark.filterwarnings("ignore:Full backward hook is firing:UserWarning")(test)
+
 opacus = pytest.importorskip("opacus", reason="opacus is in the `test` extra: pip install -e '.[test]'")
 
 
@@ -37,6 +43,7 @@ def test_opacus_validator_accepts_zoo_resnet():
     assert ModuleValidator.validate(m, strict=False) == []
 
 
+@_expected_opacus_warnings
 def test_opacus_hooks_train_zoo_resnet():
     m = dpzoo.load("resnet18-gn-bias", num_classes=3, layers=[1, 1, 1, 1], width=8)
     model, changed = _step(m)
@@ -44,6 +51,7 @@ def test_opacus_hooks_train_zoo_resnet():
     assert len(changed) == n_params  # every parameter, biases included, got a private update
 
 
+@_expected_opacus_warnings
 def test_opacus_fails_on_plain_timm_resnet_after_its_own_fix():
     """The failure dpzoo exists to remove: Opacus' own fix is not enough for timm's ResNet."""
     import timm
