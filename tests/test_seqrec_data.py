@@ -267,7 +267,11 @@ def test_download_file_url_and_sha(tmp_path):
     assert out.read_bytes() == src.read_bytes()
     with pytest.raises(DPZooError, match="sha256"):
         D.download(src.as_uri(), tmp_path / "d" / "g.bin", sha256="0" * 64)
-    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["f.bin"]  # no leftovers
+    md5 = hashlib.md5(src.read_bytes()).hexdigest()
+    assert D.download(src.as_uri(), tmp_path / "d" / "h.bin", md5=md5.upper()).read_bytes() == src.read_bytes()
+    with pytest.raises(DPZooError, match="md5"):
+        D.download(src.as_uri(), tmp_path / "d" / "g.bin", sha256=sha, md5="0" * 32)
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["f.bin", "h.bin"]  # no leftovers
 
 
 def test_load_dataset_downloads_and_unzips(tmp_path, monkeypatch):
@@ -285,6 +289,13 @@ def test_load_dataset_downloads_and_unzips(tmp_path, monkeypatch):
     monkeypatch.setattr(D, "_urlopen", fake_urlopen)
     monkeypatch.setattr(D, "network_reachable", lambda url, timeout=3.0: True)
     monkeypatch.setattr(D, "_search_roots", lambda c: [Path(c)])
+    # GroupLens' published md5 is checked: this stand-in zip is refused and nothing is left behind
+    with pytest.raises(DPZooError, match="md5"):
+        load_dataset("ml-100k", cache_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    calls.clear()
+    import hashlib
+    monkeypatch.setitem(D.DATASETS["ml-100k"], "md5", hashlib.md5(buf.getvalue()).hexdigest())
     ds = load_dataset("ml-100k", cache_dir=tmp_path)
     assert calls == ["https://files.grouplens.org/datasets/movielens/ml-100k.zip"]
     assert (tmp_path / "ml-100k" / "u.data").read_text() == rows

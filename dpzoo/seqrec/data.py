@@ -401,13 +401,15 @@ def sasrec_preprocess(interactions: Iterable[Sequence], min_count: int = 5,
 
 # ----------------------------------------------------------------------------- loading
 
-# sha256 of the official archives. None = not recorded here (no machine this was written
-# on could download them), so the download is not verified; fill them in once known.
+# Checksums of the official files. The machine this was written on cannot download them, so
+# they are the values the publishers (GroupLens' .md5 files) and other public loaders verify
+# against; None = none known, the download is not verified.
 DATASETS = {
     "ml-1m": {
         "local": ["ml-1m/ml-1m.txt", "ml-1m/ratings.dat", "ml-1m/ratings.dat.gz"],
         "url": "https://files.grouplens.org/datasets/movielens/ml-1m.zip",
-        "sha256": None,  # unknown
+        "sha256": "a6898adb50b9ca05aa231689da44c217cb524e7ebd39d264c56e2832f2c54e20",
+        "md5": "c4d9eecfca2ab87c1945afe126590906",
         "member": "ml-1m/ratings.dat",
         "file": "ml-1m/ratings.dat",
     },
@@ -415,6 +417,7 @@ DATASETS = {
         "local": ["ml-100k/u.data", "ml-100k/u.data.gz"],
         "url": "https://files.grouplens.org/datasets/movielens/ml-100k.zip",
         "sha256": None,  # unknown
+        "md5": "0e33842e24a9c977be4e0107933c0723",
         "member": "ml-100k/u.data",
         "file": "ml-100k/u.data",
     },
@@ -428,8 +431,7 @@ DATASETS = {
         "file": "amazon-games/ratings_Video_Games.csv",
         "columns": AMAZON_2014,
     },
-    # The 2018 release (Ni et al.): item,user,rating,timestamp. The checksum is the one other
-    # public loaders verify this file against; it was not re-computed here (offline).
+    # The 2018 release (Ni et al.): item,user,rating,timestamp.
     "amazon-games-2018": {
         "local": ["amazon-games-2018/Video_Games.csv", "amazon-games-2018/Video_Games.csv.gz"],
         "url": "https://mcauleylab.ucsd.edu/public_datasets/data/amazon_v2/categoryFilesSmall/Video_Games.csv",
@@ -476,15 +478,15 @@ def network_reachable(url: str, timeout: float = 3.0) -> bool:
         return False
 
 
-def download(url: str, dest, sha256: str | None = None, chunk: int = 1 << 20) -> Path:
+def download(url: str, dest, sha256: str | None = None, chunk: int = 1 << 20, md5: str | None = None) -> Path:
     """Download `url` to `dest` via a temp file in the same folder, renamed atomically.
 
-    If `sha256` is given the file is verified before the rename (a mismatch raises
-    DPZooError and leaves nothing at `dest`).
+    If `sha256` and/or `md5` (what GroupLens publishes beside its zips) are given, the file is
+    verified before the rename (a mismatch raises DPZooError and leaves nothing at `dest`).
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    h = hashlib.sha256()
+    h, h5 = hashlib.sha256(), hashlib.md5()
     fd, tmp = tempfile.mkstemp(prefix=dest.name + ".", suffix=".part", dir=dest.parent)
     try:
         with os.fdopen(fd, "wb") as out, _urlopen(url) as resp:
@@ -493,10 +495,12 @@ def download(url: str, dest, sha256: str | None = None, chunk: int = 1 << 20) ->
                 if not block:
                     break
                 h.update(block)
+                h5.update(block)
                 out.write(block)
-        if sha256 is not None and h.hexdigest() != sha256.lower():
-            raise DPZooError(f"Download of {url} has sha256 {h.hexdigest()}, expected {sha256}; "
-                             "the file is corrupt or has changed. Nothing was saved.")
+        for kind, got, want in (("sha256", h.hexdigest(), sha256), ("md5", h5.hexdigest(), md5)):
+            if want is not None and got != want.lower():
+                raise DPZooError(f"Download of {url} has {kind} {got}, expected {want}; the file is "
+                                 "corrupt or has changed. Nothing was saved.")
         os.replace(tmp, dest)
     except BaseException:
         if os.path.exists(tmp):
@@ -509,9 +513,9 @@ def _fetch(name: str, cache_dir: Path) -> Path:
     spec = DATASETS[name]
     target = cache_dir / spec["file"]
     if spec["member"] is None:
-        return download(spec["url"], target, spec["sha256"])
+        return download(spec["url"], target, spec["sha256"], md5=spec.get("md5"))
     archive = download(spec["url"], cache_dir / Path(urllib.parse.urlparse(spec["url"]).path).name,
-                       spec["sha256"])
+                       spec["sha256"], md5=spec.get("md5"))
     with zipfile.ZipFile(archive) as z:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".part", dir=target.parent)
