@@ -141,12 +141,46 @@ def test_named_amazon_datasets_download_their_release(tmp_path, monkeypatch):
     # the 2018 file is checked against its published sha256: this stand-in body is refused
     with pytest.raises(DPZooError, match="sha256"):
         load_dataset("amazon-games-2018", cache_dir=tmp_path)
-    assert not (tmp_path / "amazon-games-2018").exists() or not any((tmp_path / "amazon-games-2018").iterdir())
-    # placed by hand (item,user order) it is read as users × items
+    assert not (tmp_path / "amazon-games-2018").exists()  # nothing left, not even its folder
+    # placed by hand it is read item,user because the dataset says so: with ASIN-shaped user ids
+    # here, the ids alone could not tell (a path with these rows is refused)
+    rename = {u: f"C{j:09d}" for j, u in enumerate(sorted({u for u, _, _ in rows}))}
+    asin_users = [(rename[u], i, t) for u, i, t in rows]
     (tmp_path / "amazon-games-2018").mkdir(exist_ok=True)
-    _write(tmp_path / "amazon-games-2018" / "Video_Games.csv", bodies["2018"].decode())
+    placed = _write(tmp_path / "amazon-games-2018" / "Video_Games.csv",
+                    "".join(f"{i},{u},5.0,{t}\n" for u, i, t in asin_users))
+    with pytest.raises(DPZooError, match="amazon_columns"):
+        load_dataset(placed)
     ds18 = load_dataset("amazon-games-2018", cache_dir=tmp_path)
-    assert ds18.sequences == ds.sequences and ds18.user_ids == ds.user_ids
+    assert sorted(ds18.user_ids) == sorted({u for u, _, _ in asin_users})
+    with pytest.raises(DPZooError, match="does not apply"):
+        load_dataset("amazon-games-2018", cache_dir=tmp_path, amazon_columns=D.AMAZON_2014)
+
+
+@pytest.mark.parametrize("header", ["", "user,item,rating,timestamp\n", "\ufeffuser,item,rating,timestamp\n"])
+def test_generic_integer_id_csv_is_user_first(tmp_path, header):
+    rows = [(u, 100 + i, 1000 * u + i) for u in range(7) for i in range(5)]  # 7 users x 5 items
+    p = tmp_path / "ratings.csv"
+    p.write_text("\n" + header + "".join(f"{u},{i},4.0,{t}\n" for u, i, t in rows), encoding="utf-8")
+    assert D.sniff_amazon_columns(p) == D.AMAZON_2014
+    ds = load_dataset(p)
+    assert ds.num_users == 7 and ds.num_items == 5
+
+
+def test_a_header_decides_the_amazon_order(tmp_path):
+    rows = [(u, 100 + i, 1000 * u + i) for u in range(7) for i in range(5)]
+    p = tmp_path / "ratings.csv"
+    p.write_text("item,user,rating,timestamp\n" + "".join(f"{i},{u},4.0,{t}\n" for u, i, t in rows))
+    assert D.sniff_amazon_columns(p) == D.AMAZON_2018
+    assert load_dataset(p).num_users == 7
+
+
+def test_amazon_sniff_names_a_malformed_line(tmp_path):
+    p = _write(tmp_path / "bad.csv", "A2HD75EMZR8QLN,0700099867,5.0,1\n\nA2HD75EMZR8QLN,0700099867,5.0\n")
+    with pytest.raises(DataFormatError, match="line 3: expected"):
+        load_dataset(p)
+    with pytest.raises(DataFormatError, match="no rows"):
+        D.sniff_amazon_columns(_write(tmp_path / "empty.csv", "\n\n"))
 
 
 @pytest.mark.parametrize("suffix", ["", ".gz"])

@@ -74,13 +74,17 @@ def _read_rows(path, parse: Callable[[str], tuple], expected: str,
                header: str | None = None) -> list[tuple]:
     """Parse every non-blank line of `path` with `parse`; wrap failures in DataFormatError."""
     rows = []
+    first = True
     with _open_text(path) as f:
         for lineno, line in enumerate(f, 1):
             line = line.rstrip("\r\n")
             if not line.strip():
                 continue
-            if lineno == 1 and header is not None and line.strip() == header:
-                continue
+            if first:
+                first = False
+                line = _strip_bom(line)
+                if header is not None and line.strip() == header:
+                    continue
             try:
                 rows.append(parse(line))
             except (ValueError, IndexError):
@@ -89,6 +93,14 @@ def _read_rows(path, parse: Callable[[str], tuple], expected: str,
                     f"{path}: line {lineno}: expected {expected}, got {shown!r}"
                 ) from None
     return rows
+
+
+def _strip_bom(text: str) -> str:
+    # files are read as latin-1, where a UTF-8 byte-order mark shows as these three characters
+    for bom in ("\xef\xbb\xbf", "\ufeff"):
+        if text.startswith(bom):
+            return text[len(bom):]
+    return text
 
 
 def _fields(line: str, sep: str | None, n: int) -> list[str]:
@@ -152,8 +164,8 @@ def read_amazon_csv(path, columns: str = AMAZON_2014) -> list[tuple[str, str, in
     The two releases order the columns differently: 2014 ``ratings_Video_Games.csv`` is
     ``user,item,rating,timestamp``, 2018 ``Video_Games.csv`` is ``item,user,rating,timestamp``;
     pass ``columns`` accordingly (:func:`sniff_amazon_columns` tells them apart by the ids'
-    shape). No header in the official files; a first line exactly equal to ``columns`` is
-    skipped, any other non-numeric line is an error. Ids stay strings (``A1B2C3``).
+    shape). No header in the official files; a first non-blank line exactly equal to
+    ``columns`` is skipped, any other non-numeric line is an error. Ids stay strings (``A1B2C3``).
     """
     if columns not in AMAZON_COLUMNS:
         raise DPZooError(f"columns={columns!r}: expected {AMAZON_2014!r} (2014 release) "
@@ -169,32 +181,44 @@ def _is_asin(s: str) -> bool:
 
 
 def sniff_amazon_columns(path, lines: int = 2000) -> str:
-    """Which Amazon column order `path` has, from the shape of its ids.
+    """Which Amazon column order `path` has: its header if it has one, else the ids' shape.
 
     Product ids (ASINs, ISBN-10s) are always 10 letters or digits; reviewer ids are mostly
     longer (``A2HD75EMZR8QLN``). Over the first `lines` rows, the column in which every id is
-    ASIN-shaped while the other column's ids are not all ASIN-shaped is the item column. If
-    that does not decide it (both or neither look like ASINs), a DPZooError asks for the order.
+    ASIN-shaped while the other column's ids are not all ASIN-shaped is the item column. When
+    neither column looks like ASINs (a generic CSV, integer ids) the order is user first, the
+    2014 release's and the usual one. When both do, a DPZooError asks for the order. A row
+    without 4 fields is a DataFormatError naming its line.
     """
     first = second = n = 0
     with _open_text(path) as f:
-        for line in f:
-            parts = line.strip().split(",")
-            if len(parts) != 4 or ",".join(parts) in AMAZON_COLUMNS:
+        for lineno, line in enumerate(f, 1):
+            text = _strip_bom(line.strip())
+            if not text:
                 continue
+            if n == 0 and text in AMAZON_COLUMNS:
+                return text  # a header line says it
+            parts = text.split(",")
+            if len(parts) != 4:
+                raise DataFormatError(f"{path}: line {lineno}: expected 'user,item,rating,timestamp' or "
+                                      f"'item,user,rating,timestamp' (4 comma-separated fields), got {text[:80]!r}")
             n += 1
             first += _is_asin(parts[0].strip())
             second += _is_asin(parts[1].strip())
             if n >= lines:
                 break
-    if n and second == n and first < n:
+    if n == 0:
+        raise DataFormatError(f"{path}: no rows; expected an Amazon ratings CSV.")
+    if second == n and first < n:
         return AMAZON_2014
-    if n and first == n and second < n:
+    if first == n and second < n:
         return AMAZON_2018
+    if first < n and second < n:
+        return AMAZON_2014
     raise DPZooError(
         f"{path}: cannot tell whether the Amazon CSV is {AMAZON_2014!r} (2014 release) or "
-        f"{AMAZON_2018!r} (2018 release) from its ids; give the order explicitly "
-        "(load_dataset(path, amazon_columns=...) or `dpzoo train --amazon-columns ...`).")
+        f"{AMAZON_2018!r} (2018 release): both id columns look like product ids; give the order "
+        "explicitly (load_dataset(path, amazon_columns=...) or `dpzoo train --amazon-columns ...`).")
 
 
 def read_sasrec_text(path) -> list[tuple[int, int, int]]:
@@ -425,7 +449,7 @@ DATASETS = {
     # and SASRec use: user,item,rating,timestamp.
     "amazon-games": {
         "local": ["amazon-games/ratings_Video_Games.csv", "amazon-games/ratings_Video_Games.csv.gz"],
-        "url": "http://snap.stanford.edu/data/amazon/productGraph/categoryFiles/ratings_Video_Games.csv",
+        "url": "https://snap.stanford.edu/data/amazon/productGraph/categoryFiles/ratings_Video_Games.csv",
         "sha256": None,  # unknown
         "member": None,  # a plain CSV, not an archive
         "file": "amazon-games/ratings_Video_Games.csv",
@@ -485,6 +509,7 @@ def download(url: str, dest, sha256: str | None = None, chunk: int = 1 << 20, md
     verified before the rename (a mismatch raises DPZooError and leaves nothing at `dest`).
     """
     dest = Path(dest)
+    made = [d for d in (dest.parent, *dest.parent.parents) if not d.exists()]
     dest.parent.mkdir(parents=True, exist_ok=True)
     h, h5 = hashlib.sha256(), hashlib.md5()
     fd, tmp = tempfile.mkstemp(prefix=dest.name + ".", suffix=".part", dir=dest.parent)
@@ -505,6 +530,11 @@ def download(url: str, dest, sha256: str | None = None, chunk: int = 1 << 20, md
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        for d in made:  # folders made for this file go too, innermost first, if still empty
+            try:
+                d.rmdir()
+            except OSError:
+                break
         raise
     return dest
 
@@ -566,6 +596,10 @@ def load_dataset(name_or_path, cache_dir=None, min_count: int = 5,
         return _load_file(path, min_count, path.name, amazon_columns)
     name = str(name_or_path)
     spec = DATASETS[name]
+    if amazon_columns is not None and amazon_columns != spec.get("columns"):
+        raise DPZooError(f"amazon_columns={amazon_columns!r} does not apply to {name!r}"
+                         + (f", whose files are {spec['columns']!r}" if spec.get("columns") else "")
+                         + "; give it only with a file path.")
     amazon_columns = spec.get("columns")
     roots = _search_roots(cache_dir)
     for root in roots:
