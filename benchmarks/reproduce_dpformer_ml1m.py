@@ -101,10 +101,11 @@ def main(argv=None) -> None:
     best = {}
     for model in args.models:  # stage 1: best (lr, batch size) on validation NDCG@10, seed 0
         grid = {(r["lr"], r["batch_size"]): r for r in stage1 if r["model"] == model}
-        best[model] = max(grid, key=lambda k: grid[k]["history"][-1]["valid_ndcg@10"])
+        if grid:  # empty only with --summary-only when none of its grid runs exists
+            best[model] = max(grid, key=lambda k: grid[k]["history"][-1]["valid_ndcg@10"])
     # stage 2 (more seeds at ε0) and stage 3 (the other ε, seed 0), seeds interleaved across models
-    later = [(m, eps0, *best[m], seed) for seed in range(1, args.seeds) for m in args.models]
-    later += [(m, eps, *best[m], 0) for eps in args.epsilons[1:] for m in args.models]
+    later = [(m, eps0, *best[m], seed) for seed in range(1, args.seeds) for m in args.models if m in best]
+    later += [(m, eps, *best[m], 0) for eps in args.epsilons[1:] for m in args.models if m in best]
     run_many(args, later, runs)
 
     summary = {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "summary_only")},
@@ -114,6 +115,9 @@ def main(argv=None) -> None:
                "results": []}
     for eps in args.epsilons:
         for model in args.models:
+            if model not in best:
+                summary.setdefault("missing", []).append({"model": model, "epsilon": eps})
+                continue
             rows = [json.loads(f.read_text()) for f in sorted(runs.glob(f"{model}_eps{eps:g}_lr{best[model][0]:g}_bs{best[model][1]}_seed*.json"))]
             if not rows:  # only with --summary-only: a run that was never finished
                 summary.setdefault("missing", []).append({"model": model, "epsilon": eps})

@@ -101,3 +101,11 @@ def test_reproduction_runner_trains_every_promised_run_with_one_grid_point(tmp_p
     assert row["seeds"] == 2 and row["ndcg@10_mean"] == pytest.approx(statistics.mean(nd))
     assert runs["gru-seqrec_eps50_lr0.01_bs128_seed0.json"]["noise_multiplier"] < \
         runs["gru-seqrec_eps8_lr0.01_bs128_seed0.json"]["noise_multiplier"]
+
+
+def test_summary_only_lists_models_never_trained(tmp_path, capsys):
+    rep = _script("reproduce_dpformer_ml1m")
+    rep.main(["--summary-only", "--models", "dpformer", "gru-seqrec", "--epsilons", "5", "8", "--out", str(tmp_path)])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["results"] == [] and len(summary["missing"]) == 4
+    assert "missing (not trained, --summary-only)" in capsys.readouterr().out
