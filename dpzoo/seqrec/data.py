@@ -209,12 +209,10 @@ def sniff_amazon_columns(path, lines: int = 2000) -> str:
                 break
     if n == 0:
         raise DataFormatError(f"{path}: no rows; expected an Amazon ratings CSV.")
-    if second == n and first < n:
+    if first < n:  # the first column is not all product ids: user first
         return AMAZON_2014
-    if first == n and second < n:
+    if second < n:
         return AMAZON_2018
-    if first < n and second < n:
-        return AMAZON_2014
     raise DPZooError(
         f"{path}: cannot tell whether the Amazon CSV is {AMAZON_2014!r} (2014 release) or "
         f"{AMAZON_2018!r} (2018 release): both id columns look like product ids; give the order "
