@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from ..errors import DPZooError
+from ..errors import AccountingError, DPZooError
 from ..grad_norms import attach_norm_hooks
 from ..privacy.accountant import Accountant, get_noise_multiplier
 from . import magnitudes as MG
@@ -104,6 +104,10 @@ def compute_sigma(target_epsilon: float, target_delta: float, sgd_sample_rate: f
     bisection as Algorithm 2)."""
     if not 0 < budget_ratio < 1:
         raise ValueError(f"budget_ratio must be in (0, 1), got {budget_ratio}")
+    if accountant == "gdp":
+        raise AccountingError("DP-FROST composes selection and DP-SGD, but accountant='gdp' (Opacus' "
+                              "GaussianAccountant) counts only the last mechanism of a history and would under-report "
+                              "ε: use accountant='pld' or 'rdp' (dp-accounting) or 'prv' (Opacus).")
     sigma_sgd = get_noise_multiplier(budget_ratio * target_epsilon, target_delta, sgd_sample_rate, sgd_steps,
                                      accountant)
     sigma_ps = get_noise_multiplier(target_epsilon, target_delta, selection_sample_rate, selection_steps, accountant,

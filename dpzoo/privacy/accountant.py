@@ -1,70 +1,167 @@
-"""Privacy accounting through established libraries (never a hand-written RDP).
+"""Privacy accounting through established libraries (never a hand-written accountant).
 
-* ``"rdp"`` (default: fast and conservative), ``"pld"``: Google's dp-accounting (a core
-  dependency);
-* ``"prv"``, ``"gdp"``, ``"opacus-rdp"``: Opacus' accountants (``pip install "dpzoo[opacus]"``).
+* ``"rdp"`` (default: fast and conservative): Rényi DP of the Poisson-subsampled Gaussian
+  (Mironov 2017; Mironov, Talwar & Zhang 2019), ``dp_accounting.rdp.RdpAccountant``;
+* ``"pld"``: privacy loss distributions (Koskela et al. 2020; Doroshenko et al. 2022),
+  ``dp_accounting.pld.PLDAccountant`` with its default pessimistic discretisation — tight;
+  both from Google's dp-accounting, a core dependency;
+* ``"prv"``: privacy loss random variables (Gopi, Lee & Wutschitz 2021), Opacus'
+  ``PRVAccountant`` (its ε upper bound);
+* ``"opacus-rdp"``: Opacus' ``RDPAccountant`` (the same analysis as ``"rdp"``, Opacus' orders);
+* ``"gdp"``: Opacus' ``GaussianAccountant``, Gaussian DP via the central limit theorem
+  (Bu, Dong, Long & Su 2020). An *approximation*, not a bound (Opacus warns that it can
+  underestimate ε), and it only reads the *last* (σ, q, steps) of a history: dpzoo refuses it
+  for any history with more than one distinct (σ, q) (:class:`~dpzoo.errors.AccountingError`),
+  e.g. DP-FROST's selection followed by training, or a run resumed with another σ.
+
+Opacus' accountants come with ``pip install "dpzoo[opacus]"``.
 
 The accountant keeps the history of (noise multiplier σ, sample rate q, steps) for the
 Poisson-subsampled Gaussian mechanism, as Opacus does; ε is computed from that history by
-the library when asked. The history is the accountant's state: it is saved in training
-checkpoints and restored on resume.
+the library when asked (every entry composed). The history is the accountant's state: it is
+saved in training checkpoints and restored on resume.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Iterable
+
+from ..errors import AccountingError
 
 __all__ = ["Accountant", "ACCOUNTANTS", "get_noise_multiplier"]
 
 ACCOUNTANTS = ("pld", "rdp", "prv", "gdp", "opacus-rdp")
+_OPACUS = {"prv": "prv", "gdp": "gdp", "opacus-rdp": "rdp"}
+_MULTI = "use accountant='pld' or 'rdp' (dp-accounting) or 'prv' (Opacus), which compose every entry"
+
+
+def _check_name(name) -> str:
+    if not isinstance(name, str) or name not in ACCOUNTANTS:
+        raise AccountingError(f"accountant={name!r} is unknown: choose one of {', '.join(map(repr, ACCOUNTANTS))}.")
+    return name
+
+
+def _number(value, arg: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        try:  # 0-d tensors and arrays
+            value = value.item()
+        except (AttributeError, ValueError, TypeError):
+            raise AccountingError(f"{arg} must be a real number, got {value!r}.") from None
+    return float(value)
+
+
+def _entry(noise_multiplier, sample_rate, steps) -> list:
+    """A validated [σ, q, steps] history entry."""
+    sigma = _number(noise_multiplier, "noise_multiplier")
+    if not (math.isfinite(sigma) and sigma >= 0):
+        raise AccountingError(f"noise_multiplier must be a finite number >= 0 (0 = no noise, ε = ∞), got {sigma}.")
+    q = _number(sample_rate, "sample_rate")
+    if not 0 < q <= 1:
+        raise AccountingError(f"sample_rate must be in (0, 1] (batch size / dataset size), got {q}.")
+    n = _number(steps, "steps")
+    if not (math.isfinite(n) and n >= 0 and n == int(n)):
+        raise AccountingError(f"steps must be a whole number >= 0, got {steps!r}.")
+    return [sigma, q, int(n)]
+
+
+def _row(h) -> list:
+    try:
+        sigma, q, steps = h
+    except (TypeError, ValueError):
+        raise AccountingError(f"a history entry must be (noise_multiplier, sample_rate, steps), got {h!r}.") from None
+    return _entry(sigma, q, steps)
+
+
+def _check_delta(delta, arg: str = "delta") -> float:
+    d = _number(delta, arg)
+    if not 0 < d < 1:
+        raise AccountingError(f"{arg} must be in (0, 1) (typically < 1 / dataset size), got {delta!r}.")
+    return d
+
+
+def _spent(history: list) -> list:
+    return [h for h in history if h[2] > 0]
+
+
+def _check_gdp(history: list) -> None:
+    """``"gdp"`` (Opacus) accounts for ``history[-1]`` only: refuse what it would under-report."""
+    distinct = list(dict.fromkeys((h[0], h[1]) for h in _spent(history)))
+    if len(distinct) > 1:
+        shown = ", ".join(f"(σ={s:.4g}, q={q:.4g})" for s, q in distinct[:4]) + (", …" if len(distinct) > 4 else "")
+        raise AccountingError(f"accountant='gdp' (Opacus' GaussianAccountant) only counts the last (σ, q) of a "
+                              f"history and would under-report ε for {shown}: {_MULTI}.")
 
 
 class Accountant:
     """History of subsampled Gaussian steps and the library that turns it into (ε, δ)."""
 
     def __init__(self, name: str = "rdp", history: Iterable = ()):
-        if name not in ACCOUNTANTS:
-            raise ValueError(f"Unknown accountant {name!r}; choose one of {', '.join(ACCOUNTANTS)}.")
-        if name in ("prv", "gdp", "opacus-rdp"):
+        _check_name(name)
+        if name in _OPACUS:
             try:
                 import opacus.accountants  # noqa: F401
             except ImportError:
                 raise ImportError(f"The {name!r} accountant comes from Opacus: pip install 'dpzoo[opacus]', "
                                   "or use accountant='pld' / 'rdp' (dp-accounting).") from None
         self.name = name
-        self.history: list[list] = [list(h) for h in history]
+        self.history: list[list] = [_row(h) for h in history]
+        if name == "gdp":
+            _check_gdp(self.history)
+
+    def check(self, noise_multiplier: float, sample_rate: float) -> None:
+        """Raise :class:`~dpzoo.errors.AccountingError` if steps of (σ, q) could not be recorded
+        (bad values, or ``"gdp"`` with another (σ, q) in the history); records nothing. For set-up
+        code that wants the refusal before the first step."""
+        entry = _entry(noise_multiplier, sample_rate, 1)
+        if self.name == "gdp":
+            _check_gdp(self.history + [entry])
 
     def step(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
-        if not (noise_multiplier >= 0 and 0 < sample_rate <= 1 and steps >= 0):
-            raise ValueError(f"bad step: noise_multiplier={noise_multiplier}, sample_rate={sample_rate}, steps={steps}")
-        if self.history and self.history[-1][0] == noise_multiplier and self.history[-1][1] == sample_rate:
-            self.history[-1][2] += steps
+        """Record ``steps`` steps of the Poisson-subsampled Gaussian mechanism (σ, q).
+
+        With ``"gdp"``, a (σ, q) other than the history's is refused here, before it is
+        recorded (dpzoo's optimizer records a step before applying it)."""
+        entry = _entry(noise_multiplier, sample_rate, steps)
+        if self.name == "gdp" and entry[2] > 0:
+            _check_gdp(self.history + [entry])
+        if self.history and self.history[-1][0] == entry[0] and self.history[-1][1] == entry[1]:
+            self.history[-1][2] += entry[2]
         else:
-            self.history.append([float(noise_multiplier), float(sample_rate), int(steps)])
+            self.history.append(entry)
 
     @property
     def steps(self) -> int:
         return sum(h[2] for h in self.history)
 
     def get_epsilon(self, delta: float) -> float:
-        """ε of everything recorded so far, at the given δ."""
-        if not 0 < delta < 1:
-            raise ValueError(f"delta must be in (0, 1), got {delta}")
-        history = [h for h in self.history if h[2] > 0]
+        """ε of everything recorded so far, at the given δ (every history entry composed)."""
+        delta = _check_delta(delta)
+        history = _spent(self.history)
+        if self.name == "gdp":
+            _check_gdp(history)
         if not history:
-            return 0.0
+            return 0.0  # nothing released
         if any(h[0] == 0 for h in history):
             return math.inf
-        return _epsilon(self.name, history, delta)
+        eps = _epsilon(self.name, history, delta)
+        if math.isnan(eps) or eps < 0:
+            raise AccountingError(f"the {self.name!r} accountant returned ε = {eps} for the history {history} at "
+                                  f"δ = {delta}: use another accountant ('pld' or 'rdp').")
+        return eps
 
     def state_dict(self) -> dict:
         return {"name": self.name, "history": [list(h) for h in self.history]}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("name") != self.name:
-            raise ValueError(f"checkpoint accountant {state.get('name')!r} != this engine's {self.name!r}")
-        self.history = [list(h) for h in state["history"]]
+            raise AccountingError(f"checkpoint accountant {state.get('name')!r} != this engine's {self.name!r}: "
+                                  f"create the engine with accountant={state.get('name')!r}.")
+        history = [_row(h) for h in state["history"]]
+        if self.name == "gdp":
+            _check_gdp(history)
+        self.history = history
 
 
 def _epsilon(name: str, history: list, delta: float) -> float:
@@ -95,7 +192,9 @@ def _library_epsilon(name: str, history: list, delta: float) -> float:
             acc.compose(event, steps)
         return float(acc.get_epsilon(delta))
     from opacus.accountants import create_accountant
-    acc = create_accountant("rdp" if name == "opacus-rdp" else name)
+    acc = create_accountant(_OPACUS[name])
+    if name == "gdp":  # one (σ, q) (checked by the caller): Opacus reads history[-1] only
+        history = [[history[0][0], history[0][1], sum(h[2] for h in history)]]
     acc.history = [tuple(h) for h in history]
     return float(acc.get_epsilon(delta))
 
@@ -104,43 +203,82 @@ def get_noise_multiplier(target_epsilon: float, target_delta: float, sample_rate
                          accountant: str = "rdp", tolerance: float = 0.01, history: Iterable = ()) -> float:
     """The smallest σ (to ``tolerance`` in ε) whose ε after ``steps`` steps is ≤ ``target_epsilon``.
 
-    Bisection on σ, with every ε computed by the chosen library accountant. ``history``
-    ((σ, q, steps) triples) is what has already been spent, e.g. DP-FROST's parameter selection:
-    the new mechanism is composed after it (DP-FROST App. C, Algorithm 2).
+    A bracket on σ, then a safeguarded regula falsi, with every ε computed by the chosen library
+    accountant: the returned σ is one whose ε *that* accountant has checked to be ≤
+    ``target_epsilon`` (RDP serves only as a first guess, and only without a history).
+    ``history`` ((σ, q, steps) triples) is what has already been spent, e.g. DP-FROST's parameter
+    selection: the new mechanism is composed after it (DP-FROST App. C, Algorithm 2). ``"gdp"``
+    cannot compose, so it refuses a non-empty history.
     """
-    if target_epsilon <= 0 or not 0 < target_delta < 1 or not 0 < sample_rate <= 1 or steps < 1:
-        raise ValueError("need target_epsilon > 0, 0 < target_delta < 1, 0 < sample_rate <= 1, steps >= 1")
-    history = [list(h) for h in history]
-    if history:
-        spent = Accountant(accountant, history).get_epsilon(target_delta)
-        if spent >= target_epsilon:
-            raise ValueError(f"the history already spends ε = {spent:.3g} >= target_epsilon = {target_epsilon} "
-                             f"at δ = {target_delta}: nothing is left for {steps} more steps.")
+    _check_name(accountant)
+    eps_target = _number(target_epsilon, "target_epsilon")
+    if not (math.isfinite(eps_target) and eps_target > 0):
+        raise AccountingError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}.")
+    target_delta = _check_delta(target_delta, "target_delta")
+    tol = _number(tolerance, "tolerance")
+    if not (math.isfinite(tol) and tol > 0):
+        raise AccountingError(f"tolerance (in ε) must be a finite number > 0, got {tolerance!r}.")
+    new = _entry(1.0, sample_rate, steps)
+    if new[2] < 1:
+        raise AccountingError(f"steps must be a whole number >= 1 (the steps to calibrate σ for), got {steps!r}.")
+    sample_rate, steps = new[1], new[2]
+    base = Accountant(accountant, history)
+    history = base.history
+    if _spent(history):
+        if accountant == "gdp":
+            raise AccountingError("accountant='gdp' (Opacus' GaussianAccountant) cannot calibrate σ after a spent "
+                                  f"history (it only counts the last (σ, q)): {_MULTI}.")
+        spent = base.get_epsilon(target_delta)
+        if spent >= eps_target:
+            raise AccountingError(f"the history already spends ε = {spent:.3g} >= target_epsilon = {eps_target} "
+                                  f"at δ = {target_delta}: nothing is left for {steps} more steps.")
 
-    def eps(sigma):
-        a = Accountant(accountant, history)
-        a.step(sigma, sample_rate, steps)
-        return a.get_epsilon(target_delta)
+    cache: dict[float, float] = {0.0: math.inf}
+
+    def eps(sigma: float) -> float:
+        if sigma not in cache:
+            a = Accountant(accountant, history)
+            a.step(sigma, sample_rate, steps)
+            cache[sigma] = a.get_epsilon(target_delta)
+        return cache[sigma]
 
     lo, hi = 0.0, 1.0
-    if accountant not in ("rdp", "opacus-rdp"):
-        # RDP's ε upper-bounds the tighter accountants': its σ is a valid upper bracket.
-        hi = get_noise_multiplier(target_epsilon, target_delta, sample_rate, steps, "rdp", tolerance, history)
-        lo = hi / 2
-        while lo > 1e-3 and eps(lo) <= target_epsilon:
-            hi, lo = lo, lo / 2
-    while eps(hi) > target_epsilon:
+    if not _spent(history) and accountant not in ("rdp", "opacus-rdp"):
+        # Speed-up only: dp-accounting's RDP σ for this single mechanism is a good first guess
+        # (RDP's ε upper-bounds the tighter accountants'). Both brackets are checked with
+        # `accountant` itself below. Not used after a history: RDP may find it already spent.
+        try:
+            hi = get_noise_multiplier(eps_target, target_delta, sample_rate, steps, "rdp", tol)
+        except AccountingError:
+            hi = 1.0
+        else:
+            lo = hi / 2
+            while eps(lo) <= eps_target and lo > 1e-3:
+                hi, lo = lo, lo / 2
+            if eps(lo) <= eps_target:
+                lo = 0.0
+    while eps(hi) > eps_target:
         lo, hi = hi, hi * 2
         if hi > 1e4:
-            raise ValueError(f"target_epsilon={target_epsilon} is out of reach (σ > 1e4 needed).")
-    while True:  # invariant: eps(hi) <= target < eps(lo)
-        mid = (lo + hi) / 2
-        e = eps(mid)
-        if e > target_epsilon:
+            raise AccountingError(f"target_epsilon={eps_target} is out of reach for accountant={accountant!r} "
+                                  "(σ > 1e4 needed): raise target_epsilon or target_delta, take fewer steps, or use "
+                                  "accountant='pld' (tightest; Opacus' RDP orders stop at 63).")
+    # Safeguarded regula falsi on log ε(log σ) (about linear), aiming at target - tol/2, with a
+    # bisection step whenever an interpolation did not halve the bracket.
+    # Invariant: eps(hi) <= target < eps(lo); only a σ whose ε was checked is returned.
+    goal = math.log(max(eps_target - tol / 2, eps_target / 2))
+    interpolate = True
+    while eps_target - eps(hi) > tol and hi - lo >= 1e-6:
+        e_lo, e_hi, width = eps(lo), eps(hi), hi - lo
+        if interpolate and lo > 0 and math.isfinite(e_lo) and e_hi > 0:
+            a, b = math.log(e_lo) - goal, math.log(e_hi) - goal  # a > 0 > b
+            mid = math.exp(math.log(lo) + a / (a - b) * (math.log(hi) - math.log(lo)))
+            mid = min(max(mid, lo + width / 32), hi - width / 32)
+        else:
+            mid = (lo + hi) / 2
+        if eps(mid) > eps_target:
             lo = mid
         else:
             hi = mid
-            if target_epsilon - e <= tolerance:
-                return hi
-        if hi - lo < 1e-6:
-            return hi
+        interpolate = hi - lo <= width / 2
+    return hi
