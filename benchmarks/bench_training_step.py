@@ -80,8 +80,9 @@ def worker(config: str, mode: str, warmup: int, steps: int) -> dict:
     loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
     if mode.startswith("dpzoo"):
         engine = dpzoo.PrivacyEngine()
+        # batch_size = N: q = 1, so every Poisson batch is the whole (fixed) batch, as for the others
         model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
-                                                 max_grad_norm=1.0, poisson_sampling=False,
+                                                 max_grad_norm=1.0,
                                                  mode="bitfit" if mode == "dpzoo-bitfit" else "bk-mixopt",
                                                  train_head=None)
     elif mode.startswith("opacus"):
@@ -99,6 +100,8 @@ def worker(config: str, mode: str, warmup: int, steps: int) -> dict:
             model, opt, loader = out
     times = []
     for i in range(warmup + steps):
+        if mode.startswith("dpzoo"):  # the engine steps only on batches from its loader
+            x, y = next(iter(loader))
         t = time.perf_counter()
         loss = crit(fwd(model, x), y)
         loss.backward()

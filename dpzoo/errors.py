@@ -58,3 +58,28 @@ class UnsupportedModuleError(DPZooError):
 
 class NoGradientWarning(UserWarning):
     """A trainable parameter got no gradient in a whole DP step: it is moved by noise only."""
+
+
+class AccountingError(DPZooError, ValueError):
+    """A privacy-accounting request dpzoo refuses rather than answer with a wrong ε: a bad
+    argument (ε, δ, sample rate, steps, noise multiplier, accountant name) or an accountant
+    that cannot compose the recorded history (``"gdp"`` with more than one (σ, q)).
+
+    A ``ValueError`` too, so code that caught the plain ``ValueError`` of older dpzoo still works.
+    """
+
+
+class SelfCheckError(DPZooError):
+    """dpzoo's per-sample gradients disagree with single-sample backward passes on this model
+    (:func:`dpzoo.verify`, the engine's first-step self-check): training would clip the wrong
+    quantities, so it is refused."""
+
+
+class PrivacyUsageError(DPZooError, ValueError):
+    """A use of the DP engine whose reported ε would be false (wrong batches, parameters outside
+    the model, samples mixed or counted twice), or an invalid argument of it."""
+
+
+class ReproducibleNoiseWarning(UserWarning):
+    """Noise or Poisson sampling was seeded by the user: anyone holding the seed can subtract the
+    noise, so the guarantee holds only against those who do not."""

@@ -32,7 +32,8 @@ WEIGHTS_NAME = "model.safetensors"
 FORMAT_VERSION = 1
 # Privacy metadata a DP-trained model carries (engine fills it; users may too).
 PRIVACY_FIELDS = {"epsilon": float, "delta": float, "accountant": str, "steps": int, "sample_rate": float,
-                  "noise_multiplier": float, "max_grad_norm": float, "privacy_unit": str}
+                  "noise_multiplier": float, "max_grad_norm": float, "privacy_unit": str,
+                  "noise": str, "sampling": str, "self_check": str}
 _REQUIRED_PRIVACY = ("epsilon", "delta", "accountant", "steps", "sample_rate")
 
 

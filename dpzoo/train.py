@@ -59,16 +59,15 @@ def train_image_classifier(name: str, *, data: str = "digits", epsilon: float = 
     model, opt, loader = engine.make_private(module=model, optimizer=opt,
                                              data_loader=DataLoader(train, batch_size=batch_size),
                                              target_epsilon=epsilon, target_delta=delta, epochs=epochs,
-                                             max_grad_norm=max_grad_norm, clipping=clipping, mode=mode,
-                                             sample_seed=seed)
+                                             max_grad_norm=max_grad_norm, clipping=clipping, mode=mode)
+    # `seed` fixes the initialisation and the data split; Poisson membership and noise are secret
     log(f"{name} on {data}: {len(train)} train / {len(test)} test images, mode {mode}, "
         f"σ = {engine.noise_multiplier:.3f}, q = {engine.sample_rate:.4f}, target ε = {epsilon} at δ = {delta}")
     history = []
     t = time.time()
     for epoch in range(1, epochs + 1):
-        for x, y in loader:
-            if x.shape[0]:
-                F.cross_entropy(model(x), y).backward()
+        for x, y in loader:  # empty Poisson batches are taken by the engine (noise-only steps)
+            F.cross_entropy(model(x), y).backward()
             opt.step()
             opt.zero_grad()
         acc = _evaluate(model, test)

@@ -104,13 +104,13 @@ def train(method, args, train_ds, test_ds, delta):
     if selection is not None:
         engine, model, opt, loader = selection.make_private(module=model, optimizer=opt, data_loader=loader,
                                                             epochs=args.epochs, clipping="automatic",
-                                                            max_physical_batch_size=32, sample_seed=args.seed)
+                                                            max_physical_batch_size=32)
     else:
         engine = dpzoo.PrivacyEngine()
         model, opt, loader = engine.make_private(
             module=model, optimizer=opt, data_loader=loader, target_epsilon=args.epsilon, target_delta=delta,
             epochs=args.epochs, clipping="automatic", mode="bitfit" if method == "dp-bitfit" else "auto",
-            max_physical_batch_size=32, sample_seed=args.seed)
+            max_physical_batch_size=32)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     t1 = time.time()
     first_epoch = None

@@ -1,19 +1,25 @@
-"""DP under torch.distributed (2 CPU processes, gloo): clip locally, sum across ranks, noise
-once; the update equals the single-process update for the same data, seed and noise."""
+"""DP under torch.distributed (2 CPU processes, gloo): every rank passes the one dataset (with or
+without a DistributedSampler), dpzoo gives each rank a disjoint shard and Poisson-samples it at
+the global rate q, clips locally, sums across ranks and adds the noise once. The update equals
+the single-process update on the same data, seed and noise; each sample is counted once."""
 
 from __future__ import annotations
 
 import os
 import socket
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import dpzoo
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available in this build")
 
 
 def _model():
@@ -21,33 +27,42 @@ def _model():
     return dpzoo.load("resnet18-gn-bias", num_classes=3, layers=[1, 1, 1, 1], width=4).double().train()
 
 
-def _data():
+def _data(n=8):
     g = torch.Generator().manual_seed(1)
-    return torch.randn(8, 3, 16, 16, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
+    return torch.randn(n, 3, 16, 16, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
 
 
-def _one_step(x, y, reduction):
+def _one_step(loader, reduction):
+    """One DP step through the public API; q = 1 here, so the batch is the whole (shard of the) data."""
     model = _model()
     engine = dpzoo.PrivacyEngine()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
-    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=loader,
-                                             noise_multiplier=0.8, max_grad_norm=0.5, poisson_sampling=False,
-                                             loss_reduction=reduction, noise_seed=42)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", dpzoo.errors.ReproducibleNoiseWarning)
+        model, opt, dl = engine.make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.8,
+                                             max_grad_norm=0.5, loss_reduction=reduction, noise_seed=42)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    F.cross_entropy(model(x), y, reduction=reduction).backward()
-    opt.step()
-    return {n: p.detach() - before[n] for n, p in model.named_parameters()}, engine.expected_batch_size
+    rows = 0
+    for x, y in dl:
+        F.cross_entropy(model(x), y, reduction=reduction).backward()
+        opt.step()
+        rows += x.shape[0]
+    update = {n: p.detach() - before[n] for n, p in model.named_parameters()}
+    return update, engine.expected_batch_size, engine.sample_rate, rows
 
 
-def _worker(rank, world, port, out_dir, reduction):
+def _run(fn, world, tmp_path, *args):
+    port = _free_port()
+    mp.spawn(_worker, args=(world, port, str(tmp_path), fn, args), nprocs=world, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def _worker(rank, world, port, out_dir, fn, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        x, y = _data()
-        shard = slice(rank * 4, rank * 4 + 4)
-        update, ebs = _one_step(x[shard], y[shard], reduction)
-        torch.save({"update": update, "ebs": ebs}, os.path.join(out_dir, f"rank{rank}.pt"))
+        result = fn(rank, world, *args)
+        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -58,15 +73,72 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("reduction", ["sum", "mean"])
-def test_two_process_update_equals_single_process(tmp_path, reduction):
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available in this build")
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path), reduction), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+def _full_data_step(rank, world, reduction, sampler):
     x, y = _data()
-    single, ebs = _one_step(x, y, reduction)
+    ds = TensorDataset(x, y)
+    kw = {"sampler": DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True)} if sampler else {}
+    update, ebs, q, rows = _one_step(DataLoader(ds, batch_size=len(x) // world, **kw), reduction)
+    return {"update": update, "ebs": ebs, "q": q, "rows": rows}
+
+
+@pytest.mark.parametrize("sampler", [True, False], ids=["DistributedSampler", "full-dataset"])
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_two_process_update_equals_single_process(tmp_path, reduction, sampler):
+    """Per-rank batch 4, 2 ranks, 8 samples: q = 1, so each sample is in exactly one rank's batch.
+    (Before: each rank Poisson-sampled the whole dataset, every sample entered the sum twice.)"""
+    ranks = _run(_full_data_step, 2, tmp_path, reduction, sampler)
+    x, y = _data()
+    single, ebs, q, rows = _one_step(DataLoader(TensorDataset(x, y), batch_size=len(x)), reduction)
     assert ranks[0]["ebs"] == ranks[1]["ebs"] == ebs == 8
+    assert ranks[0]["q"] == ranks[1]["q"] == q == 1.0
+    assert ranks[0]["rows"] + ranks[1]["rows"] == rows == 8  # each sample once, globally
     for n in single:
         assert torch.allclose(ranks[0]["update"][n], single[n], rtol=1e-9, atol=1e-12), n
         assert torch.equal(ranks[0]["update"][n], ranks[1]["update"][n]), n
+
+
+def _membership(rank, world, n, batch, epochs):
+    x = torch.arange(n, dtype=torch.float64).unsqueeze(1)
+    ds = TensorDataset(x)
+    model = torch.nn.Linear(1, 1).double()
+    engine = dpzoo.PrivacyEngine()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt, dl = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(
+        ds, batch_size=batch, sampler=DistributedSampler(ds, num_replicas=world, rank=rank)), noise_multiplier=1.0,
+        self_check=False)
+    counts = torch.zeros(n)
+    for _ in range(epochs):
+        for (xb,) in dl:
+            counts[xb.long().flatten()] += 1
+            model(xb).sum().backward()
+            opt.step()
+    return {"counts": counts, "q": engine.sample_rate, "steps": engine.steps, "eps": engine.get_epsilon(1e-5)}
+
+
+def test_each_sample_is_sampled_by_one_rank_at_the_global_rate(tmp_path):
+    """Uneven shards (9 samples, 2 ranks): every index comes from exactly one rank, at rate q."""
+    n, batch, epochs = 9, 2, 300
+    ranks = _run(_membership, 2, tmp_path, n, batch, epochs)
+    q = ranks[0]["q"]
+    assert q == ranks[1]["q"] == pytest.approx(2 * batch / n)
+    assert ranks[0]["steps"] == ranks[1]["steps"] and ranks[0]["eps"] == ranks[1]["eps"]
+    c0, c1 = ranks[0]["counts"], ranks[1]["counts"]
+    assert torch.all((c0 == 0) | (c1 == 0)) and torch.all(c0 + c1 > 0)  # disjoint shards covering the data
+    steps = ranks[0]["steps"]
+    freq = (c0 + c1) / steps
+    assert torch.all((freq - q).abs() < 4 * (q * (1 - q) / steps) ** 0.5), freq
+
+
+def _pre_sharded(rank, world):
+    x, y = _data()
+    shard = slice(rank * 4, rank * 4 + 4)  # the old contract: each rank passes its own shard
+    try:
+        _one_step(DataLoader(TensorDataset(x[shard], y[shard]), batch_size=2), "sum")
+    except dpzoo.DPZooError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def test_different_datasets_on_ranks_are_refused(tmp_path):
+    ranks = _run(_pre_sharded, 2, tmp_path)
+    assert all(r["error"] and "same full dataset on every rank" in r["error"] for r in ranks)

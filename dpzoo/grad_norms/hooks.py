@@ -29,6 +29,7 @@ mean, every per-sample gradient is divided by B.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from ..errors import UnsupportedModuleError
 from . import reps as R
 from .registry import Rule, find_rule
 
-__all__ = ["attach_norm_hooks", "NormHooks", "MODES"]
+__all__ = ["attach_norm_hooks", "NormHooks", "MODES", "output_tensors"]
 
 MODES = ("auto", "ghost", "instantiate")
 
@@ -119,6 +120,25 @@ class _State:
     graph_checked: bool = False
     stray: list = field(default_factory=list)  # ghost_backward: parameters that got a weight gradient
     unreached: list = field(default_factory=list)  # parameters no gradient reached this step (zeros)
+    calls: list = field(default_factory=list)  # per root forward call: its output tensors (real ones)
+    cotangents: dict = field(default_factory=dict)  # id(real output) -> its gradient (ghost_backward)
+
+
+def output_tensors(output) -> list[torch.Tensor]:
+    """The tensors in a model's output that have a gradient path (inside tensors, tuples, lists,
+    dicts and transformers' ModelOutputs), in a fixed order: two calls on outputs of the same
+    structure list corresponding tensors at the same positions."""
+    found, stack = [], [output]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            if o.grad_fn is not None:
+                found.append(o)
+        elif isinstance(o, dict):
+            stack.extend(reversed(list(o.values())))
+        elif isinstance(o, (list, tuple)):
+            stack.extend(reversed(o))
+    return found
 
 
 def _first_tensor(args) -> torch.Tensor | None:
@@ -158,6 +178,8 @@ class _GhostBackward(torch.autograd.Function):
                 "(the model's graph is freed then, even with retain_graph=True): add the losses and call "
                 "backward once.")
         outs = [(o, g) for o, g in zip(ctx.real_outputs, grads) if g is not None]
+        for o, g in outs:  # kept for the engine's first-step self-check (dpzoo.privacy.verify)
+            ctx.hooks._state.cotangents[id(o)] = g.detach()
         if outs:
             ctx.hooks._ghost_differentiate([o for o, _ in outs], [g for _, g in outs])
         ctx.real_outputs = None
@@ -183,6 +205,7 @@ class NormHooks:
         self._pending: dict[int, list] = {}
         self._by_edges = False
         self._pass, self._n_passes = None, 0  # the backward pass ghost differentiation runs for
+        self._paused = False  # see paused(): reference passes of the self-check record nothing
         self._build_plan()
         self._register()
         model._dpzoo_norm_hooks = weakref.ref(self)
@@ -251,7 +274,6 @@ class NormHooks:
         # Root hooks for every model (bias-only ones too): the batch size, and the outputs
         # from which parameter uses are counted when loss.backward() is used.
         self._handles.append(self.model.register_forward_pre_hook(self._root_pre_hook, with_kwargs=True))
-        self._handles.append(self.model.register_forward_hook(self._root_post_hook))
         self._bw_modules = []
         for plan in self._plans:
             m = plan.module
@@ -272,6 +294,9 @@ class NormHooks:
                     pre = self._backward_hook(plan)
                     self._handles.append(m.register_full_backward_pre_hook(lambda mod, go, f=pre: f(mod, None, go)))
                 self._bw_modules.append(target)
+        # The root's output hook last: when the root is itself a hooked layer (a bare nn.Linear),
+        # the layer's hook must see the real output, not the one wrapped for ghost differentiation.
+        self._handles.append(self.model.register_forward_hook(self._root_post_hook))
         if self.ghost_backward:
             # Ghost differentiation computes no parameter gradient (bias-only parameters only
             # inside it): one reaching a parameter comes from a use dpzoo cannot see (e.g. in
@@ -286,34 +311,28 @@ class NormHooks:
 
     def _stray_grad_hook(self, name: str):
         def hook(grad):
-            if not self._by_edges:
+            if not self._by_edges and not self._paused:
                 self._state.stray.append(name)
             return None
         return hook
 
-    def _root_pre_hook(self, module, args, kwargs):
-        if torch.is_grad_enabled() and not _in_backward():
+    def _root_pre_hook(self, module, args, kwargs=None):
+        # kwargs=None, no handles: a detached set still listed in a forward that re-planned
+        # the hooks (torch calls the hooks it had listed when the forward started)
+        if torch.is_grad_enabled() and not _in_backward() and not self._paused and self._handles:
             self._new_step_if_done()
-            x = _first_tensor(tuple(args) + tuple(kwargs.values()))
+            x = _first_tensor(tuple(args) + tuple((kwargs or {}).values()))
             if x is not None and x.dim() > 0:
                 self._state.batch_size = x.shape[0]
         return None
 
     def _root_post_hook(self, module, args, output):
-        if not torch.is_grad_enabled() or _in_backward():
+        if not torch.is_grad_enabled() or _in_backward() or self._paused:
             return None
         self._state.root_ran = True
-        found, stack = [], [output]
-        while stack:  # tensors inside tuples, dicts and ModelOutputs
-            o = stack.pop()
-            if isinstance(o, torch.Tensor):
-                if o.grad_fn is not None:
-                    found.append(o)
-            elif isinstance(o, dict):
-                stack.extend(o.values())
-            elif isinstance(o, (list, tuple)):
-                stack.extend(o)
+        found = output_tensors(output)
         self._state.outputs.extend(found)  # several forward passes may feed one loss
+        self._state.calls.append(found)
         if self.ghost_backward and found:
             return self._wrap_outputs(output, found)
         return None
@@ -339,7 +358,7 @@ class NormHooks:
         return rebuild(output)
 
     def _version_hook(self, module, args, kwargs):
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not self._paused:
             ins = tuple(args) or tuple(v for v in kwargs.values() if isinstance(v, torch.Tensor))[:1]
             self._pending.setdefault(id(module), []).append(
                 tuple(a._version if isinstance(a, torch.Tensor) else None for a in ins))
@@ -347,6 +366,8 @@ class NormHooks:
 
     def _forward_hook(self, plan: _ModulePlan):
         def hook(module, args, kwargs, output):
+            if self._paused:
+                return None
             pending = self._pending.get(id(module))
             versions = pending.pop() if pending else None
             if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
@@ -402,7 +423,7 @@ class NormHooks:
     def _backward_hook(self, plan: _ModulePlan, use_grad_input: bool = False):
         def hook(module, grad_input, grad_output):
             grad = grad_input[0] if use_grad_input else grad_output[0]
-            if grad is None:
+            if grad is None or self._paused:
                 return None
             # the backward pass: the user's, also when ghost differentiation runs inside it
             task = self._pass if self._by_edges else torch._C._current_graph_task_id()
@@ -415,7 +436,7 @@ class NormHooks:
     def _loose_pre_hook(self, plan: _ModulePlan):
         def hook(module, args, kwargs=None):
             x = _first_tensor(args)
-            if x is None or not torch.is_grad_enabled() or _in_backward():
+            if x is None or not torch.is_grad_enabled() or _in_backward() or self._paused:
                 return None
             self._new_step_if_done()
             b = x.shape[0]
@@ -711,6 +732,49 @@ class NormHooks:
     @property
     def parameter_names(self) -> list[str]:
         return list(self._params)
+
+    # -- the contract with DP engines (dpzoo.privacy) -----------------------------------------
+    @property
+    def trainable_parameters(self) -> dict[str, nn.Parameter]:
+        """{canonical name: parameter} of every parameter these hooks clip (trainable at attach)."""
+        return dict(self._params)
+
+    @property
+    def step_ready(self) -> bool:
+        """True once a backward pass ran since the last forward: the step's records are complete."""
+        return self._state.backward_done
+
+    @property
+    def forward_calls(self) -> int:
+        """Root forward passes recorded in the current step."""
+        return len(self._state.calls)
+
+    def output_cotangents(self, call: int = 0) -> list[torch.Tensor] | None:
+        """The gradients that reached the outputs of root forward ``call`` in this step (with
+        ``ghost_backward=True``), in :func:`output_tensors` order; zeros for an output the loss
+        did not use; None if that call is unknown."""
+        st = self._state
+        if call >= len(st.calls):
+            return None
+        return [st.cotangents.get(id(o), torch.zeros_like(o)) for o in st.calls[call]]
+
+    def backward_from(self, outputs: list[torch.Tensor], cotangents: list[torch.Tensor]) -> None:
+        """Back-propagate given output gradients (a vector-Jacobian product) to the hooked layers,
+        without weight gradients: ``hooks.backward`` for a loss given by its output gradients."""
+        if self.ghost_backward:
+            torch.autograd.backward(outputs, cotangents)  # the outputs are wrapped: ghost differentiation
+        else:
+            self._ghost_differentiate(list(outputs), list(cotangents))
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Forward and backward passes inside record nothing and are not wrapped: plain autograd
+        on the model (the self-check's single-sample reference passes)."""
+        was, self._paused = self._paused, True
+        try:
+            yield self
+        finally:
+            self._paused = was
 
     @property
     def batch_size(self) -> int:

@@ -3,9 +3,10 @@ Gaussian noise, accounting (see :class:`PrivacyEngine`)."""
 
 from .accountant import ACCOUNTANTS, Accountant, get_noise_multiplier
 from .data import DPDataLoader, PoissonBatchSampler, StepSignal
-from .engine import MODES, PrivacyEngine, freeze_all_but_biases
+from .engine import MODES, PrivacyEngine, freeze_all_but_biases, sample_mixing_modules
+from .verify import SelfCheckReport, self_check
 from .optimizer import CLIPPING, DPOptimizer, clip_factors
 
 __all__ = ["Accountant", "ACCOUNTANTS", "get_noise_multiplier", "PrivacyEngine", "MODES", "DPOptimizer",
            "clip_factors", "CLIPPING", "DPDataLoader", "PoissonBatchSampler", "StepSignal",
-           "freeze_all_but_biases"]
+           "freeze_all_but_biases", "sample_mixing_modules", "SelfCheckReport", "self_check"]

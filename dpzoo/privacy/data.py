@@ -3,47 +3,75 @@
 Each logical step includes every sample independently with probability q, so the batch
 size varies and can be 0. A logical batch larger than ``max_physical_batch_size`` is split
 into micro-batches; the optimizer accumulates their clipped sums and draws noise once per
-logical step (it reads :class:`StepSignal`).
+logical step (it reads :class:`StepSignal`, which also tells it how many samples the logical
+batch holds, so it can refuse a step that clipped a different number of rows).
+
+Membership is secret: unless a ``generator`` is passed (reproducible sampling, for tests),
+every epoch draws from a generator seeded with 64 bits from the operating system's CSPRNG
+(``os.urandom``), never from torch's global seed. Under ``torch.distributed`` each rank samples
+only its shard (``indices``) of the one dataset, so every sample has probability q of being in
+the global batch, once.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
-__all__ = ["PoissonBatchSampler", "DPDataLoader", "StepSignal"]
+__all__ = ["PoissonBatchSampler", "DPDataLoader", "StepSignal", "secret_generator"]
+
+
+def secret_generator(device: "torch.device | str" = "cpu") -> torch.Generator:
+    """A torch generator seeded with 64 bits of OS entropy (not reproducible, not torch's seed)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(int.from_bytes(os.urandom(8), "little"))
+    return g
 
 
 @dataclass
 class StepSignal:
-    """Shared by the loader and the optimizer: does the current micro-batch end a logical step?"""
+    """Shared by the loader and the optimizer: which logical batch the current micro-batch belongs
+    to, how many samples that logical batch holds, and whether the micro-batch ends it."""
 
     last_physical: bool = True
     logical_batch_size: int = 0
+    logical_index: int = -1  # counts the logical batches the loader produced (-1: none yet)
+    # set by the engine: called for an empty logical batch instead of yielding it (noise-only step)
+    on_empty: Callable[[], None] | None = None
 
 
 class PoissonBatchSampler(Sampler[list[int]]):
-    """``steps`` batches, each including every index independently with probability ``sample_rate``."""
+    """``steps`` batches, each including every index independently with probability ``sample_rate``.
+
+    ``indices``: sample only these dataset indices (a rank's shard); default ``range(num_samples)``.
+    ``generator``: reproducible membership (not secret); default: fresh OS entropy each epoch.
+    """
 
     def __init__(self, num_samples: int, sample_rate: float, steps: int | None = None,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, indices: Sequence[int] | None = None):
         if num_samples < 1 or not 0 < sample_rate <= 1:
             raise ValueError(f"need num_samples >= 1 and 0 < sample_rate <= 1, got {num_samples}, {sample_rate}")
         self.num_samples, self.sample_rate = num_samples, sample_rate
         self.steps = steps if steps is not None else max(1, round(1 / sample_rate))
         self.generator = generator
+        self.indices = torch.as_tensor(list(indices), dtype=torch.long) if indices is not None else None
 
     def __len__(self) -> int:
         return self.steps
 
     def __iter__(self) -> Iterator[list[int]]:
+        gen = self.generator if self.generator is not None else secret_generator()
+        n = len(self.indices) if self.indices is not None else self.num_samples
         for _ in range(self.steps):
-            mask = torch.rand(self.num_samples, generator=self.generator) < self.sample_rate
-            yield mask.nonzero().flatten().tolist()
+            picked = (torch.rand(n, generator=gen) < self.sample_rate).nonzero().flatten()
+            if self.indices is not None:
+                picked = self.indices[picked]
+            yield picked.tolist()
 
 
 def _empty_like(sample):
@@ -68,10 +96,11 @@ class DPDataLoader:
 
     def __init__(self, dataset: Dataset, sample_rate: float, *, collate_fn=None, num_workers: int = 0,
                  max_physical_batch_size: int | None = None, steps: int | None = None,
-                 generator: torch.Generator | None = None, signal: StepSignal | None = None, **loader_kwargs):
+                 generator: torch.Generator | None = None, signal: StepSignal | None = None,
+                 indices: Sequence[int] | None = None, **loader_kwargs):
         self.dataset = dataset
         self.sample_rate = sample_rate
-        self.batch_sampler = PoissonBatchSampler(len(dataset), sample_rate, steps, generator)
+        self.batch_sampler = PoissonBatchSampler(len(dataset), sample_rate, steps, generator, indices)
         self.collate_fn = collate_fn or default_collate
         self.max_physical_batch_size = max_physical_batch_size
         self.signal = signal or StepSignal()
@@ -80,7 +109,9 @@ class DPDataLoader:
 
     @property
     def expected_batch_size(self) -> float:
-        return self.sample_rate * len(self.dataset)
+        """Expected size of this loader's logical batches (of this rank's shard, if sharded)."""
+        n = len(self.batch_sampler.indices) if self.batch_sampler.indices is not None else len(self.dataset)
+        return self.sample_rate * n
 
     def _collate(self, samples):
         if not samples:
@@ -91,16 +122,25 @@ class DPDataLoader:
         return len(self.batch_sampler)
 
     def __iter__(self):
+        sig = self.signal
         for batch in self._loader:
             size = _batch_len(batch)
+            sig.logical_index += 1
+            sig.logical_batch_size = size
+            if size == 0 and sig.on_empty is not None:
+                # An empty Poisson batch is still a step of the mechanism (a noise-only update):
+                # the engine takes it here, so training loops never see a batch of 0 rows.
+                sig.last_physical = True
+                sig.on_empty()
+                continue
             chunk = self.max_physical_batch_size
             if not chunk or size <= chunk:
-                self.signal.last_physical, self.signal.logical_batch_size = True, size
+                sig.last_physical = True
                 yield batch
                 continue
             starts = list(range(0, size, chunk))
             for i, s in enumerate(starts):
-                self.signal.last_physical, self.signal.logical_batch_size = i == len(starts) - 1, size
+                sig.last_physical = i == len(starts) - 1
                 yield _slice(batch, s, s + chunk)
 
 

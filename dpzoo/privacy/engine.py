@@ -20,21 +20,26 @@ cheaper (2T² < p·d); ``"instantiate"`` per-sample gradients everywhere (Opacus
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import math
+import numbers
+import warnings
 import weakref
 from typing import Any, Iterable
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.data import DataLoader, DistributedSampler
 
-from ..errors import DPZooError
+from ..errors import DPZooError, PrivacyUsageError, ReproducibleNoiseWarning
 from ..grad_norms import attach_norm_hooks
 from .accountant import Accountant, get_noise_multiplier
 from .data import DPDataLoader, StepSignal
-from .optimizer import DPOptimizer
+from .optimizer import CLIPPING, DPOptimizer, _world
+from .verify import self_check
 
-__all__ = ["PrivacyEngine", "MODES", "freeze_all_but_biases"]
+__all__ = ["PrivacyEngine", "MODES", "freeze_all_but_biases", "sample_mixing_modules"]
 
 MODES = {"auto": "auto", "bk-mixopt": "auto", "bk": "ghost", "instantiate": "instantiate", "bitfit": "auto"}
 
@@ -69,6 +74,70 @@ def _default_head(model: nn.Module) -> list[str]:
     return []
 
 
+def _bitfit_trainable(model: nn.Module, train_head) -> set[int]:
+    """ids of the parameters :func:`freeze_all_but_biases` would leave trainable (no mutation)."""
+    heads = [train_head] if isinstance(train_head, str) else list(train_head or [])
+    keep = set()
+    for name, p in model.named_parameters():
+        module = name.rpartition(".")[0]
+        if _is_bias(name) or any(fnmatch.fnmatch(module, h) or fnmatch.fnmatch(name, h) for h in heads):
+            keep.add(id(p))
+    return keep
+
+
+def _number(name: str, value, *, positive: bool = False, integer: bool = False, fix: str = "") -> None:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and integer:
+        ok = float(value).is_integer()
+    if ok and positive:
+        ok = value > 0
+    elif ok:
+        ok = value >= 0
+    if not ok:
+        kind = ("a positive integer" if integer else "a finite number > 0") if positive else "a finite number >= 0"
+        raise PrivacyUsageError(f"{name} must be {kind}, got {value!r}" + (f": {fix}" if fix else "."))
+
+
+def sample_mixing_modules(model: nn.Module) -> list[str]:
+    """Modules that make one sample's output depend on others in train mode, or whose running
+    statistics update from the batch (released without noise): BatchNorm of any kind, with or
+    without affine parameters, and instance norms that track running statistics."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, _BatchNorm) and m.training:
+            out.append(f"{name or '<root>'} ({type(m).__name__})")
+        elif isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.track_running_stats and m.training:
+            out.append(f"{name or '<root>'} ({type(m).__name__}, track_running_stats=True)")
+    return out
+
+
+def _to_bytes(obj, out: list) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append(str((obj.dtype, tuple(obj.shape))).encode())
+        out.append(obj.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                   if obj.numel() else b"")
+    elif isinstance(obj, dict):
+        for k in sorted(obj, key=str):
+            out.append(str(k).encode())
+            _to_bytes(obj[k], out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _to_bytes(v, out)
+    elif hasattr(obj, "tobytes"):  # numpy arrays and scalars
+        out.append(obj.tobytes())
+    else:
+        out.append(repr(obj).encode())
+
+
+def dataset_fingerprint(dataset) -> str:
+    """Length and a hash of a few items: equal on every rank iff (very likely) the same dataset."""
+    n = len(dataset)
+    parts: list = [str(n).encode()]
+    for i in sorted({0, n // 3, n // 2, n - 1} if n else set()):
+        _to_bytes(dataset[i], parts)
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()
+
+
 class PrivacyEngine:
     """Opacus-like entry point to dpzoo's DP training (see the module docstring)."""
 
@@ -76,11 +145,18 @@ class PrivacyEngine:
         # an Accountant instance may already hold spent budget (e.g. dpzoo.frost.select's):
         # calibration and get_epsilon compose training after it
         self.accountant = accountant if isinstance(accountant, Accountant) else Accountant(accountant)
+        if self.accountant.name == "gdp":
+            raise PrivacyUsageError(
+                "accountant='gdp' is refused for training: Opacus' Gaussian-DP accountant is a central-limit "
+                "approximation, not an upper bound (σ = 1, q = 0.1, 5 steps, δ = 1e-5: it reports ε = 1.10 where "
+                "PLD's bound is 2.35). Use 'pld' (tight), 'prv' or 'rdp'.")
         self.hooks = None
         self.optimizer: DPOptimizer | None = None
         self.module: nn.Module | None = None
         self.target_delta: float | None = None
         self.mode: str | None = None
+        self.self_check_result: str | None = None
+        self._handles: list = []
 
     # -- set-up ------------------------------------------------------------------------------
     def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
@@ -89,65 +165,268 @@ class PrivacyEngine:
                      clipping: str = "abadi", mode: str = "auto", loss_reduction: str = "mean",
                      poisson_sampling: bool = True, max_physical_batch_size: int | None = None,
                      train_head: Iterable[str] | str | None = "auto", noise_seed: int | None = None,
-                     sample_seed: int | None = None):
+                     sample_seed: int | None = None, self_check: bool = True, self_check_samples: int = 3):
         """Make ``module``, ``optimizer`` and ``data_loader`` private. Returns all three, wrapped.
 
         Either ``noise_multiplier`` or ``target_epsilon`` (with ``target_delta`` and
         ``epochs``) sets the noise. The data loader's ``batch_size`` becomes the expected
-        logical batch size: sample rate q = batch_size / len(dataset).
+        logical batch size (per rank under torch.distributed): sample rate
+        q = batch_size · world size / len(dataset). The returned loader Poisson-samples the
+        dataset (each rank its own shard of it); train on its batches only.
+
+        Refused with a :class:`~dpzoo.DPZooError`, because ε would be false otherwise: an
+        optimizer whose trainable parameters are not exactly the model's; modules that mix
+        samples (BatchNorm); ``poisson_sampling=False``; different datasets on different ranks.
+        On the first step, the self-check compares dpzoo's per-sample norms with single-sample
+        backward passes (:mod:`dpzoo.privacy.verify`); ``self_check=False`` skips it (recorded
+        in the privacy metadata). ``noise_seed`` / ``sample_seed`` make noise / sampling
+        reproducible and not secret (tests only; recorded in the metadata).
         """
-        if isinstance(module, nn.parallel.DistributedDataParallel):
-            raise DPZooError("Pass the model unwrapped, not in DistributedDataParallel: dpzoo sums the "
-                             "clipped gradients across ranks itself (DDP would all-reduce non-private "
-                             "gradients). Initialise torch.distributed and call make_private on each rank.")
-        if mode not in MODES:
-            raise DPZooError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if (noise_multiplier is None) == (target_epsilon is None):
-            raise DPZooError("Give either noise_multiplier or target_epsilon (with target_delta and epochs).")
-        if target_epsilon is not None and (target_delta is None or epochs is None):
-            raise DPZooError("target_epsilon needs target_delta and epochs to calibrate the noise.")
         if self.module is not None:
-            raise DPZooError("This PrivacyEngine already made a model private; use a new engine.")
+            raise PrivacyUsageError("This PrivacyEngine already made a model private; use a new engine.")
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            raise PrivacyUsageError(
+                "Pass the model unwrapped, not in DistributedDataParallel: dpzoo sums the clipped gradients across "
+                "ranks itself (DDP would all-reduce non-private gradients). Initialise torch.distributed and call "
+                "make_private on each rank.")
+        if not isinstance(module, nn.Module):
+            raise PrivacyUsageError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
+        if isinstance(optimizer, DPOptimizer):
+            raise PrivacyUsageError("optimizer is already a dpzoo DPOptimizer: pass the plain torch optimizer.")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise PrivacyUsageError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+        if mode not in MODES:
+            raise PrivacyUsageError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if clipping not in CLIPPING:
+            raise PrivacyUsageError(f"clipping must be one of {', '.join(CLIPPING)}, got {clipping!r}")
+        if loss_reduction not in ("mean", "sum"):
+            raise PrivacyUsageError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if (noise_multiplier is None) == (target_epsilon is None):
+            raise PrivacyUsageError("Give either noise_multiplier or target_epsilon (with target_delta and epochs).")
+        if target_epsilon is not None:
+            if target_delta is None or epochs is None:
+                raise PrivacyUsageError("target_epsilon needs target_delta and epochs to calibrate the noise.")
+            _number("target_epsilon", target_epsilon, positive=True, fix="pass the privacy budget ε, e.g. 8")
+            _number("epochs", epochs, positive=True, integer=True, fix="pass how many epochs you will train")
+        else:
+            _number("noise_multiplier", noise_multiplier, fix="pass σ >= 0 (0 means no privacy)")
+        if target_delta is not None and not (isinstance(target_delta, numbers.Real) and 0 < target_delta < 1):
+            raise PrivacyUsageError(f"target_delta must be in (0, 1), got {target_delta!r}: use δ < 1/N, e.g. 1e-5.")
+        _number("max_grad_norm", max_grad_norm, positive=True, fix="pass the clipping bound R, e.g. 1.0")
+        if max_physical_batch_size is not None:
+            _number("max_physical_batch_size", max_physical_batch_size, positive=True, integer=True,
+                    fix="pass the largest micro-batch that fits in memory, or None for no splitting")
+        _number("self_check_samples", self_check_samples, positive=True, integer=True)
+        for name, seed in (("noise_seed", noise_seed), ("sample_seed", sample_seed)):
+            if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)):
+                raise PrivacyUsageError(f"{name} must be an int or None (the default: secret), got {seed!r}.")
+        if not poisson_sampling:
+            raise PrivacyUsageError(
+                "poisson_sampling=False is refused: dpzoo accounts DP-SGD as Poisson-subsampled, and the ε of fixed or "
+                "shuffled batches is not that (nor simply bounded under add/remove adjacency). Keep "
+                "poisson_sampling=True; use max_physical_batch_size to bound memory.")
+        if not isinstance(data_loader, DataLoader) and not hasattr(data_loader, "dataset"):
+            raise PrivacyUsageError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}.")
         batch_size = getattr(data_loader, "batch_size", None)
         if batch_size is None:
-            raise DPZooError("The data loader needs a fixed batch_size (no batch_sampler): it sets the "
-                             "expected Poisson batch size.")
+            raise PrivacyUsageError("The data loader needs a fixed batch_size (no batch_sampler): it sets the "
+                                    "expected Poisson batch size.")
+        mixing = sample_mixing_modules(module)
+        if mixing:
+            raise PrivacyUsageError(
+                f"Module(s) {', '.join(mixing[:6])} mix samples in train mode (batch statistics) and update running "
+                "statistics from private data without noise. Convert them with dpzoo.make_dp_ready(model) "
+                "(BatchNorm -> GroupNorm), or put them in eval mode and freeze them.")
         dataset = data_loader.dataset
         n = len(dataset)
-        sample_rate = batch_size / n
+        if n < 1:
+            raise PrivacyUsageError("The data loader's dataset is empty.")
+        world, rank = _world()
+        indices = None
+        if world > 1:
+            indices = self._shard(data_loader, n, world, rank)
+        sample_rate = batch_size * world / n
+        if sample_rate > 1:
+            raise PrivacyUsageError(
+                f"batch_size {batch_size}{f' x {world} ranks' if world > 1 else ''} exceeds the dataset's "
+                f"{n} samples (sample rate q = {sample_rate:.3g} > 1): use a batch_size of at most "
+                f"{n // world}.")
         signal = StepSignal()
-        if poisson_sampling:
-            gen = torch.Generator().manual_seed(sample_seed) if sample_seed is not None else None
-            loader = DPDataLoader(dataset, sample_rate, collate_fn=data_loader.collate_fn,
-                                  num_workers=data_loader.num_workers,
-                                  max_physical_batch_size=max_physical_batch_size, generator=gen, signal=signal)
-        else:
-            if max_physical_batch_size:
-                raise DPZooError("max_physical_batch_size needs poisson_sampling=True.")
-            loader = data_loader
+        gen = torch.Generator().manual_seed(sample_seed + rank) if sample_seed is not None else None
+        loader = DPDataLoader(dataset, sample_rate, collate_fn=data_loader.collate_fn,
+                              num_workers=data_loader.num_workers, max_physical_batch_size=max_physical_batch_size,
+                              generator=gen, signal=signal, indices=indices)
         steps_per_epoch = len(loader)
         if target_epsilon is not None:
-            noise_multiplier = get_noise_multiplier(target_epsilon, target_delta, sample_rate,
-                                                    epochs * steps_per_epoch, self.accountant.name,
-                                                    history=self.accountant.history)
+            try:
+                noise_multiplier = get_noise_multiplier(target_epsilon, target_delta, sample_rate,
+                                                        int(epochs) * steps_per_epoch, self.accountant.name,
+                                                        history=self.accountant.history)
+            except ValueError as e:
+                if isinstance(e, DPZooError):
+                    raise
+                raise PrivacyUsageError(f"Cannot calibrate the noise: {e}") from None
+        self.accountant.check(float(noise_multiplier), sample_rate)  # e.g. a history this accountant cannot compose
+        trainable = (_bitfit_trainable(module, _default_head(module) if train_head == "auto" else train_head)
+                     if mode == "bitfit" else {id(p) for p in module.parameters() if p.requires_grad})
+        self._check_optimizer(module, optimizer, trainable)
+        for name, seed in (("noise_seed", noise_seed), ("sample_seed", sample_seed)):
+            if seed is not None:
+                warnings.warn(f"{name}={seed}: {'noise' if name == 'noise_seed' else 'Poisson membership'} is "
+                              "reproducible, so it is not secret: the guarantee does not hold against anyone who "
+                              "holds the seed. Leave it None outside tests.", ReproducibleNoiseWarning, stacklevel=2)
         self.target_delta = target_delta
         self.sample_rate, self.noise_multiplier = sample_rate, float(noise_multiplier)
-        self.max_grad_norm, self.clipping, self.loss_reduction = max_grad_norm, clipping, loss_reduction
-        world = (torch.distributed.get_world_size()
-                 if torch.distributed.is_available() and torch.distributed.is_initialized() else 1)
-        # each rank holds a shard of the data and samples it at rate q: the expected global
-        # batch is q · (shard size · world size)
-        self.expected_batch_size = sample_rate * n * world
+        self.max_grad_norm, self.clipping, self.loss_reduction = float(max_grad_norm), clipping, loss_reduction
+        self.noise_seed, self.sample_seed = noise_seed, sample_seed
+        # each rank samples its shard of the one dataset at rate q: the expected global batch is q · N
+        self.expected_batch_size = sample_rate * n
+        requires = {p: p.requires_grad for p in module.parameters()}
         self.module = module
-        self._notify_noise()
-        self._signal, self._noise_seed = signal, noise_seed
-        self._set_mode(mode, train_head)
-        self.optimizer = DPOptimizer(optimizer, hooks=self.hooks, noise_multiplier=noise_multiplier,
-                                     max_grad_norm=max_grad_norm, clipping=clipping, loss_reduction=loss_reduction,
-                                     expected_batch_size=self.expected_batch_size, sample_rate=sample_rate,
-                                     accountant=self.accountant, signal=signal, noise_seed=noise_seed)
+        try:
+            self._notify_noise()
+            self._set_mode(mode, train_head)
+            self.optimizer = DPOptimizer(optimizer, hooks=self.hooks, noise_multiplier=noise_multiplier,
+                                         max_grad_norm=max_grad_norm, clipping=clipping, loss_reduction=loss_reduction,
+                                         expected_batch_size=self.expected_batch_size, sample_rate=sample_rate,
+                                         accountant=self.accountant, signal=signal, noise_seed=noise_seed)
+        except BaseException:
+            if self.hooks is not None:
+                self.hooks.detach()
+            self.hooks, self.module = None, None
+            for p, r in requires.items():
+                p.requires_grad_(r)
+            raise
+        self.optimizer.check_parameters = self._check_step_parameters
+        self._self_check, self._check_samples = bool(self_check), int(self_check_samples)
+        self._check_inputs = None
+        self._in_check = False
+        if self._self_check:
+            self.optimizer.on_first_step = self._run_self_check
+            self.optimizer.capture_inputs = lambda: self._check_inputs
+        signal.on_empty = self._noise_only_step
+        self._signal = signal
+        self._handles = [module.register_forward_pre_hook(self._on_forward, with_kwargs=True, prepend=True),
+                         module.register_forward_hook(self._after_forward)]
         module._dpzoo_engine = weakref.ref(self)
         return module, self.optimizer, loader
+
+    # -- the checks that keep ε true ---------------------------------------------------------
+    @staticmethod
+    def _shard(data_loader, n: int, world: int, rank: int) -> range:
+        """This rank's shard of the one dataset every rank passes (a DistributedSampler's is
+        replaced: it pads shards by repeating samples, and dpzoo samples each shard by Poisson)."""
+        sampler = getattr(data_loader, "sampler", None)
+        if isinstance(sampler, DistributedSampler) and (sampler.num_replicas != world or sampler.rank != rank):
+            raise PrivacyUsageError(
+                f"The DistributedSampler is for rank {sampler.rank} of {sampler.num_replicas} but this process is "
+                f"rank {rank} of {world}: build it from the initialised process group (or pass none).")
+        fingerprints: list = [None] * world
+        torch.distributed.all_gather_object(fingerprints, dataset_fingerprint(data_loader.dataset))
+        if len(set(fingerprints)) > 1:
+            raise PrivacyUsageError(
+                "The ranks passed different datasets to make_private. Pass the same full dataset on every rank "
+                "(with or without a DistributedSampler): dpzoo gives each rank a disjoint shard and Poisson-samples "
+                "it, so each sample is counted once. Pre-sharded or overlapping datasets cannot be accounted.")
+        return range(rank, n, world)
+
+    def _check_optimizer(self, module: nn.Module, optimizer: torch.optim.Optimizer, trainable: set[int]) -> None:
+        """The optimizer's trainable parameters must be exactly the model's: one outside the model
+        would be updated with its raw gradient; one missing would spend ε on nothing."""
+        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+        in_opt = {id(p): p for g in optimizer.param_groups for p in g["params"]}
+        outside = [p for pid, p in in_opt.items() if pid not in names and p.requires_grad]
+        if outside:
+            shapes = ", ".join(str(tuple(p.shape)) for p in outside[:6])
+            raise PrivacyUsageError(
+                f"The optimizer holds {len(outside)} trainable parameter(s) that are not in the model (shapes "
+                f"{shapes}): they would be updated with raw, unclipped gradients. Give the optimizer only "
+                "model.parameters(); put every trained module (e.g. a head) inside the model passed to make_private.")
+        missing = sorted({names[pid] for pid in trainable if pid not in in_opt})
+        if missing:
+            raise PrivacyUsageError(
+                f"Trainable parameter(s) {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} of the model are "
+                "not in the optimizer: they would be clipped and noised but never trained. Pass model.parameters() "
+                "to the optimizer, or freeze them (requires_grad_(False)) before make_private.")
+
+    def _check_step_parameters(self) -> None:
+        """At each step: the optimizer still trains exactly the hooked parameters."""
+        hooked = {id(p) for p in self.hooks.trainable_parameters.values() if p.requires_grad}
+        names = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=False)}
+        in_opt = {id(p): p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad}
+        extra = [p for pid, p in in_opt.items() if pid not in hooked]
+        if extra:
+            label = ", ".join(names.get(id(p), f"<not in the model, shape {tuple(p.shape)}>") for p in extra[:6])
+            raise PrivacyUsageError(
+                f"The optimizer now trains parameter(s) dpzoo does not clip: {label}. They would be updated with raw "
+                "gradients. Add parameters to the model before make_private (a new engine), not to the optimizer.")
+        missing = [n for n, p in self.hooks.trainable_parameters.items() if p.requires_grad and id(p) not in in_opt]
+        if missing:
+            raise PrivacyUsageError(
+                f"Trainable parameter(s) {', '.join(missing[:8])} were removed from the optimizer after make_private: "
+                "freeze them (requires_grad_(False)) instead.")
+
+    def _trainable_changed(self) -> bool:
+        hooked = self.hooks.trainable_parameters
+        if any(not p.requires_grad for p in hooked.values()):
+            return True
+        ids = {id(p) for p in hooked.values()}
+        return any(p.requires_grad and id(p) not in ids for p in self.module.parameters())
+
+    def _on_forward(self, module, args, kwargs):
+        """Before every training forward: follow freezing/unfreezing, take the previous
+        micro-batch, keep the first batch's inputs for the self-check."""
+        if self._in_check or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return None
+        if self._trainable_changed():
+            if self.optimizer.hooks.step_ready:
+                self.optimizer.clip_and_accumulate()
+            # re-plan the hooks for the new trainable set; their root pre-hook missed this call
+            self._set_mode(self.mode, "keep")
+            self.hooks._root_pre_hook(module, args, kwargs)
+        self.optimizer.mark_forward()
+        if self._self_check and self.optimizer.on_first_step is not None and self.hooks.forward_calls == 0:
+            self._check_inputs = (args, kwargs)
+        if module.training:
+            self._buffers_before = [(n, b, b._version) for n, b in module.named_buffers()]
+        return None
+
+    def _after_forward(self, module, args, output):
+        if self._in_check or not torch.is_grad_enabled() or not module.training:
+            return None
+        before = getattr(self, "_buffers_before", None)
+        if before is None:
+            return None
+        self._buffers_before = None
+        now = dict(module.named_buffers())
+        changed = [n for n, b, v in before if now.get(n) is not b or b._version != v]
+        if changed:
+            raise PrivacyUsageError(
+                f"Buffer(s) {', '.join(changed[:6])} changed during a training forward pass: statistics computed from "
+                "private data would be released without noise (and may mix samples). Freeze what updates them "
+                "(e.g. eval() on that module) or replace it (dpzoo.make_dp_ready converts BatchNorm).")
+        return None
+
+    def _noise_only_step(self) -> None:
+        """An empty Poisson batch: the mechanism still releases a (noise-only) update."""
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _run_self_check(self) -> None:
+        capture = getattr(self.optimizer, "_first_capture", None)
+        if capture is None:
+            return
+        (args, kwargs), cotangents = capture
+        self.optimizer._first_capture = None
+        self._in_check = True
+        try:
+            with torch.enable_grad():
+                report = self_check(self.module, self.hooks, args, kwargs, cotangents=cotangents,
+                                    samples=self._check_samples)
+        finally:
+            self._in_check = False
+        self.self_check_result = f"passed on the first step ({len(report.samples)} samples, largest relative " \
+                                 f"difference {max(report.worst.values(), default=0.0):.1e})"
 
     def _notify_noise(self) -> None:
         """Tell modules that track the DP noise (``set_dp_noise``, e.g. DPFormer's Re-Attention)
@@ -159,7 +438,7 @@ class PrivacyEngine:
                    expected_batch_size=self.expected_batch_size)
 
     def _set_mode(self, mode: str, train_head) -> None:
-        if mode == "bitfit":
+        if mode == "bitfit" and train_head != "keep":
             heads = _default_head(self.module) if train_head == "auto" else train_head
             freeze_all_but_biases(self.module, heads)
         if self.hooks is not None:
@@ -176,13 +455,19 @@ class PrivacyEngine:
             raise DPZooError("make_private first.")
         if mode not in MODES:
             raise DPZooError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if self.optimizer.hooks.step_ready or self.optimizer.micro_batches_in_step:
+            raise PrivacyUsageError("switch_mode in the middle of a logical step: call optimizer.step() first.")
         self._set_mode(mode, train_head)
+        self._check_step_parameters()
 
     def detach(self) -> None:
         """Remove the hooks (the model is an ordinary model again)."""
         if self.hooks is not None:
             self.hooks.detach()
             self.hooks = None
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
     # -- accounting ----------------------------------------------------------------------------
     def get_epsilon(self, delta: float | None = None) -> float:
@@ -201,13 +486,26 @@ class PrivacyEngine:
         if delta is None:
             raise DPZooError("privacy metadata needs delta: pass it, or target_delta to make_private.")
         eps = self.get_epsilon(delta)
+        if self.noise_seed is None:
+            noise = "secret (OS entropy)"
+        else:
+            noise = "reproducible (not private against anyone holding the seed)"
+        sampling = "Poisson, secret (OS entropy)" if self.sample_seed is None else \
+            "Poisson, reproducible (membership predictable from the seed)"
+        if not self._self_check:
+            check = "skipped by the user (self_check=False)"
+        else:
+            check = self.self_check_result or "pending (no non-empty step yet)"
         return {"epsilon": eps if math.isfinite(eps) else 1e308, "delta": float(delta),
                 "accountant": self.accountant.name, "steps": int(self.steps),
                 "sample_rate": float(self.sample_rate), "noise_multiplier": float(self.noise_multiplier),
-                "max_grad_norm": float(self.max_grad_norm), "privacy_unit": "sample"}
+                "max_grad_norm": float(self.max_grad_norm), "privacy_unit": "sample", "noise": noise,
+                "sampling": sampling, "self_check": check}
 
     def state_dict(self) -> dict:
-        """Accountant history and noise state, for training checkpoints."""
+        """Accountant history and optimizer state, for training checkpoints. No noise state
+        unless the noise was made reproducible (``noise_seed``): secret noise leaves nothing
+        that predicts it."""
         return {"accountant": self.accountant.state_dict(), "noise_multiplier": self.noise_multiplier,
                 "sample_rate": self.sample_rate, "max_grad_norm": self.max_grad_norm,
                 "mode": self.mode, "optimizer": self.optimizer.state_dict() if self.optimizer else None}

@@ -4,26 +4,42 @@ One logical step (BK paper Algorithm 1, lines 6–12):
 
 1. for each physical micro-batch, per-sample norms ‖g_i‖ from the hooks, clip factors
    C_i (Abadi: min(1, R/‖g_i‖); automatic: R/(‖g_i‖ + 0.01), Bu et al.), and the clipped sum
-   Σ_i C_i g_i by book-keeping (no second backward), accumulated;
-2. at the end of the logical batch: under ``torch.distributed``, the sums are all-reduced
-   and rank 0 alone adds the noise, so the global noise is exactly N(0, σ²R²) per
-   coordinate; noise goes on trainable parameters only;
+   Σ_i C_i g_i by book-keeping (no second backward), accumulated (:meth:`clip_and_accumulate`;
+   a micro-batch is taken when the next forward pass starts or at ``step()``, so several
+   forward/backward passes before one ``step()`` add up instead of overwriting each other);
+2. at the end of the logical batch the step is checked: its micro-batches clipped exactly the
+   rows of one logical batch of the loader, once (:meth:`check_step`); then under
+   ``torch.distributed`` the sums are all-reduced and rank 0 alone adds the noise, so the global
+   noise is exactly N(0, σ²R²) per coordinate (:meth:`add_noise`); noise goes on trainable
+   parameters only;
 3. with ``loss_reduction="mean"``, the noisy sum is divided by the expected logical batch
-   size q·N (Poisson sampling), as in Opacus; ``"sum"`` leaves it a sum;
+   size q·N (Poisson sampling), as in Opacus (:meth:`scale_grad`); ``"sum"`` leaves it a sum;
 4. the wrapped optimizer steps; the accountant records (σ, q).
+
+Like Opacus' ``DPOptimizer`` this is a :class:`torch.optim.Optimizer` sharing the wrapped
+optimizer's ``param_groups`` and ``state`` (so ``torch.optim.lr_scheduler`` works on it), and
+its clip / noise / scale steps are methods a subclass can override.
+
+Noise is secret: each logical step draws it from a generator seeded with 64 fresh bits of OS
+entropy (``os.urandom``). ``noise_seed`` makes it reproducible instead, for tests only: anyone
+holding the seed can subtract the noise (a :class:`~dpzoo.errors.ReproducibleNoiseWarning`,
+and the privacy metadata says so).
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections import OrderedDict
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from ..errors import NoGradientWarning, UnsupportedModuleError
+from ..errors import NoGradientWarning, PrivacyUsageError, UnsupportedModuleError
 from ..grad_norms.hooks import NormHooks
 from .accountant import Accountant
-from .data import StepSignal
+from .data import StepSignal, secret_generator
 
 __all__ = ["DPOptimizer", "clip_factors", "CLIPPING"]
 
@@ -37,10 +53,16 @@ def clip_factors(norms: torch.Tensor, max_grad_norm: float, clipping: str) -> to
         return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
     if clipping == "automatic":
         return max_grad_norm / (norms + AUTOMATIC_GAMMA)
-    raise ValueError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
+    raise PrivacyUsageError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
 
 
-class DPOptimizer:
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+class DPOptimizer(torch.optim.Optimizer):
     """Wraps a torch optimizer; ``step()`` replaces ``.grad`` by the private gradient first."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, hooks: NormHooks, noise_multiplier: float,
@@ -48,76 +70,161 @@ class DPOptimizer:
                  expected_batch_size: float, sample_rate: float, accountant: Accountant,
                  signal: StepSignal | None = None, noise_seed: int | None = None):
         if clipping not in CLIPPING:
-            raise ValueError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
+            raise PrivacyUsageError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
         if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        if max_grad_norm <= 0 or noise_multiplier < 0:
-            raise ValueError(f"need max_grad_norm > 0 and noise_multiplier >= 0, got {max_grad_norm}, {noise_multiplier}")
+            raise PrivacyUsageError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        if not max_grad_norm > 0 or not noise_multiplier >= 0:
+            raise PrivacyUsageError(f"need max_grad_norm > 0 and noise_multiplier >= 0, got {max_grad_norm}, "
+                                    f"{noise_multiplier}")
+        # No Optimizer.__init__: param_groups and state are the wrapped optimizer's (properties below).
         self.original_optimizer = optimizer
+        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
         self.hooks = hooks
         self.noise_multiplier, self.max_grad_norm = float(noise_multiplier), float(max_grad_norm)
         self.clipping, self.loss_reduction = clipping, loss_reduction
         self.expected_batch_size, self.sample_rate = float(expected_batch_size), float(sample_rate)
         self.accountant = accountant
         self.signal = signal or StepSignal()
-        self._noise_seed = noise_seed if noise_seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        self._generators: dict[torch.device, torch.Generator] = {}
+        self.noise_seed = noise_seed
+        self._generators: dict[torch.device, torch.Generator] = {}  # reproducible mode only
         self._summed: dict[str, torch.Tensor] = {}
         self._written: dict[str, torch.Tensor] = {}  # the private .grad tensors this optimizer set
         self._warned_no_grad: set[str] = set()
         self._reached: set[str] = set()  # parameters some sample's gradient reached in this logical step
+        self._step_hooks: list[Callable[["DPOptimizer"], None]] = []
         self.samples_in_step = 0
+        self.micro_batches_in_step = 0
+        self._step_batch: int | None = None  # logical_index of the micro-batches taken in this step
+        self._pending_batch: int | None = None  # logical_index of the forward whose records the hooks hold
+        self._last_stepped: int | None = None  # logical_index of the last completed step
         self.steps = 0
         self.last_per_sample_norms: torch.Tensor | None = None
+        # set by the engine: its first-step self-check, what that check re-runs, and a per-step
+        # check that the optimizer still trains exactly the hooked parameters
+        self.on_first_step: Callable[[], None] | None = None
+        self.capture_inputs: Callable[[], tuple] | None = None
+        self._first_capture: tuple | None = None
+        self.check_parameters: Callable[[], None] | None = None
+        self.check_batches = True  # the engine's loader feeds the signal
 
     # -- the wrapped optimizer -------------------------------------------------------------
     @property
     def param_groups(self):
         return self.original_optimizer.param_groups
 
+    @param_groups.setter
+    def param_groups(self, value):
+        self.original_optimizer.param_groups = value
+
     @property
     def state(self):
         return self.original_optimizer.state
+
+    @state.setter
+    def state(self, value):
+        self.original_optimizer.state = value
 
     @property
     def defaults(self):
         return self.original_optimizer.defaults
 
+    @defaults.setter
+    def defaults(self, value):
+        self.original_optimizer.defaults = value
+
+    def add_param_group(self, param_group: dict) -> None:
+        self.original_optimizer.add_param_group(param_group)  # checked against the hooks at step()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.original_optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.original_optimizer.state_dict(), "steps": self.steps,
-                "noise_seed": self._noise_seed,
-                "generators": {str(d): g.get_state() for d, g in self._generators.items()}}
+        """The wrapped optimizer's state and the step count; the noise generators' state only in
+        reproducible mode (``noise_seed``): secret noise leaves nothing that predicts it."""
+        out = {"optimizer": self.original_optimizer.state_dict(), "steps": self.steps}
+        if self.noise_seed is not None:
+            out["noise_seed"] = self.noise_seed
+            out["generators"] = {str(d): g.get_state() for d, g in self._generators.items()}
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         self.original_optimizer.load_state_dict(state["optimizer"])
-        self.steps, self._noise_seed = state["steps"], state["noise_seed"]
-        for dev, st in state.get("generators", {}).items():
-            self._generator(torch.device(dev)).set_state(st)
+        self.steps = state["steps"]
+        if self.noise_seed is not None and state.get("noise_seed") is not None:
+            self.noise_seed = state["noise_seed"]
+            for dev, st in state.get("generators", {}).items():
+                self._generator(torch.device(dev)).set_state(st)
 
     def __repr__(self) -> str:
         return (f"DPOptimizer(σ={self.noise_multiplier:.4g}, R={self.max_grad_norm}, clipping={self.clipping}, "
                 f"reduction={self.loss_reduction}, wrapping {type(self.original_optimizer).__name__})")
 
-    # -- DP --------------------------------------------------------------------------------
+    def attach_step_hook(self, fn: Callable[["DPOptimizer"], None]) -> None:
+        """``fn(optimizer)`` after every logical step, the engine's noise-only steps on empty
+        batches included (e.g. to step an LR schedule once per logical step)."""
+        self._step_hooks.append(fn)
+
+    # -- DP: overridable steps -------------------------------------------------------------
     def _generator(self, device: torch.device) -> torch.Generator:
+        if self.noise_seed is None:
+            return secret_generator(device)  # fresh OS entropy for every draw
         if device not in self._generators:
             g = torch.Generator(device=device)
-            g.manual_seed(self._noise_seed)
+            g.manual_seed(self.noise_seed)
             self._generators[device] = g
         return self._generators[device]
 
-    def accumulate(self) -> None:
-        """Add this micro-batch's clipped sum to the logical step (called by ``step()``)."""
-        st = self.hooks._state
-        if not st.backward_done:
-            return  # no backward for this micro-batch (e.g. an empty Poisson batch was skipped)
-        if self.hooks.ghost_backward and st.outputs:
+    def clip_factors(self, norms: torch.Tensor) -> torch.Tensor:
+        """Per-sample factors C_i with ‖C_i g_i‖ ≤ R (override for another clipping function)."""
+        return clip_factors(norms, self.max_grad_norm, self.clipping)
+
+    def mark_forward(self) -> None:
+        """Called by the engine when a training forward pass starts: takes the previous
+        micro-batch if its backward ran, and tags the records that follow with the loader's
+        current logical batch."""
+        if self.hooks.step_ready:
+            with self._aborting():
+                self.clip_and_accumulate()
+        if self._pending_batch is None:
+            self._pending_batch = self.signal.logical_index
+
+    @contextlib.contextmanager
+    def _aborting(self):
+        """A refused micro-batch or step is dropped whole (nothing of it is released), so the
+        next batch starts clean."""
+        try:
+            yield
+        except BaseException:
+            self.hooks.clear()
+            self._summed, self._reached = {}, set()
+            self.samples_in_step = self.micro_batches_in_step = 0
+            self._step_batch = self._pending_batch = None
+            raise
+
+    def clip_and_accumulate(self) -> None:
+        """Add the current micro-batch's clipped sum to the logical step."""
+        if not self.hooks.step_ready:
+            return  # no backward for this micro-batch
+        batch_tag, self._pending_batch = self._pending_batch, None
+        if batch_tag is None:  # a forward the engine did not see (its hooks detached): the current batch
+            batch_tag = self.signal.logical_index
+        if self.check_batches and self._step_batch is not None and batch_tag != self._step_batch:
+            self.hooks.clear()
+            raise PrivacyUsageError(
+                "Forward/backward passes of two different logical batches before one optimizer.step(): one noise "
+                "draw would cover two Poisson batches (the accounted mechanism has one). Call optimizer.step() "
+                "after each batch from the loader; for gradient accumulation over physical micro-batches, pass "
+                "max_physical_batch_size to make_private and keep calling step() after each micro-batch.")
+        params = self.hooks.trainable_parameters
+        if self.hooks.ghost_backward and self.hooks.forward_calls:
             # With ghost differentiation nothing but this optimizer writes .grad: a gradient
             # there came from a use of the parameter outside the model (e.g. in the loss).
-            for name, p in self.hooks._params.items():
+            for name, p in params.items():
                 if p.grad is not None and p.grad is not self._written.get(name):
                     raise UnsupportedModuleError(
                         f"Parameter {name} received a gradient outside dpzoo's hooks (is it used in the loss or "
@@ -128,21 +235,51 @@ class DPOptimizer:
         b = norms.shape[0]
         if b:
             unreached = set(self.hooks.unreached_parameters())
-            self._reached.update(n for n in self.hooks._params if n not in unreached)
-        if b:
+            self._reached.update(n for n in params if n not in unreached)
             true_norms = norms * b if self.loss_reduction == "mean" else norms
-            factors = clip_factors(true_norms, self.max_grad_norm, self.clipping)
+            factors = self.clip_factors(true_norms)
             scale = factors * b if self.loss_reduction == "mean" else factors
             for name, g in self.hooks.clipped_sum(scale.detach()).items():
                 self._summed[name] = self._summed[name] + g if name in self._summed else g
             self.last_per_sample_norms = true_norms.detach()
+            if self.on_first_step is not None and self._first_capture is None and self.capture_inputs is not None:
+                inputs = self.capture_inputs()
+                if inputs is not None:
+                    self._first_capture = (inputs, self.hooks.output_cotangents(0))
         self.samples_in_step += b
+        self.micro_batches_in_step += 1
+        self._step_batch = batch_tag
         self.hooks.clear()
 
-    def _private_gradients(self) -> None:
-        params = self.hooks._params
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        rank = dist.get_rank() if world > 1 else 0
+    def check_step(self) -> None:
+        """Refuse a step whose clipped rows are not exactly one logical batch of the loader."""
+        if not self.check_batches:
+            return
+        sig = self.signal
+        if sig.logical_index < 0:
+            raise PrivacyUsageError(
+                "optimizer.step() before any batch came from the data loader make_private returned: dpzoo accounts "
+                "Poisson-sampled batches from that loader only. Iterate the returned loader, not the original one.")
+        if self._last_stepped == sig.logical_index:
+            raise PrivacyUsageError(
+                f"A second optimizer.step() on logical batch {sig.logical_index}: each Poisson batch is one step of "
+                "the mechanism. Take the next batch from the loader before stepping again.")
+        if self.micro_batches_in_step and self._step_batch != sig.logical_index:
+            raise PrivacyUsageError(
+                "optimizer.step() clipped samples of an earlier logical batch than the loader's current one: step "
+                "after each batch, before taking the next from the loader.")
+        if self.samples_in_step != sig.logical_batch_size:
+            raise PrivacyUsageError(
+                f"This step clipped {self.samples_in_step} rows but the loader's logical batch has "
+                f"{sig.logical_batch_size} samples. dpzoo clips dimension 0 of the model's input as the batch: "
+                "pass batch-first inputs (no time-major / sequence-first layout), run every sample of the batch "
+                "through exactly one forward/backward before step() (none twice, none skipped), and iterate the "
+                "loader make_private returned.")
+
+    def add_noise(self) -> None:
+        """Write ``p.grad`` = clipped sum (+ N(0, σ²R²) on rank 0), all-reduced across ranks."""
+        params = self.hooks.trainable_parameters
+        world, rank = _world()
         std = self.noise_multiplier * self.max_grad_norm
         if self.samples_in_step:
             self._warn_no_gradient([n for n in params if n not in self._reached])
@@ -150,18 +287,26 @@ class DPOptimizer:
         for name, p in params.items():
             g = self._summed.get(name)
             g = torch.zeros_like(p) if g is None else g.to(p.dtype)
-            # rank 0 draws the noise once for everyone: the all-reduced sum holds N(0, σ²R²)
-            noise = torch.normal(0.0, std, size=p.shape, generator=self._generator(p.device),
-                                 device=p.device, dtype=p.dtype) if std > 0 else None
-            if noise is not None and rank == 0:
-                g = g + noise
+            # rank 0 draws the noise once for everyone: the all-reduced sum holds N(0, σ²R²);
+            # reproducible mode draws on every rank so the generators stay in step
+            if std > 0 and (rank == 0 or self.noise_seed is not None):
+                noise = torch.normal(0.0, std, size=p.shape, generator=self._generator(p.device),
+                                     device=p.device, dtype=p.dtype)
+                if rank == 0:
+                    g = g + noise
             if world > 1:
                 dist.all_reduce(g)
-            if self.loss_reduction == "mean":
-                g = g / self.expected_batch_size
             p.grad = g
             self._written[name] = g
         self._summed = {}
+
+    def scale_grad(self) -> None:
+        """``loss_reduction="mean"``: divide the noisy sum by the expected logical batch size."""
+        if self.loss_reduction == "mean":
+            for name, p in self.hooks.trainable_parameters.items():
+                if p.grad is not None:
+                    p.grad = p.grad / self.expected_batch_size
+                    self._written[name] = p.grad
 
     def _warn_no_gradient(self, names: list[str]) -> None:
         """Once per parameter: trainable, yet no sample of a whole logical step reached it (unused
@@ -177,17 +322,36 @@ class DPOptimizer:
             "samples: they are moved by noise only. If they are not meant to train, freeze them "
             "(requires_grad_(False)) before make_private; if they are, check that the forward pass uses them "
             "and does not detach their path (e.g. a result reassigned under torch.no_grad()).",
-            NoGradientWarning, stacklevel=5)  # the caller of opt.step()
+            NoGradientWarning, stacklevel=6)  # the caller of opt.step()
+
+    def _drop_frozen(self) -> None:
+        """Parameters frozen (requires_grad_(False)) after make_private: no update. Their norms were
+        part of the clipping of this step, which only makes it more conservative."""
+        for name, p in self.hooks.trainable_parameters.items():
+            if not p.requires_grad:
+                p.grad = None
+                self._written.pop(name, None)
 
     def pre_step(self) -> bool:
         """Accumulate; at the end of a logical step write private ``.grad``s. True if it did."""
-        self.accumulate()
-        if not self.signal.last_physical:
-            return False
-        self._private_gradients()
+        with self._aborting():
+            self.clip_and_accumulate()
+            if not self.signal.last_physical and self.check_batches:
+                return False
+            self.check_step()
+            if self.check_parameters is not None:
+                self.check_parameters()
+            if self.on_first_step is not None and self._first_capture is not None:
+                first, self.on_first_step = self.on_first_step, None
+                first()
+        self.add_noise()
+        self.scale_grad()
+        self._drop_frozen()
         self.accountant.step(self.noise_multiplier, self.sample_rate)
         self.steps += 1
-        self.samples_in_step = 0
+        self._last_stepped = self.signal.logical_index
+        self.samples_in_step = self.micro_batches_in_step = 0
+        self._step_batch = None
         return True
 
     def step(self, closure=None):
@@ -195,5 +359,8 @@ class DPOptimizer:
             with torch.enable_grad():
                 closure()
         if self.pre_step():
-            return self.original_optimizer.step()
+            out = self.original_optimizer.step()
+            for fn in self._step_hooks:
+                fn(self)
+            return out
         return None

@@ -103,7 +103,8 @@ def train_seqrec(name: str, *, data: str = "synthetic", epsilon: float = 5.0, de
         model, opt, loader = engine.make_private(
             module=model, optimizer=opt, data_loader=DataLoader(train_set, batch_size=batch),
             target_epsilon=epsilon, target_delta=delta, epochs=epochs, max_grad_norm=max_grad_norm,
-            clipping=clipping, mode="bk-mixopt", max_physical_batch_size=max_physical_batch_size, sample_seed=seed)
+            clipping=clipping, mode="bk-mixopt", max_physical_batch_size=max_physical_batch_size)
+        # Poisson membership and noise are secret (OS entropy): `seed` sets the initialisation only
         base_opt = opt.original_optimizer
     else:
         loader = DataLoader(train_set, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(seed))
@@ -126,14 +127,14 @@ def train_seqrec(name: str, *, data: str = "synthetic", epsilon: float = 5.0, de
         epoch_iter = tqdm(range(1, epochs + 1), desc=name, disable=None)
     except ImportError:  # pragma: no cover
         epoch_iter = range(1, epochs + 1)
+    if private:  # once per logical step, the engine's noise-only steps on empty batches included
+        opt.attach_step_hook(lambda _: sched.step())
     for epoch in epoch_iter:
         for xb, yb in loader:
-            if xb.shape[0]:
-                crit(model(xb.to(device)), yb.to(device)).backward()
-            before = opt.steps if private else 0
+            crit(model(xb.to(device)), yb.to(device)).backward()
             opt.step()  # with physical batches only the last one of a logical batch steps
             opt.zero_grad()
-            if not private or opt.steps > before:
+            if not private:
                 sched.step()
         if epoch % eval_every == 0 or epoch == epochs:
             val, test = evaluate(model, ds, max_len, "valid"), evaluate(model, ds, max_len, "test")

@@ -1,0 +1,201 @@
+"""The self-check: dpzoo's per-sample gradient norms on *this* model against single-sample
+backward passes, for what layer shapes cannot reveal.
+
+Hooks attribute row i of every hooked layer's input to sample i. That is exact when the model
+is batch-first and processes samples independently, and shape checks catch most models that
+are not. They cannot catch a model that runs a layer time-major with T == B, a (T, T) lookup
+(T5's ``relative_attention_bias``) when T == B, samples permuted inside forward, a layer whose
+computation differs from its registered rule (an overridden ``_conv_forward``, a replaced
+``forward``). The self-check can: for a few samples i of a real batch it compares
+
+* the model's output row i in the batch with the output of sample i run alone, and
+* the hooks' per-parameter norms ‖∂L_i/∂θ‖ with those of an ordinary backward pass of
+  sample i alone (plain autograd, no hooks),
+
+with the same output gradients (the loss's gradient at the batch outputs, row i), in eval mode
+(dropout off) so both passes compute the same function. Any disagreement raises
+:class:`~dpzoo.SelfCheckError` naming the parameters. The engine runs it on the first logical
+step, before any noisy update is released (``make_private(self_check=True)``, the default);
+:func:`verify` runs it on any model.
+
+The check reads a few samples of the private batch to decide whether to refuse; what it
+decides depends on the model's structure, not on the values, and nothing it computes is
+released.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..errors import DPZooError, SelfCheckError
+from ..grad_norms.hooks import NormHooks, attach_norm_hooks, output_tensors
+
+__all__ = ["verify", "self_check", "SelfCheckReport"]
+
+# Relative tolerance per parameter (with a floor of 1e-3 of the sample's total gradient norm).
+# A layer whose rule does not fit is off by O(1); float32 roundoff alone reaches ~0.5% on
+# parameters whose gradients are sums of cancelling terms (ghost norms, batched vs single convs).
+_TOL = {torch.float64: 1e-6, torch.float32: 1e-2, torch.bfloat16: 1e-1, torch.float16: 1e-1}
+
+
+@dataclass
+class SelfCheckReport:
+    """What the self-check compared: the samples, and per parameter the largest relative gap."""
+
+    samples: list[int]
+    batch_size: int
+    worst: dict[str, float] = field(default_factory=dict)  # name -> max relative norm difference
+    tolerance: float = 0.0
+
+    def __str__(self) -> str:
+        top = max(self.worst.values(), default=0.0)
+        return (f"self-check passed: samples {self.samples} of a batch of {self.batch_size}, "
+                f"{len(self.worst)} parameters, largest relative difference {top:.2e} (tolerance {self.tolerance:.0e})")
+
+
+def _slice_row(obj, i: int, batch: int):
+    """Sample i of a batch-first input: tensors whose first dimension is the batch are sliced."""
+    if isinstance(obj, torch.Tensor):
+        return obj[i:i + 1] if obj.dim() > 0 and obj.shape[0] == batch else obj
+    if isinstance(obj, dict):
+        return {k: _slice_row(v, i, batch) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_slice_row(v, i, batch) for v in obj)
+    return obj
+
+
+def _pick(batch: int, samples: int) -> list[int]:
+    """Spread over the batch: first, last, middle, then evenly (an offset or a permutation of
+    the rows shows at the ends and the middle)."""
+    if batch <= samples:
+        return list(range(batch))
+    picks = [0, batch - 1, batch // 2]
+    k = 3
+    while len(picks) < samples:
+        picks.append((k * batch) // (samples + 1))
+        k += 1
+    return sorted(dict.fromkeys(picks))[:samples]
+
+
+def _modes(model: nn.Module) -> dict[nn.Module, bool]:
+    return {m: m.training for m in model.modules()}
+
+
+def self_check(model: nn.Module, hooks: NormHooks, args: tuple, kwargs: dict,
+               cotangents: list[torch.Tensor] | None = None, loss_fn=None, samples: int = 3) -> SelfCheckReport:
+    """Compare ``hooks``' per-sample norms on the batch ``(args, kwargs)`` with single-sample
+    backward passes (see the module docstring). Output gradients: ``cotangents`` (one per output
+    tensor, in :func:`~dpzoo.grad_norms.hooks.output_tensors` order) or those of
+    ``loss_fn(output)`` on the batch. Leaves ``hooks`` with no records, the model in its modes."""
+    modes = _modes(model)
+    params = hooks.trainable_parameters
+    hooks.clear()
+    try:
+        model.eval()  # dropout off: the batch and the single samples compute the same function
+        out = model(*args, **kwargs)
+        outs = output_tensors(out)
+        if not outs:
+            raise SelfCheckError("The self-check found no output tensor with a gradient path in the model's output.")
+        batch = outs[0].shape[0] if outs[0].dim() else 0
+        if cotangents is None:
+            if loss_fn is None:
+                raise DPZooError("self_check needs the output gradients or a loss_fn.")
+            loss = loss_fn(out)
+            cotangents = list(torch.autograd.grad(loss, outs, allow_unused=True, retain_graph=True))
+            cotangents = [torch.zeros_like(o) if c is None else c.detach() for o, c in zip(outs, cotangents)]
+        if len(cotangents) != len(outs) or any(c.shape != o.shape for c, o in zip(cotangents, outs)):
+            raise SelfCheckError("The model's outputs changed structure between the training pass and the "
+                                 "self-check's (in eval mode): the self-check cannot compare them.")
+        for o in outs:
+            if o.dim() == 0 or o.shape[0] != batch:
+                raise SelfCheckError(
+                    f"The model returns an output of shape {tuple(o.shape)} beside one of {batch} rows: every output "
+                    "must be batch-first (row i = sample i) for per-sample clipping to mean anything.")
+        hooks.backward_from(outs, cotangents)
+        sq = hooks.per_param_sq_norms()
+        hooks_norms = {n: v.detach().sqrt().double() for n, v in sq.items()}
+        batch_outs = [o.detach() for o in outs]
+        hooks.clear()
+        if batch < 1:
+            raise SelfCheckError("The self-check needs a batch with at least one sample.")
+        picks = _pick(batch, samples)
+        tol = max(_TOL.get(p.dtype, 1e-2) for p in params.values())
+        names, tensors = list(params), list(params.values())
+        worst = {n: 0.0 for n in names}
+        mixing, bad = [], {}
+        with hooks.paused():
+            for i in picks:
+                out_i = model(*_slice_row(args, i, batch), **_slice_row(kwargs, i, batch))
+                outs_i = output_tensors(out_i)
+                if len(outs_i) != len(outs) or any(a.shape[1:] != b.shape[1:] or a.shape[0] != 1
+                                                    for a, b in zip(outs_i, outs)):
+                    mixing.append(f"sample {i}: output shapes {[tuple(a.shape) for a in outs_i]} alone vs "
+                                  f"{[tuple(b.shape[1:]) for b in outs]} per row in the batch")
+                    continue
+                for a, b in zip(outs_i, batch_outs):
+                    gap = (a.detach()[0] - b[i]).abs().max().item()
+                    scale = b[i].abs().max().item() + 1e-30
+                    if gap > tol * max(scale, 1e-3):
+                        mixing.append(f"sample {i}: its output row in the batch differs from its output alone "
+                                      f"(max difference {gap:.3g})")
+                        break
+                grads = torch.autograd.grad(outs_i, tensors, [c[i:i + 1] for c in cotangents], allow_unused=True)
+                ref = {n: (g.detach().double().norm() if g is not None else torch.zeros((), dtype=torch.float64))
+                       for n, g in zip(names, grads)}
+                total = torch.sqrt(sum(v ** 2 for v in ref.values())).item()
+                for n in names:
+                    got, want = hooks_norms[n][i].item(), ref[n].item()
+                    rel = abs(got - want) / max(want, got, 1e-3 * total, 1e-30)
+                    worst[n] = max(worst[n], rel)
+                    if rel > tol:
+                        bad.setdefault(n, []).append((i, got, want))
+    finally:
+        hooks.clear()
+        for m, training in modes.items():
+            m.training = training
+    if mixing:
+        raise SelfCheckError(
+            "Self-check failed: the model does not process batch rows independently (" + "; ".join(mixing[:3]) +
+            "). dpzoo clips row i of dimension 0 as sample i: make the model batch-first, with no mixing, "
+            "permutation or randomness that eval() leaves on; or pass self_check=False if you have checked this "
+            "yourself (recorded in the privacy metadata).")
+    if bad:
+        shown = "; ".join(f"{n}: sample {i} hooks {g:.4g} vs alone {w:.4g}" for n, v in list(bad.items())[:6]
+                          for i, g, w in v[:1])
+        raise SelfCheckError(
+            f"Self-check failed: dpzoo's per-sample gradient norms disagree with single-sample backward passes for "
+            f"{len(bad)} parameter(s) ({shown}). A layer computes something other than its registered rule assumes "
+            "(an overridden forward or _conv_forward, a time-major or (T, T)-indexed layer, a custom op): replace "
+            "it, freeze it, or register a rule for it with dpzoo.grad_norms.register_rule.")
+    return SelfCheckReport(picks, batch, worst, tol)
+
+
+def verify(model: nn.Module, inputs, loss_fn, *, samples: int = 3, mode: str = "auto") -> SelfCheckReport:
+    """Check dpzoo's per-sample gradient norms on ``model`` against single-sample backward passes.
+
+    ``inputs``: a tensor, a tuple of positional arguments or a dict of keyword arguments for
+    ``model``; ``loss_fn(output)``: the per-sample losses summed (capture labels in a closure).
+    Raises :class:`~dpzoo.SelfCheckError` (or :class:`~dpzoo.UnsupportedModuleError` when the
+    hooks refuse the model outright); returns a :class:`SelfCheckReport` otherwise. Uses the
+    hooks already attached to ``model`` (e.g. by the engine), else attaches its own for the check.
+    """
+    if isinstance(inputs, dict):
+        args, kwargs = (), dict(inputs)
+    elif isinstance(inputs, tuple):
+        args, kwargs = inputs, {}
+    else:
+        args, kwargs = (inputs,), {}
+    ref = getattr(model, "_dpzoo_norm_hooks", None)
+    hooks = ref() if ref is not None else None
+    own = hooks is None or not hooks._handles
+    if own:
+        hooks = attach_norm_hooks(model, mode, ghost_backward=True)
+    try:
+        with torch.enable_grad():
+            return self_check(model, hooks, args, kwargs, loss_fn=loss_fn, samples=samples)
+    finally:
+        if own:
+            hooks.detach()

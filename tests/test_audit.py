@@ -1,0 +1,203 @@
+"""The one-run privacy audit (Steinke, Nasr & Jagielski 2023): the bound on hand-checkable cases
+and against a direct solve; dpzoo's engine stays below its claimed ε; the positive controls
+(noise off; a path trained outside the engine, unclipped) exceed it."""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+import dpzoo
+from dpzoo.audit import AuditResult, digits_canary_task, epsilon_lower_bound, loss_score, one_run_p_value
+
+# small enough for a CPU test, large enough that the controls can exceed ε = 2: with 200
+# canaries the best possible bound (180 right guesses of 180, 95%, Bonferroni over 6) is 3.6
+SMALL = dict(epsilon=2.0, delta=1e-5, canaries=200, epochs=5, seed=0, noise_seed=11, sample_seed=12)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """A linear model on a few hundred inputs: threads only add overhead (and stall on a busy CPU)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@contextmanager
+def _seeded_noise_ok():
+    """The tests seed the engine's noise and sampling on purpose (determinism)."""
+    with warnings.catch_warnings():
+        cls = getattr(dpzoo.errors, "ReproducibleNoiseWarning", None)
+        if cls is not None:
+            warnings.simplefilter("ignore", cls)
+        yield
+
+
+# -- the bound ---------------------------------------------------------------------------------------
+def _reference_p_value(m, r, v, eps, delta):
+    """The theorem's right-hand side computed the slow way: exact binomial coefficients,
+    f evaluated afresh at every shift i."""
+    p = math.exp(eps) / (1 + math.exp(eps))
+
+    def f(t):  # P[Binomial(r, p) >= t]
+        return sum(math.comb(r, k) * p ** k * (1 - p) ** (r - k) for k in range(max(t, 0), r + 1))
+    if v == 0:
+        return 1.0
+    extra = max((f(v - i) - f(v)) / i for i in range(1, v + 1))
+    return min(1.0, f(v) + 2 * m * delta * extra)
+
+
+@pytest.mark.parametrize("m,r,v,delta", [(50, 20, 18, 0.0), (50, 20, 18, 1e-3), (100, 30, 30, 1e-5),
+                                         (40, 12, 10, 1e-4), (10, 10, 7, 0.0)])
+def test_p_value_matches_direct_formula(m, r, v, delta):
+    for eps in (0.0, 0.3, 1.0, 2.5, 6.0):
+        assert one_run_p_value(m, r, v, eps, delta) == pytest.approx(_reference_p_value(m, r, v, eps, delta),
+                                                                     rel=1e-9, abs=1e-15)
+
+
+def test_p_value_at_zero_epsilon_is_a_fair_coin_tail():
+    # ε = 0, δ = 0: every guess is a fair coin, P[v or more right of r] = Σ C(r, k) / 2^r
+    for r, v in ((10, 7), (25, 20), (1, 1)):
+        exact = sum(math.comb(r, k) for k in range(v, r + 1)) / 2 ** r
+        assert one_run_p_value(100, r, v, 0.0, 0.0) == pytest.approx(exact, rel=1e-12)
+
+
+@pytest.mark.parametrize("r", [10, 100, 1000])
+def test_all_right_without_delta_has_a_closed_form(r):
+    # δ = 0, v = r: p^r <= β  <=>  ε <= logit(β^(1/r))
+    beta = 0.05
+    x = beta ** (1 / r)
+    assert epsilon_lower_bound(r, r, r, 0.0, beta) == pytest.approx(math.log(x / (1 - x)), abs=2e-6)
+
+
+def test_bound_matches_a_direct_numeric_solve():
+    # the last ε whose reference p-value is still <= β, scanning a grid of 0.01 then 1e-4
+    for m, r, v, delta in ((60, 24, 22, 1e-4), (200, 20, 20, 1e-5), (30, 30, 25, 0.0)):
+        eps, step = 0.0, 0.01
+        while step >= 1e-4:
+            while _reference_p_value(m, r, v, eps + step, delta) <= 0.05:
+                eps += step
+            step /= 10
+        assert epsilon_lower_bound(m, r, v, delta, 0.05) == pytest.approx(eps, abs=1.5e-4)
+
+
+def test_hand_checkable_cases():
+    assert epsilon_lower_bound(100, 50, 0, 1e-5) == 0.0                 # all guesses wrong
+    assert epsilon_lower_bound(100, 0, 0, 1e-5) == 0.0                  # no guess at all
+    assert epsilon_lower_bound(100, 50, 25, 1e-5) == 0.0                # a coin's accuracy proves nothing
+    assert epsilon_lower_bound(1000, 4, 4, 1e-5) == 0.0                 # 4 right of 4: p = 1/16 > 0.05
+    assert epsilon_lower_bound(1000, 5, 5, 0.0) > 0                     # 5 of 5: 1/32 < 0.05
+    assert one_run_p_value(100, 50, 0, 3.0, 1e-5) == 1.0
+
+
+def test_bound_is_monotone():
+    in_v = [epsilon_lower_bound(1000, 200, v, 1e-5) for v in range(100, 201, 5)]
+    assert all(a <= b for a, b in zip(in_v, in_v[1:])) and in_v[0] == 0 and in_v[-1] > 3
+    in_r = [epsilon_lower_bound(1000, r, r, 1e-5) for r in (10, 50, 100, 500, 1000)]
+    assert all(a < b for a, b in zip(in_r, in_r[1:]))
+    in_conf = [epsilon_lower_bound(1000, 100, 90, 1e-5, beta) for beta in (0.2, 0.05, 0.01, 0.001)]
+    assert all(a > b for a, b in zip(in_conf, in_conf[1:]))
+    in_delta = [epsilon_lower_bound(1000, 100, 90, d) for d in (0.0, 1e-6, 1e-4, 1e-3)]
+    assert all(a >= b for a, b in zip(in_delta, in_delta[1:])) and in_delta[0] > in_delta[-1]
+
+
+def test_reproduces_worked_values_of_the_paper():
+    # two worked values reported for the paper's reference code (arXiv:2305.08846v1, as cited by
+    # public code: App. D, m = 1000, r = 100, v = 75, δ = 1e-4 -> 0.673; §7, m = 1e5, r = 1510,
+    # v = 1439, δ = 1e-5 -> 2.675, printed truncated), both at 95%
+    assert epsilon_lower_bound(1000, 100, 75, 1e-4, 0.05) == pytest.approx(0.673, abs=5e-4)
+    eps = epsilon_lower_bound(100_000, 1510, 1439, 1e-5, 0.05)
+    assert 2.675 <= eps < 2.677
+
+
+def test_bad_counts_raise_dpzoo_error():
+    with pytest.raises(dpzoo.DPZooError, match="v .*<= r"):
+        epsilon_lower_bound(10, 5, 6, 1e-5)
+    with pytest.raises(dpzoo.DPZooError, match="r .*<= m"):
+        one_run_p_value(10, 11, 3, 1.0, 1e-5)
+    with pytest.raises(dpzoo.DPZooError, match="beta"):
+        epsilon_lower_bound(10, 5, 5, 1e-5, beta=1.5)
+
+
+# -- arguments ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(epsilon=0), "epsilon"), (dict(delta=2.0), "delta"), (dict(broken="no-clip"), "broken"),
+    (dict(canaries=1), "canaries"), (dict(epochs=0), "epochs"), (dict(confidence=1.0), "confidence"),
+    (dict(dataset=[(torch.zeros(2), 0)]), "model_fn"),
+    (dict(dataset=[(torch.zeros(2), 0)], model_fn=lambda: torch.nn.Linear(2, 2), canaries=5), "canaries="),
+])
+def test_bad_arguments_raise_dpzoo_error(kwargs, match):
+    with pytest.raises(dpzoo.DPZooError, match=match):
+        dpzoo.audit(**kwargs)
+
+
+def test_cli_bad_argument_is_a_one_line_error(capsys):
+    from dpzoo.cli import main
+    assert main(["audit", "--canaries", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dpzoo: error: canaries") and "\n" not in err
+
+
+# -- audits of real training runs ------------------------------------------------------------------------
+def _audit(**kw) -> AuditResult:
+    with _seeded_noise_ok():
+        return dpzoo.audit(**{**SMALL, **kw})
+
+
+@pytest.mark.slow
+def test_dpzoo_engine_bound_stays_below_its_claim():
+    res = _audit()
+    assert res.claimed_epsilon == pytest.approx(2.0, abs=0.02)        # the engine calibrated σ to ε = 2
+    assert res.mechanism["noise_multiplier"] > 0.5
+    assert res.epsilon_lower_bound <= res.claimed_epsilon and not res.exceeds
+    assert res.verdict.startswith("bound below claim")
+    assert res.max_auditable_epsilon > res.claimed_epsilon             # the audit could have refuted it
+    assert res.test_accuracy > 0.8                                     # the model learned the digits
+    assert res.canaries == 200 and 0 < res.included < 200 and res.correct <= res.guesses
+    d = res.to_dict()
+    json.dumps(d)
+    assert d["exceeds"] is False and len(d["scores"]) == 200
+
+
+@pytest.mark.slow
+def test_positive_control_without_noise_exceeds_the_claim():
+    res = _audit(broken="no-noise")
+    assert res.mechanism["noise_multiplier"] == 0 and res.mechanism["claimed_noise_multiplier"] > 0.5
+    assert res.claimed_epsilon == pytest.approx(2.0, abs=0.02)         # the intended σ's ε
+    assert res.epsilon_lower_bound > res.claimed_epsilon and res.exceeds
+    scores, member = torch.tensor(res.scores), torch.tensor(res.membership)
+    assert scores[~member].abs().max() == 0                            # noiseless: an out canary leaves no trace
+    assert (scores[member] > 0).float().mean() > 0.95                  # (in: >0 unless Poisson sampling never drew it)
+    assert res.verdict.startswith("BOUND EXCEEDS CLAIM")
+
+
+@pytest.mark.slow
+def test_positive_control_unclipped_path_exceeds_the_claim():
+    res = _audit(broken="unclipped")
+    assert res.mechanism["noise_multiplier"] > 0.5                     # the engine's part is noised...
+    assert res.claimed_epsilon == pytest.approx(2.0, abs=0.02)         # ...and it reports ε = 2
+    assert res.epsilon_lower_bound > res.claimed_epsilon and res.exceeds
+
+
+@pytest.mark.slow
+def test_general_path_and_cli(tmp_path, capsys):
+    # the general path: the caller's dataset, model factory, canaries and score
+    train, _, cx, cy, model_fn, score_fn = digits_canary_task(120, seed=3)
+    with _seeded_noise_ok():
+        res = dpzoo.audit(dataset=train, model_fn=model_fn, canaries=(cx, cy), score_fn=score_fn, epochs=3,
+                          broken="no-noise", seed=3, noise_seed=1, sample_seed=2)
+    assert res.canaries == 120 and res.test_accuracy is None and res.exceeds
+    assert loss_score(model_fn(), cx, cy).shape == (120,)
+    # the CLI: a positive control exits 1 and writes its JSON
+    from dpzoo.cli import main
+    assert main(["audit", "--canaries", "200", "--epochs", "4", "--broken", "no-noise", "--out", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "BOUND EXCEEDS CLAIM" in out and "claimed ε = 2" in out
+    d = json.loads((tmp_path / "audit.json").read_text())
+    assert d["broken"] == "no-noise" and d["exceeds"] is True and d["epsilon_lower_bound"] > d["claimed_epsilon"]
