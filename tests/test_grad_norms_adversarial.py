@@ -1027,25 +1027,245 @@ def _ln2d_wide():
 
 @pytest.mark.parametrize("make,bias_only", [
     (lambda: (ScaledLinear(4, 3), (4,)), False),  # weight * 2: the Linear rule would be off by 2x
-    (_std_conv, False),  # timm StdConv2d (BiT/ResNetV2) standardises its weight in forward
+    (_std_conv, False),  # timm StdConv2d (BiT/ResNetV2) standardises its weight in forward: own rule
     (_ln2d, False),  # timm LayerNorm2d (ConvNeXt) normalises channels-first; W == C: shapes line up
     (_ln2d_wide, False),
     (_ln2d_wide, True),
 ], ids=["scaled-linear", "timm-StdConv2d", "timm-LayerNorm2d-W-eq-C", "timm-LayerNorm2d", "timm-LayerNorm2d-bias"])
 def test_rule_on_subclass_with_a_different_forward(make, bias_only):
     """A subclass that overrides forward does not inherit its parent's rule (registry.find_rule):
-    without a rule of its own it is refused at attach, naming the parent; timm's LayerNorm2d has one."""
+    without a rule of its own it is refused at attach, naming the parent; timm's LayerNorm2d and
+    StdConv2d have one."""
     torch.manual_seed(0)
     layer, shape = make()
     m = _perturb(Head(layer).double())
     if bias_only:
         _bias_only(m)
-    if isinstance(layer, (ScaledLinear, nn.Conv2d)):
+    if isinstance(layer, ScaledLinear):
         with pytest.raises(dpzoo.UnsupportedModuleError,
                            match=rf"{type(layer).__name__} overrides the forward of (Linear|Conv2d)"):
             attach_norm_hooks(m)
     else:
         assert check(m, {"x": _x(B, *shape)}, may_raise=False) == "matched"
+
+
+# --- rule dispatch: no silent inheritance (issue 13, item 6) -------------------------------------
+#
+# A rule describes the computation of the class it was registered for: `forward`, plus the methods
+# declared with register_rule(..., methods=...) (`_conv_forward` for the convolutions). A subclass
+# or an instance replacing one of them gets no rule (refused at attach, naming the parameter); an
+# explicit register_rule(SubClass) makes it supported again.
+
+class WSConv(nn.Conv2d):
+    """Weight standardisation inside _conv_forward (forward is Conv2d's)."""
+
+    def _conv_forward(self, x, weight, bias):
+        w = weight - weight.mean((1, 2, 3), keepdim=True)
+        return super()._conv_forward(x, w / (w.std((1, 2, 3), keepdim=True) + 1e-5), bias)
+
+
+class ReflectPadConv(nn.Conv2d):
+    """Custom padding inside _conv_forward: the Conv rule would pad with zeros (padding=1)."""
+
+    def _conv_forward(self, x, weight, bias):
+        return F.conv2d(F.pad(x, (1, 1, 1, 1), mode="reflect"), weight, bias, self.stride, 0, self.dilation,
+                        self.groups)
+
+
+class _ScaleConvMixin:
+    def _conv_forward(self, x, weight, bias):
+        return super()._conv_forward(x, 2.0 * weight, bias)
+
+
+class MixinConv(_ScaleConvMixin, nn.Conv2d):
+    pass
+
+
+class HalfRMS(dpzoo.nn.RMSNorm):
+    def normalize(self, x):
+        return 0.5 * super().normalize(x)
+
+
+class _Other:
+    def __init__(self, layer):
+        self.layer = layer
+
+    def forward(self, x):
+        return F.linear(x, 3.0 * self.layer.weight, self.layer.bias)
+
+
+def _replaced_function(layer):
+    layer.forward = lambda x: F.linear(x, 2.0 * layer.weight, layer.bias)
+
+
+def _replaced_partial(layer):
+    import functools
+    layer.forward = functools.partial(lambda m, x: F.linear(x, 2.0 * m.weight, m.bias), layer)
+
+
+def _replaced_other_bound(layer):
+    layer.forward = _Other(layer).forward
+
+
+def _replaced_conv_forward(layer):
+    layer._conv_forward = lambda x, w, b: nn.Conv2d._conv_forward(layer, x, 2.0 * w, b)
+
+
+def _dispatch_cases():
+    return {
+        "conv-subclass-_conv_forward-weight-std": (lambda: WSConv(2, 3, 3, padding=1), (2, 5, 5), "weight"),
+        "conv-subclass-_conv_forward-padding": (lambda: ReflectPadConv(2, 3, 3, padding=1), (2, 5, 5), "weight"),
+        "conv-mixin-_conv_forward": (lambda: MixinConv(2, 3, 3), (2, 5, 5), "weight"),
+        "rmsnorm-subclass-normalize": (lambda: HalfRMS(4, style="torch"), (3, 4), "weight"),
+        "instance-forward-function": (lambda: _setup(nn.Linear(4, 3), _replaced_function), (4,), "weight"),
+        "instance-forward-partial": (lambda: _setup(nn.Linear(4, 3), _replaced_partial), (4,), "weight"),
+        "instance-forward-other-bound-method": (lambda: _setup(nn.Linear(4, 3), _replaced_other_bound), (4,),
+                                                "weight"),
+        "instance-_conv_forward": (lambda: _setup(nn.Conv2d(2, 3, 3), _replaced_conv_forward), (2, 5, 5), "weight"),
+    }
+
+
+def _setup(layer, how):
+    how(layer)
+    return layer
+
+
+@pytest.mark.parametrize("case", sorted(_dispatch_cases()))
+def test_rule_not_inherited_when_a_method_it_relies_on_is_overridden(case):
+    """Each of these computed something else than its registered parent with the parent's rule:
+    per-sample norms silently wrong before; refused at attach now, naming the parameter."""
+    from dpzoo.grad_norms.registry import find_rule, why_no_rule
+    make, shape, pname = _dispatch_cases()[case]
+    torch.manual_seed(0)
+    layer = make()
+    assert find_rule(layer) is None
+    why = why_no_rule(layer)
+    assert why and ("overrides the" in why or "replaced on the instance" in why), why
+    m = Head(layer).double()
+    with pytest.raises(dpzoo.UnsupportedModuleError, match=rf"layer\.{pname}"):
+        attach_norm_hooks(m)
+
+
+def test_instance_method_replaced_after_attach_is_refused_when_the_rule_runs():
+    torch.manual_seed(0)
+    m = Head(nn.Linear(4, 3)).double()
+    hooks = attach_norm_hooks(m)
+    try:
+        _replaced_function(m.layer)
+        hooks.backward(_sq_loss(m, _x(B, 4)))
+        with pytest.raises(dpzoo.UnsupportedModuleError, match="replaced on the instance"):
+            hooks.per_sample_norms()
+    finally:
+        hooks.detach()
+
+
+def test_same_bound_method_reassigned_keeps_the_rule():
+    """`m.forward = m.forward` (the class's own method bound to the module) changes nothing."""
+    torch.manual_seed(0)
+    m = Head(nn.Linear(4, 3)).double()
+    m.layer.forward = m.layer.forward
+    assert check(_perturb(m), {"x": _x(B, 4)}, may_raise=False) == "matched"
+
+
+def test_monkeypatched_registered_class_is_refused(monkeypatch):
+    """Patching the registered class itself (nn.Linear.forward = ...) voids its rule."""
+    orig = nn.Linear.forward
+    monkeypatch.setattr(nn.Linear, "forward", lambda self, x: orig(self, 2.0 * x))
+    with pytest.raises(dpzoo.UnsupportedModuleError, match=r"layer\.weight"):
+        attach_norm_hooks(Head(nn.Linear(4, 3)).double())
+    from dpzoo.grad_norms.registry import why_no_rule
+    assert "Linear.forward was replaced" in why_no_rule(nn.Linear(4, 3))
+
+
+@pytest.fixture
+def own_rule():
+    from dpzoo.grad_norms import RULES
+    added = []
+
+    def register(cls, fn, **kw):
+        dpzoo.register_rule(cls, **kw)(fn)
+        added.append(cls)
+    yield register
+    for cls in added:
+        RULES.pop(cls, None)
+
+
+class CallsSuperConv(nn.Conv2d):
+    """Overrides _conv_forward but computes exactly what Conv2d does (e.g. for logging)."""
+
+    def _conv_forward(self, x, weight, bias):
+        return super()._conv_forward(x, weight, bias)
+
+
+class CountingLinear(nn.Linear):
+    def forward(self, x):
+        self.calls = getattr(self, "calls", 0) + 1
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("which", ["conv", "linear"])
+def test_explicit_registration_of_a_subclass_makes_it_supported(which, own_rule):
+    from dpzoo.grad_norms.rules.conv import conv_rule
+    from dpzoo.grad_norms.rules.linear import linear_rule
+    torch.manual_seed(0)
+    if which == "conv":
+        layer, shape, fn = CallsSuperConv(2, 3, 3, padding=1), (2, 5, 5), conv_rule
+    else:
+        layer, shape, fn = CountingLinear(4, 3), (5, 4), linear_rule
+    m = _perturb(Head(layer).double())
+    with pytest.raises(dpzoo.UnsupportedModuleError):
+        attach_norm_hooks(m)
+    own_rule(type(layer), fn, activation_free={"bias"})
+    for mode in MODES:
+        assert check(m, {"x": _x(B, *shape)}, mode=mode, may_raise=False) == "matched"
+
+
+def _conv_padding_mutated():
+    c = nn.Conv2d(2, 3, 3, padding=1)
+    c.padding = (0, 2)  # after construction: forward uses it, _reversed_padding_repeated_twice is stale
+    return c, (2, 6, 4)  # H - W = 2: (H-2)(W+2) = HW output positions, so the shapes alone line up
+
+
+def _conv_padding_int():
+    c = nn.Conv1d(2, 3, 3)
+    c.padding, c.stride, c.dilation = 2, 2, 2  # ints, as F.conv1d accepts them
+    return c, (2, 9)
+
+
+def _conv_kernel_swapped():
+    c = nn.Conv2d(2, 3, 3, padding=2)
+    c.weight = nn.Parameter(torch.randn(3, 2, 5, 5))  # kernel_size attribute stays (3, 3)
+    return c, (2, 6, 6)
+
+
+@pytest.mark.parametrize("make", [_conv_padding_mutated, _conv_padding_int, _conv_kernel_swapped],
+                         ids=["padding-mutated", "int-padding-stride-dilation", "kernel-swapped"])
+@pytest.mark.parametrize("mode", MODES)
+def test_conv_rule_mirrors_the_modules_current_attributes(make, mode):
+    """The Conv rule pads as _conv_forward does now (module.padding for zeros), with the weight's own
+    kernel size: a conv edited after construction is exact (it was silently wrong or crashed)."""
+    torch.manual_seed(0)
+    layer, shape = make()
+    m = _perturb(Head(layer).double())
+    assert check(m, {"x": _x(B, *shape)}, mode=mode, may_raise=False) == "matched"
+
+
+@pytest.mark.parametrize("cls,trainable", [
+    (c, t) for c in ["StdConv2d", "StdConv2dSame", "ScaledStdConv2d", "ScaledStdConv2dSame"]
+    for t in ["all", "weight", "bias"] + (["gain"] if c.startswith("Scaled") else [])])
+def test_timm_weight_standardised_convs(cls, trainable):
+    """timm's StdConv2d family (BiT ResNet-V2, NF-Nets): per-sample gradients pulled back through the
+    weight standardisation, exact."""
+    import timm.layers.std_conv as S
+    torch.manual_seed(0)
+    kw = dict(stride=2, bias=True) if "Same" in cls else dict(padding=1, bias=True, groups=2)
+    layer = getattr(S, cls)(4, 6, 3, **kw)
+    m = _perturb(Head(layer).double())
+    if trainable != "all":
+        for n, p in m.named_parameters():
+            p.requires_grad_(n.endswith(trainable))
+    for mode in MODES:
+        assert check(m, {"x": _x(B, 4, 7, 6)}, mode=mode, may_raise=False) == "matched"
 
 
 # --- several forward/backward passes ------------------------------------------------------------

@@ -1,8 +1,16 @@
-"""nn.Conv1d/2d/3d with any stride, padding (and padding mode), dilation and groups.
+"""nn.Conv1d/2d/3d with any stride, padding (and padding mode), dilation and groups; timm's
+Conv2dSame and its weight-standardised convolutions (StdConv2d, ScaledStdConv2d and their
+'SAME' variants).
 
 The input is padded exactly as the module pads it and unfolded into patches, so the
 convolution is a linear layer over T = ∏ output positions: the weight's per-sample gradient
 is factored per group, (grad_output, patches) (BK paper §3.1: T is H_out·W_out).
+
+The rule mirrors ``_ConvNd._conv_forward`` from the module's *current* attributes: zero padding
+comes from ``module.padding`` (what ``F.conv*d`` gets), other padding modes from
+``_reversed_padding_repeated_twice`` (what ``F.pad`` gets), the kernel size from the weight.
+It relies on ``forward`` and ``_conv_forward``: a subclass overriding either gets no rule
+(:mod:`dpzoo.grad_norms.registry`).
 """
 
 from __future__ import annotations
@@ -13,8 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...errors import UnsupportedModuleError
 from ..registry import register_rule
-from ..reps import Dense, Factored
+from ..reps import Dense, Factored, instantiate
+
+
+def _tuple(v, nd: int) -> tuple:
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * nd
 
 
 def _patches(x: torch.Tensor, module: nn.Module, pad: list[int] | None, mode: str) -> torch.Tensor:
@@ -22,14 +35,16 @@ def _patches(x: torch.Tensor, module: nn.Module, pad: list[int] | None, mode: st
     nd = x.dim() - 2
     if pad is not None and any(pad):
         x = F.pad(x, pad, mode=mode) if mode != "constant" else F.pad(x, pad)
+    kernel = tuple(module.weight.shape[2:])
+    stride, dilation = _tuple(module.stride, nd), _tuple(module.dilation, nd)
     for i in range(nd):
-        k, s, d = module.kernel_size[i], module.stride[i], module.dilation[i]
+        k, s, d = kernel[i], stride[i], dilation[i]
         x = x.unfold(2 + i, (k - 1) * d + 1, s)  # window dims appended at the end
         if d > 1:
             x = x[..., ::d]
     b, c = x.shape[:2]
     t = math.prod(x.shape[2:2 + nd])
-    k = math.prod(module.kernel_size)
+    k = math.prod(kernel)
     g = module.groups
     x = x.reshape(b, g, c // g, t, k).permute(0, 1, 3, 2, 4)
     return x.reshape(b, g, t, (c // g) * k)
@@ -41,30 +56,57 @@ def _grad_by_group(grad_output: torch.Tensor, groups: int) -> torch.Tensor:
     return grad_output.reshape(b, groups, o // groups, -1).transpose(2, 3)
 
 
-def _module_padding(module: nn.Module) -> tuple[list[int], str]:
-    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-    return list(module._reversed_padding_repeated_twice), mode
+def _zeros_padding(module: nn.Module, nd: int) -> list[int]:
+    """F.pad amounts (last dim first) equal to what ``F.conv*d(..., padding=module.padding)`` does."""
+    padding = module.padding
+    kernel, dilation = tuple(module.weight.shape[2:]), _tuple(module.dilation, nd)
+    if isinstance(padding, str):
+        if padding == "valid":
+            return [0, 0] * nd
+        if padding != "same":
+            raise UnsupportedModuleError(f"{type(module).__name__}: unknown padding {padding!r}")
+        out = []
+        for i in reversed(range(nd)):  # torch: left = total // 2, the odd remainder on the right
+            total = dilation[i] * (kernel[i] - 1)
+            out += [total // 2, total - total // 2]
+        return out
+    padding = _tuple(padding, nd)
+    return [p for i in reversed(range(nd)) for p in (padding[i], padding[i])]
+
+
+def _module_padding(module: nn.Module, x: torch.Tensor) -> tuple[list[int], str]:
+    """As ``_ConvNd._conv_forward``: F.pad(_reversed_padding_repeated_twice) for non-zero modes,
+    the convolution's own ``padding`` for zeros."""
+    nd = x.dim() - 2
+    if module.padding_mode != "zeros":
+        return list(module._reversed_padding_repeated_twice), module.padding_mode
+    return _zeros_padding(module, nd), "constant"
 
 
 def _conv_rule(module, activations, grad_output, params, pad_fn=_module_padding):
     out = {}
     if "weight" in params:
         x = activations[0]
-        if x.dim() == module.weight.dim() - 1:
-            from ...errors import UnsupportedModuleError
+        if not isinstance(x, torch.Tensor) or x.dim() != module.weight.dim():
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise UnsupportedModuleError(
-                f"{type(module).__name__} got an unbatched input {tuple(x.shape)}: per-sample gradients "
-                "need batch-first inputs (N, C, ...).")
-        pad, mode = pad_fn(module) if pad_fn is _module_padding else pad_fn(module, x)
+                f"{type(module).__name__} got an input {shape} that is not a batch (N, C, ...) of the "
+                f"convolution's {module.weight.dim() - 2}-d inputs: per-sample gradients need batch-first inputs.")
+        pad, mode = pad_fn(module, x)
         patches = _patches(x, module, pad, mode)
         g = _grad_by_group(grad_output, module.groups)
+        if patches.shape[:3] != g.shape[:3] or patches.shape[3] * g.shape[3] * module.groups != module.weight.numel():
+            raise UnsupportedModuleError(
+                f"{type(module).__name__}: the convolution dpzoo reconstructs from the module's attributes "
+                f"(padding, stride, dilation, groups, kernel) has {patches.shape[2]} output positions per sample, "
+                f"the module's output {g.shape[2]}: the module does not compute what the Conv rule assumes.")
         out["weight"] = Factored(g, patches, tuple(module.weight.shape))
     if "bias" in params:
         out["bias"] = Dense(grad_output.reshape(grad_output.shape[0], grad_output.shape[1], -1).sum(2))
     return out
 
 
-@register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d, activation_free={"bias"})
+@register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d, activation_free={"bias"}, methods=("_conv_forward",))
 def conv_rule(module, activations, grad_output, params):
     return _conv_rule(module, activations, grad_output, params)
 
@@ -75,13 +117,71 @@ try:  # timm's Conv2dSame pads inside forward ('SAME' padding of TF-ported weigh
 except ImportError:  # pragma: no cover
     Conv2dSame = None
 
-if Conv2dSame is not None:
-    def _same_padding(module, x):
-        ih, iw = x.shape[-2:]
-        ph = get_same_padding(ih, module.kernel_size[0], module.stride[0], module.dilation[0])
-        pw = get_same_padding(iw, module.kernel_size[1], module.stride[1], module.dilation[1])
-        return [pw // 2, pw - pw // 2, ph // 2, ph - ph // 2], "constant"
 
+def _same_padding(module, x):
+    ih, iw = x.shape[-2:]
+    kh, kw = module.weight.shape[2:]
+    ph = get_same_padding(ih, kh, module.stride[0], module.dilation[0])
+    pw = get_same_padding(iw, kw, module.stride[1], module.dilation[1])
+    return [pw // 2, pw - pw // 2, ph // 2, ph - ph // 2], "constant"
+
+
+if Conv2dSame is not None:
+    # conv2d_same(x, weight, bias, stride, (0, 0), dilation, groups): SAME padding, then none
     @register_rule(Conv2dSame, activation_free={"bias"})
     def conv2d_same_rule(module, activations, grad_output, params):
         return _conv_rule(module, activations, grad_output, params, pad_fn=_same_padding)
+
+
+# --- weight standardisation (timm StdConv2d / ScaledStdConv2d, BiT ResNet-V2, NF-Nets) ----------
+#
+# forward: ŵ = γ ⊙ (w − mean(w)) / sqrt(var(w) + eps) per output channel (F.batch_norm over the
+# fan-in; γ = gain · scale for the scaled variants, 1 otherwise), then a plain convolution with ŵ.
+# The standardisation does not depend on the sample, so ∂L_i/∂w = Jᵀ ∂L_i/∂ŵ with the same J for
+# every sample: the per-sample gradients with respect to ŵ (the Conv rule) are instantiated and
+# pulled back through batch norm's backward, per sample (exact; B × the weight in memory).
+
+try:
+    from timm.layers.std_conv import ScaledStdConv2d, ScaledStdConv2dSame, StdConv2d, StdConv2dSame
+except ImportError:  # pragma: no cover
+    StdConv2d = None
+
+
+def _std_padding(module, x):
+    if getattr(module, "same_pad", False):  # pad_same(x, kernel, stride, dilation), then self.padding
+        same, _ = _same_padding(module, x)
+    else:
+        same = [0, 0, 0, 0]
+    static = _zeros_padding(module, 2)  # F.conv2d(..., self.padding): zeros, whatever padding_mode says
+    return [a + b for a, b in zip(same, static)], "constant"
+
+
+def _std_conv_rule(module, activations, grad_output, params):
+    out = {}
+    want = set(params) & {"weight", "gain"}
+    if "bias" in params:
+        out.update(_conv_rule(module, activations, grad_output, {"bias"}))
+    if not want:
+        return out
+    o = module.out_channels
+    w = module.weight.detach().reshape(o, -1)
+    mean = w.mean(1, keepdim=True)
+    invstd = torch.rsqrt(w.var(1, unbiased=False, keepdim=True) + module.eps)
+    what = (w - mean) * invstd  # x̂ of batch norm, (O, n)
+    gain = getattr(module, "gain", None)
+    gamma = (gain.detach().reshape(o, 1) * module.scale) if gain is not None else None
+    rep = _conv_rule(module, activations, grad_output, {"weight"}, pad_fn=_std_padding)["weight"]
+    g = instantiate(rep).reshape(grad_output.shape[0], o, -1)  # ∂L_i/∂ŵ, (B, O, n)
+    if "gain" in want:
+        out["gain"] = Dense(((g * what).sum(2) * module.scale).reshape(-1, *module.gain.shape))
+    if "weight" in want:
+        dy = g * gamma if gamma is not None else g  # ∂L_i/∂x̂
+        dw = invstd * (dy - dy.mean(2, keepdim=True) - what * (dy * what).mean(2, keepdim=True))
+        out["weight"] = Dense(dw.reshape(-1, *module.weight.shape))
+    return out
+
+
+if StdConv2d is not None:
+    register_rule(StdConv2d, StdConv2dSame, activation_free={"bias"})(_std_conv_rule)
+    register_rule(ScaledStdConv2d, ScaledStdConv2dSame, params=("weight", "bias", "gain"),
+                  activation_free={"bias"})(_std_conv_rule)

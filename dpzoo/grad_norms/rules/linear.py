@@ -20,3 +20,11 @@ def linear_rule(module: nn.Linear, activations, grad_output, params):
     if "bias" in params:
         out["bias"] = Dense(sum_all_but(grad_output, 1))
     return out
+
+
+try:  # timm's Linear: nn.Linear whose forward casts the weight only under torch.jit scripting
+    from timm.layers.linear import Linear as TimmLinear
+except ImportError:  # pragma: no cover
+    TimmLinear = None
+if TimmLinear is not None:
+    register_rule(TimmLinear, activation_free={"bias"})(linear_rule)

@@ -68,9 +68,16 @@ except ImportError:  # pragma: no cover
     GroupNormAct = None
 
 if GroupNormAct is not None:
+    _RANDOM = (nn.RReLU, nn.modules.dropout._DropoutNd)
+
     def _check_gn_act(module) -> str | None:
         if not isinstance(module.drop, nn.Identity):
             return "GroupNormAct with dropout: its random mask cannot be recomputed"
+        # the rule recomputes act(GN(x)) to pull the output gradient back through it: an activation
+        # drawing random numbers in training (RReLU's slopes) would be pulled back with other draws
+        if any(isinstance(m, _RANDOM) for m in module.act.modules()):
+            return (f"GroupNormAct with a random activation ({type(module.act).__name__}): the draws of the "
+                    "forward pass cannot be recomputed")
         return None
 
     @register_rule(GroupNormAct, check=_check_gn_act, activation_free={"bias"}, grad_from=lambda m: m.act)
@@ -98,7 +105,9 @@ def _rms_rule(normalize):
     return rule
 
 
-register_rule(RMSNorm, activation_free={"bias"})(_rms_rule(lambda m, x: m.normalize(x)))
+# forward (llama style) and the rule both call normalize: a subclass overriding it changes both, but
+# the torch style forward does not call it, so the rule relies on it too
+register_rule(RMSNorm, activation_free={"bias"}, methods=("normalize",))(_rms_rule(lambda m, x: m.normalize(x)))
 
 if hasattr(nn, "RMSNorm"):
     def _torch_rms_check(module) -> str | None:
