@@ -33,10 +33,11 @@ import contextlib
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from ..errors import UnsupportedModuleError
 from . import reps as R
@@ -54,17 +55,61 @@ MODES = ("auto", "ghost", "instantiate")
 LOOSE_TENSORS: dict[type, tuple[str, ...]] = {}
 
 
-def register_loose_tensors(module_type: type, names: Iterable[str]) -> None:
+LOOSE_CHECKS: dict[type, Callable[[nn.Module], "str | None"]] = {}
+
+
+def register_loose_tensors(module_type: type, names: Iterable[str],
+                           check: Callable[[nn.Module], "str | None"] | None = None) -> None:
     """Declare that ``module_type`` uses its tensors ``names`` (shape (1, ...), dim ≥ 2) only
-    broadcast over the batch, so dpzoo may give each sample its own copy during forward."""
+    broadcast over the batch, so dpzoo may give each sample its own copy during forward.
+    ``check(module)`` returns why a particular instance does not (it is then refused), or None."""
     LOOSE_TENSORS[module_type] = tuple(names)
+    if check is not None:
+        LOOSE_CHECKS[module_type] = check
+
+
+def _timm_vit_check(module: nn.Module) -> str | None:
+    if getattr(module, "dynamic_img_size", False):
+        return ("dynamic_img_size=True resamples pos_embed as a (1, ...) tensor, which per-sample copies "
+                "cannot follow; build the ViT with dynamic_img_size=False (a fixed image size)")
+    return None
 
 
 try:  # timm's Vision Transformers: cls_token, pos_embed, reg_token, broadcast in _pos_embed
     from timm.models.vision_transformer import VisionTransformer as _TimmViT
-    register_loose_tensors(_TimmViT, ("cls_token", "pos_embed", "reg_token"))
+    register_loose_tensors(_TimmViT, ("cls_token", "pos_embed", "reg_token"), check=_timm_vit_check)
 except ImportError:  # pragma: no cover
     pass
+
+# Embeddings whose owner looks them up with ids of batch 1 (position ids) and adds the result
+# to a (B, ...) tensor, i.e. broadcasts it over the batch: dpzoo gives every sample its own
+# lookup (exact). Declared per owner: elsewhere a (1, ...) lookup may mean anything (T5's
+# (Q, K) relative-position ids with Q = 1, `emb(ids[None])[0]`) and is refused by the batch
+# check instead. Keys: (module path, class name) so transformers is never imported for it.
+BROADCAST_LOOKUPS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("transformers.models.gpt2.modeling_gpt2", "GPT2Model"): ("wpe",),
+    ("transformers.models.bert.modeling_bert", "BertEmbeddings"): ("position_embeddings",),
+    ("transformers.models.roberta.modeling_roberta", "RobertaEmbeddings"): ("position_embeddings",),
+    ("transformers.models.distilbert.modeling_distilbert", "Embeddings"): ("position_embeddings",),
+    ("transformers.models.albert.modeling_albert", "AlbertEmbeddings"): ("position_embeddings",),
+    ("transformers.models.clip.modeling_clip", "CLIPTextEmbeddings"): ("position_embedding",),
+    ("transformers.models.gpt_neo.modeling_gpt_neo", "GPTNeoModel"): ("wpe",),
+}
+
+
+def register_broadcast_lookup(owner_type: type, names: Iterable[str]) -> None:
+    """Declare that ``owner_type`` looks its Embeddings ``names`` up with batch-1 ids and only
+    broadcasts the result over the batch (so each sample may get its own lookup)."""
+    BROADCAST_LOOKUPS[(owner_type.__module__, owner_type.__qualname__)] = tuple(names)
+
+
+def _broadcast_lookup(owner: nn.Module | None, attr: str) -> bool:
+    if owner is None:
+        return False
+    for cls in type(owner).__mro__:
+        if attr in BROADCAST_LOOKUPS.get((cls.__module__, cls.__qualname__), ()):
+            return True
+    return False
 try:  # timm's attention pooling (global_pool="map"): latent.expand(B, -1, -1)
     from timm.layers.attention_pool import AttentionPoolLatent as _TimmAttnPool
     register_loose_tensors(_TimmAttnPool, ("latent",))
@@ -75,6 +120,10 @@ except ImportError:  # pragma: no cover
 def _loose_names(module: nn.Module) -> tuple[str, ...]:
     for cls in type(module).__mro__:
         if cls in LOOSE_TENSORS:
+            check = LOOSE_CHECKS.get(cls)
+            why = check(module) if check is not None else None
+            if why:
+                raise UnsupportedModuleError(f"{type(module).__name__}: {why}.")
             return LOOSE_TENSORS[cls]
     return ()
 
@@ -104,6 +153,8 @@ class _ModulePlan:
     params: tuple[str, ...]  # trainable local parameter names this module owns
     needs_activations: bool
     loose: tuple[str, ...] = ()
+    tensors: tuple = ()  # the parameter objects (a swap during forward, e.g. functional_call, is refused)
+    broadcast_lookup: bool = False  # an Embedding its owner looks up with batch-1 ids (BROADCAST_LOOKUPS)
 
 
 @dataclass
@@ -226,6 +277,9 @@ class NormHooks:
                 f"Module(s) {', '.join(inplace[:8])} run in place (inplace=True), which corrupts the "
                 "activations and output gradients dpzoo records. dpzoo.make_dp_ready(model) switches "
                 "them off.")
+        # BatchNorm without trainable parameters is in no plan, yet mixes samples whenever it
+        # uses batch statistics: checked at every forward (train/eval can change after attach)
+        self._batchnorms = [(n or "<root>", m) for n, m in self.model.named_modules() if isinstance(m, _BatchNorm)]
         seen: set[int] = set()
         for mname, module in self.model.named_modules():
             if id(module) in seen:
@@ -250,17 +304,20 @@ class NormHooks:
                         f"{', '.join(extra)} that its per-sample rule does not cover. Freeze them "
                         "(requires_grad_(False)) or register a rule with dpzoo.grad_norms.register_rule.")
                 needs = any(n not in rule.activation_free for n in own)
-                self._plans.append(_ModulePlan(mname, module, rule, own, needs))
+                owner_name, _, attr = mname.rpartition(".")
+                owner = self.model.get_submodule(owner_name) if mname else None
+                self._plans.append(_ModulePlan(mname, module, rule, own, needs,
+                                               tensors=tuple(module._parameters[n] for n in own),
+                                               broadcast_lookup=_broadcast_lookup(owner, attr)))
                 self._rules[id(module)] = rule
                 continue
             allowed = _loose_names(module)
             bad = [n for n in own if n not in allowed or getattr(module, n).dim() < 2
                    or getattr(module, n).shape[0] != 1]
             if bad:
-                from .registry import RULES
-                parent = next((c for c in type(module).__mro__[1:] if c in RULES), None)
-                hint = (f" ({type(module).__name__} overrides the forward of {parent.__name__}, so that "
-                        "rule does not apply)" if parent is not None else "")
+                from .registry import why_no_rule
+                why_not = why_no_rule(module)
+                hint = f" ({why_not})" if why_not else ""
                 raise UnsupportedModuleError(
                     f"Module {label} ({type(module).__name__}) has no per-sample-gradient rule for its "
                     f"trainable parameter(s) {', '.join(f'{mname}.{n}' if mname else n for n in bad)}{hint}. "
@@ -282,7 +339,10 @@ class NormHooks:
                 self._handles.append(m.register_forward_hook(self._loose_post_hook(plan), always_call=True))
             elif plan.needs_activations:
                 self._handles.append(m.register_forward_pre_hook(self._version_hook, with_kwargs=True))
-                self._handles.append(m.register_forward_hook(self._forward_hook(plan), with_kwargs=True))
+                # first among the layer's forward hooks: it must see the layer's own output, before
+                # any user hook edits it (the edit is then part of the graph behind it)
+                self._handles.append(m.register_forward_hook(self._forward_hook(plan), with_kwargs=True,
+                                                             prepend=True))
             else:  # activation-free: no forward hook on the layer, nothing stored (the root's
                 # pre-hook marks a new step, so several backward passes in one step add up)
                 if plan.rule.grad_from is not None:  # the gradient at a submodule's input
@@ -321,6 +381,12 @@ class NormHooks:
         # the hooks (torch calls the hooks it had listed when the forward started)
         if torch.is_grad_enabled() and not _in_backward() and not self._paused and self._handles:
             self._new_step_if_done()
+            mixing = [n for n, m in self._batchnorms if m.training or m.running_mean is None]
+            if mixing:
+                raise UnsupportedModuleError(
+                    f"BatchNorm module(s) {', '.join(mixing[:6])} use batch statistics: each sample's output depends "
+                    "on the others, so no per-sample gradient exists. dpzoo.make_dp_ready(model) converts them to "
+                    "GroupNorm; or put them in eval mode with running statistics.")
             x = _first_tensor(tuple(args) + tuple((kwargs or {}).values()))
             if x is not None and x.dim() > 0:
                 self._state.batch_size = x.shape[0]
@@ -385,8 +451,13 @@ class NormHooks:
             x = _first_tensor(args)
             if x is None or x.dim() == 0:
                 raise UnsupportedModuleError(f"{plan.name} ({type(module).__name__}) got no batched tensor input.")
+            if any(module._parameters.get(n) is not t for n, t in zip(plan.params, plan.tensors)):
+                raise UnsupportedModuleError(
+                    f"The parameters of {plan.name} ({type(module).__name__}) were swapped for other tensors during "
+                    "this forward (torch.func.functional_call, a parametrization or stateless call): dpzoo's rule "
+                    "would attribute the gradient to the wrong tensor. Call the model with its own parameters.")
             expanded = None
-            if (b is not None and b > 1 and x.shape[0] == 1 and isinstance(module, nn.Embedding)
+            if (plan.broadcast_lookup and b is not None and b > 1 and x.shape[0] == 1
                     and not x.is_floating_point() and output.shape[0] == 1):
                 # Position ids of batch 1 broadcast over the batch (HF): give every sample
                 # its own lookup, so the table's gradient splits per sample (exact).

@@ -25,6 +25,7 @@ released.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -114,19 +115,40 @@ def self_check(model: nn.Module, hooks: NormHooks, args: tuple, kwargs: dict,
                 raise SelfCheckError(
                     f"The model returns an output of shape {tuple(o.shape)} beside one of {batch} rows: every output "
                     "must be batch-first (row i = sample i) for per-sample clipping to mean anything.")
+        if batch < 1:
+            raise SelfCheckError("The self-check needs a batch with at least one sample.")
         hooks.backward_from(outs, cotangents)
         sq = hooks.per_param_sq_norms()
         hooks_norms = {n: v.detach().sqrt().double() for n, v in sq.items()}
+        summed = {n: g.detach().double() for n, g in hooks.clipped_sum(
+            torch.ones(batch, dtype=outs[0].dtype, device=outs[0].device)).items()}
         batch_outs = [o.detach() for o in outs]
         hooks.clear()
-        if batch < 1:
-            raise SelfCheckError("The self-check needs a batch with at least one sample.")
         picks = _pick(batch, samples)
         tol = max(_TOL.get(p.dtype, 1e-2) for p in params.values())
         names, tensors = list(params), list(params.values())
         worst = {n: 0.0 for n in names}
         mixing, bad = [], {}
         with hooks.paused():
+            # The sum of the per-sample gradients must be the batch gradient (plain autograd):
+            # a layer whose gradient reaches the wrong tensor keeps its norms but not its sum.
+            out_b = model(*args, **kwargs)
+            outs_b = output_tensors(out_b)
+            if loss_fn is not None:
+                ref_sum = torch.autograd.grad(loss_fn(out_b), tensors, allow_unused=True)
+            else:
+                ref_sum = torch.autograd.grad(outs_b, tensors, cotangents, allow_unused=True)
+            ref_sum = {n: (g.detach().double() if g is not None else torch.zeros_like(summed[n]))
+                       for n, g in zip(names, ref_sum)}
+            scale = torch.sqrt(sum(v.pow(2).sum() for v in ref_sum.values())).item()
+            wrong_sum = []
+            for n in names:
+                gap = (summed[n] - ref_sum[n]).norm().item()
+                rel = gap / max(ref_sum[n].norm().item(), 1e-3 * scale, 1e-30)
+                worst[n] = max(worst[n], rel)
+                if rel > tol:
+                    wrong_sum.append(f"{n} (relative difference {rel:.2g})")
+            del out_b, outs_b
             for i in picks:
                 out_i = model(*_slice_row(args, i, batch), **_slice_row(kwargs, i, batch))
                 outs_i = output_tensors(out_i)
@@ -156,6 +178,13 @@ def self_check(model: nn.Module, hooks: NormHooks, args: tuple, kwargs: dict,
         hooks.clear()
         for m, training in modes.items():
             m.training = training
+    if not mixing and any(modes.values()):
+        mixing = _train_mode_mixing(model, hooks, args, kwargs, batch, picks[0], tol)
+    if wrong_sum:
+        raise SelfCheckError(
+            "Self-check failed: the sum of dpzoo's per-sample gradients is not the batch gradient for "
+            f"{', '.join(wrong_sum[:6])}: a parameter is used where its layer's rule cannot see it (swapped "
+            "parameters, an edited output, a use in the loss). Route every use through the layer's own forward.")
     if mixing:
         raise SelfCheckError(
             "Self-check failed: the model does not process batch rows independently (" + "; ".join(mixing[:3]) +
@@ -171,6 +200,64 @@ def self_check(model: nn.Module, hooks: NormHooks, args: tuple, kwargs: dict,
             "(an overridden forward or _conv_forward, a time-major or (T, T)-indexed layer, a custom op): replace "
             "it, freeze it, or register a rule for it with dpzoo.grad_norms.register_rule.")
     return SelfCheckReport(picks, batch, worst, tol)
+
+
+def _train_mode_mixing(model: nn.Module, hooks: NormHooks, args, kwargs, batch: int, j: int,
+                       tol: float) -> list[str]:
+    """Mixing that only happens in train mode (batch statistics, mixup, in-batch shuffles): run
+    the batch twice in train mode with the same random state, the second time with sample j
+    replaced by another; every other row's output must stay the same. Buffers are restored."""
+    if batch < 2:
+        return []
+    k = (j + 1) % batch
+    def replaced(obj):
+        if isinstance(obj, torch.Tensor):
+            if obj.dim() > 0 and obj.shape[0] == batch:
+                obj = obj.clone()
+                obj[j] = obj[k]
+            return obj
+        if isinstance(obj, dict):
+            return {key: replaced(v) for key, v in obj.items()}
+        if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+            return type(obj)(replaced(v) for v in obj)
+        return obj
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    devices = sorted({t.device.index for t in model.parameters() if t.device.type == "cuda"})
+    seed = int.from_bytes(os.urandom(7), "little")  # not from torch's RNG: the user's stream stays untouched
+    outs = []
+    try:
+        with hooks.paused(), torch.no_grad():
+            for inputs in ((args, kwargs), (replaced(args), replaced(kwargs))):
+                with torch.random.fork_rng(devices=devices):
+                    torch.manual_seed(seed)
+                    outs.append([o.detach() for o in _all_tensors(model(*inputs[0], **inputs[1]))])
+    finally:
+        with torch.no_grad():
+            for name, b in model.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+    keep = torch.ones(batch, dtype=torch.bool)
+    keep[j] = False
+    for a, b in zip(*outs):
+        if a.dim() == 0 or a.shape[0] != batch or a.shape != b.shape:
+            continue
+        gap = (a[keep] - b[keep]).abs().max().item() if keep.any() else 0.0
+        if gap > tol * max(a[keep].abs().max().item(), 1e-3):
+            return [f"in train mode, changing sample {j} changed other samples' outputs (max difference {gap:.3g})"]
+    return []
+
+
+def _all_tensors(output) -> list[torch.Tensor]:
+    found, stack = [], [output]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            found.append(o)
+        elif isinstance(o, dict):
+            stack.extend(reversed(list(o.values())))
+        elif isinstance(o, (list, tuple)):
+            stack.extend(reversed(o))
+    return found
 
 
 def verify(model: nn.Module, inputs, loss_fn, *, samples: int = 3, mode: str = "auto") -> SelfCheckReport:
