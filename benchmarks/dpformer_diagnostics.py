@@ -23,8 +23,7 @@ from pathlib import Path
 import torch
 
 from dpzoo.hub import load, privacy_metadata
-from dpzoo.models import seqrec as seqrec_models
-from dpzoo.seqrec import error_propagation as ep
+from dpzoo.seqrec import reattention as ep
 from dpzoo.seqrec.metrics import ndcg_hit_at_k, target_ranks
 from dpzoo.seqrec.train import evaluate, get_dataset, train_seqrec
 
@@ -63,12 +62,12 @@ def correction_sizes(model, ds, max_len: int, users: int = 512) -> dict:
         recorded.append(c.detach().flatten())
         return c
 
-    seqrec_models.ep.score_correction = spy
+    ep.score_correction = spy
     try:
         model.eval()
         on = model.out(model.features(inputs)[:, -1])
     finally:
-        seqrec_models.ep.score_correction = original
+        ep.score_correction = original
     corrections = torch.cat(recorded)
     noise_std = model.reattention.noise_std.clone()
     model.reattention.noise_std.zero_()

@@ -9,7 +9,8 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpzoo
-from dpzoo.seqrec import error_propagation as ep
+from dpzoo.seqrec import reattention as ep
+from seqrec_reference import reattention as reference_reattention
 from test_grad_norms_zoo import _check, _model_and_inputs
 
 SMALL = {"num_items": 30, "max_len": 8, "d_model": 16, "num_blocks": 2, "dropout": 0.0}
@@ -91,8 +92,8 @@ def test_attention_correction_matches_hand_formula():
         s, q = attn.scores(h)
         allowed = torch.ones(8, 8, dtype=torch.bool).tril() & (ids != 0)[:, None, None, :]
         probs = torch.softmax(s.masked_fill(~allowed, -1e9), -1)
-        expected = ep.reattention(probs, var_k[:, None, :], q / math.sqrt(attn.dk))
-        out, _ = attn(h, ids != 0, var_h, var_w)
+        expected = reference_reattention(probs, var_k[:, None, :], q / math.sqrt(attn.dk))
+        out = attn(h, ids != 0, score_correction=ep.key_noise_correction(attn, var_h, var_w))
         v = attn.v(h).view(4, 8, attn.h, attn.dk).transpose(1, 2)
         ref = attn.o((expected @ v).transpose(1, 2).reshape(4, 8, d))
     real = ids != 0  # padding query rows attend uniformly to -1e9 logits either way (loss-free)
@@ -121,7 +122,7 @@ def test_rare_keys_get_less_attention():
         var_k = ep.iso_linear(h, var_h, attn.k.weight, 1 / 64 ** 2, 1 / 64 ** 2)
         s, q = attn.scores(h)
         probs = torch.softmax(s[1:2, :, -1:].masked_fill(torch.arange(8) > 7, -1e9), -1)  # last query
-        corrected = ep.reattention(probs, var_k[1:2, None, :], q[1:2, :, -1:] / math.sqrt(attn.dk))
+        corrected = reference_reattention(probs, var_k[1:2, None, :], q[1:2, :, -1:] / math.sqrt(attn.dk))
     assert var_k[1, 2] > 10 * var_k[1, 3]
     assert corrected[0, 0, 0, 2] < 0.9 * probs[0, 0, 0, 2]  # the rare key loses weight
     assert corrected[0, 0, 0, 3] > probs[0, 0, 0, 3]  # a frequent key gains it

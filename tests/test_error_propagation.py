@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dpzoo.seqrec import error_propagation as ep
+import seqrec_reference as ref
+from dpzoo.seqrec import reattention as ep
 
 N = 400_000
 
@@ -34,7 +35,7 @@ def test_printed_eq_5_6_misses_monte_carlo():
     """Eq. 5.6 as printed subtracts c² instead of E[ReLU(X)]²: off by far more than 5%."""
     c, d = torch.tensor([0.7], dtype=torch.float64), torch.tensor([0.3], dtype=torch.float64)
     _, mv = _mc(torch.relu, c, d)
-    printed = ep.paper_eq_5_6(c, d)
+    printed = ref.paper_eq_5_6(c, d)
     assert (printed - mv).abs() / mv > 0.05
     assert (ep.relu(c, d)[1] - mv).abs() / mv < 0.05
 
@@ -42,7 +43,7 @@ def test_printed_eq_5_6_misses_monte_carlo():
 @pytest.mark.parametrize("c, d", CD)
 def test_gelu_matches_monte_carlo(c, d):
     c, d = torch.tensor([c], dtype=torch.float64), torch.tensor([d], dtype=torch.float64)
-    m, v = ep.gelu(c, d)
+    m, v = ref.gelu(c, d)
     mm, mv = _mc(F.gelu, c, d)
     assert torch.allclose(m, mm, rtol=0.05, atol=1e-3) and torch.allclose(v, mv, rtol=0.05)
 
@@ -54,7 +55,7 @@ def test_linear_matches_monte_carlo_with_weight_noise():
     var = torch.rand(d_in, generator=g, dtype=torch.float64) * 0.5
     w = torch.randn(d_out, d_in, generator=g, dtype=torch.float64) * 0.5
     b = torch.randn(d_out, generator=g, dtype=torch.float64)
-    m, v = ep.linear(mean, var, w, b, var_w=var_w)
+    m, v = ref.linear(mean, var, w, b, var_w=var_w)
     x = mean + var.sqrt() * torch.randn(N // 4, d_in, generator=g, dtype=torch.float64)
     wn = w + math.sqrt(var_w) * torch.randn(N // 4, d_out, d_in, generator=g, dtype=torch.float64)
     y = torch.einsum("noi,ni->no", wn, x) + b
@@ -66,10 +67,10 @@ def test_reattention_hand_computed():
     scores = torch.tensor([[[0.5, 0.3, 0.2]]], dtype=torch.float64)
     q = torch.tensor([[[1.0, 1.0]]], dtype=torch.float64)  # C = 2
     key_var = torch.tensor([[0.0, math.log(2.0), 0.0]], dtype=torch.float64)  # key 1 gets / exp(ln 2) = / 2
-    out = ep.reattention(scores, key_var, q)
+    out = ref.reattention(scores, key_var, q)
     expected = torch.tensor([0.5, 0.15, 0.2], dtype=torch.float64) / 0.85
     assert torch.allclose(out[0, 0], expected)
-    assert torch.allclose(ep.reattention(scores, torch.zeros(1, 3, dtype=torch.float64), q), scores)
+    assert torch.allclose(ref.reattention(scores, torch.zeros(1, 3, dtype=torch.float64), q), scores)
 
 
 # -- isotropic propagation (what DPFormer's blocks run) against Monte-Carlo -------------------
@@ -121,7 +122,7 @@ def test_iso_relu_matches_monte_carlo():
     y = torch.relu(_noisy(pre, var, 100_000, g))
     assert _rel(ep.iso_relu(pre, var), y.var(0).mean(-1)) < 0.05
     y = F.gelu(_noisy(pre, var, 100_000, g))
-    assert _rel(ep.iso_gelu(pre, var), y.var(0).mean(-1)) < 0.05
+    assert _rel(ref.iso_gelu(pre, var), y.var(0).mean(-1)) < 0.05
 
 
 def test_iso_attention_values_with_fixed_weights():
@@ -144,8 +145,8 @@ def test_score_correction_equals_reattention_on_probabilities():
     logits = q @ k.transpose(-2, -1) * scale
     corrected = torch.softmax(logits - ep.score_correction(q, key_var, scale), -1)
     # reattention() works on the probabilities with C = <q, q> of the *scaled* query
-    ref = ep.reattention(torch.softmax(logits, -1), key_var[:, None, :], q * scale)
-    assert torch.allclose(corrected, ref)
+    expected = ref.reattention(torch.softmax(logits, -1), key_var[:, None, :], q * scale)
+    assert torch.allclose(corrected, expected)
 
 
 def test_score_correction_debiases_noisy_keys():
@@ -169,7 +170,8 @@ def test_block_propagation_matches_monte_carlo(var_in, var_w):
     unrealistically large var_w = 1e-2, see docs/DESIGN.md)."""
     from torch.func import functional_call
 
-    from dpzoo.models.seqrec import Block, SeqRecConfig
+    from dpzoo.seqrec.configuration import SeqRecConfig
+    from dpzoo.seqrec.modeling import Block
     torch.manual_seed(0)
     d, t, n = 32, 6, 2500
     cfg = SeqRecConfig(num_items=10, max_len=t, d_model=d, num_blocks=2, dropout=0.0)
@@ -178,6 +180,7 @@ def test_block_propagation_matches_monte_carlo(var_in, var_w):
     m = torch.randn(1, t, d, dtype=torch.float64)
     var = var_in * torch.rand(1, t, dtype=torch.float64)
     params = dict(b1.named_parameters())
+    wrapped = ep.ReAttentionBlock(b1)  # the same block, run with the variance carried beside it
     nz = math.sqrt(var_w)
     keys, preds = [], []
     with torch.no_grad():
@@ -190,7 +193,7 @@ def test_block_propagation_matches_monte_carlo(var_in, var_w):
             h = F.layer_norm(y, (d,), ln_w, ln_b)
             keys.append(h @ k_w.t() + k_b)
             if i < 100:  # the prediction the network makes from this realised draw
-                _, v1 = functional_call(b1, p1, (x, mask, var, var_w))
+                _, v1 = functional_call(wrapped, {f"block.{k}": v for k, v in p1.items()}, (x, mask, var, var_w))
                 vh = ep.iso_layer_norm(y, v1, b2.ln1.weight, 1e-5, var_w, var_w)
                 preds.append(ep.iso_linear(h, vh, b2.attn.k.weight, var_w, var_w))
     mc = torch.stack(keys).var(0).mean(-1)

@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from dpzoo.errors import DPZooError
-from dpzoo.seqrec import data as D
-from dpzoo.seqrec.data import (DataFormatError, SequenceDataset, load_dataset, read_amazon_csv,
-                               read_grouplens_ratings, read_ml100k, read_sasrec_text,
-                               sasrec_preprocess)
+from dpzoo.seqrec import downloads as D
+from dpzoo.seqrec import formats as F
+from dpzoo.seqrec.dataset import SequenceDataset, sasrec_preprocess
+from dpzoo.seqrec.downloads import load_dataset
+from dpzoo.seqrec.formats import (DataFormatError, read_amazon_csv, read_grouplens_ratings, read_ml100k,
+                                  read_sasrec_text)
 
 
 def _shared_data() -> Path:
@@ -53,14 +55,14 @@ def test_grouplens(tmp_path, suffix):
                "1::1193::5::978300760\n1::661::3::978302109\n2::914::3::978301968\n")
     assert read_grouplens_ratings(p) == [(1, 1193, 978300760), (1, 661, 978302109),
                                          (2, 914, 978301968)]
-    assert D.sniff_format(p) == "grouplens"
+    assert F.sniff_format(p) == "grouplens"
 
 
 @pytest.mark.parametrize("suffix", ["", ".gz"])
 def test_ml100k(tmp_path, suffix):
     p = _write(tmp_path / f"u.data{suffix}", "196\t242\t3\t881250949\n186\t302\t3\t891717742\n")
     assert read_ml100k(p) == [(196, 242, 881250949), (186, 302, 891717742)]
-    assert D.sniff_format(p) == "ml100k"
+    assert F.sniff_format(p) == "ml100k"
 
 
 @pytest.mark.parametrize("suffix", ["", ".gz"])
@@ -71,7 +73,7 @@ def test_amazon(tmp_path, suffix):
                                   ("AX9", "0700099867", 1341792000)]
     h = _write(tmp_path / f"h.csv{suffix}", "user,item,rating,timestamp\n" + body)
     assert read_amazon_csv(h) == read_amazon_csv(p)
-    assert D.sniff_format(p) == "amazon"
+    assert F.sniff_format(p) == "amazon"
 
 
 # Shaped like the two releases' "ratings only" files (ids invented): 2014 ratings_Video_Games.csv
@@ -86,19 +88,19 @@ def test_amazon_2018_column_order(tmp_path, suffix):
     p18 = _write(tmp_path / f"Video_Games.csv{suffix}", "".join(f"{i},{u},{r},{t}\n" for u, i, r, t in _AMZ))
     want = [(u, i, t) for u, i, _, t in _AMZ]
     assert read_amazon_csv(p14) == want
-    assert read_amazon_csv(p18, D.AMAZON_2018) == want
+    assert read_amazon_csv(p18, F.AMAZON_2018) == want
     assert read_amazon_csv(p18) == [(i, u, t) for u, i, t in want]  # the wrong order swaps the roles
-    assert D.sniff_amazon_columns(p14) == D.AMAZON_2014
-    assert D.sniff_amazon_columns(p18) == D.AMAZON_2018
+    assert F.sniff_amazon_columns(p14) == F.AMAZON_2014
+    assert F.sniff_amazon_columns(p18) == F.AMAZON_2018
     h = _write(tmp_path / f"h.csv{suffix}",
                "item,user,rating,timestamp\n" + "".join(f"{i},{u},{r},{t}\n" for u, i, r, t in _AMZ))
-    assert read_amazon_csv(h, D.AMAZON_2018) == want and D.sniff_amazon_columns(h) == D.AMAZON_2018
+    assert read_amazon_csv(h, F.AMAZON_2018) == want and F.sniff_amazon_columns(h) == F.AMAZON_2018
 
 
 def test_amazon_column_order_that_cannot_be_told_is_an_error(tmp_path):
     both = _write(tmp_path / "a.csv", "B000000001,B000000002,5.0,1\nB000000003,B000000001,4.0,2\n")
     with pytest.raises(DPZooError, match="amazon_columns"):
-        D.sniff_amazon_columns(both)
+        F.sniff_amazon_columns(both)
     with pytest.raises(DPZooError, match="amazon_columns"):
         load_dataset(both)
     with pytest.raises(DPZooError, match="expected"):
@@ -154,7 +156,7 @@ def test_named_amazon_datasets_download_their_release(tmp_path, monkeypatch):
     ds18 = load_dataset("amazon-games-2018", cache_dir=tmp_path)
     assert sorted(ds18.user_ids) == sorted({u for u, _, _ in asin_users})
     with pytest.raises(DPZooError, match="does not apply"):
-        load_dataset("amazon-games-2018", cache_dir=tmp_path, amazon_columns=D.AMAZON_2014)
+        load_dataset("amazon-games-2018", cache_dir=tmp_path, amazon_columns=F.AMAZON_2014)
 
 
 @pytest.mark.parametrize("header", ["", "user,item,rating,timestamp\n", "\ufeffuser,item,rating,timestamp\n"])
@@ -162,7 +164,7 @@ def test_generic_integer_id_csv_is_user_first(tmp_path, header):
     rows = [(u, 100 + i, 1000 * u + i) for u in range(7) for i in range(5)]  # 7 users x 5 items
     p = tmp_path / "ratings.csv"
     p.write_text("\n" + header + "".join(f"{u},{i},4.0,{t}\n" for u, i, t in rows), encoding="utf-8")
-    assert D.sniff_amazon_columns(p) == D.AMAZON_2014
+    assert F.sniff_amazon_columns(p) == F.AMAZON_2014
     ds = load_dataset(p)
     assert ds.num_users == 7 and ds.num_items == 5
 
@@ -171,7 +173,7 @@ def test_a_header_decides_the_amazon_order(tmp_path):
     rows = [(u, 100 + i, 1000 * u + i) for u in range(7) for i in range(5)]
     p = tmp_path / "ratings.csv"
     p.write_text("item,user,rating,timestamp\n" + "".join(f"{i},{u},4.0,{t}\n" for u, i, t in rows))
-    assert D.sniff_amazon_columns(p) == D.AMAZON_2018
+    assert F.sniff_amazon_columns(p) == F.AMAZON_2018
     assert load_dataset(p).num_users == 7
 
 
@@ -180,14 +182,14 @@ def test_amazon_sniff_names_a_malformed_line(tmp_path):
     with pytest.raises(DataFormatError, match="line 3: expected"):
         load_dataset(p)
     with pytest.raises(DataFormatError, match="no rows"):
-        D.sniff_amazon_columns(_write(tmp_path / "empty.csv", "\n\n"))
+        F.sniff_amazon_columns(_write(tmp_path / "empty.csv", "\n\n"))
 
 
 @pytest.mark.parametrize("suffix", ["", ".gz"])
 def test_sasrec_text(tmp_path, suffix):
     p = _write(tmp_path / f"x.txt{suffix}", "1 1\n1 2\n2 1\n")
     assert read_sasrec_text(p) == [(1, 1, 1), (1, 2, 2), (2, 1, 3)]  # 3rd = line number
-    assert D.sniff_format(p) == "sasrec"
+    assert F.sniff_format(p) == "sasrec"
 
 
 @pytest.mark.parametrize("reader,text,bad_line", [

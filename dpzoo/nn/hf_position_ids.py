@@ -7,33 +7,39 @@ Opacus' hooks fail ("stack expects each tensor to be equal size") or, in ghost m
 broadcast one norm to every sample. dpzoo's models pass ``position_ids`` of shape (B, T),
 the same positions HF would use (0..T-1 without a cache), so every engine sees per-sample
 lookups. With a KV cache (generation), HF's own positions are kept.
+
+The ids are filled by a forward pre-hook, a module-level function: the model keeps its own
+class (no class is created at run time), so ``torch.save(model)`` / ``pickle`` round-trip it.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
-_CLASSES: dict[type, type] = {}
-
-
-class PerSamplePositionIdsMixin:
-    def forward(self, input_ids=None, *args, **kwargs):
-        if (not args and input_ids is not None and kwargs.get("position_ids") is None
-                and kwargs.get("past_key_values") is None and input_ids.dim() == 2):
-            b, t = input_ids.shape
-            # contiguous: some engines .view() the lookup ids
-            kwargs["position_ids"] = torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t).contiguous()
-        return super().forward(input_ids, *args, **kwargs)
+__all__ = ["per_sample_position_ids", "with_per_sample_position_ids", "has_per_sample_position_ids"]
 
 
-def with_per_sample_position_ids(model):
-    """Swap ``model``'s class for a subclass that fills per-sample position ids (in place)."""
-    cls = type(model)
-    if issubclass(cls, PerSamplePositionIdsMixin):
-        return model
-    if cls not in _CLASSES:
-        _CLASSES[cls] = type(cls.__name__, (PerSamplePositionIdsMixin, cls),
-                             {"__module__": __name__, "__qualname__": cls.__qualname__,
-                              "__doc__": cls.__doc__})
-    model.__class__ = _CLASSES[cls]
+def per_sample_position_ids(module: nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook (``with_kwargs=True``): pass ``position_ids`` of shape (B, T) when the
+    caller gave none, no KV cache is in use and ``input_ids`` is the only positional argument."""
+    input_ids = args[0] if args else kwargs.get("input_ids")
+    if (len(args) > 1 or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2
+            or kwargs.get("position_ids") is not None or kwargs.get("past_key_values") is not None):
+        return None
+    b, t = input_ids.shape
+    # contiguous: some engines .view() the lookup ids; a new dict: callers' kwargs stay untouched
+    positions = torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t).contiguous()
+    return args, {**kwargs, "position_ids": positions}
+
+
+def has_per_sample_position_ids(model: nn.Module) -> bool:
+    return any(h is per_sample_position_ids for h in model._forward_pre_hooks.values())
+
+
+def with_per_sample_position_ids(model: nn.Module) -> nn.Module:
+    """Make ``model`` (a Hugging Face model taking ``position_ids``) look up positions per sample,
+    in place: registers :func:`per_sample_position_ids` once as a forward pre-hook."""
+    if not has_per_sample_position_ids(model):
+        model.register_forward_pre_hook(per_sample_position_ids, with_kwargs=True)
     return model

@@ -6,7 +6,8 @@ from .data import DPDataLoader, PoissonBatchSampler, StepSignal
 from .engine import MODES, PrivacyEngine, freeze_all_but_biases, sample_mixing_modules
 from .verify import SelfCheckReport, self_check
 from .optimizer import CLIPPING, DPOptimizer, clip_factors
+from .protocols import NoiseAware
 
 __all__ = ["Accountant", "ACCOUNTANTS", "get_noise_multiplier", "PrivacyEngine", "MODES", "DPOptimizer",
            "clip_factors", "CLIPPING", "DPDataLoader", "PoissonBatchSampler", "StepSignal",
-           "freeze_all_but_biases", "sample_mixing_modules", "SelfCheckReport", "self_check"]
+           "freeze_all_but_biases", "sample_mixing_modules", "SelfCheckReport", "self_check", "NoiseAware"]

@@ -429,13 +429,13 @@ class PrivacyEngine:
                                  f"difference {max(report.worst.values(), default=0.0):.1e})"
 
     def _notify_noise(self) -> None:
-        """Tell modules that track the DP noise (``set_dp_noise``, e.g. DPFormer's Re-Attention)
-        what the optimizer adds: σ, R and the expected batch size."""
+        """Tell every :class:`~dpzoo.privacy.protocols.NoiseAware` module (e.g. DPFormer's
+        Re-Attention) what the optimizer adds: σ, R and the expected batch size."""
+        from .protocols import NoiseAware
         for m in self.module.modules():  # idempotent: a module reached twice just sets it twice
-            fn = getattr(m, "set_dp_noise", None)
-            if callable(fn):
-                fn(noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
-                   expected_batch_size=self.expected_batch_size)
+            if isinstance(m, NoiseAware) and callable(m.set_dp_noise):  # the protocol checks the name only
+                m.set_dp_noise(noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
+                               expected_batch_size=self.expected_batch_size)
 
     def _set_mode(self, mode: str, train_head) -> None:
         if mode == "bitfit" and train_head != "keep":

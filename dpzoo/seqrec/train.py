@@ -20,7 +20,8 @@ from ..errors import DPZooError
 from ..hub import load, save
 from ..losses import SequenceCrossEntropy
 from ..privacy import PrivacyEngine
-from .data import SequenceDataset, load_dataset, sasrec_preprocess
+from .dataset import SequenceDataset, sasrec_preprocess
+from .downloads import load_dataset
 from .metrics import ndcg_hit_at_k, target_ranks
 from .synthetic import zipf_interactions
 
@@ -83,7 +84,7 @@ def train_seqrec(name: str, *, data: str = "synthetic", epsilon: float = 5.0, de
     batch size, schedule and evaluation but no clipping, noise or accounting (shuffled batches):
     the non-private reference (its ε is reported as ``None``; no privacy metadata is saved).
     ``amazon_columns`` gives the column order of an Amazon CSV passed as a path (see
-    :func:`dpzoo.seqrec.data.load_dataset`)."""
+    :func:`dpzoo.seqrec.downloads.load_dataset`)."""
     torch.manual_seed(seed)
     ds = get_dataset(data, seed, amazon_columns)
     n_users = len(ds.train_sequences())

@@ -1,0 +1,203 @@
+"""Named datasets: where their files are found or downloaded from, and :func:`load_dataset`.
+
+``DATASETS`` lists each name's local file names, official URL and recorded checksums. A name
+is looked up under ``$DPZOO_DATA``, ``../shared/data`` and the cache; when absent and the
+network is reachable, the official file is downloaded (:func:`download`: verified, atomic)
+into the cache. :func:`load_dataset` turns a name or a path into a
+:class:`~dpzoo.seqrec.dataset.SequenceDataset`::
+
+    ds = load_dataset("ml-1m")                       # the released SASRec ml-1m.txt
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import socket
+import tempfile
+import urllib.parse
+import urllib.request
+import zipfile
+from pathlib import Path
+
+from dpzoo.errors import DPZooError
+
+from .dataset import SequenceDataset, dataset_from_file
+from .formats import AMAZON_2014, AMAZON_2018, AMAZON_COLUMNS
+
+__all__ = ["DATASETS", "load_dataset", "download", "default_cache_dir", "network_reachable"]
+
+
+# Checksums of the official files. The machine this was written on cannot download them, so
+# they are the values the publishers (GroupLens' .md5 files) and other public loaders verify
+# against; None = none known, the download is not verified.
+DATASETS = {
+    "ml-1m": {
+        "local": ["ml-1m/ml-1m.txt", "ml-1m/ratings.dat", "ml-1m/ratings.dat.gz"],
+        "url": "https://files.grouplens.org/datasets/movielens/ml-1m.zip",
+        "sha256": "a6898adb50b9ca05aa231689da44c217cb524e7ebd39d264c56e2832f2c54e20",
+        "md5": "c4d9eecfca2ab87c1945afe126590906",
+        "member": "ml-1m/ratings.dat",
+        "file": "ml-1m/ratings.dat",
+    },
+    "ml-100k": {
+        "local": ["ml-100k/u.data", "ml-100k/u.data.gz"],
+        "url": "https://files.grouplens.org/datasets/movielens/ml-100k.zip",
+        "sha256": None,  # unknown
+        "md5": "0e33842e24a9c977be4e0107933c0723",
+        "member": "ml-100k/u.data",
+        "file": "ml-100k/u.data",
+    },
+    # The 'Games' category of McAuley et al. 2015, the release DPFormer (App. E.1, ref. [28])
+    # and SASRec use: user,item,rating,timestamp.
+    "amazon-games": {
+        "local": ["amazon-games/ratings_Video_Games.csv", "amazon-games/ratings_Video_Games.csv.gz"],
+        "url": "https://snap.stanford.edu/data/amazon/productGraph/categoryFiles/ratings_Video_Games.csv",
+        "sha256": None,  # unknown
+        "member": None,  # a plain CSV, not an archive
+        "file": "amazon-games/ratings_Video_Games.csv",
+        "columns": AMAZON_2014,
+    },
+    # The 2018 release (Ni et al.): item,user,rating,timestamp.
+    "amazon-games-2018": {
+        "local": ["amazon-games-2018/Video_Games.csv", "amazon-games-2018/Video_Games.csv.gz"],
+        "url": "https://mcauleylab.ucsd.edu/public_datasets/data/amazon_v2/categoryFilesSmall/Video_Games.csv",
+        "sha256": "c3fec1cce4ee67f0d51f8b53a7e294d8bbe6f75ca1d8732256e900b3c46606d8",
+        "member": None,
+        "file": "amazon-games-2018/Video_Games.csv",
+        "columns": AMAZON_2018,
+    },
+}
+
+_urlopen = urllib.request.urlopen  # tests monkeypatch this; never the network in tests
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("DPZOO_CACHE")
+    base = Path(env) if env else Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dpzoo"
+    return base / "datasets"
+
+
+def _search_roots(cache_dir) -> list[Path]:
+    roots = []
+    if os.environ.get("DPZOO_DATA"):
+        roots.append(Path(os.environ["DPZOO_DATA"]))
+    repo = Path(__file__).resolve().parents[2]
+    roots += [repo.parent / "shared" / "data", Path.cwd().parent / "shared" / "data"]
+    roots.append(Path(cache_dir) if cache_dir is not None else default_cache_dir())
+    out = []
+    for r in roots:
+        if r not in out:
+            out.append(r)
+    return out
+
+
+def network_reachable(url: str, timeout: float = 3.0) -> bool:
+    """Whether a TCP connection to `url`'s host can be opened (file:// is always local)."""
+    p = urllib.parse.urlparse(url)
+    if p.scheme == "file":
+        return True
+    try:
+        with socket.create_connection((p.hostname, p.port or (443 if p.scheme == "https" else 80)),
+                                      timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def download(url: str, dest, sha256: str | None = None, chunk: int = 1 << 20, md5: str | None = None) -> Path:
+    """Download `url` to `dest` via a temp file in the same folder, renamed atomically.
+
+    If `sha256` and/or `md5` (what GroupLens publishes beside its zips) are given, the file is
+    verified before the rename (a mismatch raises DPZooError and leaves nothing at `dest`).
+    """
+    dest = Path(dest)
+    made = [d for d in (dest.parent, *dest.parent.parents) if not d.exists()]
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    h, h5 = hashlib.sha256(), hashlib.md5()
+    fd, tmp = tempfile.mkstemp(prefix=dest.name + ".", suffix=".part", dir=dest.parent)
+    try:
+        with os.fdopen(fd, "wb") as out, _urlopen(url) as resp:
+            while True:
+                block = resp.read(chunk)
+                if not block:
+                    break
+                h.update(block)
+                h5.update(block)
+                out.write(block)
+        for kind, got, want in (("sha256", h.hexdigest(), sha256), ("md5", h5.hexdigest(), md5)):
+            if want is not None and got != want.lower():
+                raise DPZooError(f"Download of {url} has {kind} {got}, expected {want}; the file is "
+                                 "corrupt or has changed. Nothing was saved.")
+        os.replace(tmp, dest)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        for d in made:  # folders made for this file go too, innermost first, if still empty
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
+    return dest
+
+
+def _fetch(name: str, cache_dir: Path) -> Path:
+    spec = DATASETS[name]
+    target = cache_dir / spec["file"]
+    if spec["member"] is None:
+        return download(spec["url"], target, spec["sha256"], md5=spec.get("md5"))
+    archive = download(spec["url"], cache_dir / Path(urllib.parse.urlparse(spec["url"]).path).name,
+                       spec["sha256"], md5=spec.get("md5"))
+    with zipfile.ZipFile(archive) as z:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".part", dir=target.parent)
+        with os.fdopen(fd, "wb") as out, z.open(spec["member"]) as src:
+            shutil.copyfileobj(src, out)
+        os.replace(tmp, target)
+    return target
+
+
+def load_dataset(name_or_path, cache_dir=None, min_count: int = 5,
+                 allow_download: bool = True, amazon_columns: str | None = None) -> SequenceDataset:
+    """A SequenceDataset by name ('ml-1m', 'ml-100k', 'amazon-games', 'amazon-games-2018') or from a file.
+
+    Names are looked up, in order, under ``$DPZOO_DATA``, ``../shared/data`` relative to
+    the repository and to the current directory, then `cache_dir` (default
+    ``$DPZOO_CACHE`` or ``~/.cache/dpzoo/datasets``). For 'ml-1m' the released SASRec
+    ``ml-1m/ml-1m.txt`` is preferred (loaded as is); a raw ``ratings.dat`` goes through
+    :func:`~dpzoo.seqrec.dataset.sasrec_preprocess`. If nothing is found and the network is reachable, the
+    official file is downloaded into `cache_dir`; otherwise a DPZooError says which file
+    to put where. A path is read in the format sniffed from its first line; an Amazon CSV's
+    column order is `amazon_columns` if given, else sniffed (:func:`~dpzoo.seqrec.formats.sniff_amazon_columns`).
+    The named Amazon datasets know their release's order.
+    """
+    if amazon_columns is not None and amazon_columns not in AMAZON_COLUMNS:
+        raise DPZooError(f"amazon_columns={amazon_columns!r}: expected one of {AMAZON_COLUMNS}")
+    if str(name_or_path) not in DATASETS:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise DPZooError(f"{str(name_or_path)!r} is neither a dataset name "
+                             f"({', '.join(DATASETS)}) nor an existing file.")
+        return dataset_from_file(path, min_count, path.name, amazon_columns)
+    name = str(name_or_path)
+    spec = DATASETS[name]
+    if amazon_columns is not None and amazon_columns != spec.get("columns"):
+        raise DPZooError(f"amazon_columns={amazon_columns!r} does not apply to {name!r}"
+                         + (f", whose files are {spec['columns']!r}" if spec.get("columns") else "")
+                         + "; give it only with a file path.")
+    amazon_columns = spec.get("columns")
+    roots = _search_roots(cache_dir)
+    for root in roots:
+        for rel in spec["local"]:
+            if (root / rel).is_file():
+                return dataset_from_file(root / rel, min_count, name, amazon_columns)
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if allow_download and network_reachable(spec["url"]):
+        return dataset_from_file(_fetch(name, cache), min_count, name, amazon_columns)
+    raise DPZooError(
+        f"Dataset {name!r} not found and cannot be downloaded (no network). Download "
+        f"{spec['url']}" + (f", unzip it and put {spec['member']}" if spec["member"] else "")
+        + f" at {cache / spec['file']} (or put {spec['local'][0]} under $DPZOO_DATA). "
+        f"Looked in: {', '.join(str(r) for r in roots)}.")
