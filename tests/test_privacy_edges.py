@@ -163,7 +163,8 @@ def test_time_major_model_is_refused():
     """Before: clipped per time step (T rows) and accepted."""
     g = torch.Generator().manual_seed(0)
     ds = TensorDataset(torch.randn(12, 7, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (12,), generator=g))
-    engine, model, opt, loader = _private(_TimeMajor().double(), ds, self_check=False)
+    # q = 1: B = 12 != T = 7 every step (T == B is the self-check's case, switched off here)
+    engine, model, opt, loader = _private(_TimeMajor().double(), ds, batch_size=12, self_check=False)
     with pytest.raises((PrivacyUsageError, dpzoo.UnsupportedModuleError), match="rows|batch"):
         for x, y in loader:
             F.cross_entropy(model(x.transpose(0, 1)), y).backward()

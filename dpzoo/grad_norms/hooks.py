@@ -683,7 +683,13 @@ class NormHooks:
                             f"The input of {use.module_name} was modified in place after the layer used "
                             "it; its per-sample gradient would be wrong. Remove the in-place op "
                             "(dpzoo.make_dp_ready switches off the usual ones).")
-            out = rule.fn(use.module, use.activations, use.grad, set(use.params))
+            try:
+                out = rule.fn(use.module, use.activations, use.grad, set(use.params))
+            except RuntimeError as e:  # e.g. mixed dtypes under autocast: refuse, naming the layer
+                raise UnsupportedModuleError(
+                    f"The per-sample rule for {use.module_name} ({type(use.module).__name__}) failed on what the layer "
+                    f"recorded ({str(e).splitlines()[0][:160]}). Mixed precision by autocast is not supported: "
+                    "convert the model to one dtype instead.") from e
             use.activations = None  # the representations hold what is needed from here on
             for local, rep in out.items():
                 p = getattr(use.module, local)
@@ -774,9 +780,14 @@ class NormHooks:
             raise ValueError(f"scale must be a Tensor[{b}] (one factor per sample), got shape {tuple(scale.shape)}")
         out = {}
         for name, rs in reps.items():
-            total = R.clipped_sum(rs[0], scale)
-            for r in rs[1:]:
-                total = total + R.clipped_sum(r, scale)
+            try:
+                total = R.clipped_sum(rs[0], scale)
+                for r in rs[1:]:
+                    total = total + R.clipped_sum(r, scale)
+            except RuntimeError as e:  # mixed dtypes (autocast) between activations and gradients
+                raise UnsupportedModuleError(
+                    f"The clipped sum of {name} failed on what its layer recorded ({str(e).splitlines()[0][:160]}). "
+                    "Mixed precision by autocast is not supported: convert the model to one dtype instead.") from e
             out[name] = total.to(self._params[name].dtype)
         return out
 

@@ -15,6 +15,7 @@ the global batch, once.
 
 from __future__ import annotations
 
+import collections
 import os
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -22,6 +23,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import default_collate
+
+from ..errors import PrivacyUsageError
 
 __all__ = ["PoissonBatchSampler", "DPDataLoader", "StepSignal", "secret_generator"]
 
@@ -104,8 +107,9 @@ class DPDataLoader:
         self.collate_fn = collate_fn or default_collate
         self.max_physical_batch_size = max_physical_batch_size
         self.signal = signal or StepSignal()
-        self._loader = DataLoader(dataset, batch_sampler=self.batch_sampler, collate_fn=self._collate,
-                                  num_workers=num_workers, **loader_kwargs)
+        self._sizes: collections.deque = collections.deque()  # indices drawn per batch, in order
+        self._loader = DataLoader(dataset, batch_sampler=_Counting(self.batch_sampler, self._sizes),
+                                  collate_fn=self._collate, num_workers=num_workers, **loader_kwargs)
 
     @property
     def expected_batch_size(self) -> float:
@@ -123,8 +127,10 @@ class DPDataLoader:
 
     def __iter__(self):
         sig = self.signal
+        self._sizes.clear()
         for batch in self._loader:
-            size = _batch_len(batch)
+            # the sampler's count, not dim 0 of whatever the collate built (a (T, B) padded layout)
+            size = self._sizes.popleft()
             sig.logical_index += 1
             sig.logical_batch_size = size
             if size == 0 and sig.on_empty is not None:
@@ -138,10 +144,31 @@ class DPDataLoader:
                 sig.last_physical = True
                 yield batch
                 continue
+            if _batch_len(batch) != size:
+                raise PrivacyUsageError(
+                    f"The collated batch has {_batch_len(batch)} rows in dimension 0 for {size} sampled samples: "
+                    "max_physical_batch_size splits dimension 0, so the collate must put the batch there "
+                    "(e.g. pad_sequence(..., batch_first=True)).")
             starts = list(range(0, size, chunk))
             for i, s in enumerate(starts):
                 sig.last_physical = i == len(starts) - 1
                 yield _slice(batch, s, s + chunk)
+
+
+class _Counting(Sampler[list[int]]):
+    """Passes a batch sampler through, noting how many indices each batch has (the DataLoader
+    iterates its batch sampler in the main process, in order, also with workers)."""
+
+    def __init__(self, inner: PoissonBatchSampler, sizes: collections.deque):
+        self.inner, self.sizes = inner, sizes
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __iter__(self):
+        for idx in self.inner:
+            self.sizes.append(len(idx))
+            yield idx
 
 
 def _batch_len(batch) -> int:

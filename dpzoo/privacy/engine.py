@@ -138,6 +138,20 @@ def dataset_fingerprint(dataset) -> str:
     return hashlib.sha256(b"\0".join(parts)).hexdigest()
 
 
+def _checksums(module: nn.Module) -> dict[str, tuple[float, float]]:
+    """Two sums per parameter (plain and squared, float64): a cheap fingerprint of its values."""
+    with torch.no_grad():
+        return {n: (float(p.double().sum()), float(p.double().pow(2).sum())) for n, p in module.named_parameters()}
+
+
+def eval_settings(text: str) -> list:
+    import ast
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return []
+
+
 class PrivacyEngine:
     """Opacus-like entry point to dpzoo's DP training (see the module docstring)."""
 
@@ -213,6 +227,8 @@ class PrivacyEngine:
         if target_delta is not None and not (isinstance(target_delta, numbers.Real) and 0 < target_delta < 1):
             raise PrivacyUsageError(f"target_delta must be in (0, 1), got {target_delta!r}: use δ < 1/N, e.g. 1e-5.")
         _number("max_grad_norm", max_grad_norm, positive=True, fix="pass the clipping bound R, e.g. 1.0")
+        if max_physical_batch_size is not None and not isinstance(max_physical_batch_size, numbers.Integral):
+            raise PrivacyUsageError(f"max_physical_batch_size must be a positive integer, got {max_physical_batch_size!r}.")
         if max_physical_batch_size is not None:
             _number("max_physical_batch_size", max_physical_batch_size, positive=True, integer=True,
                     fix="pass the largest micro-batch that fits in memory, or None for no splitting")
@@ -231,6 +247,16 @@ class PrivacyEngine:
         if batch_size is None:
             raise PrivacyUsageError("The data loader needs a fixed batch_size (no batch_sampler): it sets the "
                                     "expected Poisson batch size.")
+        lazy = [n for n, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+        if lazy:
+            raise PrivacyUsageError(
+                f"Parameter(s) {', '.join(lazy[:6])} are not initialised yet (lazy modules): run one forward pass on "
+                "a dummy (non-private) batch before make_private, so dpzoo can plan their per-sample gradients.")
+        renorm = [n or "<root>" for n, m in module.named_modules() if isinstance(m, nn.Embedding) and m.max_norm]
+        if renorm:
+            raise PrivacyUsageError(
+                f"Embedding(s) {', '.join(renorm[:6])} have max_norm: forward renormalises the rows the batch looks "
+                "up, in place, which releases which ids the private batch holds. Set max_norm=None.")
         mixing = sample_mixing_modules(module)
         if mixing:
             raise PrivacyUsageError(
@@ -245,6 +271,13 @@ class PrivacyEngine:
         indices = None
         if world > 1:
             indices = self._shard(data_loader, n, world, rank)
+            self._same_on_every_rank(world, batch_size=batch_size, noise_multiplier=noise_multiplier,
+                                     target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs,
+                                     max_grad_norm=max_grad_norm, clipping=clipping, mode=mode,
+                                     loss_reduction=loss_reduction, accountant=self.accountant.name,
+                                     history=self.accountant.history, max_physical_batch_size=max_physical_batch_size,
+                                     self_check=self_check)
+        prior = self._prior_spending(module)
         sample_rate = batch_size * world / n
         if sample_rate > 1:
             raise PrivacyUsageError(
@@ -257,6 +290,8 @@ class PrivacyEngine:
                               num_workers=data_loader.num_workers, max_physical_batch_size=max_physical_batch_size,
                               generator=gen, signal=signal, indices=indices)
         steps_per_epoch = len(loader)
+        if prior:  # the model already spent privacy on its data (dpzoo.load, an earlier engine): compose after it
+            self.accountant.load_state_dict({"name": self.accountant.name, "history": prior + self.accountant.history})
         if target_epsilon is not None:
             try:
                 noise_multiplier = get_noise_multiplier(target_epsilon, target_delta, sample_rate,
@@ -267,6 +302,7 @@ class PrivacyEngine:
                     raise
                 raise PrivacyUsageError(f"Cannot calibrate the noise: {e}") from None
         self.accountant.check(float(noise_multiplier), sample_rate)  # e.g. a history this accountant cannot compose
+        self.prior_spending = prior
         trainable = (_bitfit_trainable(module, _default_head(module) if train_head == "auto" else train_head)
                      if mode == "bitfit" else {id(p) for p in module.parameters() if p.requires_grad})
         self._check_optimizer(module, optimizer, trainable)
@@ -298,6 +334,9 @@ class PrivacyEngine:
                 p.requires_grad_(r)
             raise
         self.optimizer.check_parameters = self._check_step_parameters
+        self.optimizer.check_state = self._check_state
+        self._buffers_at_step: dict | None = None
+        self._param_sums: dict | None = None
         self._self_check, self._check_samples = bool(self_check), int(self_check_samples)
         self._check_inputs = None
         self._in_check = False
@@ -368,6 +407,13 @@ class PrivacyEngine:
 
     def _trainable_changed(self) -> bool:
         hooked = self.hooks.trainable_parameters
+        present = {id(p) for p in self.module.parameters()}
+        swapped = [n for n, p in hooked.items() if id(p) not in present]
+        if swapped:
+            raise PrivacyUsageError(
+                f"Parameter(s) {', '.join(swapped[:6])} are not in the model during this forward: they were swapped "
+                "(torch.func.functional_call, stateless calls) or removed. dpzoo clips the model's own parameters: "
+                "call the model itself.")
         if any(not p.requires_grad for p in hooked.values()):
             return True
         ids = {id(p) for p in hooked.values()}
@@ -387,25 +433,80 @@ class PrivacyEngine:
         self.optimizer.mark_forward()
         if self._self_check and self.optimizer.on_first_step is not None and self.hooks.forward_calls == 0:
             self._check_inputs = (args, kwargs)
-        if module.training:
-            self._buffers_before = [(n, b, b._version) for n, b in module.named_buffers()]
+        # Nothing computed from the batch may be stored outside the DP update: buffers are compared by
+        # value (`.data` writes move no version counter) from here to the step, in any mode; every
+        # parameter by a checksum over the first step (a data-dependent init, a renormalisation).
+        if self._buffers_at_step is None:
+            self._buffers_at_step = {n: b.detach().clone() for n, b in module.named_buffers()}
+        if self._param_sums is None and self.steps == 0:
+            self._param_sums = _checksums(module)
         return None
 
     def _after_forward(self, module, args, output):
-        if self._in_check or not torch.is_grad_enabled() or not module.training:
+        if self._in_check or not torch.is_grad_enabled():
             return None
-        before = getattr(self, "_buffers_before", None)
-        if before is None:
-            return None
-        self._buffers_before = None
-        now = dict(module.named_buffers())
-        changed = [n for n, b, v in before if now.get(n) is not b or b._version != v]
-        if changed:
-            raise PrivacyUsageError(
-                f"Buffer(s) {', '.join(changed[:6])} changed during a training forward pass: statistics computed from "
-                "private data would be released without noise (and may mix samples). Freeze what updates them "
-                "(e.g. eval() on that module) or replace it (dpzoo.make_dp_ready converts BatchNorm).")
+        self._compare_buffers("a training forward pass")
         return None
+
+    def _compare_buffers(self, when: str) -> None:
+        before = self._buffers_at_step
+        if before is None:
+            return
+        now = dict(self.module.named_buffers())
+        changed = [n for n, b in before.items() if n not in now or now[n].shape != b.shape
+                   or not torch.equal(now[n].detach(), b)]
+        changed += [n for n in now if n not in before]
+        if changed:
+            self._buffers_at_step = None
+            raise PrivacyUsageError(
+                f"Buffer(s) {', '.join(changed[:6])} changed during {when}: values computed from private data would be "
+                "released without noise (and may mix samples). Stop what updates them (a running statistic, an EMA, "
+                "a hook) or replace it (dpzoo.make_dp_ready converts BatchNorm).")
+
+    def _check_state(self) -> None:
+        """At each step, before noise: buffers unchanged since the step's first forward (backward
+        hooks included); on the first step, every parameter unchanged since its first forward."""
+        self._compare_buffers("this step (forward, backward or a hook)")
+        self._buffers_at_step = None
+        if self._param_sums is not None:
+            now = _checksums(self.module)
+            moved = [n for n, v in self._param_sums.items() if now.get(n) != v]
+            self._param_sums = None
+            if moved:
+                raise PrivacyUsageError(
+                    f"Parameter(s) {', '.join(moved[:6])} changed between the first forward pass and optimizer.step(): "
+                    "something wrote batch data into them (a data-dependent initialisation, a renormalisation, a "
+                    "write through .data), which would be released without noise. Initialise on public data before "
+                    "make_private.")
+
+    @staticmethod
+    def _prior_spending(module: nn.Module) -> list:
+        """The (σ, q, steps) history a model already spent: an earlier engine on it, or the privacy
+        metadata of a model loaded with dpzoo.load. [] for a model with no record."""
+        ref = getattr(module, "_dpzoo_engine", None)
+        earlier = ref() if callable(ref) else None
+        if earlier is not None and earlier.accountant.history:
+            return [list(h) for h in earlier.accountant.history]
+        meta = getattr(module, "dpzoo_privacy", None)
+        if not meta:
+            return []
+        if meta.get("noise_multiplier") is None or not meta.get("steps"):
+            raise PrivacyUsageError(
+                f"This model was trained with DP before (ε = {meta.get('epsilon')}) but its metadata lacks the noise "
+                "multiplier to compose with: pass accountant=Accountant(name, history) with the earlier steps, or "
+                "`del model.dpzoo_privacy` if the new data is disjoint from the data it was trained on.")
+        return [[float(meta["noise_multiplier"]), float(meta["sample_rate"]), int(meta["steps"])]]
+
+    @staticmethod
+    def _same_on_every_rank(world: int, **settings) -> None:
+        gathered: list = [None] * world
+        torch.distributed.all_gather_object(gathered, repr(sorted(settings.items())))
+        if len(set(gathered)) > 1:
+            first = dict(eval_settings(gathered[0]))
+            diff = [k for k, v in settings.items() if repr(v) != repr(first.get(k))] or ["(see the ranks)"]
+            raise PrivacyUsageError(
+                f"make_private got different settings on different ranks ({', '.join(diff)}): every rank must use the "
+                "same batch_size, noise, clipping bound, mode and accountant, or the reported ε holds for none.")
 
     def _noise_only_step(self) -> None:
         """An empty Poisson batch: the mechanism still releases a (noise-only) update."""
@@ -423,6 +524,9 @@ class PrivacyEngine:
             with torch.enable_grad():
                 report = self_check(self.module, self.hooks, args, kwargs, cotangents=cotangents,
                                     samples=self._check_samples)
+        except DPZooError as e:
+            self.self_check_result = f"failed: {e}"
+            raise
         finally:
             self._in_check = False
         self.self_check_result = f"passed on the first step ({len(report.samples)} samples, largest relative " \
@@ -455,7 +559,7 @@ class PrivacyEngine:
             raise DPZooError("make_private first.")
         if mode not in MODES:
             raise DPZooError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if self.optimizer.hooks.step_ready or self.optimizer.micro_batches_in_step:
+        if self.optimizer.hooks.step_ready or self.optimizer.micro_batches_in_step or self.hooks.forward_calls:
             raise PrivacyUsageError("switch_mode in the middle of a logical step: call optimizer.step() first.")
         self._set_mode(mode, train_head)
         self._check_step_parameters()
@@ -492,7 +596,9 @@ class PrivacyEngine:
             noise = "reproducible (not private against anyone holding the seed)"
         sampling = "Poisson, secret (OS entropy)" if self.sample_seed is None else \
             "Poisson, reproducible (membership predictable from the seed)"
-        if not self._self_check:
+        if self.optimizer is not None and self.optimizer.refusal is not None:
+            check = self.self_check_result or f"failed: {self.optimizer.refusal}"  # and no step was taken since
+        elif not self._self_check:
             check = "skipped by the user (self_check=False)"
         else:
             check = self.self_check_result or "pending (no non-empty step yet)"

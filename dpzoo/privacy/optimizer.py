@@ -110,6 +110,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self.capture_inputs: Callable[[], tuple] | None = None
         self._first_capture: tuple | None = None
         self.check_parameters: Callable[[], None] | None = None
+        self.check_state: Callable[[], None] | None = None  # the engine's watch on buffers / parameters
+        self.refusal: Exception | None = None  # a failed self-check: every later step is refused too
         self.check_batches = True  # the engine's loader feeds the signal
 
     # -- the wrapped optimizer -------------------------------------------------------------
@@ -146,13 +148,36 @@ class DPOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """The wrapped optimizer's state and the step count; the noise generators' state only in
         reproducible mode (``noise_seed``): secret noise leaves nothing that predicts it."""
-        out = {"optimizer": self.original_optimizer.state_dict(), "steps": self.steps}
+        out = {"optimizer": self.original_optimizer.state_dict(), "steps": self.steps,
+               "accountant": self.accountant.state_dict()}  # a resume continues the spending
         if self.noise_seed is not None:
             out["noise_seed"] = self.noise_seed
             out["generators"] = {str(d): g.get_state() for d, g in self._generators.items()}
         return out
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a checkpoint, the privacy spent before it included: the accountant's history
+        is the checkpoint's (composed after any history this optimizer's accountant already had,
+        e.g. a DP-FROST selection, unless that is the checkpoint's own beginning)."""
+        if "optimizer" not in state:  # a plain torch optimizer's state dict: no privacy record
+            raise PrivacyUsageError(
+                "This is not a DPOptimizer state dict (no accountant in it): the steps it took would vanish from ε. "
+                "Save and load optimizer.state_dict() of the DPOptimizer, or engine.state_dict().")
+        if state.get("steps", 0) and "accountant" not in state:
+            raise PrivacyUsageError(
+                f"This optimizer checkpoint took {state['steps']} private steps but records no accountant history "
+                "(saved by an older dpzoo): ε would restart from 0. Restore the history with "
+                "engine.accountant.load_state_dict(...) from the run's engine.state_dict().")
+        if "accountant" in state:
+            saved = [list(h) for h in state["accountant"]["history"]]
+            now = [list(h) for h in self.accountant.history]
+            if saved[:len(now)] != now:  # the checkpoint does not start with what is spent here: compose
+                saved = now + saved
+            if state["accountant"].get("name") != self.accountant.name:
+                raise PrivacyUsageError(
+                    f"The checkpoint was accounted with {state['accountant'].get('name')!r}, this engine uses "
+                    f"{self.accountant.name!r}: make the engine with the checkpoint's accountant.")
+            self.accountant.load_state_dict({"name": self.accountant.name, "history": saved})
         self.original_optimizer.load_state_dict(state["optimizer"])
         self.steps = state["steps"]
         if self.noise_seed is not None and state.get("noise_seed") is not None:
@@ -190,6 +215,11 @@ class DPOptimizer(torch.optim.Optimizer):
         if self.hooks.step_ready:
             with self._aborting():
                 self.clip_and_accumulate()
+        elif self._pending_batch is not None and self._pending_batch != self.signal.logical_index:
+            # forwards of an earlier batch that no backward followed (e.g. validation without
+            # no_grad): nothing of them will be released, drop them
+            self.hooks.clear()
+            self._pending_batch = None
         if self._pending_batch is None:
             self._pending_batch = self.signal.logical_index
 
@@ -233,6 +263,12 @@ class DPOptimizer(torch.optim.Optimizer):
                         "use the optimizer's weight_decay for penalties.")
         norms = self.hooks.per_sample_norms()
         b = norms.shape[0]
+        if b and not torch.isfinite(norms).all():
+            bad = int((~torch.isfinite(norms)).sum())
+            raise PrivacyUsageError(
+                f"{bad} sample(s) of this batch have a non-finite gradient (NaN or inf in the data, the loss or the "
+                "model): clipping cannot bound them and the update would reveal them. Clean the data, or make the "
+                "loss finite for every sample.")
         if b:
             unreached = set(self.hooks.unreached_parameters())
             self._reached.update(n for n in params if n not in unreached)
@@ -334,6 +370,10 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def pre_step(self) -> bool:
         """Accumulate; at the end of a logical step write private ``.grad``s. True if it did."""
+        if self.refusal is not None:
+            self.hooks.clear()
+            raise type(self.refusal)(f"Refused: the first step's self-check failed, so no step of this engine is "
+                                     f"taken ({self.refusal})")
         with self._aborting():
             self.clip_and_accumulate()
             if not self.signal.last_physical and self.check_batches:
@@ -341,9 +381,15 @@ class DPOptimizer(torch.optim.Optimizer):
             self.check_step()
             if self.check_parameters is not None:
                 self.check_parameters()
+            if self.check_state is not None:
+                self.check_state()
             if self.on_first_step is not None and self._first_capture is not None:
-                first, self.on_first_step = self.on_first_step, None
-                first()
+                try:
+                    self.on_first_step()
+                except Exception as e:
+                    self.refusal = e
+                    raise
+                self.on_first_step = None
         self.add_noise()
         self.scale_grad()
         self._drop_frozen()

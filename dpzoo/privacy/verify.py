@@ -25,6 +25,7 @@ released.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -120,8 +121,13 @@ def self_check(model: nn.Module, hooks: NormHooks, args: tuple, kwargs: dict,
         hooks.backward_from(outs, cotangents)
         sq = hooks.per_param_sq_norms()
         hooks_norms = {n: v.detach().sqrt().double() for n, v in sq.items()}
-        summed = {n: g.detach().double() for n, g in hooks.clipped_sum(
-            torch.ones(batch, dtype=outs[0].dtype, device=outs[0].device)).items()}
+        # random per-row weights (not all ones): a per-sample gradient given to the wrong row changes
+        # the weighted sum even when the rows the norm check compares are left in place
+        gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "little"))
+        weights = torch.randn(batch, generator=gen, dtype=torch.float64).to(outs[0].device)
+        summed = {n: g.detach().double() for n, g in hooks.clipped_sum(weights.to(outs[0].dtype)).items()}
+        hooks_sum_ones = hooks.clipped_sum(torch.ones(batch, dtype=outs[0].dtype, device=outs[0].device)) \
+            if loss_fn is not None else {}
         batch_outs = [o.detach() for o in outs]
         hooks.clear()
         picks = _pick(batch, samples)
@@ -134,17 +140,27 @@ def self_check(model: nn.Module, hooks: NormHooks, args: tuple, kwargs: dict,
             # a layer whose gradient reaches the wrong tensor keeps its norms but not its sum.
             out_b = model(*args, **kwargs)
             outs_b = output_tensors(out_b)
-            if loss_fn is not None:
-                ref_sum = torch.autograd.grad(loss_fn(out_b), tensors, allow_unused=True)
-            else:
-                ref_sum = torch.autograd.grad(outs_b, tensors, cotangents, allow_unused=True)
+            def _row_weighted(c):
+                w = weights.to(c.dtype).reshape(-1, *([1] * (c.dim() - 1)))
+                return c * w
+            ref_sum = torch.autograd.grad(outs_b, tensors, [_row_weighted(c) for c in cotangents],
+                                          allow_unused=True, retain_graph=loss_fn is not None)
             ref_sum = {n: (g.detach().double() if g is not None else torch.zeros_like(summed[n]))
                        for n, g in zip(names, ref_sum)}
-            scale = torch.sqrt(sum(v.pow(2).sum() for v in ref_sum.values())).item()
+            if loss_fn is not None:
+                # a use of a parameter in the loss itself (outside the model) is in the loss's batch
+                # gradient but not in any output gradient: the unweighted sums must agree too
+                ones = {n: g.detach().double() for n, g in hooks_sum_ones.items()}
+                ref_loss = torch.autograd.grad(loss_fn(out_b), tensors, allow_unused=True)
+                for n, g in zip(names, ref_loss):
+                    g = g.detach().double() if g is not None else torch.zeros_like(ones[n])
+                    if (ones[n] - g).norm().item() > tol * max(g.norm().item(), 1e-30) + 1e-12:
+                        ref_sum[n] = ref_sum[n] + float("inf")  # reported below as a wrong sum
+            scale = float(sum(float(v.pow(2).sum()) for v in ref_sum.values() if torch.isfinite(v).all())) ** 0.5
             wrong_sum = []
             for n in names:
                 gap = (summed[n] - ref_sum[n]).norm().item()
-                rel = gap / max(ref_sum[n].norm().item(), 1e-3 * scale, 1e-30)
+                rel = gap / max(ref_sum[n].norm().item(), 1e-3 * scale, 1e-30) if math.isfinite(gap) else math.inf
                 worst[n] = max(worst[n], rel)
                 if rel > tol:
                     wrong_sum.append(f"{n} (relative difference {rel:.2g})")
@@ -180,17 +196,17 @@ def self_check(model: nn.Module, hooks: NormHooks, args: tuple, kwargs: dict,
             m.training = training
     if not mixing and any(modes.values()):
         mixing = _train_mode_mixing(model, hooks, args, kwargs, batch, picks[0], tol)
-    if wrong_sum:
-        raise SelfCheckError(
-            "Self-check failed: the sum of dpzoo's per-sample gradients is not the batch gradient for "
-            f"{', '.join(wrong_sum[:6])}: a parameter is used where its layer's rule cannot see it (swapped "
-            "parameters, an edited output, a use in the loss). Route every use through the layer's own forward.")
     if mixing:
         raise SelfCheckError(
             "Self-check failed: the model does not process batch rows independently (" + "; ".join(mixing[:3]) +
             "). dpzoo clips row i of dimension 0 as sample i: make the model batch-first, with no mixing, "
             "permutation or randomness that eval() leaves on; or pass self_check=False if you have checked this "
             "yourself (recorded in the privacy metadata).")
+    if wrong_sum:
+        raise SelfCheckError(
+            "Self-check failed: the sum of dpzoo's per-sample gradients is not the batch gradient for "
+            f"{', '.join(wrong_sum[:6])}: a parameter is used where its layer's rule cannot see it (swapped "
+            "parameters, an edited output, a use in the loss). Route every use through the layer's own forward.")
     if bad:
         shown = "; ".join(f"{n}: sample {i} hooks {g:.4g} vs alone {w:.4g}" for n, v in list(bad.items())[:6]
                           for i, g, w in v[:1])
