@@ -93,9 +93,9 @@ def test_zoo_bias_only_norms_and_no_activations(name):
         # uses are counted after loss.backward(): a privacy check, not an activation store).
         assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules() if m is not model)
         loss = loss_fn(model, **inputs)
-        assert hooks._state.uses == []
+        assert hooks.records == ()
         hooks.backward(loss)
-        assert hooks._state.uses and all(u.activations is None for u in hooks._state.uses)
+        assert hooks.records and all(u.activations is None for u in hooks.records)
     finally:
         hooks.detach()
     _check(model, inputs, loss_fn, "auto")

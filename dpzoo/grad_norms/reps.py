@@ -21,6 +21,12 @@ representations has an exact inner product that never forms the B×V×d gradient
 vocabulary-sized matrix: for an embedding use ``u`` and an output-projection use ``v``
 it is ``Σ_{t,s} L_v[s, x_t] ⟨R_{u,t}, R_{v,s}⟩`` (DPFormer paper, Claim 4.1 and eq. B.6:
 Phantom Clipping), at O(B·T_u·T_v) extra memory.
+
+:class:`ParamGrad` gathers every use of one parameter in a step and owns the choices made
+on them: ghost or instantiation per use (the BK rule, or the hooks' forced mode),
+summing many uses once (a recurrent cell called every time step) instead of O(uses²)
+cross terms, and the cross terms themselves. It offers :meth:`ParamGrad.sq_norm`,
+:meth:`ParamGrad.clipped_sum` and :meth:`ParamGrad.instantiate`.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["Dense", "Factored", "OneHot", "Rep", "inner", "sq_norm", "clipped_sum",
-           "prefers_ghost", "instantiate"]
+           "prefers_ghost", "instantiate", "ParamGrad", "RowSparse", "row_sparse"]
 
 
 @dataclass
@@ -210,3 +216,74 @@ def clipped_sum(rep: Rep, scale: torch.Tensor) -> torch.Tensor:
 
 def _dtype(rep: Rep) -> torch.dtype:
     return rep.grad.dtype if isinstance(rep, Dense) else rep.right.dtype
+
+
+class ParamGrad:
+    """The per-sample gradients of one parameter in one step, ``g_i = Σ_u g_{u,i}`` over its
+    uses ``u`` (one representation each), and how to compute with them.
+
+    ``ghost``: None chooses ghost norm or instantiation per use by the BK rule
+    (:func:`prefers_ghost`); True / False force one. :meth:`sq_norm` settles the representations
+    once (BK-MixOpt, BK paper §3.2): a use on the instantiation path is formed once, and the
+    clipped sum reuses it (its factors are dropped); more than two uses, unless ghost is
+    forced, are summed into one dense gradient (O(uses) instead of O(uses²) cross terms).
+    """
+
+    def __init__(self, reps: list, ghost: bool | None = None):
+        if not reps:
+            raise ValueError("a ParamGrad needs at least one representation")
+        self.reps = list(reps)
+        self.ghost = ghost
+        self._sq: torch.Tensor | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.reps[0].batch_size
+
+    def _settle(self) -> None:
+        ghost = self.ghost
+        rs = [Dense(instantiate(r)) if not isinstance(r, Dense)
+              and not (prefers_ghost(r) if ghost is None else ghost) else r for r in self.reps]
+        if len(rs) > 2 and ghost is not True:
+            dense = instantiate(rs[0])
+            for r in rs[1:]:
+                dense = dense + instantiate(r)
+            rs = [Dense(dense)]
+        self.reps = rs
+
+    def sq_norm(self) -> torch.Tensor:
+        """‖g_i‖² for every sample (Tensor[B]), every cross term of a multi-use parameter included."""
+        if self._sq is None:
+            self._settle()
+            rs, ghost = self.reps, self.ghost
+            total = sq_norm(rs[0], ghost=ghost)
+            for i in range(len(rs)):
+                if i:
+                    total = total + sq_norm(rs[i], ghost=ghost)
+                for j in range(i + 1, len(rs)):  # cross terms of a parameter used twice
+                    total = total + 2 * inner(rs[i], rs[j], ghost=ghost)
+            self._sq = total.clamp_min(0)
+        return self._sq
+
+    def clipped_sum(self, scale: torch.Tensor) -> torch.Tensor:
+        """Σ_i scale_i g_i over every use (the parameter's shape)."""
+        total = clipped_sum(self.reps[0], scale)
+        for r in self.reps[1:]:
+            total = total + clipped_sum(r, scale)
+        return total
+
+    def instantiate(self) -> torch.Tensor:
+        """The per-sample gradients, (B, *shape), every use summed."""
+        total = instantiate(self.reps[0])
+        for r in self.reps[1:]:
+            total = total + instantiate(r)
+        return total
+
+    def row_sparse(self) -> "RowSparse | None":
+        """The rows each sample touched, if every use is an embedding lookup; else None."""
+        rs = self.reps
+        if not all(isinstance(r, OneHot) for r in rs):
+            return None
+        merged = rs[0] if len(rs) == 1 else OneHot(
+            torch.cat([r.index for r in rs], 1), torch.cat([r.right for r in rs], 1), rs[0].num_rows)
+        return row_sparse(merged)

@@ -1,3 +1,5 @@
+"""Shape helpers shared by the rules (token and channel layouts, partial sums)."""
+
 from __future__ import annotations
 
 import torch

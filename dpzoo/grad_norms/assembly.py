@@ -1,0 +1,73 @@
+"""Assembly: a step's records turned into one :class:`~dpzoo.grad_norms.reps.ParamGrad` per
+trainable parameter.
+
+Each recorded use goes through its layer's rule (activation, output gradient →
+representation, :mod:`dpzoo.grad_norms.rules`), or is a loose tensor's per-sample gradient
+itself; the shapes and batch sizes are checked, and parameters no gradient reached get zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UnsupportedModuleError
+from . import reps as R
+from .audit import check_versions
+from .capture import Step
+from .plan import ModelPlan
+
+__all__ = ["assemble", "rep_shape"]
+
+
+def rep_shape(rep) -> tuple:
+    return tuple(rep.grad.shape[1:]) if isinstance(rep, R.Dense) else tuple(rep.shape)
+
+
+def assemble(step: Step, plan: ModelPlan, ghost: bool | None) -> dict[str, R.ParamGrad]:
+    """{parameter name: its per-sample gradients} from the records of ``step`` (audited before:
+    :func:`dpzoo.grad_norms.audit.check_step`). Sets ``step.unreached``; drops the activations."""
+    by_param: dict[str, list] = {n: [] for n in plan.params}
+    sizes = set()
+    for use in step.uses:
+        if use.grad is None:
+            continue  # output did not reach the loss
+        if use.loose:
+            n = use.params[0]
+            name = plan.param_names[id(use.module._parameters[n])]
+            by_param[name].append(R.Dense(use.grad.unsqueeze(1)))
+            sizes.add((use.module_name, use.grad.shape[0]))
+            continue
+        rule = plan.rules[id(use.module)]
+        check_versions(use)
+        try:
+            out = rule.fn(use.module, use.activations, use.grad, set(use.params))
+        except RuntimeError as e:  # e.g. mixed dtypes under autocast: refuse, naming the layer
+            raise UnsupportedModuleError(
+                f"The per-sample rule for {use.module_name} ({type(use.module).__name__}) failed on what the layer "
+                f"recorded ({str(e).splitlines()[0][:160]}). Mixed precision by autocast is not supported: "
+                "convert the model to one dtype instead.") from e
+        use.activations = None  # the representations hold what is needed from here on
+        for local, rep in out.items():
+            p = getattr(use.module, local)
+            if tuple(rep_shape(rep)) != tuple(p.shape):
+                raise UnsupportedModuleError(
+                    f"The rule for {use.module_name} ({type(use.module).__name__}) produced a per-sample "
+                    f"gradient of shape {tuple(rep_shape(rep))} for {local}, whose shape is {tuple(p.shape)}: "
+                    "the module does not compute what its rule assumes.")
+            by_param[plan.param_names[id(p)]].append(rep)
+            sizes.add((use.module_name, rep.batch_size))
+    batch = {b for _, b in sizes}
+    if step.batch_size is not None:
+        batch.add(step.batch_size)
+    if len(batch) > 1:
+        detail = ", ".join(sorted(f"{n or '<root>'}: {b}" for n, b in sizes))
+        raise UnsupportedModuleError(
+            f"Layers saw different batch sizes in one step (batch {step.batch_size}; {detail}), so "
+            "per-sample gradients cannot be matched across them. Every hooked layer must take "
+            "batch-first inputs.")
+    step.unreached = [n for n, rs in by_param.items() if not rs]
+    for n in step.unreached:  # unused in this step: zero gradient
+        p = plan.params[n]
+        b = next(iter(batch)) if batch else 0
+        by_param[n] = [R.Dense(torch.zeros(b, *p.shape, dtype=p.dtype, device=p.device))]
+    return {n: R.ParamGrad(rs, ghost) for n, rs in by_param.items()}

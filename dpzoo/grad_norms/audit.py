@@ -1,0 +1,126 @@
+"""The graph audit: every use of a trainable parameter in a step must be one dpzoo recorded.
+
+* edge counting: :func:`count_edges` counts the direct uses of every parameter in the autograd
+  graph of the loss (or of the model's outputs), :func:`compare_uses` compares them with the
+  recorded uses (a parameter used outside its module, e.g. ``x @ module.weight``, is refused);
+* stray gradients: with ``ghost_backward`` no weight gradient is ever computed, so one reaching
+  a parameter (:func:`stray_grad_hook`) comes from a use dpzoo cannot see;
+* version checks: an activation modified in place after its layer used it (:func:`check_versions`).
+
+:func:`check_step` runs the checks still due before a step's records are assembled.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import UnsupportedModuleError
+from .capture import Recorder, Step, Use
+
+__all__ = ["count_edges", "compare_uses", "stray_grad_hook", "check_versions", "check_step"]
+
+
+def count_edges(step: Step, roots: list) -> None:
+    """Count the direct uses of every trainable parameter in the graph of ``roots`` (added to
+    the counts of graphs walked before in this step; shared nodes are walked once)."""
+    if roots and all(r.grad_fn is None for r in roots):
+        raise RuntimeError("loss does not require grad: did the forward pass run under no_grad?")
+    edges: dict[int, int] = step.edges if step.edges is not None else {}
+    walked: set = step.walked if step.walked is not None else set()
+    stack = [r.grad_fn for r in roots]
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in walked:
+            continue
+        walked.add(id(fn))
+        for nxt, _ in fn.next_functions:
+            if nxt is None:
+                continue
+            var = getattr(nxt, "variable", None)
+            if var is not None:
+                edges[id(var)] = edges.get(id(var), 0) + 1
+            else:
+                stack.append(nxt)
+    step.edges, step.walked = edges, walked
+
+
+def compare_uses(step: Step, params: dict[str, nn.Parameter]) -> None:
+    """Every direct use of a trainable parameter must be one dpzoo recorded."""
+    if step.edges is None:
+        return
+    recorded: dict[int, int] = {}
+    per_task: dict[tuple, int] = {}  # activation-free uses: (parameter, backward pass) -> count
+    for u in step.uses:
+        if u.loose:
+            continue
+        if u.edge is not None and id(u.edge.node) not in step.walked:
+            continue  # this call's output does not reach the loss
+        for n in u.params:
+            pid = id(getattr(u.module, n))
+            if u.edge is None:  # one use per module call per backward pass
+                per_task[pid, u.task] = per_task.get((pid, u.task), 0) + 1
+            else:
+                recorded[pid] = recorded.get(pid, 0) + 1
+    calls: dict[int, int] = {}
+    for (pid, _), k in per_task.items():  # several backward passes replay the same calls
+        calls[pid] = max(calls.get(pid, 0), k)
+    for pid, k in calls.items():
+        recorded[pid] = recorded.get(pid, 0) + k
+    for name, p in params.items():
+        if step.edges.get(id(p), 0) > recorded.get(id(p), 0):
+            raise UnsupportedModuleError(
+                f"Parameter {name} is used {step.edges[id(p)]} time(s) in this step but dpzoo recorded "
+                f"{recorded.get(id(p), 0)}: it is used outside the module that owns it (e.g. `x @ "
+                "module.weight` in another module's forward, or in the loss). Its per-sample gradient "
+                "cannot be accounted for; route every use through a module, or freeze it.")
+    step.graph_checked = True
+
+
+def stray_grad_hook(rec: Recorder, name: str):
+    """A tensor hook for parameter ``name``: notes a gradient computed outside ghost differentiation."""
+    def hook(grad):
+        if not rec.by_edges and not rec.paused:
+            rec.step.stray.append(name)
+        return None
+    return hook
+
+
+def check_versions(use: Use) -> None:
+    """Refuse a use whose stored input was modified in place after the layer used it."""
+    if use.versions is None:
+        return
+    for a, v in zip(use.activations, use.versions):
+        if isinstance(a, torch.Tensor) and v is not None and a._version != v:
+            raise UnsupportedModuleError(
+                f"The input of {use.module_name} was modified in place after the layer used "
+                "it; its per-sample gradient would be wrong. Remove the in-place op "
+                "(dpzoo.make_dp_ready switches off the usual ones).")
+
+
+def check_step(step: Step, params: dict[str, nn.Parameter]) -> None:
+    """The checks due before assembling a step: a backward ran, no stray gradient, and every
+    parameter use counted (from the model's outputs, when ``loss.backward()`` was used)."""
+    if not step.backward_done:
+        raise RuntimeError("No backward pass since the last forward: call hooks.backward(loss) "
+                           "or loss.backward() first.")
+    if step.stray:
+        raise UnsupportedModuleError(
+            f"Parameter(s) {', '.join(dict.fromkeys(step.stray))} received a gradient outside dpzoo's ghost "
+            "differentiation: they are used outside the model's forward (e.g. a weight penalty or a tied "
+            "projection in the loss), so their per-sample gradient cannot be accounted for. Compute "
+            "every use inside the model (or use the optimizer's weight_decay), or freeze them.")
+    if not step.graph_checked:
+        if step.outputs:  # loss.backward() was used: check from the model's outputs
+            count_edges(step, step.outputs)
+            compare_uses(step, params)
+        elif not step.root_ran:
+            raise UnsupportedModuleError(
+                "Hooked layers ran, but not through the model itself (model.forward(...) or a submodule "
+                "was called): dpzoo cannot check every parameter use. Call model(...), or use "
+                "hooks.backward(loss).")
+        else:
+            raise UnsupportedModuleError(
+                "The model's output holds no tensor dpzoo can find (it looks inside tensors, tuples, "
+                "lists and dicts), so the parameter uses behind loss.backward() cannot be checked. "
+                "Use hooks.backward(loss), or return tensors in one of these containers.")

@@ -1,0 +1,113 @@
+"""Ghost differentiation (BK paper, Algorithm 1): back-propagate only to the hooked layers.
+
+:func:`ghost_differentiate` asks autograd for the output gradients of the hooked layers (and
+the gradients of bias-only layers, through their backward hooks), never for a weight gradient,
+so ``.grad`` is left alone. With ``ghost_backward=True``, :func:`wrap_outputs` hands the user
+model outputs cut from the model graph whose backward (:class:`GhostBackward`) runs it, so a
+plain ``loss.backward()`` is ghost differentiation. Each pass is audited
+(:mod:`dpzoo.grad_norms.audit`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+
+from ..errors import UnsupportedModuleError
+from .audit import compare_uses, count_edges
+from .capture import Recorder
+from .plan import ModelPlan
+
+__all__ = ["GhostBackward", "wrap_outputs", "ghost_differentiate"]
+
+
+class GhostBackward(torch.autograd.Function):
+    """Identity on the model's outputs whose backward differentiates only to the hooked layers.
+
+    The outputs handed to the user are cut from the model graph (their only input is a
+    fresh leaf, ``anchor``); their backward runs ``autograd.grad`` from the real outputs to
+    the hooked layers' outputs (ghost differentiation), so ``loss.backward()`` computes no
+    weight gradient and leaves ``.grad`` alone.
+    """
+
+    @staticmethod
+    def forward(ctx, rec, differentiate, real_outputs, anchor):
+        ctx.rec, ctx.differentiate, ctx.real_outputs = rec, differentiate, real_outputs
+        # Detached aliases of tensors that are not inputs of this Function: not views in
+        # autograd's sense, so the user may edit them in place (e.g. mask logits); they share
+        # the real outputs' version counters, so torch still refuses an in-place edit of an
+        # output the model's graph saved, exactly as without hooks.
+        return tuple(o.detach() for o in real_outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if ctx.real_outputs is None:  # the model's graph was freed by the first pass
+            raise UnsupportedModuleError(
+                "With ghost_backward=True the model's outputs can be back-propagated once per forward pass "
+                "(the model's graph is freed then, even with retain_graph=True): add the losses and call "
+                "backward once.")
+        outs = [(o, g) for o, g in zip(ctx.real_outputs, grads) if g is not None]
+        for o, g in outs:  # kept for the engine's first-step self-check (dpzoo.privacy.verify)
+            ctx.rec.step.cotangents[id(o)] = g.detach()
+        if outs:
+            ctx.differentiate([o for o, _ in outs], [g for _, g in outs])
+        ctx.real_outputs = None
+        return None, None, None, None
+
+
+def wrap_outputs(rec: Recorder, differentiate: Callable, output, found: list):
+    """``output`` with the tensors ``found`` in it replaced by their :class:`GhostBackward` aliases
+    (same containers; dicts and ModelOutputs edited in place)."""
+    anchor = torch.zeros((), requires_grad=True)
+    wrapped = GhostBackward.apply(rec, differentiate, tuple(found), anchor)
+    mapping = {id(t): w for t, w in zip(found, wrapped)}
+
+    def rebuild(o):
+        if isinstance(o, torch.Tensor):
+            return mapping.get(id(o), o)
+        if isinstance(o, dict):  # dicts and transformers' ModelOutput
+            for k in list(o.keys()):
+                o[k] = rebuild(o[k])
+            return o
+        if isinstance(o, tuple):
+            items = [rebuild(x) for x in o]
+            return type(o)(*items) if hasattr(o, "_fields") else tuple(items)
+        if isinstance(o, list):
+            return [rebuild(x) for x in o]
+        return o
+    return rebuild(output)
+
+
+def ghost_differentiate(rec: Recorder, plan: ModelPlan, roots: list, grads: list | None) -> None:
+    """Back-propagate ``roots`` (with ``grads``, or as losses) to the recorded layer outputs and
+    the bias-only layers, storing each use's output gradient; then audit the step's uses."""
+    # Count the uses in the graph of these roots too: with ghost_backward, hooks.backward
+    # counted only the loss's graph, and several forward passes each reach here once.
+    count_edges(rec.step, roots)
+    uses = [u for u in rec.step.uses if u.edge is not None and u.output is not None and u.output.requires_grad]
+    targets = [u.edge for u in uses]
+    n_edges = len(targets)
+    for mp in plan.modules:  # bias-only layers: their backward hooks fire on the way
+        if not mp.needs_activations:
+            targets += [getattr(mp.module, n) for n in mp.params if getattr(mp.module, n).requires_grad]
+    if not targets:
+        raise RuntimeError("No hooked layer took part in this forward pass; nothing to differentiate.")
+    outer = torch._C._current_graph_task_id()  # the user's loss.backward() (ghost_backward), or none
+    rec.n_passes += 1
+    rec.pass_id = outer if outer != -1 else ("hooks.backward", rec.n_passes)
+    rec.by_edges = True
+    try:
+        with warnings.catch_warnings():
+            # torch warns when a hooked layer's inputs need no gradient (the first layer's
+            # never do): expected here, since only output gradients are wanted
+            warnings.filterwarnings("ignore", message="Full backward hook is firing")
+            got = torch.autograd.grad(roots, targets, grads, allow_unused=True)
+    finally:
+        rec.by_edges = False
+    for use, g in zip(uses, got[:n_edges]):
+        if g is not None:
+            use.grad = g.detach() if use.grad is None else use.grad + g.detach()
+    rec.step.backward_done = True
+    compare_uses(rec.step, plan.params)

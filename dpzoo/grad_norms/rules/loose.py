@@ -1,0 +1,103 @@
+"""Declarations about tensors used outside a layer rule: loose tensors and broadcast lookups.
+
+* Loose tensors: trainable tensors a module uses directly in its forward (ViT ``cls_token``,
+  ``pos_embed``), each broadcast over the batch from a leading dimension of 1. Only owners
+  declared in :data:`LOOSE_TENSORS` (:func:`register_loose_tensors`) get them swapped for
+  per-sample copies: the swap is exact only if the code expands the tensor over the batch
+  (``cls_token.expand(B, -1, -1)``, ``x + pos_embed``), which dpzoo cannot check.
+* Broadcast lookups: Embeddings whose owner looks them up with ids of batch 1 (position ids)
+  and adds the result to a (B, ...) tensor (:data:`BROADCAST_LOOKUPS`).
+
+The timm registrations (ViT tokens, attention-pool latent) live here too.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from torch import nn
+
+from ...errors import UnsupportedModuleError
+
+__all__ = ["LOOSE_TENSORS", "LOOSE_CHECKS", "register_loose_tensors", "loose_names",
+           "BROADCAST_LOOKUPS", "register_broadcast_lookup", "is_broadcast_lookup"]
+
+
+LOOSE_TENSORS: dict[type, tuple[str, ...]] = {}
+
+LOOSE_CHECKS: dict[type, Callable[[nn.Module], "str | None"]] = {}
+
+
+def register_loose_tensors(module_type: type, names: Iterable[str],
+                           check: Callable[[nn.Module], "str | None"] | None = None) -> None:
+    """Declare that ``module_type`` uses its tensors ``names`` (shape (1, ...), dim ≥ 2) only
+    broadcast over the batch, so dpzoo may give each sample its own copy during forward.
+    ``check(module)`` returns why a particular instance does not (it is then refused), or None."""
+    LOOSE_TENSORS[module_type] = tuple(names)
+    if check is not None:
+        LOOSE_CHECKS[module_type] = check
+
+
+def loose_names(module: nn.Module) -> tuple[str, ...]:
+    """The loose tensors declared for the module's nearest registered class (raises if its check
+    refuses this instance); () if none is declared."""
+    for cls in type(module).__mro__:
+        if cls in LOOSE_TENSORS:
+            check = LOOSE_CHECKS.get(cls)
+            why = check(module) if check is not None else None
+            if why:
+                raise UnsupportedModuleError(f"{type(module).__name__}: {why}.")
+            return LOOSE_TENSORS[cls]
+    return ()
+
+
+def _timm_vit_check(module: nn.Module) -> str | None:
+    if getattr(module, "dynamic_img_size", False):
+        return ("dynamic_img_size=True resamples pos_embed as a (1, ...) tensor, which per-sample copies "
+                "cannot follow; build the ViT with dynamic_img_size=False (a fixed image size)")
+    return None
+
+
+try:  # timm's Vision Transformers: cls_token, pos_embed, reg_token, broadcast in _pos_embed
+    from timm.models.vision_transformer import VisionTransformer as _TimmViT
+    register_loose_tensors(_TimmViT, ("cls_token", "pos_embed", "reg_token"), check=_timm_vit_check)
+except ImportError:  # pragma: no cover
+    pass
+
+try:  # timm's attention pooling (global_pool="map"): latent.expand(B, -1, -1)
+    from timm.layers.attention_pool import AttentionPoolLatent as _TimmAttnPool
+    register_loose_tensors(_TimmAttnPool, ("latent",))
+except ImportError:  # pragma: no cover
+    pass
+
+
+# Embeddings whose owner looks them up with ids of batch 1 (position ids) and adds the result
+# to a (B, ...) tensor, i.e. broadcasts it over the batch: dpzoo gives every sample its own
+# lookup (exact). Declared per owner: elsewhere a (1, ...) lookup may mean anything (T5's
+# (Q, K) relative-position ids with Q = 1, `emb(ids[None])[0]`) and is refused by the batch
+# check instead. Keys: (module path, class name) so transformers is never imported for it.
+BROADCAST_LOOKUPS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("transformers.models.gpt2.modeling_gpt2", "GPT2Model"): ("wpe",),
+    ("transformers.models.bert.modeling_bert", "BertEmbeddings"): ("position_embeddings",),
+    ("transformers.models.roberta.modeling_roberta", "RobertaEmbeddings"): ("position_embeddings",),
+    ("transformers.models.distilbert.modeling_distilbert", "Embeddings"): ("position_embeddings",),
+    ("transformers.models.albert.modeling_albert", "AlbertEmbeddings"): ("position_embeddings",),
+    ("transformers.models.clip.modeling_clip", "CLIPTextEmbeddings"): ("position_embedding",),
+    ("transformers.models.gpt_neo.modeling_gpt_neo", "GPTNeoModel"): ("wpe",),
+}
+
+
+def register_broadcast_lookup(owner_type: type, names: Iterable[str]) -> None:
+    """Declare that ``owner_type`` looks its Embeddings ``names`` up with batch-1 ids and only
+    broadcasts the result over the batch (so each sample may get its own lookup)."""
+    BROADCAST_LOOKUPS[(owner_type.__module__, owner_type.__qualname__)] = tuple(names)
+
+
+def is_broadcast_lookup(owner: nn.Module | None, attr: str) -> bool:
+    """Whether ``owner`` declares its submodule ``attr`` a broadcast lookup."""
+    if owner is None:
+        return False
+    for cls in type(owner).__mro__:
+        if attr in BROADCAST_LOOKUPS.get((cls.__module__, cls.__qualname__), ()):
+            return True
+    return False
