@@ -187,7 +187,23 @@ def _cmd_audit(args) -> int:
     return 1 if results[0].exceeds else 0
 
 
+def _registries():
+    """Choices of ``--accountant``, ``--mode`` and ``--data``, read from the registries when the
+    parser is built (so what a user registered before calling :func:`main` is offered)."""
+    from .privacy.accountant import ACCOUNTANTS, accountant_spec
+    from .privacy.modes import TRAINING_MODES
+    from .seqrec.downloads import DATASETS
+    # the engine refuses accountants that are not upper bounds (e.g. "gdp"): not offered
+    usable = [name for name in ACCOUNTANTS if accountant_spec(name).upper_bound]
+    modes = "; ".join(f"{m.name}: {m.description}" for m in TRAINING_MODES.values())
+    data = ", ".join(f"{d.name} ({d.description})" if d.description else d.name for d in DATASETS.values())
+    max_len = ", ".join(f"{d.name}: {d.max_len}" for d in DATASETS.values() if d.max_len != 50)  # the specs' defaults
+    return usable, list(TRAINING_MODES), modes, data, max_len
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from .privacy.modes import DEFAULT_CLI_MODE
+    accountants, mode_names, modes_help, data_help, max_len_help = _registries()
     p = argparse.ArgumentParser(prog="dpzoo", description="A zoo of differentially-private-ready models.")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("list", help="list zoo entries")
@@ -212,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("name")
     s.add_argument("--data", default="digits",
                    help="image models: digits (bundled with scikit-learn); sequence models: synthetic (default), "
-                        "ml-1m, ml-100k, amazon-games (2014 release), amazon-games-2018 or a file path")
+                        f"{data_help} or a file path (dpzoo.seqrec.register_dataset adds names)")
     s.add_argument("--amazon-columns", default=None,
                    choices=["user,item,rating,timestamp", "item,user,rating,timestamp"],
                    help="column order of an Amazon CSV given as a path (2014 release: user first; "
@@ -220,16 +236,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--epsilon", type=float, default=8.0)
     s.add_argument("--delta", type=float, default=None,
                    help="delta (default: 1e-5 for images, N^-1.1 for N users of sequence data)")
-    s.add_argument("--max-len", type=int, default=None, help="sequence models: input length (ml-1m: 200, else 50)")
+    s.add_argument("--max-len", type=int, default=None,
+                   help=f"sequence models: input length ({max_len_help + ', ' if max_len_help else ''}else 50)")
     s.add_argument("--eval-every", type=int, default=5, help="sequence models: evaluate every k epochs")
     s.add_argument("--max-physical-batch-size", type=int, default=None)
     s.add_argument("--epochs", type=int, default=10)
     s.add_argument("--batch-size", type=int, default=64)
     s.add_argument("--lr", type=float, default=2e-3)
-    s.add_argument("--mode", default="bk-mixopt", choices=["auto", "bk", "bk-mixopt", "instantiate", "bitfit"])
+    s.add_argument("--mode", default=DEFAULT_CLI_MODE, choices=mode_names, help=modes_help)
     s.add_argument("--clipping", default="automatic", choices=["automatic", "abadi"])
     s.add_argument("--max-grad-norm", type=float, default=1.0)
-    s.add_argument("--accountant", default="rdp", choices=["rdp", "pld", "prv", "opacus-rdp"])
+    s.add_argument("--accountant", default="rdp", choices=accountants,
+                   help="a registered accountant whose ε is an upper bound (dpzoo.register_accountant adds one)")
     s.add_argument("--full-size", action="store_true", help="the entry's full size instead of its small configuration")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="a model override (JSON value)")
     s.add_argument("--seed", type=int, default=0)
@@ -252,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--lr", type=float, default=2.0)
     s.add_argument("--max-grad-norm", type=float, default=1.0)
     s.add_argument("--confidence", type=float, default=0.95)
-    s.add_argument("--accountant", default="rdp", choices=["rdp", "pld", "prv", "opacus-rdp"])
+    s.add_argument("--accountant", default="rdp", choices=accountants,
+                   help="a registered accountant whose ε is an upper bound (dpzoo.register_accountant adds one)")
     s.add_argument("--seed", type=int, default=0,
                    help="fixes the canaries, their inclusion and the initialisation (the engine's noise stays secret)")
     s.add_argument("--out", help="directory for audit.json (and score histograms with matplotlib)")

@@ -138,7 +138,7 @@ def test_named_amazon_datasets_download_their_release(tmp_path, monkeypatch):
     monkeypatch.setattr(D, "network_reachable", lambda url, timeout=3.0: True)
     monkeypatch.setattr(D, "_search_roots", lambda c: [Path(c)])
     ds = load_dataset("amazon-games", cache_dir=tmp_path)
-    assert calls == [D.DATASETS["amazon-games"]["url"]] and "ratings_Video_Games.csv" in calls[0]
+    assert calls == [D.DATASETS["amazon-games"].url] and "ratings_Video_Games.csv" in calls[0]
     assert ds.num_users == 6 and sorted(ds.user_ids) == sorted({u for u, _, _ in rows})
     # the 2018 file is checked against its published sha256: this stand-in body is refused
     with pytest.raises(DPZooError, match="sha256"):
@@ -330,8 +330,10 @@ def test_load_dataset_downloads_and_unzips(tmp_path, monkeypatch):
         load_dataset("ml-100k", cache_dir=tmp_path)
     assert list(tmp_path.iterdir()) == []
     calls.clear()
+    import dataclasses
     import hashlib
-    monkeypatch.setitem(D.DATASETS["ml-100k"], "md5", hashlib.md5(buf.getvalue()).hexdigest())
+    monkeypatch.setitem(D.DATASETS, "ml-100k", dataclasses.replace(D.DATASETS["ml-100k"],
+                                                                  md5=hashlib.md5(buf.getvalue()).hexdigest()))
     ds = load_dataset("ml-100k", cache_dir=tmp_path)
     assert calls == ["https://files.grouplens.org/datasets/movielens/ml-100k.zip"]
     assert (tmp_path / "ml-100k" / "u.data").read_text() == rows

@@ -1,4 +1,4 @@
-"""Sequential recommendation with user-level DP: DPFormer and its baselines (issue 5).
+"""Sequential recommendation with user-level DP: DPFormer and its baselines.
 
 One job per module:
 
@@ -11,7 +11,8 @@ One job per module:
   ``gru-seqrec``, ``lstm-seqrec``), registered when :mod:`dpzoo.models` is imported.
 * :mod:`~dpzoo.seqrec.formats`: rating-file formats (parsing and sniffing).
 * :mod:`~dpzoo.seqrec.dataset`: :class:`SequenceDataset` and SASRec's preprocessing.
-* :mod:`~dpzoo.seqrec.downloads`: named datasets, their lookup and download; :func:`load_dataset`.
+* :mod:`~dpzoo.seqrec.downloads`: named datasets (:class:`DatasetSpec`, :func:`register_dataset`),
+  their lookup and download; :func:`load_dataset`.
 * :mod:`~dpzoo.seqrec.synthetic`: a long-tailed synthetic generator.
 * :mod:`~dpzoo.seqrec.metrics`: NDCG@k / HIT@k over the full item set.
 * :mod:`~dpzoo.seqrec.train`: private training and evaluation (``dpzoo train``).
@@ -19,11 +20,12 @@ One job per module:
 
 from .configuration import SeqRecConfig
 from .dataset import SequenceDataset, dataset_from_file, sasrec_preprocess
-from .downloads import DATASETS, load_dataset
+from .downloads import DATASETS, DatasetSpec, load_dataset, register_dataset
 from .formats import DataFormatError
 from .modeling import SeqRecRNN, SeqRecTransformer
 from .reattention import ReAttention, ReAttentionBlock
 
 __all__ = ["SeqRecConfig", "SeqRecTransformer", "SeqRecRNN", "ReAttention", "ReAttentionBlock",
            "SequenceDataset", "sasrec_preprocess", "dataset_from_file", "load_dataset", "DATASETS",
+           "DatasetSpec", "register_dataset",
            "DataFormatError"]
