@@ -9,13 +9,14 @@
    attention-score corrections C·σ_i²/2 that Re-Attention subtracts, and what they change in
    the final ranking (the same weights scored with Re-Attention on and off).
 
-    python benchmarks/dpformer_diagnostics.py --data ml-1m --out benchmarks/results/dpformer_ml1m/diagnostics.json
+    python benchmarks/dpformer_diagnostics.py --data ml-1m --data-dir ../shared/data --out benchmarks/results/dpformer_ml1m/diagnostics.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -92,6 +93,9 @@ def correction_sizes(model, ds, max_len: int, users: int = 512) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="synthetic")
+    p.add_argument("--data-dir", default=None,
+                   help="folder holding the datasets (e.g. ml-1m/ml-1m.txt), exported as $DPZOO_DATA; "
+                        "default $DPZOO_DATA, else dpzoo's cache")
     p.add_argument("--epsilon", type=float, default=5.0)
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=1024)
@@ -103,6 +107,8 @@ def main(argv=None) -> None:
                    help="a dpformer saved by `dpzoo train dpformer --out DIR` (DIR/model): measure it instead of training one")
     p.add_argument("--out", default=None, help="write the measurements here as JSON")
     args = p.parse_args(argv)
+    if args.data_dir is not None:
+        os.environ["DPZOO_DATA"] = str(Path(args.data_dir).resolve())
 
     ds = get_dataset(args.data)
     # history exclusion depends on the length kept, so the baseline is given at both lengths

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import time
 from pathlib import Path
@@ -26,6 +27,17 @@ MODELS = ["dpformer", "transformer-seqrec", "transformer-seqrec-untied", "gru-se
 PAPER_EPS5 = {  # DPFormer paper Table 1, MovieLens-1M, ε = 5: (NDCG@10 %, HIT@10 %)
     "dpformer": (5.88, 11.13), "transformer-seqrec": (4.57, 8.69), "transformer-seqrec-untied": (2.33, 4.47),
     "lstm-seqrec": (2.65, 5.08), "gru-seqrec": (2.26, 4.58)}
+
+
+def use_data_dir(data_dir: str | None) -> None:
+    """Point dpzoo's dataset lookup at ``data_dir`` (exported as ``$DPZOO_DATA``, which worker
+    processes inherit). Default: ``$DPZOO_DATA`` if set, else ``../shared/data`` beside the repository
+    when it exists; otherwise dpzoo's own cache directory."""
+    if data_dir is None and not os.environ.get("DPZOO_DATA"):
+        shared = Path(__file__).resolve().parents[2] / "shared" / "data"
+        data_dir = str(shared) if shared.is_dir() else None
+    if data_dir is not None:
+        os.environ["DPZOO_DATA"] = str(Path(data_dir).resolve())
 
 
 def run_one(args, model, eps, lr, bs, seed, runs: Path) -> dict:
@@ -68,6 +80,9 @@ def run_many(args, jobs: list[tuple], runs: Path) -> list[dict]:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="ml-1m")
+    p.add_argument("--data-dir", default=None,
+                   help="folder holding the datasets (e.g. ml-1m/ml-1m.txt); default $DPZOO_DATA, else "
+                        "../shared/data beside the repository if present, else dpzoo's cache")
     p.add_argument("--models", nargs="+", default=MODELS)
     p.add_argument("--epsilons", nargs="+", type=float, default=[5.0, 8.0, 10.0])
     p.add_argument("--lrs", nargs="+", type=float, default=[3e-3, 9e-3])
@@ -86,6 +101,8 @@ def main(argv=None) -> None:
     p.add_argument("--summary-only", action="store_true",
                    help="train nothing; summarise the runs already under OUT/runs (missing ones are listed)")
     args = p.parse_args(argv)
+    if args.data != "synthetic" and not args.summary_only:
+        use_data_dir(args.data_dir)
     out = Path(args.out)
     runs = out / "runs"
     runs.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 from .errors import (AccountingError, CheckpointError, DPZooError, NoGradientWarning, OverrideError, PatchError, PrivacyUsageError,
                      ReproducibleNoiseWarning, SaveError, SelfCheckError, UnknownModelError, UnsupportedModuleError)
 from .grad_norms import NormHooks, attach_norm_hooks, register_rule
-from .privacy import PrivacyEngine
+from .privacy import PrivacyEngine, register_accountant
 from .privacy.verify import verify
 from .hub import create_model, load, privacy_metadata, read_config, save
 from .registry import ModelCard, is_model, list_models, model_card, register_model
@@ -24,7 +24,7 @@ __all__ = [
     "list_models", "register_model", "model_card", "is_model", "ModelCard",
     "summary", "ModelSummary",
     "make_dp_ready", "check_dp_ready", "find_tied_parameters", "find_inplace_ops",
-    "PrivacyEngine", "verify", "attach_norm_hooks", "NormHooks", "register_rule", "frost", "audit",
+    "PrivacyEngine", "register_accountant", "verify", "attach_norm_hooks", "NormHooks", "register_rule", "frost", "audit",
     "DPZooError", "UnknownModelError", "UnsupportedModuleError", "OverrideError", "CheckpointError", "PatchError", "SaveError",
     "PrivacyUsageError", "AccountingError", "SelfCheckError", "NoGradientWarning", "ReproducibleNoiseWarning",
 ]

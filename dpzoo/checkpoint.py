@@ -11,9 +11,12 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 from torch import nn
 
 from .errors import CheckpointError
+from .surgery.tied import find_tied_parameters
 
 __all__ = ["read_state_dict", "load_state_dict_checked", "sha256_file", "StateDictMismatch"]
 
@@ -29,8 +32,6 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
     try:
         return load_file(str(path), device="cpu")
     except (SafetensorError, OSError, ValueError) as e:
@@ -143,8 +144,6 @@ def load_state_dict_checked(model: nn.Module, state_dict: Mapping[str, torch.Ten
     ``allow_missing`` / ``ignore_unexpected`` are fnmatch patterns of keys that may be
     missing (freshly initialised, e.g. a new classifier) or extra in the checkpoint.
     """
-    from .surgery.tied import find_tied_parameters
-
     allow_missing, ignore_unexpected = tuple(allow_missing), tuple(ignore_unexpected)
     sd = {k: v for k, v in state_dict.items()
           if not any(fnmatch.fnmatch(k, p) for p in ignore_unexpected)}

@@ -83,3 +83,18 @@ class PrivacyUsageError(DPZooError, ValueError):
 class ReproducibleNoiseWarning(UserWarning):
     """Noise or Poisson sampling was seeded by the user: anyone holding the seed can subtract the
     noise, so the guarantee holds only against those who do not."""
+
+
+class InvalidArgumentError(DPZooError, ValueError):
+    """An argument dpzoo cannot use: out of range, not one of the accepted choices, a tensor of
+    the wrong shape, or a name already taken in a registry.
+
+    A ``ValueError`` too, so code that caught the plain ``ValueError`` of older dpzoo still works.
+    """
+
+
+class MissingDependencyError(DPZooError, ImportError):
+    """An optional package a feature needs is not installed; the message names the pip command.
+
+    An ``ImportError`` too, so code that caught the plain ``ImportError`` still works.
+    """

@@ -16,7 +16,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
+import safetensors.torch
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from . import __version__
@@ -35,6 +37,10 @@ PRIVACY_FIELDS = {"epsilon": float, "delta": float, "accountant": str, "steps": 
                   "noise_multiplier": float, "max_grad_norm": float, "privacy_unit": str,
                   "noise": str, "sampling": str, "self_check": str}
 _REQUIRED_PRIVACY = ("epsilon", "delta", "accountant", "steps", "sample_rate")
+# JSON has no infinity: an infinite ε (σ = 0, no guarantee) is written as this string and read
+# back as float("inf") by read_config / privacy_metadata. The safetensors header stores str(ε),
+# which is "inf" too.
+_INFINITE = "inf"
 
 
 def _jsonable(value: Any) -> Any:
@@ -118,10 +124,15 @@ def _check_privacy(privacy: Mapping[str, Any] | None) -> dict[str, Any] | None:
     out = {}
     for key, value in privacy.items():
         kind = PRIVACY_FIELDS[key]
+        if key == "epsilon" and value == _INFINITE:
+            value = math.inf
         if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
             value = float(value)
-            if not math.isfinite(value) or value < 0:
-                raise SaveError(f"privacy {key} must be finite and >= 0, got {value}")
+            if key == "epsilon" and value == math.inf:
+                pass  # σ = 0: no guarantee, recorded as such (never as a large finite number)
+            elif not math.isfinite(value) or value < 0:
+                raise SaveError(f"privacy {key} must be finite and >= 0, got {value}"
+                                + ("; ε may also be float('inf') (no guarantee)." if key == "epsilon" else "."))
         elif not isinstance(value, kind) or isinstance(value, bool):
             raise SaveError(f"privacy {key} must be {kind.__name__}, got {value!r}")
         out[key] = value
@@ -129,6 +140,18 @@ def _check_privacy(privacy: Mapping[str, Any] | None) -> dict[str, Any] | None:
         raise SaveError("privacy needs 0 < delta < 1, 0 < sample_rate <= 1 and steps >= 0, "
                         f"got delta={out['delta']}, sample_rate={out['sample_rate']}, steps={out['steps']}")
     return out
+
+
+def _privacy_to_json(privacy: dict[str, Any] | None) -> dict[str, Any] | None:
+    if privacy is None or privacy["epsilon"] != math.inf:
+        return privacy
+    return {**privacy, "epsilon": _INFINITE}
+
+
+def _privacy_from_json(privacy: Any) -> Any:
+    if isinstance(privacy, dict) and privacy.get("epsilon") == _INFINITE:
+        return {**privacy, "epsilon": math.inf}
+    return privacy
 
 
 def _model_dtype(model: nn.Module) -> str | None:
@@ -145,8 +168,6 @@ def save(model: nn.Module, directory: str | os.PathLike, *, privacy: Mapping[str
     into the safetensors header. A model trained by dpzoo's engine fills it in itself.
     Nothing is left half-written: files are written to a temporary directory first.
     """
-    from safetensors.torch import save_model
-
     config = getattr(model, "dpzoo_config", None)
     if not isinstance(config, dict) or "model_name" not in config:
         raise SaveError("dpzoo.save needs a model built by dpzoo.load (it records how to rebuild "
@@ -177,7 +198,7 @@ def save(model: nn.Module, directory: str | os.PathLike, *, privacy: Mapping[str
         **config,
         "dtype": _model_dtype(model),
         "patches": report.to_dict() if report is not None else None,
-        "privacy": privacy,
+        "privacy": _privacy_to_json(privacy),
     }
     st_meta = {"format": "pt", "dpzoo.model_name": config["model_name"]}
     if privacy:
@@ -185,8 +206,8 @@ def save(model: nn.Module, directory: str | os.PathLike, *, privacy: Mapping[str
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:
-        save_model(model, str(tmp / WEIGHTS_NAME), metadata=st_meta)
-        (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        safetensors.torch.save_model(model, str(tmp / WEIGHTS_NAME), metadata=st_meta)
+        (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True, allow_nan=False) + "\n")
         if directory.exists():
             old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
             os.replace(directory, old)
@@ -218,17 +239,19 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
         raise SaveError(f"{cfg_path} lacks model_name; it is not a dpzoo config.")
     if cfg.get("format_version", 0) > FORMAT_VERSION:
         raise SaveError(f"{directory} was written by a newer dpzoo (format {cfg['format_version']}); upgrade dpzoo.")
+    if "privacy" in cfg:
+        cfg["privacy"] = _privacy_from_json(cfg["privacy"])
     return cfg
 
 
 def privacy_metadata(directory: str | os.PathLike) -> dict[str, Any] | None:
-    """The privacy metadata saved with a model, or None for a model saved without it."""
+    """The privacy metadata saved with a model, or None for a model saved without it.
+
+    An ε recorded as infinite (noise multiplier 0: no guarantee) is returned as ``float("inf")``."""
     return read_config(directory).get("privacy")
 
 
 def _load_saved(directory: Path) -> nn.Module:
-    from safetensors import SafetensorError, safe_open
-
     cfg = read_config(directory)
     weights_path = directory / WEIGHTS_NAME
     if not weights_path.exists():

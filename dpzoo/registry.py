@@ -13,7 +13,7 @@ import inspect
 from dataclasses import dataclass, field, asdict
 from typing import Any, Callable, Iterable
 
-from .errors import UnknownModelError
+from .errors import InvalidArgumentError, UnknownModelError
 
 __all__ = [
     "ModelCard",
@@ -111,7 +111,8 @@ def register_model(name: str | Callable | None = None, *, card: ModelCard | None
     def decorate(fn: Callable, entry_name: str | None) -> Callable:
         entry_name = entry_name or fn.__name__.replace("_", "-")
         if entry_name in _REGISTRY and _REGISTRY[entry_name].builder is not fn:
-            raise ValueError(f"A zoo entry named {entry_name!r} is already registered.")
+            raise InvalidArgumentError(f"A zoo entry named {entry_name!r} is already registered; "
+                                       "register yours under another name (name=...).")
         entry_card = card or ModelCard(
             name=entry_name,
             summary=(inspect.getdoc(fn) or "User-registered model.").splitlines()[0],
@@ -120,7 +121,8 @@ def register_model(name: str | Callable | None = None, *, card: ModelCard | None
             task="unspecified",
         )
         if entry_card.name != entry_name:
-            raise ValueError(f"Card name {entry_card.name!r} != entry name {entry_name!r}.")
+            raise InvalidArgumentError(f"The card is named {entry_card.name!r} but the entry {entry_name!r}; "
+                                       "give the ModelCard the entry's name.")
         _REGISTRY[entry_name] = ModelEntry(entry_name, fn, entry_card)
         return fn
 

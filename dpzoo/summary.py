@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from .surgery.bias import BIAS_LAYER_TYPES
 from .surgery.tied import TiedGroup, find_tied_parameters
 
 __all__ = ["summary", "ModelSummary", "NORM_TYPES"]
@@ -63,6 +64,5 @@ def summary(model: nn.Module) -> ModelSummary:
             trainable += n
             tbias += n if is_bias else 0
     norms = Counter(type(m).__name__ for m in model.modules() if _is_norm(m))
-    from .surgery.bias import BIAS_LAYER_TYPES
     no_bias = sum(1 for m in model.modules() if isinstance(m, BIAS_LAYER_TYPES) and m.bias is None)
     return ModelSummary(total, trainable, bias, tbias, dict(norms), find_tied_parameters(model), no_bias)

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
+from .datasets import digits_dataset
 from .errors import DPZooError
-from .hub import save
+from .hub import load, save
 from .privacy import PrivacyEngine
 from .registry import model_card
 
@@ -39,21 +40,19 @@ def train_image_classifier(name: str, *, data: str = "digits", epsilon: float = 
                            small: bool = True, out: str | Path | None = None, seed: int = 0,
                            accountant: str = "rdp", overrides: dict | None = None, log=print) -> dict:
     """Train ``name`` with DP on ``data``; returns the metrics (also written to ``out``)."""
-    import dpzoo
     card = model_card(name)
     if card.task != "image-classification":
         raise DPZooError(f"dpzoo train {name}: only image classifiers train on built-in data for now "
                          f"({name} is {card.task}).")
     if data != "digits":
         raise DPZooError(f"Unknown dataset {data!r}: the built-in one is 'digits'.")
-    from .datasets import digits_dataset
     torch.manual_seed(seed)
     train, test = digits_dataset(size=image_size)
     kwargs = dict(card.test_overrides) if small else {}
     kwargs.update(num_classes=10, **(overrides or {}))
     if "img_size" in card.overrides:
         kwargs["img_size"] = image_size
-    model = dpzoo.load(name, **kwargs).train()
+    model = load(name, **kwargs).train()
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     engine = PrivacyEngine(accountant=accountant)
     model, opt, loader = engine.make_private(module=model, optimizer=opt,

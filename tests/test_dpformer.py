@@ -9,6 +9,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpzoo
+from dpzoo.errors import InvalidArgumentError
 from dpzoo.seqrec import reattention as ep
 from seqrec_reference import reattention as reference_reattention
 from test_grad_norms_zoo import _check, _model_and_inputs
@@ -54,7 +55,7 @@ def test_frequencies_hand_computed():
     assert f[7] == 0.5  # never seen: clamped to 1/N
     # positions 0-1 hold padding in both rows, 2-5 in one: 0-1 clamped to 1/N = 0.5
     assert m.reattention.pos_freq.tolist() == [.5, .5, .5, .5, .5, .5, 1., 1.]
-    with pytest.raises(ValueError, match="max_len"):
+    with pytest.raises(InvalidArgumentError, match="max_len"):
         m.set_token_frequencies(torch.ones(2, 9, dtype=torch.long))
 
 

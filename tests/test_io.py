@@ -67,9 +67,48 @@ def test_privacy_metadata_in_json_and_safetensors(tmp_path, small_model):
     assert dpzoo.privacy_metadata(tmp_path / "q") is None
 
 
+def test_infinite_epsilon_round_trips_as_infinity_in_strict_json(tmp_path, small_model):
+    from safetensors import safe_open
+    model, _ = small_model("resnet18-gn-bias")
+    inf = {**PRIVACY, "epsilon": float("inf")}
+    dpzoo.save(model, tmp_path / "p", privacy=inf)
+    text = (tmp_path / "p" / "dpzoo_config.json").read_text()
+    assert "1e+308" not in text and "Infinity" not in text  # strict JSON, no huge finite stand-in
+    assert json.loads(text)["privacy"]["epsilon"] == "inf"
+    assert dpzoo.privacy_metadata(tmp_path / "p") == inf
+    with safe_open(str(tmp_path / "p" / "model.safetensors"), "pt") as f:
+        assert float(f.metadata()["dpzoo.privacy.epsilon"]) == float("inf")
+    restored = dpzoo.load(tmp_path / "p")
+    assert restored.dpzoo_privacy["epsilon"] == float("inf")
+    dpzoo.save(restored, tmp_path / "again")  # the loaded metadata saves again unchanged
+    assert dpzoo.privacy_metadata(tmp_path / "again") == inf
+
+
+def test_engine_with_no_noise_records_infinite_epsilon(tmp_path):
+    from torch.utils.data import DataLoader, TensorDataset
+    torch.manual_seed(0)
+    model = dpzoo.load("resnet18-gn-bias", num_classes=3, layers=[1, 1, 1, 1], width=4)
+    ds = TensorDataset(torch.randn(8, 3, 16, 16), torch.randint(0, 3, (8,)))
+    engine = dpzoo.PrivacyEngine()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=4),
+                                             noise_multiplier=0.0, max_grad_norm=1.0, target_delta=1e-5)
+    for x, y in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        break
+    meta = engine.privacy_metadata()
+    assert meta["epsilon"] == float("inf")
+    dpzoo.save(model, tmp_path / "m")
+    assert dpzoo.privacy_metadata(tmp_path / "m")["epsilon"] == float("inf")
+
+
 @pytest.mark.parametrize("bad, match", [
     ({"epsilon": 1.0}, "lacks"),
     ({**PRIVACY, "epsilon": -1.0}, ">= 0"),
+    ({**PRIVACY, "epsilon": float("nan")}, "finite"),
+    ({**PRIVACY, "delta": float("inf")}, "finite"),
     ({**PRIVACY, "delta": 2.0}, "delta"),
     ({**PRIVACY, "steps": 1.5}, "steps must be int"),
     ({**PRIVACY, "colour": "red"}, "Unknown privacy field"),

@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch import nn
 
+from dpzoo.errors import InvalidArgumentError
 from dpzoo.grad_norms import attach_norm_hooks
 from dpzoo.nn import DPGRU, DPLSTM
 from grad_reference import assert_close, reference
@@ -24,7 +25,7 @@ def test_same_outputs_and_gradients_as_torch(kind):
 
 
 def test_from_torch_rejects_what_it_cannot_copy():
-    with pytest.raises(ValueError, match="one layer"):
+    with pytest.raises(InvalidArgumentError, match="one layer"):
         DPGRU.from_torch(nn.GRU(4, 6, num_layers=2, batch_first=True))
 
 

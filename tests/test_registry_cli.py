@@ -10,6 +10,7 @@ from torch import nn
 
 import dpzoo
 from dpzoo.cli import main
+from dpzoo.errors import InvalidArgumentError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,7 +62,7 @@ def test_register_user_model(tmp_path):
         dpzoo.save(m, tmp_path / "t")
         r = dpzoo.load(tmp_path / "t")
         assert r.conv.weight.shape[0] == 6 and torch.equal(r.conv.weight, m.conv.weight)
-        with pytest.raises(ValueError, match="already registered"):
+        with pytest.raises(InvalidArgumentError, match="already registered"):
             dpzoo.register_model("test-tiny-cnn")(lambda **kw: None)
     finally:
         from dpzoo import registry

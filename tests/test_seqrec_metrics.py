@@ -6,6 +6,7 @@ from collections import Counter
 import pytest
 import torch
 
+from dpzoo.errors import InvalidArgumentError
 from dpzoo.seqrec.metrics import ndcg_hit_at_k, target_ranks
 from dpzoo.seqrec.synthetic import zipf_interactions
 
@@ -47,9 +48,9 @@ def test_rank_beyond_k_gives_zero():
 
 
 def test_bad_inputs_are_rejected():
-    with pytest.raises(ValueError, match="1..V"):
+    with pytest.raises(InvalidArgumentError, match="1..V"):
         target_ranks(torch.zeros(1, 5), torch.tensor([0]))
-    with pytest.raises(ValueError, match="N, V\\+1"):
+    with pytest.raises(InvalidArgumentError, match="N, V\\+1"):
         target_ranks(torch.zeros(5), torch.tensor([1]))
 
 

@@ -10,13 +10,16 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
+from ..errors import MissingDependencyError
+
 
 def digits_dataset(size: int = 32, test_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
     """(train, test) TensorDatasets of (3×size×size float images, label), normalised."""
     try:
         from sklearn.datasets import load_digits
     except ImportError:
-        raise ImportError("the digits dataset ships with scikit-learn: pip install scikit-learn") from None
+        raise MissingDependencyError("The digits dataset ships with scikit-learn, which is not installed: "
+                                     "pip install scikit-learn.") from None
     data = load_digits()
     x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0  # (N, 1, 8, 8) in [0, 1]
     x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False).repeat(1, 3, 1, 1)

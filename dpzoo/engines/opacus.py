@@ -24,14 +24,14 @@ from typing import Any
 
 from torch import nn
 
-from ..errors import UnsupportedModuleError
+from ..errors import MissingDependencyError, UnsupportedModuleError
 from ..grad_norms import reps as R
+from ..grad_norms import rules  # noqa: F401  (registers the built-in rules in RULES)
 from ..grad_norms.registry import RULES, find_rule
 from ..surgery.tied import find_tied_parameters
 
 __all__ = ["register_opacus_rules", "make_private", "check_opacus_compatible"]
 
-_REGISTERED = False
 _REPLACE = (nn.Embedding,)  # Opacus' samplers for these are wrong with padding_idx / strided ids
 
 
@@ -43,7 +43,8 @@ def _opacus():
             GradSampleModuleFastGradientClipping,
         )
     except ImportError as e:  # pragma: no cover - exercised without the extra
-        raise ImportError("Opacus is not installed: pip install 'dpzoo[opacus]'") from e
+        raise MissingDependencyError("The Opacus engine needs Opacus, which is not installed: "
+                                     "pip install 'dpzoo[opacus]'.") from e
     return GradSampleModule, GradSampleModuleFastGradientClipping
 
 
@@ -70,9 +71,7 @@ def register_opacus_rules() -> list[type]:
 
     Returns the module types registered by this call.
     """
-    global _REGISTERED
     gsm, fgc = _opacus()
-    from ..grad_norms import rules  # noqa: F401  (load the built-in rules)
     added = []
     for module_type in RULES:
         if module_type in _REPLACE or module_type not in gsm.GRAD_SAMPLERS:
@@ -80,7 +79,6 @@ def register_opacus_rules() -> list[type]:
             added.append(module_type)
         if module_type in _REPLACE or module_type not in fgc.NORM_SAMPLERS:
             fgc.NORM_SAMPLERS[module_type] = dpzoo_norm_sampler
-    _REGISTERED = True
     return added
 
 

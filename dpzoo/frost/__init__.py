@@ -1,5 +1,6 @@
 """DP-FROST: differentially private selection of the parameter partitions to fine-tune
-(paper 003 in ../shared/papers: §4, App. C). ``dpzoo.frost.select(...)``."""
+("DP-FROST: differentially private fine-tuning of pre-trained models with freezing parameters",
+§4 and App. C). ``dpzoo.frost.select(...)``."""
 
 from .estimation import pgm_est, pgm_variance
 from .magnitudes import METHODS, clipped_partition_sums, pgms, sensitivity

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InvalidArgumentError
+
 __all__ = ["pgm_est", "pgm_variance"]
 
 
@@ -33,7 +35,8 @@ def pgm_est(observed: torch.Tensor, mask: torch.Tensor, first_rate: float, noise
     m = mask.bool()
     t_count, _ = v.shape
     if not bool(m[0].all()):
-        raise ValueError("every partition is observed in the first iteration")
+        raise InvalidArgumentError("pgm_est needs every partition observed in the first iteration: "
+                                   "set mask[0] to all True (observe all partitions at t = 1).")
     v = torch.where(m, v, torch.zeros_like(v))
     w = torch.ones(t_count, dtype=torch.float64) if noise_std is None else noise_std.double().pow(-2)
     if not torch.isfinite(w).all():  # zero noise: equal weights give the same (exact) fit

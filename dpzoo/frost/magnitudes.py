@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import InvalidArgumentError
 from ..grad_norms.reps import RowSparse
 from .partitions import Partition
 
@@ -32,9 +33,9 @@ METHODS = ("mg", "mgn", "mgna")
 
 def _check(method: str, alpha: int) -> None:
     if method not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
+        raise InvalidArgumentError(f"method={method!r} is unknown; pass one of {', '.join(METHODS)}.")
     if alpha not in (1, 2):
-        raise ValueError(f"alpha (the norm order) must be 1 or 2, got {alpha!r}")
+        raise InvalidArgumentError(f"alpha={alpha!r} (the norm order) is not supported; pass 1 or 2.")
 
 
 def clip_threshold(method: str, alpha: int, clip: float, sizes: list[int]) -> float:

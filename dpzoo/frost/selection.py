@@ -30,9 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Subset
 
-from ..errors import AccountingError, DPZooError
+from ..errors import AccountingError, DPZooError, InvalidArgumentError
 from ..grad_norms import attach_norm_hooks
 from ..privacy.accountant import Accountant, get_noise_multiplier
+from ..privacy.engine import PrivacyEngine, _default_head
 from . import magnitudes as MG
 from .estimation import pgm_est, pgm_variance
 from .partitions import Partition, resolve_partitions
@@ -74,7 +75,6 @@ class FrostSelection:
     def make_private(self, *, module: nn.Module, optimizer, data_loader, **kwargs):
         """``PrivacyEngine(accountant=self.accountant).make_private(...)`` with σ_SGD from
         ComputeSigma. Returns (engine, model, optimizer, data_loader)."""
-        from ..privacy import PrivacyEngine
         if "noise_multiplier" in kwargs or "target_epsilon" in kwargs:
             raise DPZooError("the selection fixed the DP-SGD noise (ComputeSigma); do not pass noise_multiplier "
                              "or target_epsilon, or use PrivacyEngine(accountant=selection.accountant) yourself.")
@@ -103,7 +103,7 @@ def compute_sigma(target_epsilon: float, target_delta: float, sgd_sample_rate: f
     smallest noise for which selection and DP-SGD together spend ≤ ε (library accountant,
     bisection as Algorithm 2)."""
     if not 0 < budget_ratio < 1:
-        raise ValueError(f"budget_ratio must be in (0, 1), got {budget_ratio}")
+        raise InvalidArgumentError(f"budget_ratio={budget_ratio} is out of range; pass a value in (0, 1), e.g. 0.9.")
     if accountant == "gdp":
         raise AccountingError("DP-FROST composes selection and DP-SGD, but accountant='gdp' (Opacus' "
                               "GaussianAccountant) counts only the last mechanism of a history and would under-report "
@@ -234,7 +234,6 @@ def psel(measure, partitions: list[Partition], num_examples: int, noise_multipli
 
 def _head_params(model: nn.Module, always_train) -> list[str]:
     if always_train == "auto":
-        from ..privacy.engine import _default_head
         heads = _default_head(model)
     else:
         heads = list(always_train or [])

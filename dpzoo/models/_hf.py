@@ -8,17 +8,19 @@ import json
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError, safe_open
 from torch import nn
+from transformers.utils import logging as hf_logging
 
 from ..checkpoint import load_state_dict_checked, read_state_dict
 from ..errors import CheckpointError, OverrideError
+from ..nn.hf_position_ids import with_per_sample_position_ids
 from ..surgery import make_dp_ready
 from ._common import reject_unknown, split_patch_options
 
 
 @contextlib.contextmanager
 def _quiet_transformers():
-    from transformers.utils import logging as hf_logging
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
@@ -55,7 +57,6 @@ def _check_hf_dir(path: Path) -> None:
         raise CheckpointError(f"{path} has no weights (model.safetensors or pytorch_model.bin).")
     for f in files:  # surface corruption as a clear error before transformers sees it
         if f.suffix == ".safetensors":
-            from safetensors import SafetensorError, safe_open
             try:
                 with safe_open(str(f), "pt") as h:
                     for k in h.keys():
@@ -131,7 +132,6 @@ def build_hf(entry: str, model_cls, config_cls, *, pretrained: bool, pretrained_
     model.eval()  # like from_pretrained; call .train() before training
     model = make_dp_ready(model, **patch_kw)
     if per_sample_positions:
-        from ..nn.hf_position_ids import with_per_sample_position_ids
         with_per_sample_position_ids(model)
         model.dpzoo_patch_report.position_ids_per_sample = True
     return model

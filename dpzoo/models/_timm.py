@@ -6,6 +6,7 @@ import logging
 import sys
 from typing import Any, Callable
 
+import timm
 from torch import nn
 
 from ..checkpoint import load_state_dict_checked, read_state_dict
@@ -17,7 +18,6 @@ log = logging.getLogger("dpzoo")
 
 
 def _create(arch: str, pretrained: bool, **kwargs) -> nn.Module:
-    import timm
     try:
         return timm.create_model(arch, pretrained=pretrained, **kwargs)
     except TypeError as e:  # an argument the timm architecture does not take

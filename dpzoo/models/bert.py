@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    RobertaConfig,
+    RobertaForSequenceClassification,
+)
+
 from ..registry import ModelCard, register_model
 from ._common import PATCH_OPTIONS
 from ._hf import build_hf
@@ -49,7 +56,6 @@ _PRETRAINING_HEADS = ("cls.*", "lm_head.*", "pooler.*")
 
 @register_model("bert-base", card=BERT_CARD)
 def bert_base(pretrained: bool = False, pretrained_tag: str | None = None, weights=None, **overrides):
-    from transformers import BertConfig, BertForSequenceClassification
     return build_hf("bert-base", BertForSequenceClassification, BertConfig, pretrained=pretrained,
                     pretrained_tag=pretrained_tag, weights=weights, overrides=overrides, aliases=ALIASES,
                     base_config={}, head_keys=_HEAD + ("bert.pooler.*", "pooler.*"),
@@ -59,7 +65,6 @@ def bert_base(pretrained: bool = False, pretrained_tag: str | None = None, weigh
 
 @register_model("roberta-base", card=ROBERTA_CARD)
 def roberta_base(pretrained: bool = False, pretrained_tag: str | None = None, weights=None, **overrides):
-    from transformers import RobertaConfig, RobertaForSequenceClassification
     base = {"vocab_size": 50265, "max_position_embeddings": 514, "type_vocab_size": 1,
             "layer_norm_eps": 1e-5, "pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}
     return build_hf("roberta-base", RobertaForSequenceClassification, RobertaConfig, pretrained=pretrained,

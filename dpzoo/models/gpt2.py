@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from transformers import GPT2Config, GPT2LMHeadModel
+
 from ..registry import ModelCard, register_model
 from ._common import PATCH_OPTIONS
 from ._hf import build_hf
@@ -38,7 +40,6 @@ CARD = ModelCard(
 
 @register_model("gpt2", card=CARD)
 def gpt2(pretrained: bool = False, pretrained_tag: str | None = None, weights=None, **overrides):
-    from transformers import GPT2Config, GPT2LMHeadModel
     vocab = overrides.get("vocab_size")
     if isinstance(vocab, int) and vocab <= 50256 and not pretrained and weights is None:
         # GPT-2's bos/eos id 50256 must stay inside a smaller vocabulary: use the last token.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from ..registry import ModelCard, register_model
 from ._common import PATCH_OPTIONS
 from ._hf import build_hf
@@ -41,7 +43,6 @@ def _card(name, summary, default, test):
 
 
 def _build(name, base, pretrained, pretrained_tag, weights, overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM
     return build_hf(name, LlamaForCausalLM, LlamaConfig, pretrained=pretrained, pretrained_tag=pretrained_tag,
                     weights=weights, overrides=overrides, aliases=ALIASES, base_config=base,
                     head_keys=(), bias_exempt=("lm_head",), hub_id="meta-llama/Llama-2-7b-hf" if name == "llama-bias" else None)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..errors import InvalidArgumentError
+
 __all__ = ["DPGRU", "DPLSTM"]
 
 
@@ -20,7 +22,9 @@ def _from_torch(cls, rnn: nn.RNNBase):
     """A dpzoo cell with ``rnn``'s weights (one layer, unidirectional, batch_first, biases)."""
     if (rnn.num_layers != 1 or rnn.bidirectional or not rnn.batch_first or not rnn.bias
             or getattr(rnn, "proj_size", 0)):
-        raise ValueError(f"{cls.__name__}.from_torch supports one layer, unidirectional, batch_first, with biases")
+        raise InvalidArgumentError(f"{cls.__name__}.from_torch copies one layer, unidirectional, batch_first, with "
+                                   f"biases, not {rnn!r}; build it with num_layers=1, bidirectional=False, "
+                                   "batch_first=True, bias=True and no proj_size.")
     m = cls(rnn.input_size, rnn.hidden_size)
     with torch.no_grad():
         m.ih.weight.copy_(rnn.weight_ih_l0)

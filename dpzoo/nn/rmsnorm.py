@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import InvalidArgumentError
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square normalisation with an optional additive bias.
@@ -22,7 +24,7 @@ class RMSNorm(nn.Module):
                  elementwise_affine: bool = True, style: str = "llama", device=None, dtype=None):
         super().__init__()
         if style not in ("llama", "torch"):
-            raise ValueError(f"RMSNorm style must be 'llama' or 'torch', got {style!r}")
+            raise InvalidArgumentError(f"RMSNorm style={style!r} is not supported; pass style='llama' or style='torch'.")
         factory = {"device": device, "dtype": dtype}
         self.hidden_size, self.eps, self.style = int(hidden_size), eps, style
         self.weight = nn.Parameter(torch.ones(hidden_size, **factory)) if elementwise_affine else None

@@ -34,14 +34,13 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ..errors import DPZooError, PrivacyUsageError, ReproducibleNoiseWarning
 from ..grad_norms import attach_norm_hooks
-from .accountant import Accountant, get_noise_multiplier
+from .accountant import Accountant, accountant_spec, get_noise_multiplier
 from .data import DPDataLoader, StepSignal
+from .modes import MODES
 from .optimizer import CLIPPING, DPOptimizer, _world
 from .verify import self_check
 
 __all__ = ["PrivacyEngine", "MODES", "freeze_all_but_biases", "sample_mixing_modules"]
-
-MODES = {"auto": "auto", "bk-mixopt": "auto", "bk": "ghost", "instantiate": "instantiate", "bitfit": "auto"}
 
 
 def _is_bias(name: str) -> bool:
@@ -159,11 +158,12 @@ class PrivacyEngine:
         # an Accountant instance may already hold spent budget (e.g. dpzoo.frost.select's):
         # calibration and get_epsilon compose training after it
         self.accountant = accountant if isinstance(accountant, Accountant) else Accountant(accountant)
-        if self.accountant.name == "gdp":
+        spec = accountant_spec(self.accountant.name)
+        if not spec.upper_bound:  # registered with upper_bound=False (e.g. "gdp")
             raise PrivacyUsageError(
-                "accountant='gdp' is refused for training: Opacus' Gaussian-DP accountant is a central-limit "
-                "approximation, not an upper bound (σ = 1, q = 0.1, 5 steps, δ = 1e-5: it reports ε = 1.10 where "
-                "PLD's bound is 2.35). Use 'pld' (tight), 'prv' or 'rdp'.")
+                f"accountant={spec.name!r} is refused for training: "
+                + (spec.caveat or "its ε is not an upper bound (it may under-report)")
+                + ". Use 'pld' (tight), 'prv' or 'rdp'.")
         self.hooks = None
         self.optimizer: DPOptimizer | None = None
         self.module: nn.Module | None = None
@@ -344,7 +344,6 @@ class PrivacyEngine:
             self.optimizer.on_first_step = self._run_self_check
             self.optimizer.capture_inputs = lambda: self._check_inputs
         signal.on_empty = self._noise_only_step
-        self._signal = signal
         self._handles = [module.register_forward_pre_hook(self._on_forward, with_kwargs=True, prepend=True),
                          module.register_forward_hook(self._after_forward)]
         module._dpzoo_engine = weakref.ref(self)
@@ -429,7 +428,7 @@ class PrivacyEngine:
                 self.optimizer.clip_and_accumulate()
             # re-plan the hooks for the new trainable set; their root pre-hook missed this call
             self._set_mode(self.mode, "keep")
-            self.hooks._root_pre_hook(module, args, kwargs)
+            self.hooks.begin_forward(module, args, kwargs)
         self.optimizer.mark_forward()
         if self._self_check and self.optimizer.on_first_step is not None and self.hooks.forward_calls == 0:
             self._check_inputs = (args, kwargs)
@@ -602,7 +601,7 @@ class PrivacyEngine:
             check = "skipped by the user (self_check=False)"
         else:
             check = self.self_check_result or "pending (no non-empty step yet)"
-        return {"epsilon": eps if math.isfinite(eps) else 1e308, "delta": float(delta),
+        return {"epsilon": float(eps), "delta": float(delta),
                 "accountant": self.accountant.name, "steps": int(self.steps),
                 "sample_rate": float(self.sample_rate), "noise_multiplier": float(self.noise_multiplier),
                 "max_grad_norm": float(self.max_grad_norm), "privacy_unit": "sample", "noise": noise,

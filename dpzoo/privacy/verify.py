@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..errors import DPZooError, SelfCheckError
-from ..grad_norms.hooks import NormHooks, attach_norm_hooks, output_tensors
+from ..grad_norms.hooks import NormHooks, attach_norm_hooks, attached_norm_hooks, output_tensors
 
 __all__ = ["verify", "self_check", "SelfCheckReport"]
 
@@ -291,9 +291,8 @@ def verify(model: nn.Module, inputs, loss_fn, *, samples: int = 3, mode: str = "
         args, kwargs = inputs, {}
     else:
         args, kwargs = (inputs,), {}
-    ref = getattr(model, "_dpzoo_norm_hooks", None)
-    hooks = ref() if ref is not None else None
-    own = hooks is None or not hooks._handles
+    hooks = attached_norm_hooks(model)
+    own = hooks is None
     if own:
         hooks = attach_norm_hooks(model, mode, ghost_backward=True)
     try:

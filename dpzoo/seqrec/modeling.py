@@ -20,6 +20,8 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
+from ..errors import InvalidArgumentError
+from ..nn.recurrent import DPGRU, DPLSTM
 from .configuration import SeqRecConfig
 from .reattention import ReAttention, ReAttentionBlock
 
@@ -45,7 +47,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: SeqRecConfig):
         super().__init__()
         if cfg.d_model % cfg.num_heads:
-            raise ValueError(f"d_model {cfg.d_model} is not divisible by num_heads {cfg.num_heads}")
+            raise InvalidArgumentError(f"d_model={cfg.d_model} is not divisible by num_heads={cfg.num_heads}; "
+                                       "choose num_heads that divides d_model.")
         self.h, self.dk = cfg.num_heads, cfg.d_model // cfg.num_heads
         self.q, self.k, self.v, self.o = (nn.Linear(cfg.d_model, cfg.d_model) for _ in range(4))
         self.drop = nn.Dropout(cfg.dropout)
@@ -140,7 +143,8 @@ class SeqRecTransformer(nn.Module):
         """Final hidden states (B, T, d) before the output layer (evaluation scores only the last)."""
         b, t = input_ids.shape
         if t > self.config.max_len:
-            raise ValueError(f"sequence length {t} > max_len {self.config.max_len}")
+            raise InvalidArgumentError(f"sequence length {t} > max_len {self.config.max_len}; keep the last "
+                                       "max_len items of each sequence or build the model with a larger max_len.")
         positions = torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t)  # per sample
         scale = math.sqrt(self.config.d_model)
         x = self.emb_drop(self.item_emb(input_ids) * scale + self.pos_emb(positions))
@@ -165,7 +169,6 @@ class SeqRecRNN(nn.Module):
 
     def __init__(self, cfg: SeqRecConfig, cell: str):
         super().__init__()
-        from ..nn.recurrent import DPGRU, DPLSTM  # here: dpzoo.nn imports timm, which the Transformer does not need
         self.config, self.cell = cfg, cell
         self.item_emb = nn.Embedding(cfg.num_items + 1, cfg.d_model, padding_idx=0)
         self.rnn = (DPGRU if cell == "gru" else DPLSTM)(cfg.d_model, cfg.d_model)
@@ -182,6 +185,7 @@ class SeqRecRNN(nn.Module):
 
     def features(self, input_ids: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[1] > self.config.max_len:
-            raise ValueError(f"sequence length {input_ids.shape[1]} > max_len {self.config.max_len}")
+            raise InvalidArgumentError(f"sequence length {input_ids.shape[1]} > max_len {self.config.max_len}; keep the "
+                                       "last max_len items of each sequence or build the model with a larger max_len.")
         h, _ = self.rnn(self.drop(self.item_emb(input_ids)))
         return self.ln_f(self.drop(h))

@@ -27,6 +27,8 @@ import math
 import torch
 from torch import nn
 
+from ..errors import InvalidArgumentError
+
 __all__ = ["ReAttention", "ReAttentionBlock", "key_noise_correction", "score_correction", "relu", "iso_linear",
            "iso_layer_norm", "iso_relu", "iso_attention_values", "iso_residual"]
 
@@ -59,7 +61,8 @@ class ReAttention(nn.Module):
 
     def set_dp_noise(self, *, noise_multiplier: float, max_grad_norm: float, expected_batch_size: float) -> None:
         if expected_batch_size <= 0:
-            raise ValueError(f"expected_batch_size must be > 0, got {expected_batch_size}")
+            raise InvalidArgumentError(f"expected_batch_size={expected_batch_size} must be > 0; pass the expected "
+                                       "(logical) batch size of DP training.")
         self.noise_std.fill_(float(noise_multiplier) * float(max_grad_norm) / float(expected_batch_size))
 
     @property
@@ -80,9 +83,10 @@ class ReAttention(nn.Module):
         are not covered by the DP guarantee of training (see docs/DESIGN.md)."""
         n, t = train_inputs.shape
         if t > self.pos_freq.numel():
-            raise ValueError(f"inputs are {t} long, the model's max_len is {self.pos_freq.numel()}")
+            raise InvalidArgumentError(f"inputs are {t} long but the model's max_len is {self.pos_freq.numel()}; "
+                                       "truncate the inputs to max_len.")
         if n == 0:
-            raise ValueError("no training inputs to count item frequencies from")
+            raise InvalidArgumentError("no training inputs to count item frequencies from; pass a non-empty (N, T) tensor.")
         ids = train_inputs.long().to(self.item_freq.device)
         rows = torch.arange(n, device=ids.device).unsqueeze(1).expand_as(ids)
         seen = torch.zeros(n, self.item_freq.numel(), dtype=torch.bool, device=ids.device)

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
+from tqdm import tqdm
 
 from ..errors import DPZooError
 from ..hub import load, save
 from ..losses import SequenceCrossEntropy
 from ..privacy import PrivacyEngine
 from .dataset import SequenceDataset, sasrec_preprocess
-from .downloads import load_dataset
+from .downloads import DATASETS, load_dataset
 from .metrics import ndcg_hit_at_k, target_ranks
 from .synthetic import zipf_interactions
 
@@ -89,7 +90,7 @@ def train_seqrec(name: str, *, data: str = "synthetic", epsilon: float = 5.0, de
     ds = get_dataset(data, seed, amazon_columns)
     n_users = len(ds.train_sequences())
     delta = delta if delta is not None else 1.0 / n_users ** 1.1  # delta < 1/N, the usual choice
-    max_len = max_len or (200 if data == "ml-1m" else 50)
+    max_len = max_len or (DATASETS[data].max_len if data in DATASETS else 50)  # the spec's default
     model = load(name, num_items=ds.num_items, max_len=max_len, **(overrides or {})).train().to(device)
     x, y = ds.to_padded(max_len, "train")
     if len(x) == 0:
@@ -123,11 +124,7 @@ def train_seqrec(name: str, *, data: str = "synthetic", epsilon: float = 5.0, de
             f"{ds.num_items} items, {total} steps")
     history = []
     t0 = time.time()
-    try:
-        from tqdm import tqdm
-        epoch_iter = tqdm(range(1, epochs + 1), desc=name, disable=None)
-    except ImportError:  # pragma: no cover
-        epoch_iter = range(1, epochs + 1)
+    epoch_iter = tqdm(range(1, epochs + 1), desc=name, disable=None)
     if private:  # once per logical step, the engine's noise-only steps on empty batches included
         opt.attach_step_hook(lambda _: sched.step())
     for epoch in epoch_iter:

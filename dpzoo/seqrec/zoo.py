@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..errors import CheckpointError
 from ..registry import ModelCard, register_model
 from ..surgery import make_dp_ready
 from .configuration import SeqRecConfig
@@ -101,7 +102,6 @@ def _entry(name: str, card: ModelCard, make, split_patch_options, reject_unknown
     @register_model(name, card=card)
     def build(pretrained: bool = False, pretrained_tag: str | None = None, weights=None, **overrides) -> nn.Module:
         if pretrained:
-            from ..errors import CheckpointError
             raise CheckpointError(f"{name} has no pretrained weights; train it with `dpzoo train {name}`.")
         arch, patch = split_patch_options(overrides)
         reject_unknown(name, arch, card.overrides)

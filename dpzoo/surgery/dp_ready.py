@@ -10,7 +10,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .bias import add_missing_biases, missing_biases
 from .groupnorm import GroupSpec, convert_batchnorm
-from .inplace import _block_swaps, disable_inplace
+from .inplace import _BLOCK_SWAPS, disable_inplace
 from .tied import TiedGroup, find_tied_parameters
 
 __all__ = ["make_dp_ready", "check_dp_ready", "PatchReport", "patch_report"]
@@ -121,9 +121,8 @@ def check_dp_ready(model: nn.Module, *, bias_exempt: Iterable[str] = (), require
                             "convert with dpzoo.make_dp_ready(model)")
         if isinstance(getattr(m, "inplace", None), bool) and m.inplace:
             problems.append(f"{name}: {type(m).__name__}(inplace=True) breaks backward hooks")
-    swaps = _block_swaps()
     for name, m in model.named_modules():
-        if type(m) in swaps:
+        if type(m) in _BLOCK_SWAPS:
             problems.append(f"{name}: {type(m).__name__} adds its shortcut in place")
     if require_bias:
         for name in missing_biases(model, bias_exempt):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Union
 
 import torch
+from timm.layers.norm_act import BatchNormAct2d, GroupNormAct
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -65,11 +66,7 @@ def _groups_for(spec: GroupSpec, name: str, channels: int) -> int:
 def _group_norm_like(bn: _BatchNorm, groups: int) -> nn.Module:
     c, dev = bn.num_features, (bn.weight.device if bn.weight is not None else None)
     dtype = bn.weight.dtype if bn.weight is not None else None
-    try:  # timm's fused BatchNormAct2d: keep its activation and dropout
-        from timm.layers.norm_act import BatchNormAct2d, GroupNormAct
-    except ImportError:  # pragma: no cover - timm is a dependency
-        BatchNormAct2d = GroupNormAct = None
-    if BatchNormAct2d is not None and isinstance(bn, BatchNormAct2d):
+    if isinstance(bn, BatchNormAct2d):  # timm's fused BatchNormAct2d: keep its activation and dropout
         gn = GroupNormAct(c, num_groups=groups, eps=bn.eps, affine=bn.affine, apply_act=False,
                           device=dev, dtype=dtype)
         gn.act, gn.drop = bn.act, bn.drop

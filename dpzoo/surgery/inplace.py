@@ -14,8 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from timm.models.resnet import BasicBlock, Bottleneck
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from ..nn.resnet_blocks import DPBasicBlock, DPBottleneck
 
 __all__ = ["disable_inplace", "find_inplace_ops", "InplaceReport", "InplaceOp"]
 
@@ -26,22 +29,18 @@ class InplaceReport:
     swapped_blocks: list[str] = field(default_factory=list)  # modules given an out-of-place class
 
 
-def _block_swaps() -> dict[type, type]:
-    from timm.models.resnet import BasicBlock, Bottleneck
-
-    from ..nn.resnet_blocks import DPBasicBlock, DPBottleneck
-    return {BasicBlock: DPBasicBlock, Bottleneck: DPBottleneck}
+# timm's ResNet blocks add the residual in place; the dpzoo subclasses do it out of place.
+_BLOCK_SWAPS: dict[type, type] = {BasicBlock: DPBasicBlock, Bottleneck: DPBottleneck}
 
 
 def disable_inplace(model: nn.Module) -> InplaceReport:
     """Make ``model`` safe for backward hooks, in place. Returns what was changed."""
     report = InplaceReport()
-    swaps = _block_swaps()
     for name, m in model.named_modules():
         if isinstance(getattr(m, "inplace", None), bool) and m.inplace:
             m.inplace = False
             report.switched_off.append(name)
-        new_cls = swaps.get(type(m))
+        new_cls = _BLOCK_SWAPS.get(type(m))
         if new_cls is not None:
             m.__class__ = new_cls
             report.swapped_blocks.append(name)
