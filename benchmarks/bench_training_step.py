@@ -36,7 +36,9 @@ CONFIGS = {
 
 def _build(cfg):
     import torch
+
     import dpzoo
+
     torch.manual_seed(0)
     if cfg["kind"] == "image":
         model = dpzoo.load(cfg["name"], num_classes=10)
@@ -46,6 +48,7 @@ def _build(cfg):
         fwd = lambda m, x: m(x)  # noqa: E731
     elif cfg["kind"] == "seqrec":
         from dpzoo.losses import SequenceCrossEntropy
+
         model = dpzoo.load(cfg["name"], num_items=cfg["items"], max_len=cfg["seq"])
         x = torch.randint(1, cfg["items"] + 1, (cfg["batch"], cfg["seq"]))
         y = torch.randint(1, cfg["items"] + 1, (cfg["batch"], cfg["seq"]))
@@ -56,8 +59,19 @@ def _build(cfg):
         fwd = lambda m, x: m(x)  # noqa: E731
     else:
         from dpzoo.losses import SequenceCrossEntropy
-        model = dpzoo.load("gpt2", vocab_size=1024, num_layers=4, width=256, num_heads=4, max_positions=cfg["seq"],
-                           tie_word_embeddings=cfg["tied"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+        model = dpzoo.load(
+            "gpt2",
+            vocab_size=1024,
+            num_layers=4,
+            width=256,
+            num_heads=4,
+            max_positions=cfg["seq"],
+            tie_word_embeddings=cfg["tied"],
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         x = torch.randint(0, 1024, (cfg["batch"], cfg["seq"]))
         y = x.clone()
         crit = SequenceCrossEntropy(shift=True)
@@ -68,7 +82,9 @@ def _build(cfg):
 def worker(config: str, mode: str, warmup: int, steps: int) -> dict:
     import torch
     from torch.utils.data import DataLoader, TensorDataset
+
     import dpzoo
+
     warnings.filterwarnings("ignore")
     torch.set_num_threads(os.cpu_count() or 1)
     cfg = CONFIGS[config]
@@ -81,17 +97,32 @@ def worker(config: str, mode: str, warmup: int, steps: int) -> dict:
     if mode.startswith("dpzoo"):
         engine = dpzoo.PrivacyEngine()
         # batch_size = N: q = 1, so every Poisson batch is the whole (fixed) batch, as for the others
-        model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
-                                                 max_grad_norm=1.0,
-                                                 mode="bitfit" if mode == "dpzoo-bitfit" else "bk-mixopt",
-                                                 train_head=None)
+        model, opt, loader = engine.make_private(
+            module=model,
+            optimizer=opt,
+            data_loader=loader,
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            mode="bitfit" if mode == "dpzoo-bitfit" else "bk-mixopt",
+            train_head=None,
+        )
     elif mode.startswith("opacus"):
         from opacus import PrivacyEngine
+
         from dpzoo.engines.opacus import make_private
+
         try:
-            out = make_private(PrivacyEngine(), module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
-                               max_grad_norm=1.0, poisson_sampling=False, criterion=crit,
-                               grad_sample_mode="ghost" if mode == "opacus-ghost" else "hooks")
+            out = make_private(
+                PrivacyEngine(),
+                module=model,
+                optimizer=opt,
+                data_loader=loader,
+                noise_multiplier=1.0,
+                max_grad_norm=1.0,
+                poisson_sampling=False,
+                criterion=crit,
+                grad_sample_mode="ghost" if mode == "opacus-ghost" else "hooks",
+            )
         except dpzoo.UnsupportedModuleError as e:
             return {"config": config, "mode": mode, "error": str(e).split(":")[0]}
         if mode == "opacus-ghost":
@@ -109,21 +140,32 @@ def worker(config: str, mode: str, warmup: int, steps: int) -> dict:
         opt.zero_grad(set_to_none=True)
         if i >= warmup:
             times.append(time.perf_counter() - t)
-    return {"config": config, "mode": mode, "step_s": statistics.median(times), "steps": steps,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {
+        "config": config,
+        "mode": mode,
+        "step_s": statistics.median(times),
+        "steps": steps,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
 
 
 def plot(results: list[dict], path: Path) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     configs = list(dict.fromkeys(r["config"] for r in results))
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     width = 0.8 / len(MODES)
     for j, mode in enumerate(MODES):
         for ax, key in zip(axes, ("time_ratio", "memory_ratio")):
-            vals = [next((r.get(key, float("nan")) for r in results if r["config"] == c and r["mode"] == mode),
-                         float("nan")) for c in configs]
+            vals = [
+                next(
+                    (r.get(key, float("nan")) for r in results if r["config"] == c and r["mode"] == mode), float("nan")
+                )
+                for c in configs
+            ]
             ax.bar([i + j * width for i in range(len(configs))], vals, width, label=mode)
     for ax, title in zip(axes, ("step time / non-private full", "peak RSS / non-private full")):
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(configs))])
@@ -151,31 +193,51 @@ def main() -> int:
     results = []
     for config in args.configs:
         for mode in args.modes:
-            cmd = [sys.executable, __file__, "--worker", config, mode, "--warmup", str(args.warmup),
-                   "--steps", str(args.steps)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                config,
+                mode,
+                "--warmup",
+                str(args.warmup),
+                "--steps",
+                str(args.steps),
+            ]
             t = time.time()
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 res = {"config": config, "mode": mode, "error": proc.stderr.strip().splitlines()[-1][:300]}
             else:
                 res = json.loads(proc.stdout.strip().splitlines()[-1])
-            print(f"{config:<26} {mode:<16} {res.get('step_s', float('nan')):8.3f} s  "
-                  f"{res.get('peak_rss_mb', float('nan')):8.0f} MB  {res.get('error', '')}  ({time.time() - t:.0f}s)",
-                  flush=True)
+            print(
+                f"{config:<26} {mode:<16} {res.get('step_s', float('nan')):8.3f} s  "
+                f"{res.get('peak_rss_mb', float('nan')):8.0f} MB  {res.get('error', '')}  ({time.time() - t:.0f}s)",
+                flush=True,
+            )
             results.append(res)
     for r in results:
-        base = next((b for b in results if b["config"] == r["config"] and b["mode"] == "nonprivate-full"
-                     and "step_s" in b), None)
+        base = next(
+            (b for b in results if b["config"] == r["config"] and b["mode"] == "nonprivate-full" and "step_s" in b),
+            None,
+        )
         if base and "step_s" in r:
             r["time_ratio"] = r["step_s"] / base["step_s"]
             r["memory_ratio"] = r["peak_rss_mb"] / base["peak_rss_mb"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"machine": platform.platform(), "processor": platform.processor(), "cpus": os.cpu_count(),
-            "python": platform.python_version(), "command": " ".join(sys.argv), "warmup": args.warmup,
-            "steps": args.steps}
+    meta = {
+        "machine": platform.platform(),
+        "processor": platform.processor(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "command": " ".join(sys.argv),
+        "warmup": args.warmup,
+        "steps": args.steps,
+    }
     try:
         import torch
+
         meta["torch"] = torch.__version__
     except ImportError:  # pragma: no cover
         pass

@@ -76,7 +76,7 @@ def correction_sizes(model, ds, max_len: int, users: int = 512) -> dict:
     model.reattention.noise_std.copy_(noise_std)
     r_on, r_off = target_ranks(on, targets, inputs), target_ranks(off, targets, inputs)
     top_on, top_off = on.topk(10).indices.sort().values, off.topk(10).indices.sort().values
-    scale = model.config.d_model ** 0.5
+    scale = model.config.d_model**0.5
     item_err = scale * float(noise_std) / model.reattention.item_freq[1:]
     return {
         "noise_std_sigma_R_over_B": float(noise_std),
@@ -93,9 +93,12 @@ def correction_sizes(model, ds, max_len: int, users: int = 512) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data", default="synthetic")
-    p.add_argument("--data-dir", default=None,
-                   help="folder holding the datasets (e.g. ml-1m/ml-1m.txt), exported as $DPZOO_DATA; "
-                        "default $DPZOO_DATA, else dpzoo's cache")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="folder holding the datasets (e.g. ml-1m/ml-1m.txt), exported as $DPZOO_DATA; "
+        "default $DPZOO_DATA, else dpzoo's cache",
+    )
     p.add_argument("--epsilon", type=float, default=5.0)
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--batch-size", type=int, default=1024)
@@ -103,8 +106,11 @@ def main(argv=None) -> None:
     p.add_argument("--max-len", type=int, default=50, help="sequence length of the diagnostic model")
     p.add_argument("--eval-max-len", type=int, default=200, help="sequence length of the popularity baseline")
     p.add_argument("--max-physical-batch-size", type=int, default=256)
-    p.add_argument("--model", default=None,
-                   help="a dpformer saved by `dpzoo train dpformer --out DIR` (DIR/model): measure it instead of training one")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a dpformer saved by `dpzoo train dpformer --out DIR` (DIR/model): measure it instead of training one",
+    )
     p.add_argument("--out", default=None, help="write the measurements here as JSON")
     args = p.parse_args(argv)
     if args.data_dir is not None:
@@ -112,8 +118,11 @@ def main(argv=None) -> None:
 
     ds = get_dataset(args.data)
     # history exclusion depends on the length kept, so the baseline is given at both lengths
-    report = {"settings": vars(args), "dataset": ds.summary(),
-              "popularity": {f"max_len_{n}": popularity(ds, n) for n in sorted({args.max_len, args.eval_max_len})}}
+    report = {
+        "settings": vars(args),
+        "dataset": ds.summary(),
+        "popularity": {f"max_len_{n}": popularity(ds, n) for n in sorted({args.max_len, args.eval_max_len})},
+    }
     print("popularity baseline:", json.dumps(report["popularity"]))
     if args.model:
         model = load(args.model)
@@ -121,10 +130,19 @@ def main(argv=None) -> None:
     else:
         t0 = time.time()
         with tempfile.TemporaryDirectory() as tmp:
-            result = train_seqrec("dpformer", data=args.data, epsilon=args.epsilon, epochs=args.epochs,
-                                  batch_size=args.batch_size, lr=args.lr, max_len=args.max_len,
-                                  eval_every=args.epochs, max_physical_batch_size=args.max_physical_batch_size,
-                                  out=tmp, log=print)
+            result = train_seqrec(
+                "dpformer",
+                data=args.data,
+                epsilon=args.epsilon,
+                epochs=args.epochs,
+                batch_size=args.batch_size,
+                lr=args.lr,
+                max_len=args.max_len,
+                eval_every=args.epochs,
+                max_physical_batch_size=args.max_physical_batch_size,
+                out=tmp,
+                log=print,
+            )
             model = load(Path(tmp) / "model")
         report["training"] = {k: v for k, v in result.items() if k != "dataset"}
         report["training"]["wall_seconds"] = time.time() - t0

@@ -1,6 +1,6 @@
 """Print the markdown table of a training_step.json (the README's benchmark table).
 
-    python benchmarks/table.py benchmarks/results/training_step.json
+python benchmarks/table.py benchmarks/results/training_step.json
 """
 
 import json

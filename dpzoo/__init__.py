@@ -6,25 +6,66 @@
 
 __version__ = "0.1.0"
 
-from .errors import (AccountingError, CheckpointError, DPZooError, NoGradientWarning, OverrideError, PatchError, PrivacyUsageError,
-                     ReproducibleNoiseWarning, SaveError, SelfCheckError, UnknownModelError, UnsupportedModuleError)
+from . import frost  # noqa: E402  (dpzoo.frost.select)
+from .audit import audit  # noqa: E402  (dpzoo.audit(...); the module's other names: from dpzoo.audit import ...)
+from .errors import (
+    AccountingError,
+    CheckpointError,
+    DPZooError,
+    NoGradientWarning,
+    OverrideError,
+    PatchError,
+    PrivacyUsageError,
+    ReproducibleNoiseWarning,
+    SaveError,
+    SelfCheckError,
+    UnknownModelError,
+    UnsupportedModuleError,
+)
 from .grad_norms import NormHooks, attach_norm_hooks, register_rule
+from .hub import create_model, load, privacy_metadata, read_config, save
 from .privacy import PrivacyEngine, register_accountant
 from .privacy.verify import verify
-from .hub import create_model, load, privacy_metadata, read_config, save
 from .registry import ModelCard, is_model, list_models, model_card, register_model
 from .summary import ModelSummary, summary
 from .surgery import check_dp_ready, find_inplace_ops, find_tied_parameters, make_dp_ready
-from . import frost  # noqa: E402  (dpzoo.frost.select)
-from .audit import audit  # noqa: E402  (dpzoo.audit(...); the module's other names: from dpzoo.audit import ...)
 
 __all__ = [
     "__version__",
-    "load", "create_model", "save", "read_config", "privacy_metadata",
-    "list_models", "register_model", "model_card", "is_model", "ModelCard",
-    "summary", "ModelSummary",
-    "make_dp_ready", "check_dp_ready", "find_tied_parameters", "find_inplace_ops",
-    "PrivacyEngine", "register_accountant", "verify", "attach_norm_hooks", "NormHooks", "register_rule", "frost", "audit",
-    "DPZooError", "UnknownModelError", "UnsupportedModuleError", "OverrideError", "CheckpointError", "PatchError", "SaveError",
-    "PrivacyUsageError", "AccountingError", "SelfCheckError", "NoGradientWarning", "ReproducibleNoiseWarning",
+    "load",
+    "create_model",
+    "save",
+    "read_config",
+    "privacy_metadata",
+    "list_models",
+    "register_model",
+    "model_card",
+    "is_model",
+    "ModelCard",
+    "summary",
+    "ModelSummary",
+    "make_dp_ready",
+    "check_dp_ready",
+    "find_tied_parameters",
+    "find_inplace_ops",
+    "PrivacyEngine",
+    "register_accountant",
+    "verify",
+    "attach_norm_hooks",
+    "NormHooks",
+    "register_rule",
+    "frost",
+    "audit",
+    "DPZooError",
+    "UnknownModelError",
+    "UnsupportedModuleError",
+    "OverrideError",
+    "CheckpointError",
+    "PatchError",
+    "SaveError",
+    "PrivacyUsageError",
+    "AccountingError",
+    "SelfCheckError",
+    "NoGradientWarning",
+    "ReproducibleNoiseWarning",
 ]

@@ -56,8 +56,18 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset, TensorDataset
 
 from .errors import DPZooError
 
-__all__ = ["audit", "AuditResult", "one_run_p_value", "epsilon_lower_bound", "BROKEN", "digits_canary_task",
-           "logit_change_score", "loss_score", "plot_scores", "DEFAULT_GUESS_FRACTIONS"]
+__all__ = [
+    "audit",
+    "AuditResult",
+    "one_run_p_value",
+    "epsilon_lower_bound",
+    "BROKEN",
+    "digits_canary_task",
+    "logit_change_score",
+    "loss_score",
+    "plot_scores",
+    "DEFAULT_GUESS_FRACTIONS",
+]
 
 BROKEN = ("no-noise", "unclipped")
 # total guesses r as fractions of m (balanced: k+ = ⌊r/2⌋ "in", the rest "out"); Bonferroni over these
@@ -68,11 +78,12 @@ DIGITS_FEATURES = 64
 # -- the bound -------------------------------------------------------------------------------------
 def _binomial_pmf(r: int, epsilon: float) -> list[float]:
     """P[Binomial(r, p) = k] for k = 0..r, p = e^ε / (1 + e^ε), exact in log space."""
-    log_p = -math.log1p(math.exp(-epsilon))              # log(e^ε / (1 + e^ε))
-    log_q = -epsilon - math.log1p(math.exp(-epsilon))    # log(1 / (1 + e^ε))
+    log_p = -math.log1p(math.exp(-epsilon))  # log(e^ε / (1 + e^ε))
+    log_q = -epsilon - math.log1p(math.exp(-epsilon))  # log(1 / (1 + e^ε))
     lg = math.lgamma(r + 1)
-    return [math.exp(lg - math.lgamma(k + 1) - math.lgamma(r - k + 1) + k * log_p + (r - k) * log_q)
-            for k in range(r + 1)]
+    return [
+        math.exp(lg - math.lgamma(k + 1) - math.lgamma(r - k + 1) + k * log_p + (r - k) * log_q) for k in range(r + 1)
+    ]
 
 
 def one_run_p_value(m: int, r: int, v: int, epsilon: float, delta: float) -> float:
@@ -143,13 +154,14 @@ def _guess_counts(m: int, fractions: Sequence[float]) -> list[tuple[int, int]]:
     return out
 
 
-def _score_guesses(scores: torch.Tensor, included: torch.Tensor, k_plus: int, k_minus: int,
-                   generator: torch.Generator) -> int:
+def _score_guesses(
+    scores: torch.Tensor, included: torch.Tensor, k_plus: int, k_minus: int, generator: torch.Generator
+) -> int:
     """Correct guesses when the k+ highest scores are guessed in and the k- lowest out (ties
     broken at random: a random permutation, then a stable sort)."""
     perm = torch.randperm(len(scores), generator=generator)
     order = perm[torch.sort(scores[perm], descending=True, stable=True).indices]
-    guessed_in, guessed_out = order[:k_plus], order[len(order) - k_minus:]
+    guessed_in, guessed_out = order[:k_plus], order[len(order) - k_minus :]
     return int(included[guessed_in].sum()) + int((~included[guessed_out]).sum())
 
 
@@ -158,20 +170,20 @@ def _score_guesses(scores: torch.Tensor, included: torch.Tensor, k_plus: int, k_
 class AuditResult:
     """What one audit measured. ``exceeds`` is True when the bound is above the claimed ε."""
 
-    claimed_epsilon: float          # what the mechanism claims, at ``delta``
+    claimed_epsilon: float  # what the mechanism claims, at ``delta``
     delta: float
-    epsilon_lower_bound: float      # empirical lower bound at ``confidence``
-    confidence: float               # 1 - β, for the best of the tried guess counts (Bonferroni)
-    canaries: int                   # m
-    guesses: int                    # r = k_plus + k_minus of the best guess count
-    correct: int                    # v
+    epsilon_lower_bound: float  # empirical lower bound at ``confidence``
+    confidence: float  # 1 - β, for the best of the tried guess counts (Bonferroni)
+    canaries: int  # m
+    guesses: int  # r = k_plus + k_minus of the best guess count
+    correct: int  # v
     k_plus: int
     k_minus: int
-    included: int                   # canaries that were in the training set
-    broken: str | None              # None: dpzoo's engine as is
-    max_auditable_epsilon: float    # the bound if every guess were right: claims above it cannot be refuted
-    mechanism: dict = field(default_factory=dict)      # σ, R, q, steps, epochs, lr, ...
-    candidates: list = field(default_factory=list)     # every (k+, k-, v, bound) tried
+    included: int  # canaries that were in the training set
+    broken: str | None  # None: dpzoo's engine as is
+    max_auditable_epsilon: float  # the bound if every guess were right: claims above it cannot be refuted
+    mechanism: dict = field(default_factory=dict)  # σ, R, q, steps, epochs, lr, ...
+    candidates: list = field(default_factory=list)  # every (k+, k-, v, bound) tried
     test_accuracy: float | None = None
     seconds: float = 0.0
     scores: list = field(default_factory=list, repr=False)
@@ -200,14 +212,16 @@ class AuditResult:
         sigma = self.mechanism.get("noise_multiplier", float("nan"))
         claimed_sigma = self.mechanism.get("claimed_noise_multiplier", sigma)
         sigma_text = f"{sigma:.3g}" if sigma == claimed_sigma else f"{sigma:.3g} while claiming {claimed_sigma:.3g}"
-        return [f"mechanism: {mech} (σ = {sigma_text}, "
-                f"R = {self.mechanism.get('max_grad_norm')}, q = {self.mechanism.get('sample_rate', 0):.4f}, "
-                f"{self.mechanism.get('steps')} steps)",
-                f"claimed ε = {self.claimed_epsilon:.3f} at δ = {self.delta:g}",
-                f"empirical lower bound ε ≥ {self.epsilon_lower_bound:.3f} at {100 * self.confidence:g}% confidence "
-                f"(m = {self.canaries} canaries, {self.included} in; r = {self.guesses} guesses, "
-                f"v = {self.correct} correct; most this audit can show: {self.max_auditable_epsilon:.2f})",
-                self.verdict]
+        return [
+            f"mechanism: {mech} (σ = {sigma_text}, "
+            f"R = {self.mechanism.get('max_grad_norm')}, q = {self.mechanism.get('sample_rate', 0):.4f}, "
+            f"{self.mechanism.get('steps')} steps)",
+            f"claimed ε = {self.claimed_epsilon:.3f} at δ = {self.delta:g}",
+            f"empirical lower bound ε ≥ {self.epsilon_lower_bound:.3f} at {100 * self.confidence:g}% confidence "
+            f"(m = {self.canaries} canaries, {self.included} in; r = {self.guesses} guesses, "
+            f"v = {self.correct} correct; most this audit can show: {self.max_auditable_epsilon:.2f})",
+            self.verdict,
+        ]
 
 
 # -- the built-in task ------------------------------------------------------------------------------
@@ -251,8 +265,14 @@ def digits_canary_task(canaries: int, canary_norm: float = 1000.0, seed: int = 0
             model.fc.weight[:, DIGITS_FEATURES:] = 0  # canary coordinates start at zero
         return model
 
-    return (TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test]), canary_x, canary_y,
-            model_fn, logit_change_score)
+    return (
+        TensorDataset(x[train], y[train]),
+        TensorDataset(x[test], y[test]),
+        canary_x,
+        canary_y,
+        model_fn,
+        logit_change_score,
+    )
 
 
 def logit_change_score(model: nn.Module, canary_x: torch.Tensor, canary_y: torch.Tensor) -> torch.Tensor:
@@ -285,14 +305,31 @@ class _OutsideEngine(nn.Module):
 
 
 # -- the audit --------------------------------------------------------------------------------------
-def audit(*, epsilon: float = 2.0, delta: float = 1e-5, canaries: "int | tuple[torch.Tensor, torch.Tensor]" = 1000,
-          epochs: int = 10, batch_size: int = 64, lr: float = 2.0, max_grad_norm: float = 1.0,
-          clipping: str = "abadi", broken: str | None = None, confidence: float = 0.95, seed: int = 0,
-          accountant: str = "rdp", canary_norm: float = 1000.0,
-          dataset: Dataset | None = None, model_fn: Callable[[], nn.Module] | None = None,
-          score_fn: Callable | None = None, loss_fn: Callable | None = None, test_dataset: Dataset | None = None,
-          guess_fractions: Sequence[float] = DEFAULT_GUESS_FRACTIONS, noise_seed: int | None = None,
-          sample_seed: int | None = None, log: Callable[[str], None] | None = None) -> AuditResult:
+def audit(
+    *,
+    epsilon: float = 2.0,
+    delta: float = 1e-5,
+    canaries: "int | tuple[torch.Tensor, torch.Tensor]" = 1000,
+    epochs: int = 10,
+    batch_size: int = 64,
+    lr: float = 2.0,
+    max_grad_norm: float = 1.0,
+    clipping: str = "abadi",
+    broken: str | None = None,
+    confidence: float = 0.95,
+    seed: int = 0,
+    accountant: str = "rdp",
+    canary_norm: float = 1000.0,
+    dataset: Dataset | None = None,
+    model_fn: Callable[[], nn.Module] | None = None,
+    score_fn: Callable | None = None,
+    loss_fn: Callable | None = None,
+    test_dataset: Dataset | None = None,
+    guess_fractions: Sequence[float] = DEFAULT_GUESS_FRACTIONS,
+    noise_seed: int | None = None,
+    sample_seed: int | None = None,
+    log: Callable[[str], None] | None = None,
+) -> AuditResult:
     """Insert canaries, train once with dpzoo's engine, return the empirical lower bound on ε.
 
     Built-in default (``dataset=None``): digits with ``canaries`` (an int, m) Dirac canaries of
@@ -334,79 +371,148 @@ def audit(*, epsilon: float = 2.0, delta: float = 1e-5, canaries: "int | tuple[t
             if model_fn is None:
                 raise DPZooError("audit(dataset=...) needs model_fn=: a function returning a fresh model.")
             if not (isinstance(canaries, (tuple, list)) and len(canaries) == 2):
-                raise DPZooError("audit(dataset=...) needs canaries=(canary_x, canary_y): the m canary inputs "
-                                 "and labels (an integer count is only for the built-in digits audit).")
+                raise DPZooError(
+                    "audit(dataset=...) needs canaries=(canary_x, canary_y): the m canary inputs "
+                    "and labels (an integer count is only for the built-in digits audit)."
+                )
             cx, cy = canaries
             if len(cx) != len(cy) or len(cx) < 2:
-                raise DPZooError(f"canaries: need as many labels as inputs and at least 2 canaries, got "
-                                 f"{len(cx)} inputs and {len(cy)} labels.")
+                raise DPZooError(
+                    f"canaries: need as many labels as inputs and at least 2 canaries, got "
+                    f"{len(cx)} inputs and {len(cy)} labels."
+                )
             if loss_fn is not None and score_fn is None:
-                raise DPZooError("a custom loss_fn needs a score_fn (the default score is minus the "
-                                 "cross-entropy loss of each canary).")
+                raise DPZooError(
+                    "a custom loss_fn needs a score_fn (the default score is minus the "
+                    "cross-entropy loss of each canary)."
+                )
             score_fn = score_fn or loss_score
             train = dataset
         loss_fn = loss_fn or F.cross_entropy
         m = len(cx)
         g = torch.Generator().manual_seed(seed + 1)
-        included = torch.rand(m, generator=g) < 0.5          # Algorithm 1: each canary in w.p. 1/2
+        included = torch.rand(m, generator=g) < 0.5  # Algorithm 1: each canary in w.p. 1/2
         train_set = ConcatDataset([train, TensorDataset(cx[included], cy[included])])
-        model, claimed, mech = _train(train_set, model_fn, loss_fn, epsilon=epsilon, delta=delta, epochs=epochs,
-                                      batch_size=batch_size, lr=lr, max_grad_norm=max_grad_norm, clipping=clipping,
-                                      broken=broken, accountant=accountant, noise_seed=noise_seed,
-                                      sample_seed=sample_seed, log=log)
+        model, claimed, mech = _train(
+            train_set,
+            model_fn,
+            loss_fn,
+            epsilon=epsilon,
+            delta=delta,
+            epochs=epochs,
+            batch_size=batch_size,
+            lr=lr,
+            max_grad_norm=max_grad_norm,
+            clipping=clipping,
+            broken=broken,
+            accountant=accountant,
+            noise_seed=noise_seed,
+            sample_seed=sample_seed,
+            log=log,
+        )
         model.eval()
         scores = score_fn(model, cx, cy).detach().float().flatten()
         if scores.shape[0] != m or not torch.isfinite(scores).all():
-            raise DPZooError(f"score_fn must return {m} finite scores (one per canary), got shape "
-                             f"{tuple(scores.shape)}{'' if torch.isfinite(scores).all() else ' with non-finite values'}.")
+            raise DPZooError(
+                f"score_fn must return {m} finite scores (one per canary), got shape "
+                f"{tuple(scores.shape)}{'' if torch.isfinite(scores).all() else ' with non-finite values'}."
+            )
         accuracy = _accuracy(model, test_dataset) if test_dataset is not None else None
     beta = 1 - confidence
     counts = _guess_counts(m, guess_fractions)
-    level = beta / len(counts)                                  # Bonferroni over the tried guess counts
+    level = beta / len(counts)  # Bonferroni over the tried guess counts
     tie = torch.Generator().manual_seed(seed + 2)
     candidates = []
     for k_plus, k_minus in counts:
         v = _score_guesses(scores, included, k_plus, k_minus, tie)
-        candidates.append({"k_plus": k_plus, "k_minus": k_minus, "correct": v,
-                           "epsilon_lower_bound": epsilon_lower_bound(m, k_plus + k_minus, v, delta, level)})
+        candidates.append(
+            {
+                "k_plus": k_plus,
+                "k_minus": k_minus,
+                "correct": v,
+                "epsilon_lower_bound": epsilon_lower_bound(m, k_plus + k_minus, v, delta, level),
+            }
+        )
     # the strongest bound; among equal ones (e.g. all 0) the most guesses, the most informative line
     best = max(candidates, key=lambda c: (c["epsilon_lower_bound"], c["k_plus"] + c["k_minus"]))
-    return AuditResult(claimed_epsilon=claimed, delta=delta, epsilon_lower_bound=best["epsilon_lower_bound"],
-                       confidence=confidence, canaries=m, guesses=best["k_plus"] + best["k_minus"],
-                       correct=best["correct"], k_plus=best["k_plus"], k_minus=best["k_minus"],
-                       included=int(included.sum()), broken=broken,
-                       max_auditable_epsilon=max(epsilon_lower_bound(m, a + b, a + b, delta, level) for a, b in counts),
-                       mechanism=mech,
-                       candidates=candidates, test_accuracy=accuracy, seconds=time.time() - t0,
-                       scores=scores.tolist(), membership=included.tolist())
+    return AuditResult(
+        claimed_epsilon=claimed,
+        delta=delta,
+        epsilon_lower_bound=best["epsilon_lower_bound"],
+        confidence=confidence,
+        canaries=m,
+        guesses=best["k_plus"] + best["k_minus"],
+        correct=best["correct"],
+        k_plus=best["k_plus"],
+        k_minus=best["k_minus"],
+        included=int(included.sum()),
+        broken=broken,
+        max_auditable_epsilon=max(epsilon_lower_bound(m, a + b, a + b, delta, level) for a, b in counts),
+        mechanism=mech,
+        candidates=candidates,
+        test_accuracy=accuracy,
+        seconds=time.time() - t0,
+        scores=scores.tolist(),
+        membership=included.tolist(),
+    )
 
 
-def _train(train_set, model_fn, loss_fn, *, epsilon, delta, epochs, batch_size, lr, max_grad_norm, clipping,
-           broken, accountant, noise_seed, sample_seed, log):
+def _train(
+    train_set,
+    model_fn,
+    loss_fn,
+    *,
+    epsilon,
+    delta,
+    epochs,
+    batch_size,
+    lr,
+    max_grad_norm,
+    clipping,
+    broken,
+    accountant,
+    noise_seed,
+    sample_seed,
+    log,
+):
     """One private training run with dpzoo's engine (or a deliberately broken variant).
 
     Returns (released model, claimed ε at δ, mechanism settings)."""
     from .privacy import Accountant, PrivacyEngine, get_noise_multiplier
+
     model = model_fn().train()
     side = side_opt = None
     if broken == "unclipped":
         side = model_fn().train()
-        side_opt = torch.optim.SGD(side.parameters(), lr=lr)    # outside the engine: noised but unclipped
+        side_opt = torch.optim.SGD(side.parameters(), lr=lr)  # outside the engine: noised but unclipped
     engine = PrivacyEngine(accountant=accountant)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
     noise = dict(noise_multiplier=0.0) if broken == "no-noise" else dict(target_epsilon=epsilon)
     seeds = {k: v for k, v in (("noise_seed", noise_seed), ("sample_seed", sample_seed)) if v is not None}
-    model, opt, loader = engine.make_private(module=model, optimizer=opt,
-                                             data_loader=DataLoader(train_set, batch_size=batch_size),
-                                             target_delta=delta, epochs=epochs, max_grad_norm=max_grad_norm,
-                                             clipping=clipping, mode="auto", **noise, **seeds)
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(train_set, batch_size=batch_size),
+        target_delta=delta,
+        epochs=epochs,
+        max_grad_norm=max_grad_norm,
+        clipping=clipping,
+        mode="auto",
+        **noise,
+        **seeds,
+    )
     q = batch_size / len(train_set)
-    intended = (get_noise_multiplier(epsilon, delta, q, epochs * len(loader), accountant)
-                if broken == "no-noise" else engine.noise_multiplier)
+    intended = (
+        get_noise_multiplier(epsilon, delta, q, epochs * len(loader), accountant)
+        if broken == "no-noise"
+        else engine.noise_multiplier
+    )
     released = _OutsideEngine(model, side) if side is not None else model
-    log(f"training: {len(train_set)} examples, q = {q:.4f}, σ = {engine.noise_multiplier:.3f}"
+    log(
+        f"training: {len(train_set)} examples, q = {q:.4f}, σ = {engine.noise_multiplier:.3f}"
         f"{f' (claimed: {intended:.3f})' if broken == 'no-noise' else ''}, {epochs} epochs"
-        f"{', plus a copy trained outside the engine' if side is not None else ''}")
+        f"{', plus a copy trained outside the engine' if side is not None else ''}"
+    )
     steps = 0
     for _ in range(epochs):
         for x, y in loader:
@@ -425,16 +531,28 @@ def _train(train_set, model_fn, loss_fn, *, epsilon, delta, epochs, batch_size, 
         claimed = acc.get_epsilon(delta)
     else:
         claimed = engine.get_epsilon(delta)
-    mech = {"noise_multiplier": float(engine.noise_multiplier), "claimed_noise_multiplier": float(intended),
-            "max_grad_norm": max_grad_norm, "clipping": clipping, "sample_rate": q, "steps": steps, "epochs": epochs,
-            "batch_size": batch_size, "lr": lr, "accountant": accountant, "optimizer": "SGD",
-            "outside_engine": ("a model copy trained by plain SGD on noised, unclipped gradients"
-                               if side is not None else None)}
+    mech = {
+        "noise_multiplier": float(engine.noise_multiplier),
+        "claimed_noise_multiplier": float(intended),
+        "max_grad_norm": max_grad_norm,
+        "clipping": clipping,
+        "sample_rate": q,
+        "steps": steps,
+        "epochs": epochs,
+        "batch_size": batch_size,
+        "lr": lr,
+        "accountant": accountant,
+        "optimizer": "SGD",
+        "outside_engine": (
+            "a model copy trained by plain SGD on noised, unclipped gradients" if side is not None else None
+        ),
+    }
     return released, claimed, mech
 
 
-def _noisy_unclipped_step(side: nn.Module, opt: torch.optim.Optimizer, batch: int, std: float,
-                          expected_batch: float) -> None:
+def _noisy_unclipped_step(
+    side: nn.Module, opt: torch.optim.Optimizer, batch: int, std: float, expected_batch: float
+) -> None:
     """The "unclipped" bug: DP-SGD's update without the clipping. The sum of the raw per-sample
     gradients (``batch`` times the mean-loss gradient) plus the engine's noise N(0, σ²R²),
     divided by the expected batch size as the engine does, then a plain optimizer step."""
@@ -460,8 +578,11 @@ def plot_scores(result: AuditResult, path) -> bool:
     ax.hist(scores[~member].tolist(), bins=bins, alpha=0.6, label=f"out ({int((~member).sum())})")
     ax.set_xlabel("canary score")
     ax.set_ylabel("canaries")
-    ax.set_title(f"{result.broken or 'dpzoo engine'}: claimed ε = {result.claimed_epsilon:.2f}, "
-                 f"ε ≥ {result.epsilon_lower_bound:.2f} ({100 * result.confidence:g}%)", fontsize=9)
+    ax.set_title(
+        f"{result.broken or 'dpzoo engine'}: claimed ε = {result.claimed_epsilon:.2f}, "
+        f"ε ≥ {result.epsilon_lower_bound:.2f} ({100 * result.confidence:g}%)",
+        fontsize=9,
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -37,7 +37,8 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(
             f"{path} is not a readable safetensors file; it is corrupt or truncated ({e}). "
-            "Download it again or re-save it with safetensors.torch.save_file.") from None
+            "Download it again or re-save it with safetensors.torch.save_file."
+        ) from None
 
 
 def _read_torch(path: Path) -> dict:
@@ -48,12 +49,15 @@ def _read_torch(path: Path) -> dict:
             raise CheckpointError(
                 f"{path} holds Python objects besides tensors, which dpzoo does not unpickle "
                 "(it could run arbitrary code). Save only the state dict: "
-                "torch.save(model.state_dict(), path).") from None
+                "torch.save(model.state_dict(), path)."
+            ) from None
         raise CheckpointError(f"{path} is corrupt or truncated: {e}") from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as e:
-        raise CheckpointError(f"{path} is corrupt or truncated ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else 'no detail'}). "
-                              "Download it again.") from None
+        raise CheckpointError(
+            f"{path} is corrupt or truncated ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else 'no detail'}). "
+            "Download it again."
+        ) from None
     return obj
 
 
@@ -66,15 +70,16 @@ def _unwrap(obj, path: Path) -> dict[str, torch.Tensor]:
                 break
             obj = inner
     if not isinstance(obj, Mapping) or not obj:
-        raise CheckpointError(f"{path} holds no state dict (found {type(obj).__name__}); "
-                              f"expected a mapping of tensor names to tensors.")
+        raise CheckpointError(
+            f"{path} holds no state dict (found {type(obj).__name__}); expected a mapping of tensor names to tensors."
+        )
     sd = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
     if not sd:
         raise CheckpointError(f"{path} holds no tensors (keys: {list(obj)[:8]}).")
     # DataParallel / DDP / torch.compile prefixes
     for prefix in ("module.", "_orig_mod."):
         if all(k.startswith(prefix) for k in sd):
-            sd = {k[len(prefix):]: v for k, v in sd.items()}
+            sd = {k[len(prefix) :]: v for k, v in sd.items()}
     return sd
 
 
@@ -88,20 +93,27 @@ def read_state_dict(path: str | os.PathLike, *, sha256: str | None = None) -> di
     if not path.exists():
         raise CheckpointError(f"Checkpoint {path} does not exist.")
     if path.is_dir():
-        raise CheckpointError(f"{path} is a directory; pass the checkpoint file inside it "
-                              "(or a Hugging Face model directory to a transformers zoo entry).")
+        raise CheckpointError(
+            f"{path} is a directory; pass the checkpoint file inside it "
+            "(or a Hugging Face model directory to a transformers zoo entry)."
+        )
     if path.stat().st_size == 0:
         raise CheckpointError(f"{path} is empty (0 bytes): the download or save did not finish.")
     if sha256 is not None:
         got = sha256_file(path)
         if got != sha256.lower():
-            raise CheckpointError(f"{path} has sha256 {got}, expected {sha256}: the file is "
-                                  "corrupt, truncated or not the one the manifest describes.")
+            raise CheckpointError(
+                f"{path} has sha256 {got}, expected {sha256}: the file is "
+                "corrupt, truncated or not the one the manifest describes."
+            )
     with open(path, "rb") as f:
         head = f.read(8)
     is_safetensors = path.suffix == ".safetensors" or (
-        len(head) == 8 and int.from_bytes(head, "little") < 100_000_000 and head[:2] != b"PK"
-        and path.suffix not in (".pth", ".pt", ".bin", ".ckpt"))
+        len(head) == 8
+        and int.from_bytes(head, "little") < 100_000_000
+        and head[:2] != b"PK"
+        and path.suffix not in (".pth", ".pt", ".bin", ".ckpt")
+    )
     if is_safetensors:
         return _read_safetensors(path)
     return _unwrap(_read_torch(path), path)
@@ -114,8 +126,11 @@ class StateDictMismatch:
         expected = model.state_dict()
         self.missing = [k for k in expected if k not in state_dict]
         self.unexpected = [k for k in state_dict if k not in expected]
-        self.mis_shaped = {k: (tuple(state_dict[k].shape), tuple(expected[k].shape))
-                           for k in expected if k in state_dict and state_dict[k].shape != expected[k].shape}
+        self.mis_shaped = {
+            k: (tuple(state_dict[k].shape), tuple(expected[k].shape))
+            for k in expected
+            if k in state_dict and state_dict[k].shape != expected[k].shape
+        }
 
     def __bool__(self) -> bool:
         return bool(self.missing or self.unexpected or self.mis_shaped)
@@ -125,28 +140,36 @@ class StateDictMismatch:
             keys = list(keys)
             more = f", ... ({len(keys) - limit} more)" if len(keys) > limit else ""
             return ", ".join(keys[:limit]) + more
+
         parts = []
         if self.missing:
             parts.append(f"missing from the checkpoint ({len(self.missing)}): {show(self.missing)}")
         if self.unexpected:
             parts.append(f"not in the model ({len(self.unexpected)}): {show(self.unexpected)}")
         if self.mis_shaped:
-            parts.append(f"wrong shape ({len(self.mis_shaped)}): " + show(
-                f"{k} {list(a)} in checkpoint vs {list(b)} in model" for k, (a, b) in self.mis_shaped.items()))
+            parts.append(
+                f"wrong shape ({len(self.mis_shaped)}): "
+                + show(f"{k} {list(a)} in checkpoint vs {list(b)} in model" for k, (a, b) in self.mis_shaped.items())
+            )
         return "; ".join(parts)
 
 
-def load_state_dict_checked(model: nn.Module, state_dict: Mapping[str, torch.Tensor], *,
-                            source: str = "checkpoint", allow_missing: Iterable[str] = (),
-                            ignore_unexpected: Iterable[str] = (), hint: str = "") -> StateDictMismatch:
+def load_state_dict_checked(
+    model: nn.Module,
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    source: str = "checkpoint",
+    allow_missing: Iterable[str] = (),
+    ignore_unexpected: Iterable[str] = (),
+    hint: str = "",
+) -> StateDictMismatch:
     """Load strictly, or raise :class:`CheckpointError` naming every bad key.
 
     ``allow_missing`` / ``ignore_unexpected`` are fnmatch patterns of keys that may be
     missing (freshly initialised, e.g. a new classifier) or extra in the checkpoint.
     """
     allow_missing, ignore_unexpected = tuple(allow_missing), tuple(ignore_unexpected)
-    sd = {k: v for k, v in state_dict.items()
-          if not any(fnmatch.fnmatch(k, p) for p in ignore_unexpected)}
+    sd = {k: v for k, v in state_dict.items() if not any(fnmatch.fnmatch(k, p) for p in ignore_unexpected)}
     # A tied tensor is often stored under one of its names only (safetensors' save_model,
     # HF checkpoints): fill the other names of its group from the stored one.
     for group in find_tied_parameters(model):
@@ -159,7 +182,8 @@ def load_state_dict_checked(model: nn.Module, state_dict: Mapping[str, torch.Ten
     if bad_missing or mm.unexpected or mm.mis_shaped:
         shown = StateDictMismatch.__new__(StateDictMismatch)
         shown.missing, shown.unexpected, shown.mis_shaped = bad_missing, mm.unexpected, mm.mis_shaped
-        raise CheckpointError(f"The {source} does not fit the model: {shown.describe()}."
-                              + (f" {hint}" if hint else ""))
+        raise CheckpointError(
+            f"The {source} does not fit the model: {shown.describe()}." + (f" {hint}" if hint else "")
+        )
     model.load_state_dict(sd, strict=False)
     return mm

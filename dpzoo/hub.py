@@ -26,16 +26,34 @@ from .checkpoint import load_state_dict_checked
 from .errors import CheckpointError, OverrideError, SaveError
 from .registry import get_entry, split_name
 
-__all__ = ["load", "create_model", "save", "read_config", "privacy_metadata",
-           "PRIVACY_FIELDS", "CONFIG_NAME", "WEIGHTS_NAME"]
+__all__ = [
+    "load",
+    "create_model",
+    "save",
+    "read_config",
+    "privacy_metadata",
+    "PRIVACY_FIELDS",
+    "CONFIG_NAME",
+    "WEIGHTS_NAME",
+]
 
 CONFIG_NAME = "dpzoo_config.json"
 WEIGHTS_NAME = "model.safetensors"
 FORMAT_VERSION = 1
 # Privacy metadata a DP-trained model carries (engine fills it; users may too).
-PRIVACY_FIELDS = {"epsilon": float, "delta": float, "accountant": str, "steps": int, "sample_rate": float,
-                  "noise_multiplier": float, "max_grad_norm": float, "privacy_unit": str,
-                  "noise": str, "sampling": str, "self_check": str}
+PRIVACY_FIELDS = {
+    "epsilon": float,
+    "delta": float,
+    "accountant": str,
+    "steps": int,
+    "sample_rate": float,
+    "noise_multiplier": float,
+    "max_grad_norm": float,
+    "privacy_unit": str,
+    "noise": str,
+    "sampling": str,
+    "self_check": str,
+}
 _REQUIRED_PRIVACY = ("epsilon", "delta", "accountant", "steps", "sample_rate")
 # JSON has no infinity: an infinite ε (σ = 0, no guarantee) is written as this string and read
 # back as float("inf") by read_config / privacy_metadata. The safetensors header stores str(ε),
@@ -52,12 +70,15 @@ def _jsonable(value: Any) -> Any:
         return {str(k): _jsonable(v) for k, v in value.items()}
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    raise OverrideError(f"Override value {value!r} ({type(value).__name__}) cannot be recorded for "
-                        "dpzoo.save; use numbers, strings, booleans, lists or dicts.")
+    raise OverrideError(
+        f"Override value {value!r} ({type(value).__name__}) cannot be recorded for "
+        "dpzoo.save; use numbers, strings, booleans, lists or dicts."
+    )
 
 
-def load(name_or_dir: str | os.PathLike, *, pretrained: bool = False, weights: str | os.PathLike | None = None,
-         **overrides) -> nn.Module:
+def load(
+    name_or_dir: str | os.PathLike, *, pretrained: bool = False, weights: str | os.PathLike | None = None, **overrides
+) -> nn.Module:
     """Build a zoo model, or restore one saved with :func:`save`.
 
     Args:
@@ -76,8 +97,9 @@ def load(name_or_dir: str | os.PathLike, *, pretrained: bool = False, weights: s
     path = Path(name_or_dir)
     if isinstance(name_or_dir, os.PathLike) or path.is_dir() or os.sep in str(name_or_dir):
         if pretrained or weights is not None or overrides:
-            raise OverrideError("dpzoo.load(dir) restores a saved model as it was; it takes no "
-                                "pretrained, weights or overrides.")
+            raise OverrideError(
+                "dpzoo.load(dir) restores a saved model as it was; it takes no pretrained, weights or overrides."
+            )
         return _load_saved(path)
     name = str(name_or_dir)
     entry = get_entry(name)
@@ -119,8 +141,7 @@ def _check_privacy(privacy: Mapping[str, Any] | None) -> dict[str, Any] | None:
         raise SaveError(f"Unknown privacy field(s) {unknown}; allowed: {sorted(PRIVACY_FIELDS)}.")
     missing = [k for k in _REQUIRED_PRIVACY if k not in privacy]
     if missing:
-        raise SaveError(f"privacy metadata lacks {missing}; a DP claim needs "
-                        f"{', '.join(_REQUIRED_PRIVACY)}.")
+        raise SaveError(f"privacy metadata lacks {missing}; a DP claim needs {', '.join(_REQUIRED_PRIVACY)}.")
     out = {}
     for key, value in privacy.items():
         kind = PRIVACY_FIELDS[key]
@@ -131,14 +152,18 @@ def _check_privacy(privacy: Mapping[str, Any] | None) -> dict[str, Any] | None:
             if key == "epsilon" and value == math.inf:
                 pass  # σ = 0: no guarantee, recorded as such (never as a large finite number)
             elif not math.isfinite(value) or value < 0:
-                raise SaveError(f"privacy {key} must be finite and >= 0, got {value}"
-                                + ("; ε may also be float('inf') (no guarantee)." if key == "epsilon" else "."))
+                raise SaveError(
+                    f"privacy {key} must be finite and >= 0, got {value}"
+                    + ("; ε may also be float('inf') (no guarantee)." if key == "epsilon" else ".")
+                )
         elif not isinstance(value, kind) or isinstance(value, bool):
             raise SaveError(f"privacy {key} must be {kind.__name__}, got {value!r}")
         out[key] = value
     if not 0 < out["delta"] < 1 or not 0 < out["sample_rate"] <= 1 or out["steps"] < 0:
-        raise SaveError("privacy needs 0 < delta < 1, 0 < sample_rate <= 1 and steps >= 0, "
-                        f"got delta={out['delta']}, sample_rate={out['sample_rate']}, steps={out['steps']}")
+        raise SaveError(
+            "privacy needs 0 < delta < 1, 0 < sample_rate <= 1 and steps >= 0, "
+            f"got delta={out['delta']}, sample_rate={out['sample_rate']}, steps={out['steps']}"
+        )
     return out
 
 
@@ -159,8 +184,9 @@ def _model_dtype(model: nn.Module) -> str | None:
     return str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else None
 
 
-def save(model: nn.Module, directory: str | os.PathLike, *, privacy: Mapping[str, Any] | None = None,
-         overwrite: bool = True) -> Path:
+def save(
+    model: nn.Module, directory: str | os.PathLike, *, privacy: Mapping[str, Any] | None = None, overwrite: bool = True
+) -> Path:
     """Write ``model`` to ``directory`` (safetensors + JSON), atomically.
 
     ``privacy``: optional DP metadata (epsilon, delta, accountant, steps, sample_rate and
@@ -170,9 +196,11 @@ def save(model: nn.Module, directory: str | os.PathLike, *, privacy: Mapping[str
     """
     config = getattr(model, "dpzoo_config", None)
     if not isinstance(config, dict) or "model_name" not in config:
-        raise SaveError("dpzoo.save needs a model built by dpzoo.load (it records how to rebuild "
-                        "the architecture). For any other module use safetensors.torch.save_model, "
-                        "or register a builder with @dpzoo.register_model.")
+        raise SaveError(
+            "dpzoo.save needs a model built by dpzoo.load (it records how to rebuild "
+            "the architecture). For any other module use safetensors.torch.save_model, "
+            "or register a builder with @dpzoo.register_model."
+        )
     if privacy is None:  # a model trained by dpzoo's engine carries its privacy spend
         engine_ref = getattr(model, "_dpzoo_engine", None)
         engine = engine_ref() if engine_ref is not None else None
@@ -186,8 +214,10 @@ def save(model: nn.Module, directory: str | os.PathLike, *, privacy: Mapping[str
         raise SaveError(f"{directory} exists and is not a directory.")
     if directory.is_dir() and any(directory.iterdir()):
         if not (directory / CONFIG_NAME).exists():
-            raise SaveError(f"{directory} is not empty and holds no dpzoo model; refusing to write "
-                            "into it. Choose an empty or new directory.")
+            raise SaveError(
+                f"{directory} is not empty and holds no dpzoo model; refusing to write "
+                "into it. Choose an empty or new directory."
+            )
         if not overwrite:
             raise SaveError(f"{directory} already holds a dpzoo model; pass overwrite=True to replace it.")
     report = getattr(model, "dpzoo_patch_report", None)
@@ -228,8 +258,11 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
         raise SaveError(f"{directory} is not a directory written by dpzoo.save.")
     cfg_path = directory / CONFIG_NAME
     if not cfg_path.exists():
-        hint = (" It looks like a Hugging Face directory: pass it as weights=DIR to a transformers zoo entry."
-                if (directory / "config.json").exists() else "")
+        hint = (
+            " It looks like a Hugging Face directory: pass it as weights=DIR to a transformers zoo entry."
+            if (directory / "config.json").exists()
+            else ""
+        )
         raise SaveError(f"{directory} has no {CONFIG_NAME}, so dpzoo.save did not write it.{hint}")
     try:
         cfg = json.loads(cfg_path.read_text())
@@ -269,8 +302,10 @@ def _load_saved(directory: Path) -> nn.Module:
     # save_model stores a tied tensor once; load_state_dict_checked fills its other names.
     load_state_dict_checked(model, state, source=f"saved model {directory}")
     if patches and model.dpzoo_patch_report.to_dict().get("biases_added") != patches.get("biases_added"):
-        raise SaveError(f"{directory}: rebuilding {cfg['model_name']} patched different layers than the "
-                        "saved model had (different dpzoo version?).")
+        raise SaveError(
+            f"{directory}: rebuilding {cfg['model_name']} patched different layers than the "
+            "saved model had (different dpzoo version?)."
+        )
     model.dpzoo_config = {k: cfg.get(k) for k in ("model_name", "overrides", "pretrained", "pretrained_tag", "weights")}
     if cfg.get("privacy"):
         model.dpzoo_privacy = cfg["privacy"]

@@ -19,8 +19,9 @@ class SequenceCrossEntropy(nn.Module):
     ``token_reduction``: ``"sum"`` (default) or ``"mean"`` over a sequence's tokens.
     """
 
-    def __init__(self, reduction: str = "mean", token_reduction: str = "sum", ignore_index: int = -100,
-                 shift: bool = False):
+    def __init__(
+        self, reduction: str = "mean", token_reduction: str = "sum", ignore_index: int = -100, shift: bool = False
+    ):
         super().__init__()
         if reduction not in ("none", "sum", "mean") or token_reduction not in ("sum", "mean"):
             raise ValueError("reduction must be none|sum|mean and token_reduction sum|mean")
@@ -31,8 +32,7 @@ class SequenceCrossEntropy(nn.Module):
         logits = getattr(logits, "logits", logits)
         if self.shift:  # next-token prediction: logits[t] predicts target[t + 1]
             logits, target = logits[:, :-1], target[:, 1:]
-        per_token = F.cross_entropy(logits.transpose(1, 2), target, reduction="none",
-                                    ignore_index=self.ignore_index)
+        per_token = F.cross_entropy(logits.transpose(1, 2), target, reduction="none", ignore_index=self.ignore_index)
         per_sample = per_token.sum(1)
         if self.token_reduction == "mean":
             per_sample = per_sample / (target != self.ignore_index).sum(1).clamp_min(1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
-from dataclasses import dataclass, field, asdict
+from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
 
 from .errors import InvalidArgumentError, UnknownModelError
@@ -64,8 +64,10 @@ class ModelCard:
         lines += ["", "## Patches applied by dpzoo", ""]
         lines += [f"- {p}" for p in self.patches] or ["- none"]
         if self.bias_exempt:
-            lines += ["", "Layers left without a bias on purpose: "
-                      + ", ".join(f"`{p}`" for p in self.bias_exempt) + "."]
+            lines += [
+                "",
+                "Layers left without a bias on purpose: " + ", ".join(f"`{p}`" for p in self.bias_exempt) + ".",
+            ]
         if self.pretrained_tags:
             lines += ["", "## Pretrained tags", "", "| tag | source |", "| --- | --- |"]
             lines += [f"| `{t}` | {s} |" for t, s in self.pretrained_tags.items()]
@@ -75,8 +77,14 @@ class ModelCard:
             lines += [f"| `{k}` | {v} |" for k, v in self.overrides.items()]
         if self.test_overrides:
             args = ", ".join(f"{k}={v!r}" for k, v in self.test_overrides.items())
-            lines += ["", "## Small configuration (tests, CPU)", "", "```python",
-                      f'dpzoo.load("{self.name}", {args})', "```"]
+            lines += [
+                "",
+                "## Small configuration (tests, CPU)",
+                "",
+                "```python",
+                f'dpzoo.load("{self.name}", {args})',
+                "```",
+            ]
         if self.papers:
             lines += ["", "## Papers", ""] + [f"- {p}" for p in self.papers]
         if self.notes:
@@ -111,8 +119,9 @@ def register_model(name: str | Callable | None = None, *, card: ModelCard | None
     def decorate(fn: Callable, entry_name: str | None) -> Callable:
         entry_name = entry_name or fn.__name__.replace("_", "-")
         if entry_name in _REGISTRY and _REGISTRY[entry_name].builder is not fn:
-            raise InvalidArgumentError(f"A zoo entry named {entry_name!r} is already registered; "
-                                       "register yours under another name (name=...).")
+            raise InvalidArgumentError(
+                f"A zoo entry named {entry_name!r} is already registered; register yours under another name (name=...)."
+            )
         entry_card = card or ModelCard(
             name=entry_name,
             summary=(inspect.getdoc(fn) or "User-registered model.").splitlines()[0],
@@ -121,8 +130,10 @@ def register_model(name: str | Callable | None = None, *, card: ModelCard | None
             task="unspecified",
         )
         if entry_card.name != entry_name:
-            raise InvalidArgumentError(f"The card is named {entry_card.name!r} but the entry {entry_name!r}; "
-                                       "give the ModelCard the entry's name.")
+            raise InvalidArgumentError(
+                f"The card is named {entry_card.name!r} but the entry {entry_name!r}; "
+                "give the ModelCard the entry's name."
+            )
         _REGISTRY[entry_name] = ModelEntry(entry_name, fn, entry_card)
         return fn
 

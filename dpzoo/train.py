@@ -34,16 +34,32 @@ def _evaluate(model, dataset, batch_size=256) -> float:
     return correct / len(dataset)
 
 
-def train_image_classifier(name: str, *, data: str = "digits", epsilon: float = 8.0, delta: float = 1e-5,
-                           epochs: int = 5, batch_size: int = 64, lr: float = 1e-3, mode: str = "bk-mixopt",
-                           clipping: str = "automatic", max_grad_norm: float = 1.0, image_size: int = 16,
-                           small: bool = True, out: str | Path | None = None, seed: int = 0,
-                           accountant: str = "rdp", overrides: dict | None = None, log=print) -> dict:
+def train_image_classifier(
+    name: str,
+    *,
+    data: str = "digits",
+    epsilon: float = 8.0,
+    delta: float = 1e-5,
+    epochs: int = 5,
+    batch_size: int = 64,
+    lr: float = 1e-3,
+    mode: str = "bk-mixopt",
+    clipping: str = "automatic",
+    max_grad_norm: float = 1.0,
+    image_size: int = 16,
+    small: bool = True,
+    out: str | Path | None = None,
+    seed: int = 0,
+    accountant: str = "rdp",
+    overrides: dict | None = None,
+    log=print,
+) -> dict:
     """Train ``name`` with DP on ``data``; returns the metrics (also written to ``out``)."""
     card = model_card(name)
     if card.task != "image-classification":
-        raise DPZooError(f"dpzoo train {name}: only image classifiers train on built-in data for now "
-                         f"({name} is {card.task}).")
+        raise DPZooError(
+            f"dpzoo train {name}: only image classifiers train on built-in data for now ({name} is {card.task})."
+        )
     if data != "digits":
         raise DPZooError(f"Unknown dataset {data!r}: the built-in one is 'digits'.")
     torch.manual_seed(seed)
@@ -55,13 +71,22 @@ def train_image_classifier(name: str, *, data: str = "digits", epsilon: float = 
     model = load(name, **kwargs).train()
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     engine = PrivacyEngine(accountant=accountant)
-    model, opt, loader = engine.make_private(module=model, optimizer=opt,
-                                             data_loader=DataLoader(train, batch_size=batch_size),
-                                             target_epsilon=epsilon, target_delta=delta, epochs=epochs,
-                                             max_grad_norm=max_grad_norm, clipping=clipping, mode=mode)
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(train, batch_size=batch_size),
+        target_epsilon=epsilon,
+        target_delta=delta,
+        epochs=epochs,
+        max_grad_norm=max_grad_norm,
+        clipping=clipping,
+        mode=mode,
+    )
     # `seed` fixes the initialisation and the data split; Poisson membership and noise are secret
-    log(f"{name} on {data}: {len(train)} train / {len(test)} test images, mode {mode}, "
-        f"σ = {engine.noise_multiplier:.3f}, q = {engine.sample_rate:.4f}, target ε = {epsilon} at δ = {delta}")
+    log(
+        f"{name} on {data}: {len(train)} train / {len(test)} test images, mode {mode}, "
+        f"σ = {engine.noise_multiplier:.3f}, q = {engine.sample_rate:.4f}, target ε = {epsilon} at δ = {delta}"
+    )
     history = []
     t = time.time()
     for epoch in range(1, epochs + 1):
@@ -73,9 +98,20 @@ def train_image_classifier(name: str, *, data: str = "digits", epsilon: float = 
         eps = engine.get_epsilon(delta)
         history.append({"epoch": epoch, "test_accuracy": acc, "epsilon": eps, "seconds": time.time() - t})
         log(f"epoch {epoch}: test accuracy {acc:.3f}  ε = {eps:.2f}  ({time.time() - t:.0f}s)")
-    result = {"model": name, "data": data, "mode": mode, "clipping": clipping, "epochs": epochs,
-              "batch_size": batch_size, "lr": lr, "delta": delta, "noise_multiplier": engine.noise_multiplier,
-              "sample_rate": engine.sample_rate, "accountant": accountant, "history": history}
+    result = {
+        "model": name,
+        "data": data,
+        "mode": mode,
+        "clipping": clipping,
+        "epochs": epochs,
+        "batch_size": batch_size,
+        "lr": lr,
+        "delta": delta,
+        "noise_multiplier": engine.noise_multiplier,
+        "sample_rate": engine.sample_rate,
+        "accountant": accountant,
+        "history": history,
+    }
     if out is not None:
         out = Path(out)
         engine.detach()

@@ -51,10 +51,17 @@ def private_finetune(model, train, test, method, epochs, epsilon, delta):
     # learning rates of the DP-BiTFiT paper (Table 14): 1e-3 full, 5e-3 BiTFiT, with Adam
     opt = torch.optim.Adam(model.parameters(), lr=5e-3 if method == "bitfit" else 1e-3)
     engine = dpzoo.PrivacyEngine()
-    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(train, batch_size=64),
-                                             target_epsilon=epsilon, target_delta=delta, epochs=epochs,
-                                             max_grad_norm=1.0, clipping="automatic",
-                                             mode="bitfit" if method == "bitfit" else "bk-mixopt")
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(train, batch_size=64),
+        target_epsilon=epsilon,
+        target_delta=delta,
+        epochs=epochs,
+        max_grad_norm=1.0,
+        clipping="automatic",
+        mode="bitfit" if method == "bitfit" else "bk-mixopt",
+    )
     t = time.time()
     for epoch in range(epochs):
         if method == "1+bitfit" and epoch == 1:
@@ -85,10 +92,13 @@ def main():
     print(f"pre-trained without privacy on public digits 0-4: accuracy {accuracy(model, public_test):.3f}")
     print(f"before private fine-tuning, on private digits 5-9: accuracy {accuracy(model, private_test):.3f}")
     for method in ("bitfit", "1+bitfit", "full"):
-        acc, eps, secs, trainable = private_finetune(model, private_train, private_test, method, args.epochs,
-                                                     args.epsilon, args.delta)
-        print(f"DP {method:<9} accuracy {acc:.3f}  epsilon {eps:.2f} (delta {args.delta:g})  "
-              f"trainable at the end {trainable:,}  {secs:.0f}s")
+        acc, eps, secs, trainable = private_finetune(
+            model, private_train, private_test, method, args.epochs, args.epsilon, args.delta
+        )
+        print(
+            f"DP {method:<9} accuracy {acc:.3f}  epsilon {eps:.2f} (delta {args.delta:g})  "
+            f"trainable at the end {trainable:,}  {secs:.0f}s"
+        )
 
 
 if __name__ == "__main__":

@@ -31,10 +31,17 @@ FAMILIES = {
     "text": ["re", "string", "textwrap", "difflib", "html", "unicodedata", "codecs"],
     "files": ["os", "shutil", "pathlib", "glob", "tempfile", "filecmp", "zipfile", "tarfile", "io"],
     "numbers": ["math", "statistics", "decimal", "fractions", "random", "cmath", "numbers"],
-    "network": ["urllib.request", "urllib.parse", "http.client", "http.server", "email.message", "smtplib",
-                "socket", "ftplib"],
-    "concurrency": ["threading", "multiprocessing", "asyncio", "queue", "concurrent.futures", "sched",
-                    "subprocess"],
+    "network": [
+        "urllib.request",
+        "urllib.parse",
+        "http.client",
+        "http.server",
+        "email.message",
+        "smtplib",
+        "socket",
+        "ftplib",
+    ],
+    "concurrency": ["threading", "multiprocessing", "asyncio", "queue", "concurrent.futures", "sched", "subprocess"],
 }
 
 
@@ -50,8 +57,13 @@ def sentences() -> tuple[list[str], list[int]]:
         for name in mods:
             mod = importlib.import_module(name)
             objs = [o for _, o in inspect.getmembers(mod)]
-            objs += [m for o in objs if inspect.isclass(o) for _, m in inspect.getmembers(o)
-                     if inspect.isfunction(m) or inspect.ismethod(m)]
+            objs += [
+                m
+                for o in objs
+                if inspect.isclass(o)
+                for _, m in inspect.getmembers(o)
+                if inspect.isfunction(m) or inspect.ismethod(m)
+            ]
             for obj in objs:
                 if not (inspect.isfunction(obj) or inspect.isclass(obj) or inspect.ismethod(obj)):
                     continue
@@ -75,8 +87,12 @@ def minilm_dir() -> Path:
 def accuracy(model, ds) -> float:
     model.eval()
     ids, mask, y = ds.tensors
-    pred = torch.cat([model(input_ids=ids[i:i + 256], attention_mask=mask[i:i + 256]).logits.argmax(-1)
-                      for i in range(0, len(y), 256)])
+    pred = torch.cat(
+        [
+            model(input_ids=ids[i : i + 256], attention_mask=mask[i : i + 256]).logits.argmax(-1)
+            for i in range(0, len(y), 256)
+        ]
+    )
     model.train()
     return (pred == y).float().mean().item()
 
@@ -93,8 +109,17 @@ def train(method, args, train_ds, test_ds, delta):
     t0 = time.time()
     selection = None
     if method == "dp-frost":
-        selection = frost.select(model, loader, args.epsilon, delta, ratio=args.ratio, epochs=args.epochs,
-                                 loss_fn=loss_fn, seed=args.seed, max_physical_batch_size=8)
+        selection = frost.select(
+            model,
+            loader,
+            args.epsilon,
+            delta,
+            ratio=args.ratio,
+            epochs=args.epochs,
+            loss_fn=loss_fn,
+            seed=args.seed,
+            max_physical_batch_size=8,
+        )
         print("  " + selection.summary())
     select_seconds = time.time() - t0
     params = [p for p in model.parameters() if p.requires_grad]
@@ -102,15 +127,27 @@ def train(method, args, train_ds, test_ds, delta):
         params = [p for n, p in model.named_parameters() if n.endswith("bias") or n.startswith("classifier")]
     opt = torch.optim.AdamW(params, lr=args.lr[method], weight_decay=0.0)
     if selection is not None:
-        engine, model, opt, loader = selection.make_private(module=model, optimizer=opt, data_loader=loader,
-                                                            epochs=args.epochs, clipping="automatic",
-                                                            max_physical_batch_size=32)
+        engine, model, opt, loader = selection.make_private(
+            module=model,
+            optimizer=opt,
+            data_loader=loader,
+            epochs=args.epochs,
+            clipping="automatic",
+            max_physical_batch_size=32,
+        )
     else:
         engine = dpzoo.PrivacyEngine()
         model, opt, loader = engine.make_private(
-            module=model, optimizer=opt, data_loader=loader, target_epsilon=args.epsilon, target_delta=delta,
-            epochs=args.epochs, clipping="automatic", mode="bitfit" if method == "dp-bitfit" else "auto",
-            max_physical_batch_size=32)
+            module=model,
+            optimizer=opt,
+            data_loader=loader,
+            target_epsilon=args.epsilon,
+            target_delta=delta,
+            epochs=args.epochs,
+            clipping="automatic",
+            mode="bitfit" if method == "dp-bitfit" else "auto",
+            max_physical_batch_size=32,
+        )
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     t1 = time.time()
     first_epoch = None
@@ -122,16 +159,28 @@ def train(method, args, train_ds, test_ds, delta):
             opt.zero_grad()
         first_epoch = first_epoch or time.time() - t1
     engine.detach()
-    row = {"method": method, "accuracy": accuracy(model, test_ds), "epsilon": engine.get_epsilon(delta),
-           "delta": delta, "trainable_parameters": trainable, "lr": args.lr[method],
-           "noise_multiplier": engine.noise_multiplier, "train_seconds": time.time() - t1,
-           "first_epoch_seconds": first_epoch}
+    row = {
+        "method": method,
+        "accuracy": accuracy(model, test_ds),
+        "epsilon": engine.get_epsilon(delta),
+        "delta": delta,
+        "trainable_parameters": trainable,
+        "lr": args.lr[method],
+        "noise_multiplier": engine.noise_multiplier,
+        "train_seconds": time.time() - t1,
+        "first_epoch_seconds": first_epoch,
+    }
     if selection is not None:
-        row.update(selection_seconds=select_seconds, selection_samples=selection.samples_seen,
-                   selection_noise_multiplier=selection.selection_noise_multiplier,
-                   selected=[p.name for p in selection.selected])
-    print(f"  {method:10s} accuracy {row['accuracy']:.3f}  ε = {row['epsilon']:.2f}  "
-          f"trainable {trainable:,}  ({row['train_seconds']:.0f}s)")
+        row.update(
+            selection_seconds=select_seconds,
+            selection_samples=selection.samples_seen,
+            selection_noise_multiplier=selection.selection_noise_multiplier,
+            selected=[p.name for p in selection.selected],
+        )
+    print(
+        f"  {method:10s} accuracy {row['accuracy']:.3f}  ε = {row['epsilon']:.2f}  "
+        f"trainable {trainable:,}  ({row['train_seconds']:.0f}s)"
+    )
     return row
 
 
@@ -148,26 +197,31 @@ def main(argv=None):
     args = p.parse_args(argv)
     args.lr = {"dp-frost": 1e-3, "dp-bitfit": 1e-2, "full": 1e-3}
     from transformers import BertTokenizerFast
+
     tok = BertTokenizerFast.from_pretrained(str(minilm_dir()))
     texts, labels = sentences()
     g = torch.Generator().manual_seed(0)
     order = torch.randperm(len(texts), generator=g).tolist()
-    enc = tok([texts[i] for i in order], padding="max_length", truncation=True, max_length=args.max_len,
-              return_tensors="pt")
+    enc = tok(
+        [texts[i] for i in order], padding="max_length", truncation=True, max_length=args.max_len, return_tensors="pt"
+    )
     y = torch.tensor([labels[i] for i in order])
     n_test = len(y) // 5
     test_ds = TensorDataset(enc["input_ids"][:n_test], enc["attention_mask"][:n_test], y[:n_test])
     train_ds = TensorDataset(enc["input_ids"][n_test:], enc["attention_mask"][n_test:], y[n_test:])
     delta = 1 / (2 * len(train_ds))  # the DP-FROST paper's δ = 1/(2|D|)
     counts = torch.bincount(y, minlength=len(FAMILIES)).tolist()
-    print(f"{len(train_ds)} train / {n_test} test sentences, classes {dict(zip(FAMILIES, counts))}; "
-          f"majority-class accuracy {max(counts) / len(y):.3f}; ε = {args.epsilon}, δ = {delta:.1e}")
+    print(
+        f"{len(train_ds)} train / {n_test} test sentences, classes {dict(zip(FAMILIES, counts))}; "
+        f"majority-class accuracy {max(counts) / len(y):.3f}; ε = {args.epsilon}, δ = {delta:.1e}"
+    )
     rows = [train(m, args, train_ds, test_ds, delta) for m in args.methods]
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps({"settings": {k: v for k, v in vars(args).items()},
-                                                      "results": rows}, indent=2) + "\n")
+        (out / "results.json").write_text(
+            json.dumps({"settings": {k: v for k, v in vars(args).items()}, "results": rows}, indent=2) + "\n"
+        )
     return rows
 
 

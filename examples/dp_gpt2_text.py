@@ -22,8 +22,24 @@ from torch.utils.data import DataLoader, TensorDataset
 import dpzoo
 from dpzoo.losses import SequenceCrossEntropy
 
-MODULES = ["argparse", "json", "pathlib", "collections", "functools", "itertools", "re", "string",
-           "textwrap", "datetime", "statistics", "random", "csv", "logging", "unittest", "typing"]
+MODULES = [
+    "argparse",
+    "json",
+    "pathlib",
+    "collections",
+    "functools",
+    "itertools",
+    "re",
+    "string",
+    "textwrap",
+    "datetime",
+    "statistics",
+    "random",
+    "csv",
+    "logging",
+    "unittest",
+    "typing",
+]
 
 
 def corpus(seq_len: int) -> torch.Tensor:
@@ -59,17 +75,36 @@ def main():
     seqs = corpus(args.seq_len)
     perm = torch.randperm(len(seqs), generator=torch.Generator().manual_seed(0))
     test, train = seqs[perm[:256]], seqs[perm[256:]]
-    model = dpzoo.load("gpt2", vocab_size=256, num_layers=2, width=128, num_heads=4, max_positions=args.seq_len,
-                       resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0).train()
-    print(f"{len(train):,} training sequences of {args.seq_len} bytes; tied: "
-          f"{' = '.join(model.dpzoo_patch_report.tied_groups[0].names)}")
+    model = dpzoo.load(
+        "gpt2",
+        vocab_size=256,
+        num_layers=2,
+        width=128,
+        num_heads=4,
+        max_positions=args.seq_len,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    ).train()
+    print(
+        f"{len(train):,} training sequences of {args.seq_len} bytes; tied: "
+        f"{' = '.join(model.dpzoo_patch_report.tied_groups[0].names)}"
+    )
     print(f"held-out loss before: {mean_loss(model, test):.3f} nats/byte (uniform: {math.log(256):.3f})")
     opt = torch.optim.Adam(model.parameters(), lr=2e-3)
     engine = dpzoo.PrivacyEngine()
     model, opt, loader = engine.make_private(
-        module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(train), batch_size=128),
-        target_epsilon=args.epsilon, target_delta=args.delta, epochs=args.epochs, max_grad_norm=1.0,
-        clipping="automatic", mode="bk-mixopt", max_physical_batch_size=64)
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(TensorDataset(train), batch_size=128),
+        target_epsilon=args.epsilon,
+        target_delta=args.delta,
+        epochs=args.epochs,
+        max_grad_norm=1.0,
+        clipping="automatic",
+        mode="bk-mixopt",
+        max_physical_batch_size=64,
+    )
     crit = SequenceCrossEntropy(shift=True, token_reduction="mean")
     t = time.time()
     for epoch in range(args.epochs):
@@ -78,10 +113,14 @@ def main():
                 crit(model(input_ids=x).logits, x).backward()
             opt.step()
             opt.zero_grad()
-        print(f"epoch {epoch + 1}: held-out loss {mean_loss(model, test):.3f}  epsilon {engine.get_epsilon():.2f}  "
-              f"({time.time() - t:.0f}s)")
-    print(f"spent epsilon {engine.get_epsilon():.2f} at delta {args.delta:g} "
-          f"(sigma {engine.noise_multiplier:.3f}, {engine.steps} steps, accountant {engine.accountant.name})")
+        print(
+            f"epoch {epoch + 1}: held-out loss {mean_loss(model, test):.3f}  epsilon {engine.get_epsilon():.2f}  "
+            f"({time.time() - t:.0f}s)"
+        )
+    print(
+        f"spent epsilon {engine.get_epsilon():.2f} at delta {args.delta:g} "
+        f"(sigma {engine.noise_multiplier:.3f}, {engine.steps} steps, accountant {engine.accountant.name})"
+    )
 
 
 if __name__ == "__main__":

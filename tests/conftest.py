@@ -37,4 +37,5 @@ def small_model():
     def make(name, **extra):
         card = dpzoo.model_card(name)
         return dpzoo.load(name, **{**card.test_overrides, **extra}), card
+
     return make

@@ -18,10 +18,11 @@ def per_sample_grads(model: nn.Module, loss_fn, inputs: dict, batch_size: int) -
     for i in range(batch_size):
         for p in params.values():
             p.grad = None
-        sample = {k: v[i:i + 1] for k, v in inputs.items()}
+        sample = {k: v[i : i + 1] for k, v in inputs.items()}
         loss_fn(model, **sample).backward()
-        out.append({n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
-                    for n, p in params.items()})
+        out.append(
+            {n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for n, p in params.items()}
+        )
     for p in params.values():
         p.grad = None
     return out

@@ -22,8 +22,14 @@ import torch
 import torch.nn.functional as F
 
 
-def linear(mean: torch.Tensor, var: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           var_w: float = 0.0, var_b: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+def linear(
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    var_w: float = 0.0,
+    var_b: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean, var) of y = x Wᵀ + b for x ~ N(mean, var) per coordinate, W with noise var_w."""
     out_mean = mean @ weight.t() + (bias if bias is not None else 0)
     out_var = var @ weight.pow(2).t() + var_w * (var + mean.pow(2)).sum(-1, keepdim=True) + var_b
@@ -43,6 +49,7 @@ _GH: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 def _gauss_hermite(points: int, dtype, device):
     if points not in _GH:
         import numpy as np
+
         x, w = np.polynomial.hermite.hermgauss(points)
         _GH[points] = (torch.tensor(x, dtype=torch.float64), torch.tensor(w, dtype=torch.float64))
     x, w = _GH[points]

@@ -14,7 +14,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -43,6 +42,7 @@ def _dp_accounting_epsilon(name, entries):
     from dp_accounting import dp_event
     from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
     from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
+
     acc = PLDAccountant() if name == "pld" else RdpAccountant()
     for sigma, q, steps in entries:
         acc.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), steps)
@@ -52,6 +52,7 @@ def _dp_accounting_epsilon(name, entries):
 def _opacus_epsilon(name, entries):
     """Opacus recording the steps one by one through its own ``step`` (its history)."""
     from opacus.accountants import create_accountant
+
     acc = create_accountant({"prv": "prv", "opacus-rdp": "rdp", "gdp": "gdp"}[name])
     for sigma, q, steps in entries:
         for _ in range(steps):
@@ -64,6 +65,7 @@ def _library_epsilon(name, entries):
 
 
 # -- 1. every accountant composes the whole history (or refuses) ------------------------------
+
 
 @pytest.mark.parametrize("name", ["pld", "rdp", "prv", "opacus-rdp"])
 def test_two_entry_history_is_what_the_library_composes(name):
@@ -128,6 +130,7 @@ def test_gdp_is_refused_for_training():
 
 # -- 2. calibration after a spent history uses the accountant asked for -----------------------
 
+
 @pytest.mark.parametrize("name", ["pld", "prv"])
 def test_calibration_after_a_history_uses_the_same_accountant(name):
     """DP-FROST's ComputeSigma: σ_ps after σ_SGD spent 0.9 · ε. Before: the σ bracket came from
@@ -160,8 +163,18 @@ def test_frost_select_with_prv_meets_the_target():
     torch.manual_seed(0)
     ds = TensorDataset(torch.randn(300, 4), torch.randint(0, 3, (300,)))
     eps, delta = 3.0, 1e-4
-    sel = frost.select(_Tiny(), DataLoader(ds, batch_size=30), eps, delta, ratio=0.5, epochs=2, sample_rate=0.1,
-                       accountant="prv", seed=0, pgm_iterations=50)
+    sel = frost.select(
+        _Tiny(),
+        DataLoader(ds, batch_size=30),
+        eps,
+        delta,
+        ratio=0.5,
+        epochs=2,
+        sample_rate=0.1,
+        accountant="prv",
+        seed=0,
+        pgm_iterations=50,
+    )
     assert sel.accountant.name == "prv" and sel.accountant.history == [[sel.selection_noise_multiplier, 0.1, 5]]
     sel.accountant.step(sel.noise_multiplier, sel.sgd_sample_rate, sel.sgd_steps)  # what training records
     assert eps - 0.02 <= sel.accountant.get_epsilon(delta) <= eps
@@ -169,27 +182,31 @@ def test_frost_select_with_prv_meets_the_target():
 
 # -- 3. bad arguments are DPZooErrors naming the argument ---------------------------------------
 
-@pytest.mark.parametrize("call, arg", [
-    (lambda: get_noise_multiplier(0, DELTA, 0.1, 10), "target_epsilon"),
-    (lambda: get_noise_multiplier(-1, DELTA, 0.1, 10), "target_epsilon"),
-    (lambda: get_noise_multiplier(math.inf, DELTA, 0.1, 10), "target_epsilon"),
-    (lambda: get_noise_multiplier(math.nan, DELTA, 0.1, 10), "target_epsilon"),
-    (lambda: get_noise_multiplier(3, 0, 0.1, 10), "target_delta"),
-    (lambda: get_noise_multiplier(3, 1, 0.1, 10), "target_delta"),
-    (lambda: get_noise_multiplier(3, DELTA, 0, 10), "sample_rate"),
-    (lambda: get_noise_multiplier(3, DELTA, 1.5, 10), "sample_rate"),
-    (lambda: get_noise_multiplier(3, DELTA, 0.1, 0), "steps"),
-    (lambda: get_noise_multiplier(3, DELTA, 0.1, 2.5), "steps"),
-    (lambda: get_noise_multiplier(3, DELTA, 0.1, 10, "moments"), "accountant"),
-    (lambda: get_noise_multiplier(3, DELTA, 0.1, 10, tolerance=0), "tolerance"),
-    (lambda: Accountant("moments"), "accountant"),
-    (lambda: Accountant().step(-1.0, 0.1), "noise_multiplier"),
-    (lambda: Accountant().step(math.nan, 0.1), "noise_multiplier"),
-    (lambda: Accountant().step(1.0, 0.0), "sample_rate"),
-    (lambda: Accountant().step(1.0, 0.1, -1), "steps"),
-    (lambda: Accountant().get_epsilon(0), "delta"),
-    (lambda: Accountant().get_epsilon(1.0), "delta"),
-])
+
+@pytest.mark.parametrize(
+    "call, arg",
+    [
+        (lambda: get_noise_multiplier(0, DELTA, 0.1, 10), "target_epsilon"),
+        (lambda: get_noise_multiplier(-1, DELTA, 0.1, 10), "target_epsilon"),
+        (lambda: get_noise_multiplier(math.inf, DELTA, 0.1, 10), "target_epsilon"),
+        (lambda: get_noise_multiplier(math.nan, DELTA, 0.1, 10), "target_epsilon"),
+        (lambda: get_noise_multiplier(3, 0, 0.1, 10), "target_delta"),
+        (lambda: get_noise_multiplier(3, 1, 0.1, 10), "target_delta"),
+        (lambda: get_noise_multiplier(3, DELTA, 0, 10), "sample_rate"),
+        (lambda: get_noise_multiplier(3, DELTA, 1.5, 10), "sample_rate"),
+        (lambda: get_noise_multiplier(3, DELTA, 0.1, 0), "steps"),
+        (lambda: get_noise_multiplier(3, DELTA, 0.1, 2.5), "steps"),
+        (lambda: get_noise_multiplier(3, DELTA, 0.1, 10, "moments"), "accountant"),
+        (lambda: get_noise_multiplier(3, DELTA, 0.1, 10, tolerance=0), "tolerance"),
+        (lambda: Accountant("moments"), "accountant"),
+        (lambda: Accountant().step(-1.0, 0.1), "noise_multiplier"),
+        (lambda: Accountant().step(math.nan, 0.1), "noise_multiplier"),
+        (lambda: Accountant().step(1.0, 0.0), "sample_rate"),
+        (lambda: Accountant().step(1.0, 0.1, -1), "steps"),
+        (lambda: Accountant().get_epsilon(0), "delta"),
+        (lambda: Accountant().get_epsilon(1.0), "delta"),
+    ],
+)
 def test_bad_arguments_are_accounting_errors(call, arg):
     """Before: a plain ValueError (not a DPZooError) with one message for all four arguments;
     target_epsilon = nan or inf returned σ ≈ 1e-6 (no noise)."""
@@ -200,12 +217,16 @@ def test_bad_arguments_are_accounting_errors(call, arg):
 
 # -- 4. ε is never silently 0, too small or nan ---------------------------------------------------
 
-@pytest.mark.parametrize("entry, arg", [
-    ([-1.0, 0.1, 5], "noise_multiplier"),
-    ([math.inf, 0.1, 5], "noise_multiplier"),
-    ([1.0, 0.0, 5], "sample_rate"),
-    ([1.0, 0.1, 2.5], "steps"),
-])
+
+@pytest.mark.parametrize(
+    "entry, arg",
+    [
+        ([-1.0, 0.1, 5], "noise_multiplier"),
+        ([math.inf, 0.1, 5], "noise_multiplier"),
+        ([1.0, 0.0, 5], "sample_rate"),
+        ([1.0, 0.1, 2.5], "steps"),
+    ],
+)
 @pytest.mark.parametrize("name", ["rdp", "pld", "opacus-rdp"])
 def test_a_bad_history_entry_is_refused(name, entry, arg):
     """Histories come from users and checkpoints too. Before: q = 0 gave ε = 0 ("rdp", "pld");

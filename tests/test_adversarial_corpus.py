@@ -45,15 +45,18 @@ F64 = torch.float64
 MODES = ("ghost", "instantiate", "auto")
 RTOL = 1e-6
 
-pytestmark = [pytest.mark.filterwarnings("ignore:Full backward hook is firing"),
-              pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-              pytest.mark.filterwarnings("ignore::FutureWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Full backward hook is firing"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
 
 
 # =============================================================================================
 # harness
 # =============================================================================================
+
 
 @dataclass
 class Case:
@@ -83,7 +86,8 @@ def _tensors(inputs):
 
 def _slice(inputs, i, b):
     def one(v):
-        return v[i:i + 1] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == b else v
+        return v[i : i + 1] if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == b else v
+
     if isinstance(inputs, dict):
         return {k: one(v) for k, v in inputs.items()}
     if isinstance(inputs, tuple):
@@ -126,8 +130,9 @@ def per_sample_reference(case: Case, b: int):
         for p in params.values():
             p.grad = None
         case.loss_fn(_call(case.model, _slice(case.inputs, i, b))).backward()
-        grads.append({n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-                      for n, p in params.items()})
+        grads.append(
+            {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for n, p in params.items()}
+        )
     for p in params.values():
         p.grad = None
     return grads
@@ -204,6 +209,7 @@ def run_case(case: Case) -> tuple[str, str]:
 # helpers for the cases
 # =============================================================================================
 
+
 def _rng(name: str) -> random.Random:
     return random.Random(zlib.crc32(name.encode()))
 
@@ -241,8 +247,10 @@ class Head(nn.Module):
 
 # --- timm ---------------------------------------------------------------------------------------
 
+
 def _timm(name, img=32, b=2, dp_ready=False, train=True, **kw):
     import timm
+
     torch.manual_seed(0)
     m = timm.create_model(name, pretrained=False, num_classes=3, **kw)
     if dp_ready:
@@ -252,6 +260,7 @@ def _timm(name, img=32, b=2, dp_ready=False, train=True, **kw):
 
 def _timm_vit(b=3, img=16, **kw):
     import timm
+
     torch.manual_seed(0)
     args = dict(img_size=img, patch_size=8, depth=1, embed_dim=16, num_heads=2, num_classes=3)
     args.update(kw)
@@ -261,6 +270,7 @@ def _timm_vit(b=3, img=16, **kw):
 
 def _convnext(**kw):
     from timm.models.convnext import ConvNeXt  # timm.create_model drops None keyword arguments
+
     torch.manual_seed(0)
     m = ConvNeXt(depths=(1, 1, 1, 1), dims=(8, 8, 16, 16), num_classes=3, **kw)
     return Case(_f64(m), _x(2, 3, 32, 32), probe_loss)
@@ -333,18 +343,33 @@ def timm_vit_dynamic_img_size():
 
 def timm_deit_distilled():
     import timm
+
     torch.manual_seed(0)
-    m = timm.create_model("deit_tiny_distilled_patch16_224", pretrained=False, img_size=16, patch_size=8, depth=1,
-                          embed_dim=16, num_heads=2, num_classes=3)
+    m = timm.create_model(
+        "deit_tiny_distilled_patch16_224",
+        pretrained=False,
+        img_size=16,
+        patch_size=8,
+        depth=1,
+        embed_dim=16,
+        num_heads=2,
+        num_classes=3,
+    )
     return Case(_f64(m), _x(3, 3, 16, 16), probe_loss)
 
 
 def timm_resnetv2_bit_stdconv():
     from timm.layers import GroupNormAct
     from timm.models.resnetv2 import ResNetV2
+
     torch.manual_seed(0)
-    m = ResNetV2(layers=(1, 1), channels=(16, 32), stem_chs=8, num_classes=3,
-                 norm_layer=functools.partial(GroupNormAct, num_groups=4))
+    m = ResNetV2(
+        layers=(1, 1),
+        channels=(16, 32),
+        stem_chs=8,
+        num_classes=3,
+        norm_layer=functools.partial(GroupNormAct, num_groups=4),
+    )
     dpzoo.surgery.disable_inplace(m)
     return Case(_f64(m), _x(2, 3, 32, 32), probe_loss)
 
@@ -357,6 +382,7 @@ def timm_nfnet_scaled_stdconv():
 
 def _regnet(dp_ready):
     from timm.models.regnet import RegNet, RegNetCfg
+
     torch.manual_seed(0)  # four one-block stages, grouped convolutions, squeeze-excitation
     m = RegNet(RegNetCfg(depth=4, w0=8, wa=12, wm=1.5, group_size=8, se_ratio=0.25, stem_width=8), num_classes=3)
     if dp_ready:
@@ -378,6 +404,7 @@ def timm_resnet_dp_ready():
 
 def timm_mixer():
     from timm.models.mlp_mixer import MlpMixer
+
     torch.manual_seed(0)
     m = MlpMixer(num_classes=3, img_size=16, patch_size=8, num_blocks=1, embed_dim=16)
     return Case(_f64(m), _x(3, 3, 16, 16), probe_loss)
@@ -385,22 +412,41 @@ def timm_mixer():
 
 def timm_resmlp_affine():
     from timm.models.mlp_mixer import Affine, MlpMixer, ResBlock
+
     torch.manual_seed(0)
-    m = MlpMixer(num_classes=3, img_size=16, patch_size=8, num_blocks=1, embed_dim=16, mlp_ratio=4,
-                 block_layer=ResBlock, norm_layer=Affine, stem_norm=False)
+    m = MlpMixer(
+        num_classes=3,
+        img_size=16,
+        patch_size=8,
+        num_blocks=1,
+        embed_dim=16,
+        mlp_ratio=4,
+        block_layer=ResBlock,
+        norm_layer=Affine,
+        stem_norm=False,
+    )
     return Case(_f64(m), _x(3, 3, 16, 16), probe_loss)
 
 
 def timm_poolformer():
     from timm.models.metaformer import MetaFormer
+
     torch.manual_seed(0)
     m = MetaFormer(depths=(1, 1, 1, 1), dims=(8, 8, 16, 16), num_classes=3)  # poolformer v2: Scale, StarReLU
     return Case(_f64(m), _x(2, 3, 32, 32), probe_loss)
 
 
 def timm_swin_relative_position_bias():
-    return _timm("swin_tiny_patch4_window7_224", img=16, img_size=16, patch_size=2, window_size=4, embed_dim=8,
-                 depths=(1,), num_heads=(2,))
+    return _timm(
+        "swin_tiny_patch4_window7_224",
+        img=16,
+        img_size=16,
+        patch_size=2,
+        window_size=4,
+        embed_dim=8,
+        depths=(1,),
+        num_heads=(2,),
+    )
 
 
 def timm_eva():
@@ -409,20 +455,30 @@ def timm_eva():
 
 # --- Hugging Face transformers ------------------------------------------------------------------
 
+
 def _hf(cls_name, config_name, **cfg):
     import transformers
+
     torch.manual_seed(0)
     config = getattr(transformers, config_name)(**cfg)
     return getattr(transformers, cls_name)(config)
 
 
-_BERT = dict(vocab_size=30, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
-             max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+_BERT = dict(
+    vocab_size=30,
+    hidden_size=8,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    intermediate_size=16,
+    max_position_embeddings=16,
+    hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0,
+)
 
 
 def _mask(b, t, seed=3):
     mask = torch.ones(b, t, dtype=torch.long)
-    mask[0, t - 2:] = 0  # right padding on sample 0
+    mask[0, t - 2 :] = 0  # right padding on sample 0
     return mask
 
 
@@ -436,10 +492,21 @@ def hf_bert_sequence_classification():
 
 
 def hf_distilbert_masked_lm_tied():
-    m = _hf("DistilBertForMaskedLM", "DistilBertConfig", vocab_size=30, dim=8, n_layers=1, n_heads=2, hidden_dim=16,
-            max_position_embeddings=16, dropout=0.0, attention_dropout=0.0)
-    return Case(_f64(m), {"input_ids": _ids(3, 5, 30), "attention_mask": _mask(3, 5)},
-                lambda out: probe_loss(out.logits))
+    m = _hf(
+        "DistilBertForMaskedLM",
+        "DistilBertConfig",
+        vocab_size=30,
+        dim=8,
+        n_layers=1,
+        n_heads=2,
+        hidden_dim=16,
+        max_position_embeddings=16,
+        dropout=0.0,
+        attention_dropout=0.0,
+    )
+    return Case(
+        _f64(m), {"input_ids": _ids(3, 5, 30), "attention_mask": _mask(3, 5)}, lambda out: probe_loss(out.logits)
+    )
 
 
 def _roberta(cls):
@@ -460,8 +527,20 @@ def hf_roberta_mlm_head_bias():
 
 
 def _gpt2_cfg(**extra):
-    return dict(n_layer=1, n_head=2, n_embd=8, vocab_size=20, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
-                attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, use_cache=False, **extra)
+    return dict(
+        n_layer=1,
+        n_head=2,
+        n_embd=8,
+        vocab_size=20,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
+        **extra,
+    )
 
 
 def hf_gpt2_sequence_classification():
@@ -480,21 +559,42 @@ def hf_gpt2_labels_mean_loss():
 
 
 def hf_opt_learned_positions():
-    m = _hf("OPTForCausalLM", "OPTConfig", vocab_size=20, hidden_size=8, num_hidden_layers=1, ffn_dim=16,
-            num_attention_heads=2, max_position_embeddings=16, word_embed_proj_dim=8, dropout=0.0,
-            attention_dropout=0.0, use_cache=False)
-    return Case(_f64(m), {"input_ids": _ids(3, 5, 20), "attention_mask": _mask(3, 5)},
-                lambda out: probe_loss(out.logits))
+    m = _hf(
+        "OPTForCausalLM",
+        "OPTConfig",
+        vocab_size=20,
+        hidden_size=8,
+        num_hidden_layers=1,
+        ffn_dim=16,
+        num_attention_heads=2,
+        max_position_embeddings=16,
+        word_embed_proj_dim=8,
+        dropout=0.0,
+        attention_dropout=0.0,
+        use_cache=False,
+    )
+    return Case(
+        _f64(m), {"input_ids": _ids(3, 5, 20), "attention_mask": _mask(3, 5)}, lambda out: probe_loss(out.logits)
+    )
 
 
-_LLAMA = dict(vocab_size=20, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-              num_key_value_heads=1, max_position_embeddings=16, use_cache=False)
+_LLAMA = dict(
+    vocab_size=20,
+    hidden_size=8,
+    intermediate_size=16,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=16,
+    use_cache=False,
+)
 
 
 def hf_llama_causal_lm():
     m = _hf("LlamaForCausalLM", "LlamaConfig", **_LLAMA)
-    return Case(_f64(m), {"input_ids": _ids(3, 5, 20), "attention_mask": _mask(3, 5)},
-                lambda out: probe_loss(out.logits))
+    return Case(
+        _f64(m), {"input_ids": _ids(3, 5, 20), "attention_mask": _mask(3, 5)}, lambda out: probe_loss(out.logits)
+    )
 
 
 def hf_llama_gradient_checkpointing():
@@ -503,9 +603,21 @@ def hf_llama_gradient_checkpointing():
     return Case(_f64(m), {"input_ids": _ids(2, 5, 20)}, lambda out: probe_loss(out.logits), backwards=("loss", "hooks"))
 
 
-_T5 = dict(vocab_size=20, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_decoder_layers=1, num_heads=2,
-           relative_attention_num_buckets=8, relative_attention_max_distance=16, dropout_rate=0.0,
-           decoder_start_token_id=0, pad_token_id=0, use_cache=False)
+_T5 = dict(
+    vocab_size=20,
+    d_model=8,
+    d_kv=4,
+    d_ff=16,
+    num_layers=1,
+    num_decoder_layers=1,
+    num_heads=2,
+    relative_attention_num_buckets=8,
+    relative_attention_max_distance=16,
+    dropout_rate=0.0,
+    decoder_start_token_id=0,
+    pad_token_id=0,
+    use_cache=False,
+)
 
 
 def _t5(b, t_enc, t_dec):
@@ -538,23 +650,61 @@ def hf_t5_decoder_length_1():
 
 
 def hf_bart_learned_positions():
-    m = _hf("BartForConditionalGeneration", "BartConfig", vocab_size=20, d_model=8, encoder_layers=1, decoder_layers=1,
-            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16,
-            max_position_embeddings=16, dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, use_cache=False)
-    return Case(_f64(m), {"input_ids": _ids(2, 5, 20, low=3), "decoder_input_ids": _ids(2, 4, 20, seed=5, low=3)},
-                lambda out: probe_loss(out.logits))
+    m = _hf(
+        "BartForConditionalGeneration",
+        "BartConfig",
+        vocab_size=20,
+        d_model=8,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=16,
+        decoder_ffn_dim=16,
+        max_position_embeddings=16,
+        dropout=0.0,
+        attention_dropout=0.0,
+        activation_dropout=0.0,
+        use_cache=False,
+    )
+    return Case(
+        _f64(m),
+        {"input_ids": _ids(2, 5, 20, low=3), "decoder_input_ids": _ids(2, 4, 20, seed=5, low=3)},
+        lambda out: probe_loss(out.logits),
+    )
 
 
 def hf_vit():
-    m = _hf("ViTForImageClassification", "ViTConfig", image_size=16, patch_size=8, num_channels=3, hidden_size=8,
-            num_hidden_layers=1, num_attention_heads=2, intermediate_size=16, num_labels=3, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0)
+    m = _hf(
+        "ViTForImageClassification",
+        "ViTConfig",
+        image_size=16,
+        patch_size=8,
+        num_channels=3,
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=16,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return Case(_f64(m), {"pixel_values": _x(3, 3, 16, 16)}, lambda out: probe_loss(out.logits))
 
 
 def hf_clip_text_position_embeddings():
-    m = _hf("CLIPTextModel", "CLIPTextConfig", vocab_size=30, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-            num_attention_heads=2, max_position_embeddings=16, eos_token_id=29, attention_dropout=0.0)
+    m = _hf(
+        "CLIPTextModel",
+        "CLIPTextConfig",
+        vocab_size=30,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=16,
+        eos_token_id=29,
+        attention_dropout=0.0,
+    )
     ids = _ids(3, 6, 29)
     ids[:, -1] = 29
     return Case(_f64(m), {"input_ids": ids}, lambda out: probe_loss((out.last_hidden_state, out.pooler_output)))
@@ -562,21 +712,42 @@ def hf_clip_text_position_embeddings():
 
 def hf_albert_shared_layers():
     # one layer group applied num_hidden_layers times (a module called several times), factorised embeddings
-    m = _hf("AlbertForSequenceClassification", "AlbertConfig", num_labels=3, vocab_size=30, embedding_size=4,
-            hidden_size=8, num_hidden_layers=3, num_hidden_groups=1, num_attention_heads=2, intermediate_size=16,
-            max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-            classifier_dropout_prob=0.0)
-    return Case(_f64(m), {"input_ids": _ids(3, 5, 30), "attention_mask": _mask(3, 5)},
-                lambda out: probe_loss(out.logits))
+    m = _hf(
+        "AlbertForSequenceClassification",
+        "AlbertConfig",
+        num_labels=3,
+        vocab_size=30,
+        embedding_size=4,
+        hidden_size=8,
+        num_hidden_layers=3,
+        num_hidden_groups=1,
+        num_attention_heads=2,
+        intermediate_size=16,
+        max_position_embeddings=16,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        classifier_dropout_prob=0.0,
+    )
+    return Case(
+        _f64(m), {"input_ids": _ids(3, 5, 30), "attention_mask": _mask(3, 5)}, lambda out: probe_loss(out.logits)
+    )
 
 
 def hf_convnext():
-    m = _hf("ConvNextForImageClassification", "ConvNextConfig", num_channels=3, hidden_sizes=[8, 16], depths=[1, 1],
-            num_stages=2, num_labels=3)
+    m = _hf(
+        "ConvNextForImageClassification",
+        "ConvNextConfig",
+        num_channels=3,
+        hidden_sizes=[8, 16],
+        depths=[1, 1],
+        num_stages=2,
+        num_labels=3,
+    )
     return Case(_f64(m), {"pixel_values": _x(2, 3, 32, 32)}, lambda out: probe_loss(out.logits))
 
 
 # --- custom modules -----------------------------------------------------------------------------
+
 
 class TimeMajorRNN(nn.Module):
     """Batch-first in and out; inside, an Elman/LSTM-like recurrence run time-major on (T, B, D)."""
@@ -631,6 +802,7 @@ def custom_dpzoo_lstm_batch_first():
 
         def forward(self, x):
             return self.head(self.rnn(x)[0])
+
     return Case(_f64(Seq()), _x(3, 4, 4), probe_loss)
 
 
@@ -647,8 +819,10 @@ class TimeMajorAttention(nn.Module):
     def forward(self, x):  # (B, T, D)
         x = x.transpose(0, 1)  # (T, B, D)
         t, b, d = x.shape
+
         def split(z):
             return z.reshape(t, b * self.heads, d // self.heads).transpose(0, 1)
+
         q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
         a = torch.softmax(q @ k.transpose(1, 2) / (d // self.heads) ** 0.5, -1) @ v  # (B*H, T, d/H)
         x = x + self.o(a.transpose(0, 1).reshape(t, b, d))
@@ -908,8 +1082,12 @@ def custom_parameter_used_in_the_loss():
     # catches it: the per-sample gradients do not sum to the loss's batch gradient
     torch.manual_seed(0)
     m = _f64(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)))
-    return Case(m, _x(3, 4), lambda out: probe_loss(out) + (out[:, :3] @ m[0].weight[:3, :3]).pow(2).sum(),
-                backwards=("loss", "hooks"))
+    return Case(
+        m,
+        _x(3, 4),
+        lambda out: probe_loss(out) + (out[:, :3] @ m[0].weight[:3, :3]).pow(2).sum(),
+        backwards=("loss", "hooks"),
+    )
 
 
 class EinsumParam(nn.Module):
@@ -961,8 +1139,12 @@ class Checkpointed(nn.Module):
     def __init__(self, reentrant):
         super().__init__()
         self.reentrant = reentrant
-        self.c, self.n, self.e, self.o = nn.Conv1d(4, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.Embedding(7, 4), \
-            nn.Linear(4, 3)
+        self.c, self.n, self.e, self.o = (
+            nn.Conv1d(4, 4, 3, padding=1),
+            nn.GroupNorm(2, 4),
+            nn.Embedding(7, 4),
+            nn.Linear(4, 3),
+        )
 
     def block(self, h, ids):
         return torch.tanh(self.n(self.c(h))) + self.e(ids).transpose(1, 2)
@@ -1052,8 +1234,11 @@ def custom_layernorm_without_bias():
     r = _rng("layernorm-no-bias")
     d, h = r.randint(2, 6), r.randint(2, 8)
     torch.manual_seed(0)
-    return Case(_f64(nn.Sequential(nn.Linear(d, h), nn.LayerNorm(h, bias=False), nn.Linear(h, 2))),
-                _x(r.randint(2, 4), r.randint(1, 6), d), probe_loss)
+    return Case(
+        _f64(nn.Sequential(nn.Linear(d, h), nn.LayerNorm(h, bias=False), nn.Linear(h, 2))),
+        _x(r.randint(2, 4), r.randint(1, 6), d),
+        probe_loss,
+    )
 
 
 def custom_conv_groups_dilation_circular():
@@ -1066,9 +1251,11 @@ def custom_conv_groups_dilation_circular():
 def custom_conv3d():
     r = _rng("conv3d")
     torch.manual_seed(0)
-    return Case(_f64(nn.Sequential(nn.Conv3d(2, 3, 2, stride=(1, 2, 1), padding=1), nn.Tanh(),
-                                   nn.Conv3d(3, 2, 1))), _x(r.randint(2, 3), 2, *(r.randint(2, 5) for _ in range(3))),
-                probe_loss)
+    return Case(
+        _f64(nn.Sequential(nn.Conv3d(2, 3, 2, stride=(1, 2, 1), padding=1), nn.Tanh(), nn.Conv3d(3, 2, 1))),
+        _x(r.randint(2, 3), 2, *(r.randint(2, 5) for _ in range(3))),
+        probe_loss,
+    )
 
 
 def custom_conv_transpose2d():
@@ -1079,14 +1266,24 @@ def custom_conv_transpose2d():
 def custom_linear_on_4d_inputs():
     r = _rng("linear-4d")
     torch.manual_seed(0)
-    return Case(_f64(nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))),
-                _x(r.randint(2, 4), r.randint(1, 3), r.randint(1, 4), 4), probe_loss)
+    return Case(
+        _f64(nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3))),
+        _x(r.randint(2, 4), r.randint(1, 3), r.randint(1, 4), 4),
+        probe_loss,
+    )
 
 
 def custom_bias_only_training():
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.ReLU(), nn.Flatten(1), nn.Linear(36, 5),
-                      nn.LayerNorm(5), nn.Linear(5, 3))
+    m = nn.Sequential(
+        nn.Conv2d(2, 4, 3),
+        nn.GroupNorm(2, 4),
+        nn.ReLU(),
+        nn.Flatten(1),
+        nn.Linear(36, 5),
+        nn.LayerNorm(5),
+        nn.Linear(5, 3),
+    )
     m = _f64(m)
     for n, p in m.named_parameters():
         p.requires_grad_(n.endswith("bias"))
@@ -1246,8 +1443,11 @@ def custom_groupnorm_on_2d_input():
     r = _rng("groupnorm-2d")
     g = r.randint(1, 3)
     torch.manual_seed(0)
-    return Case(_f64(nn.Sequential(nn.Linear(4, 2 * g), nn.GroupNorm(g, 2 * g), nn.Tanh(), nn.Linear(2 * g, 2))),
-                _x(r.randint(2, 4), 4), probe_loss)
+    return Case(
+        _f64(nn.Sequential(nn.Linear(4, 2 * g), nn.GroupNorm(g, 2 * g), nn.Tanh(), nn.Linear(2 * g, 2))),
+        _x(r.randint(2, 4), 4),
+        probe_loss,
+    )
 
 
 def timm_efficientnet_gn_bias_only():
@@ -1361,6 +1561,7 @@ def opacus_dplstm():
 
         def forward(self, x):
             return self.head(self.rnn(x)[0])
+
     torch.manual_seed(0)
     return Case(_f64(Seq()), _x(3, 4, 4), probe_loss)
 
@@ -1369,6 +1570,7 @@ class OpacusMHA(nn.Module):
     def __init__(self, batch_first):
         super().__init__()
         from opacus.layers import DPMultiheadAttention
+
         self.batch_first = batch_first
         self.att = DPMultiheadAttention(8, 2, batch_first=batch_first)
 
@@ -1392,9 +1594,15 @@ def opacus_dp_mha_seq_first_T_eq_B():
 
 def timm_groupnormact_no_act_bias_only():
     from timm.layers.norm_act import GroupNormAct
+
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), GroupNormAct(4, num_groups=2, apply_act=False), nn.Tanh(),
-                      GroupNormAct(4, num_groups=1, act_layer=nn.GELU), nn.Conv2d(4, 2, 1))
+    m = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        GroupNormAct(4, num_groups=2, apply_act=False),
+        nn.Tanh(),
+        GroupNormAct(4, num_groups=1, act_layer=nn.GELU),
+        nn.Conv2d(4, 2, 1),
+    )
     m = _f64(m)
     for n, p in m.named_parameters():
         p.requires_grad_(n.endswith("bias"))
@@ -1405,9 +1613,13 @@ def timm_groupnormact_random_activation():
     # the GroupNormAct rule recomputes act(GN(x)) to pull the gradient back: RReLU's random slopes in
     # training would be redrawn (silently wrong before; refused at attach now)
     from timm.layers.norm_act import GroupNormAct
+
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), GroupNormAct(4, num_groups=2, act_layer=nn.RReLU, inplace=False),
-                      nn.Conv2d(4, 2, 1))
+    m = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        GroupNormAct(4, num_groups=2, act_layer=nn.RReLU, inplace=False),
+        nn.Conv2d(4, 2, 1),
+    )
     return Case(_f64(m), _x(3, 2, 4, 4), probe_loss)
 
 
@@ -1539,8 +1751,12 @@ CASES: dict[str, tuple[str, Callable[[], Case]]] = {
     "custom/vmap-over-samples": (REFUSED, custom_vmap_over_samples),
 }
 
-SLOW = {"timm/mobilenetv3-make_dp_ready", "timm/efficientnet-make_dp_ready",
-        "timm/efficientnet-conv2dsame-make_dp_ready", "timm/convnext-conv-mlp"}
+SLOW = {
+    "timm/mobilenetv3-make_dp_ready",
+    "timm/efficientnet-make_dp_ready",
+    "timm/efficientnet-conv2dsame-make_dp_ready",
+    "timm/convnext-conv-mlp",
+}
 
 
 def _params():
@@ -1566,6 +1782,7 @@ if __name__ == "__main__":  # the table of outcomes
     import sys
     import time
     import warnings
+
     warnings.simplefilter("ignore")
     only = sys.argv[1:]
     for k, (expect, make) in CASES.items():
@@ -1577,5 +1794,7 @@ if __name__ == "__main__":  # the table of outcomes
         except Exception as e:  # noqa: BLE001
             outcome, detail = "ERROR", f"{type(e).__name__}: {e}"
         ok = (outcome == "exact") == (expect == EXACT) and outcome not in ("WRONG", "ERROR")
-        print(f"{'ok ' if ok else 'BAD'} {k:50s} {expect:8s} {outcome:18s} {time.time() - t0:5.1f}s "
-              f"(cpu {time.process_time() - c0:5.1f}s)  {detail[:160]}")
+        print(
+            f"{'ok ' if ok else 'BAD'} {k:50s} {expect:8s} {outcome:18s} {time.time() - t0:5.1f}s "
+            f"(cpu {time.process_time() - c0:5.1f}s)  {detail[:160]}"
+        )

@@ -46,25 +46,28 @@ def _reference_p_value(m, r, v, eps, delta):
     p = math.exp(eps) / (1 + math.exp(eps))
 
     def f(t):  # P[Binomial(r, p) >= t]
-        return sum(math.comb(r, k) * p ** k * (1 - p) ** (r - k) for k in range(max(t, 0), r + 1))
+        return sum(math.comb(r, k) * p**k * (1 - p) ** (r - k) for k in range(max(t, 0), r + 1))
+
     if v == 0:
         return 1.0
     extra = max((f(v - i) - f(v)) / i for i in range(1, v + 1))
     return min(1.0, f(v) + 2 * m * delta * extra)
 
 
-@pytest.mark.parametrize("m,r,v,delta", [(50, 20, 18, 0.0), (50, 20, 18, 1e-3), (100, 30, 30, 1e-5),
-                                         (40, 12, 10, 1e-4), (10, 10, 7, 0.0)])
+@pytest.mark.parametrize(
+    "m,r,v,delta", [(50, 20, 18, 0.0), (50, 20, 18, 1e-3), (100, 30, 30, 1e-5), (40, 12, 10, 1e-4), (10, 10, 7, 0.0)]
+)
 def test_p_value_matches_direct_formula(m, r, v, delta):
     for eps in (0.0, 0.3, 1.0, 2.5, 6.0):
-        assert one_run_p_value(m, r, v, eps, delta) == pytest.approx(_reference_p_value(m, r, v, eps, delta),
-                                                                     rel=1e-9, abs=1e-15)
+        assert one_run_p_value(m, r, v, eps, delta) == pytest.approx(
+            _reference_p_value(m, r, v, eps, delta), rel=1e-9, abs=1e-15
+        )
 
 
 def test_p_value_at_zero_epsilon_is_a_fair_coin_tail():
     # ε = 0, δ = 0: every guess is a fair coin, P[v or more right of r] = Σ C(r, k) / 2^r
     for r, v in ((10, 7), (25, 20), (1, 1)):
-        exact = sum(math.comb(r, k) for k in range(v, r + 1)) / 2 ** r
+        exact = sum(math.comb(r, k) for k in range(v, r + 1)) / 2**r
         assert one_run_p_value(100, r, v, 0.0, 0.0) == pytest.approx(exact, rel=1e-12)
 
 
@@ -88,11 +91,11 @@ def test_bound_matches_a_direct_numeric_solve():
 
 
 def test_hand_checkable_cases():
-    assert epsilon_lower_bound(100, 50, 0, 1e-5) == 0.0                 # all guesses wrong
-    assert epsilon_lower_bound(100, 0, 0, 1e-5) == 0.0                  # no guess at all
-    assert epsilon_lower_bound(100, 50, 25, 1e-5) == 0.0                # a coin's accuracy proves nothing
-    assert epsilon_lower_bound(1000, 4, 4, 1e-5) == 0.0                 # 4 right of 4: p = 1/16 > 0.05
-    assert epsilon_lower_bound(1000, 5, 5, 0.0) > 0                     # 5 of 5: 1/32 < 0.05
+    assert epsilon_lower_bound(100, 50, 0, 1e-5) == 0.0  # all guesses wrong
+    assert epsilon_lower_bound(100, 0, 0, 1e-5) == 0.0  # no guess at all
+    assert epsilon_lower_bound(100, 50, 25, 1e-5) == 0.0  # a coin's accuracy proves nothing
+    assert epsilon_lower_bound(1000, 4, 4, 1e-5) == 0.0  # 4 right of 4: p = 1/16 > 0.05
+    assert epsilon_lower_bound(1000, 5, 5, 0.0) > 0  # 5 of 5: 1/32 < 0.05
     assert one_run_p_value(100, 50, 0, 3.0, 1e-5) == 1.0
 
 
@@ -126,12 +129,19 @@ def test_bad_counts_raise_dpzoo_error():
 
 
 # -- arguments ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(epsilon=0), "epsilon"), (dict(delta=2.0), "delta"), (dict(broken="no-clip"), "broken"),
-    (dict(canaries=1), "canaries"), (dict(epochs=0), "epochs"), (dict(confidence=1.0), "confidence"),
-    (dict(dataset=[(torch.zeros(2), 0)]), "model_fn"),
-    (dict(dataset=[(torch.zeros(2), 0)], model_fn=lambda: torch.nn.Linear(2, 2), canaries=5), "canaries="),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(epsilon=0), "epsilon"),
+        (dict(delta=2.0), "delta"),
+        (dict(broken="no-clip"), "broken"),
+        (dict(canaries=1), "canaries"),
+        (dict(epochs=0), "epochs"),
+        (dict(confidence=1.0), "confidence"),
+        (dict(dataset=[(torch.zeros(2), 0)]), "model_fn"),
+        (dict(dataset=[(torch.zeros(2), 0)], model_fn=lambda: torch.nn.Linear(2, 2), canaries=5), "canaries="),
+    ],
+)
 def test_bad_arguments_raise_dpzoo_error(kwargs, match):
     with pytest.raises(dpzoo.DPZooError, match=match):
         dpzoo.audit(**kwargs)
@@ -139,6 +149,7 @@ def test_bad_arguments_raise_dpzoo_error(kwargs, match):
 
 def test_cli_bad_argument_is_a_one_line_error(capsys):
     from dpzoo.cli import main
+
     assert main(["audit", "--canaries", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dpzoo: error: canaries") and "\n" not in err
@@ -153,12 +164,12 @@ def _audit(**kw) -> AuditResult:
 @pytest.mark.slow
 def test_dpzoo_engine_bound_stays_below_its_claim():
     res = _audit()
-    assert res.claimed_epsilon == pytest.approx(2.0, abs=0.02)        # the engine calibrated σ to ε = 2
+    assert res.claimed_epsilon == pytest.approx(2.0, abs=0.02)  # the engine calibrated σ to ε = 2
     assert res.mechanism["noise_multiplier"] > 0.5
     assert res.epsilon_lower_bound <= res.claimed_epsilon and not res.exceeds
     assert res.verdict.startswith("bound below claim")
-    assert res.max_auditable_epsilon > res.claimed_epsilon             # the audit could have refuted it
-    assert res.test_accuracy > 0.8                                     # the model learned the digits
+    assert res.max_auditable_epsilon > res.claimed_epsilon  # the audit could have refuted it
+    assert res.test_accuracy > 0.8  # the model learned the digits
     assert res.canaries == 200 and 0 < res.included < 200 and res.correct <= res.guesses
     d = res.to_dict()
     json.dumps(d)
@@ -169,19 +180,19 @@ def test_dpzoo_engine_bound_stays_below_its_claim():
 def test_positive_control_without_noise_exceeds_the_claim():
     res = _audit(broken="no-noise")
     assert res.mechanism["noise_multiplier"] == 0 and res.mechanism["claimed_noise_multiplier"] > 0.5
-    assert res.claimed_epsilon == pytest.approx(2.0, abs=0.02)         # the intended σ's ε
+    assert res.claimed_epsilon == pytest.approx(2.0, abs=0.02)  # the intended σ's ε
     assert res.epsilon_lower_bound > res.claimed_epsilon and res.exceeds
     scores, member = torch.tensor(res.scores), torch.tensor(res.membership)
-    assert scores[~member].abs().max() == 0                            # noiseless: an out canary leaves no trace
-    assert (scores[member] > 0).float().mean() > 0.95                  # (in: >0 unless Poisson sampling never drew it)
+    assert scores[~member].abs().max() == 0  # noiseless: an out canary leaves no trace
+    assert (scores[member] > 0).float().mean() > 0.95  # (in: >0 unless Poisson sampling never drew it)
     assert res.verdict.startswith("BOUND EXCEEDS CLAIM")
 
 
 @pytest.mark.slow
 def test_positive_control_unclipped_path_exceeds_the_claim():
     res = _audit(broken="unclipped")
-    assert res.mechanism["noise_multiplier"] > 0.5                     # the engine's part is noised...
-    assert res.claimed_epsilon == pytest.approx(2.0, abs=0.02)         # ...and it reports ε = 2
+    assert res.mechanism["noise_multiplier"] > 0.5  # the engine's part is noised...
+    assert res.claimed_epsilon == pytest.approx(2.0, abs=0.02)  # ...and it reports ε = 2
     assert res.epsilon_lower_bound > res.claimed_epsilon and res.exceeds
 
 
@@ -190,12 +201,22 @@ def test_general_path_and_cli(tmp_path, capsys):
     # the general path: the caller's dataset, model factory, canaries and score
     train, _, cx, cy, model_fn, score_fn = digits_canary_task(120, seed=3)
     with _seeded_noise_ok():
-        res = dpzoo.audit(dataset=train, model_fn=model_fn, canaries=(cx, cy), score_fn=score_fn, epochs=3,
-                          broken="no-noise", seed=3, noise_seed=1, sample_seed=2)
+        res = dpzoo.audit(
+            dataset=train,
+            model_fn=model_fn,
+            canaries=(cx, cy),
+            score_fn=score_fn,
+            epochs=3,
+            broken="no-noise",
+            seed=3,
+            noise_seed=1,
+            sample_seed=2,
+        )
     assert res.canaries == 120 and res.test_accuracy is None and res.exceeds
     assert loss_score(model_fn(), cx, cy).shape == (120,)
     # the CLI: a positive control exits 1 and writes its JSON
     from dpzoo.cli import main
+
     assert main(["audit", "--canaries", "200", "--epochs", "4", "--broken", "no-noise", "--out", str(tmp_path)]) == 1
     out = capsys.readouterr().out
     assert "BOUND EXCEEDS CLAIM" in out and "claimed ε = 2" in out

@@ -18,8 +18,10 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import dpzoo
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="torch.distributed with gloo is not available in this build")
+pytestmark = pytest.mark.skipif(
+    not dist.is_available() or not dist.is_gloo_available(),
+    reason="torch.distributed with gloo is not available in this build",
+)
 
 
 def _model():
@@ -39,8 +41,15 @@ def _one_step(loader, reduction):
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", dpzoo.errors.ReproducibleNoiseWarning)
-        model, opt, dl = engine.make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=0.8,
-                                             max_grad_norm=0.5, loss_reduction=reduction, noise_seed=42)
+        model, opt, dl = engine.make_private(
+            module=model,
+            optimizer=opt,
+            data_loader=loader,
+            noise_multiplier=0.8,
+            max_grad_norm=0.5,
+            loss_reduction=reduction,
+            noise_seed=42,
+        )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     rows = 0
     for x, y in dl:
@@ -103,9 +112,13 @@ def _membership(rank, world, n, batch, epochs):
     model = torch.nn.Linear(1, 1).double()
     engine = dpzoo.PrivacyEngine()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    model, opt, dl = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(
-        ds, batch_size=batch, sampler=DistributedSampler(ds, num_replicas=world, rank=rank)), noise_multiplier=1.0,
-        self_check=False)
+    model, opt, dl = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(ds, batch_size=batch, sampler=DistributedSampler(ds, num_replicas=world, rank=rank)),
+        noise_multiplier=1.0,
+        self_check=False,
+    )
     counts = torch.zeros(n)
     for _ in range(epochs):
         for (xb,) in dl:

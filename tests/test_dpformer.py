@@ -6,13 +6,13 @@ import math
 
 import pytest
 import torch
+from seqrec_reference import reattention as reference_reattention
+from test_grad_norms_zoo import _check, _model_and_inputs
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpzoo
 from dpzoo.errors import InvalidArgumentError
 from dpzoo.seqrec import reattention as ep
-from seqrec_reference import reattention as reference_reattention
-from test_grad_norms_zoo import _check, _model_and_inputs
 
 SMALL = {"num_items": 30, "max_len": 8, "d_model": 16, "num_blocks": 2, "dropout": 0.0}
 
@@ -36,7 +36,10 @@ def test_no_trainable_parameters_of_its_own():
     vanilla, dpformer = _pair()
     assert [n for n, _ in vanilla.named_parameters()] == [n for n, _ in dpformer.named_parameters()]
     assert set(dpformer.state_dict()) - set(vanilla.state_dict()) == {
-        "reattention.noise_std", "reattention.item_freq", "reattention.pos_freq"}
+        "reattention.noise_std",
+        "reattention.item_freq",
+        "reattention.pos_freq",
+    }
 
 
 def test_without_noise_it_is_the_vanilla_transformer():
@@ -54,7 +57,7 @@ def test_frequencies_hand_computed():
     assert f[3] == 1.0 and f[5] == 0.5 and f[1] == 0.5 and f[4] == 0.5  # 3 counted once per sequence
     assert f[7] == 0.5  # never seen: clamped to 1/N
     # positions 0-1 hold padding in both rows, 2-5 in one: 0-1 clamped to 1/N = 0.5
-    assert m.reattention.pos_freq.tolist() == [.5, .5, .5, .5, .5, .5, 1., 1.]
+    assert m.reattention.pos_freq.tolist() == [0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 1.0, 1.0]
     with pytest.raises(InvalidArgumentError, match="max_len"):
         m.set_token_frequencies(torch.ones(2, 9, dtype=torch.long))
 
@@ -65,8 +68,13 @@ def test_engine_sets_sigma_over_batch():
     x = _ids(b=40)
     engine = dpzoo.PrivacyEngine()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    engine.make_private(module=m, optimizer=opt, data_loader=DataLoader(TensorDataset(x), batch_size=10),
-                        noise_multiplier=1.3, max_grad_norm=0.5)
+    engine.make_private(
+        module=m,
+        optimizer=opt,
+        data_loader=DataLoader(TensorDataset(x), batch_size=10),
+        noise_multiplier=1.3,
+        max_grad_norm=0.5,
+    )
     assert m.reattention.noise_std.item() == pytest.approx(1.3 * 0.5 / 10)
     engine.detach()
 
@@ -119,8 +127,8 @@ def test_rare_keys_get_less_attention():
         x = m.item_emb(ids) * math.sqrt(d) + m.pos_emb(torch.arange(8).expand(4, 8))
         h = m.blocks[0].ln1(x)
         var0 = m.reattention.input_variance(ids, d, math.sqrt(d))
-        var_h = ep.iso_layer_norm(x, var0, m.blocks[0].ln1.weight, 1e-5, 1 / 64 ** 2, 1 / 64 ** 2)
-        var_k = ep.iso_linear(h, var_h, attn.k.weight, 1 / 64 ** 2, 1 / 64 ** 2)
+        var_h = ep.iso_layer_norm(x, var0, m.blocks[0].ln1.weight, 1e-5, 1 / 64**2, 1 / 64**2)
+        var_k = ep.iso_linear(h, var_h, attn.k.weight, 1 / 64**2, 1 / 64**2)
         s, q = attn.scores(h)
         probs = torch.softmax(s[1:2, :, -1:].masked_fill(torch.arange(8) > 7, -1e9), -1)  # last query
         corrected = reference_reattention(probs, var_k[1:2, None, :], q[1:2, :, -1:] / math.sqrt(attn.dk))
@@ -149,8 +157,26 @@ def test_correction_changes_outputs_but_is_cheap():
 
 def test_cli_trains_dpformer_on_synthetic(tmp_path, capsys):
     from dpzoo.cli import main
-    assert main(["train", "dpformer", "--data", "synthetic", "--epochs", "2", "--eval-every", "1",
-                 "--epsilon", "5", "--out", str(tmp_path)]) == 0
+
+    assert (
+        main(
+            [
+                "train",
+                "dpformer",
+                "--data",
+                "synthetic",
+                "--epochs",
+                "2",
+                "--eval-every",
+                "1",
+                "--epsilon",
+                "5",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     m = dpzoo.load(tmp_path / "model")
     assert m.reattention is not None and m.reattention.noise_std > 0
     assert (m.reattention.item_freq < 1).any()
@@ -160,8 +186,18 @@ def test_cli_trains_dpformer_on_synthetic(tmp_path, capsys):
 def test_non_private_reference_trains_without_noise_or_metadata(tmp_path):
     """The reference run used to read DP results: same model and schedule, no engine."""
     from dpzoo.seqrec.train import train_seqrec
-    result = train_seqrec("dpformer", data="synthetic", epochs=1, batch_size=128, lr=3e-3, eval_every=1,
-                          private=False, out=tmp_path, log=lambda *a: None)
+
+    result = train_seqrec(
+        "dpformer",
+        data="synthetic",
+        epochs=1,
+        batch_size=128,
+        lr=3e-3,
+        eval_every=1,
+        private=False,
+        out=tmp_path,
+        log=lambda *a: None,
+    )
     assert result["private"] is False and result["history"][0]["epsilon"] is None
     assert result["noise_multiplier"] == 0.0
     m = dpzoo.load(tmp_path / "model")
@@ -171,6 +207,7 @@ def test_non_private_reference_trains_without_noise_or_metadata(tmp_path):
 
 def test_cli_refuses_non_private_for_image_models(capsys):
     from dpzoo.cli import main
+
     assert main(["train", "resnet18-gn-bias", "--non-private", "--epochs", "1"]) == 2
     assert "--non-private is for sequence models" in capsys.readouterr().err
 

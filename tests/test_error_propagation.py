@@ -4,10 +4,10 @@ Table 3), and the attention correction on a hand-computed case."""
 import math
 
 import pytest
+import seqrec_reference as ref
 import torch
 import torch.nn.functional as F
 
-import seqrec_reference as ref
 from dpzoo.seqrec import reattention as ep
 
 N = 400_000
@@ -74,6 +74,7 @@ def test_reattention_hand_computed():
 
 
 # -- isotropic propagation (what DPFormer's blocks run) against Monte-Carlo -------------------
+
 
 def _noisy(x, var, n, g):
     return x + var.sqrt().unsqueeze(-1) * torch.randn(n, *x.shape, generator=g, dtype=torch.float64)
@@ -172,6 +173,7 @@ def test_block_propagation_matches_monte_carlo(var_in, var_w):
 
     from dpzoo.seqrec.configuration import SeqRecConfig
     from dpzoo.seqrec.modeling import Block
+
     torch.manual_seed(0)
     d, t, n = 32, 6, 2500
     cfg = SeqRecConfig(num_items=10, max_len=t, d_model=d, num_blocks=2, dropout=0.0)
@@ -188,8 +190,9 @@ def test_block_propagation_matches_monte_carlo(var_in, var_w):
             x = m + var.sqrt()[..., None] * torch.randn_like(m)
             p1 = {k: v + nz * torch.randn_like(v) for k, v in params.items()}
             y = functional_call(b1, p1, (x, mask))
-            ln_w, ln_b, k_w, k_b = (p + nz * torch.randn_like(p) for p in
-                                    (b2.ln1.weight, b2.ln1.bias, b2.attn.k.weight, b2.attn.k.bias))
+            ln_w, ln_b, k_w, k_b = (
+                p + nz * torch.randn_like(p) for p in (b2.ln1.weight, b2.ln1.bias, b2.attn.k.weight, b2.attn.k.bias)
+            )
             h = F.layer_norm(y, (d,), ln_w, ln_b)
             keys.append(h @ k_w.t() + k_b)
             if i < 100:  # the prediction the network makes from this realised draw

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from grad_reference import per_sample_grads
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -15,10 +16,9 @@ import dpzoo
 from dpzoo import frost
 from dpzoo.frost import magnitudes as MG
 from dpzoo.frost.selection import _Measurer
-from grad_reference import per_sample_grads
-
 
 # -- PGM-EST -------------------------------------------------------------------------------
+
 
 def test_pgm_est_single_iteration_is_v_over_q():
     v = torch.tensor([[0.2, 0.05, 0.4]])
@@ -53,6 +53,7 @@ def test_pgm_est_is_the_maximum_likelihood():
         lam_ = torch.cat([torch.tensor([q], dtype=torch.float64), lam_rest])
         r = (v - lam_[:, None] * nu_) / s[:, None]
         return 0.5 * (r.pow(2) * mask).sum()
+
     x_nu = nu.clone().requires_grad_(True)
     x_lam = lam[1:].clone().requires_grad_(True)
     gnu, glam = torch.autograd.grad(nll(x_nu, x_lam), (x_nu, x_lam))
@@ -67,6 +68,7 @@ def test_pgm_est_is_the_maximum_likelihood():
         loss = nll(y_nu, y_lam)
         loss.backward()
         return loss
+
     opt.step(closure)
     assert nll(nu, lam[1:]) <= nll(y_nu.detach(), y_lam.detach()) + 1e-9
     assert torch.allclose(nu, y_nu.detach(), rtol=1e-5)
@@ -77,10 +79,11 @@ def test_pgm_variance_lemma_6():
     s = torch.tensor([0.5, 0.25], dtype=torch.float64)
     mask = torch.tensor([[True, True], [False, True]])
     var = frost.pgm_variance(lam, mask, s)
-    assert var.tolist() == pytest.approx([0.25 / 0.02 ** 2, 1 / (0.02 ** 2 / 0.25 + 0.03 ** 2 / 0.0625)])
+    assert var.tolist() == pytest.approx([0.25 / 0.02**2, 1 / (0.02**2 / 0.25 + 0.03**2 / 0.0625)])
 
 
 # -- magnitudes ----------------------------------------------------------------------------
+
 
 def _definition(grads, method, alpha, clip, sizes):
     """Def. 7-8 written out example by example."""
@@ -125,8 +128,12 @@ def test_lemma_3_sensitivity_bounds_one_example(method, alpha):
         if trial % 3 == 0:  # all of the new example's mass in the smallest partition
             extra = [e * (i == 0) for i, e in enumerate(extra)]
         base = MG.pgms(MG.clipped_partition_sums(grads, method, alpha, 1.0, sizes), method, alpha, sizes)
-        more = MG.pgms(MG.clipped_partition_sums([torch.cat([a, b]) for a, b in zip(grads, extra)],
-                                                 method, alpha, 1.0, sizes), method, alpha, sizes)
+        more = MG.pgms(
+            MG.clipped_partition_sums([torch.cat([a, b]) for a, b in zip(grads, extra)], method, alpha, 1.0, sizes),
+            method,
+            alpha,
+            sizes,
+        )
         worst = max(worst, (more - base).norm().item())
     assert worst <= delta * (1 + 1e-9)
     assert worst > 0.3 * delta  # the bound is not vacuous
@@ -141,6 +148,7 @@ def test_sensitivities_are_lemma_3():
 
 
 # -- models --------------------------------------------------------------------------------
+
 
 class Branches(nn.Module):
     """K equal Linear branches scaled by fixed constants: branch k's gradient grows with c_k."""
@@ -172,8 +180,9 @@ def test_measured_pgms_equal_brute_force_per_sample_gradients():
         for alpha in (1, 2):
             got = _Measurer(model, ds, None, frost.default_loss, method, alpha, 0.3, 2)(parts, idx)
             x, y = ds.tensors
-            grads = per_sample_grads(model, lambda m, x, y: F.cross_entropy(m(x), y, reduction="sum"),
-                                     {"x": x[idx], "y": y[idx]}, len(idx))
+            grads = per_sample_grads(
+                model, lambda m, x, y: F.cross_entropy(m(x), y, reduction="sum"), {"x": x[idx], "y": y[idx]}, len(idx)
+            )
             pg = [torch.stack([torch.cat([g[n].flatten() for n in p.params]) for g in grads]) for p in parts]
             ref = _definition(pg, method, alpha, 0.3, [p.size for p in parts])
             assert torch.allclose(got, ref, rtol=1e-8), (method, alpha)
@@ -190,8 +199,9 @@ def test_measured_pgms_on_a_transformer_match_brute_force():
     parts = frost.default_partitions(model)
     got = _Measurer(model, ds, None, frost.default_loss, "mgna", 1, 1.0, 2)(parts, list(range(5)))
     model.eval()
-    grads = per_sample_grads(model, lambda m, i, y: F.cross_entropy(m(input_ids=i).logits, y, reduction="sum"),
-                             {"i": ids, "y": y}, 5)
+    grads = per_sample_grads(
+        model, lambda m, i, y: F.cross_entropy(m(input_ids=i).logits, y, reduction="sum"), {"i": ids, "y": y}, 5
+    )
     pg = [torch.stack([torch.cat([g[n].flatten() for n in p.params]) for g in grads]) for p in parts]
     ref = _definition(pg, "mgna", 1, 1.0, [p.size for p in parts])
     assert torch.allclose(got, ref, rtol=1e-7)
@@ -213,12 +223,25 @@ def test_zero_noise_selects_the_largest_true_magnitudes(single):
     parts = frost.default_partitions(model, exclude=head)
     expected = _true_order(model, ds, parts)[:3]
     with pytest.warns(UserWarning, match="not differentially private"):
-        sel = frost.select(model, loader, 8.0, 1e-5, ratio=0.3, epochs=1, sample_rate=1.0, iterations=3,
-                           single=single, selection_noise_multiplier=0.0, seed=0)
+        sel = frost.select(
+            model,
+            loader,
+            8.0,
+            1e-5,
+            ratio=0.3,
+            epochs=1,
+            sample_rate=1.0,
+            iterations=3,
+            single=single,
+            selection_noise_multiplier=0.0,
+            seed=0,
+        )
     assert [p.name for p in sel.selected] == expected or set(p.name for p in sel.selected) == set(expected)
     assert set(expected) == {"branches.1", "branches.4", "branches.6"}  # the largest scales
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert trainable == set(sel.parameter_names) == {f"{b}.{w}" for b in expected for w in ("weight", "bias")} | set(head)
+    assert (
+        trainable == set(sel.parameter_names) == {f"{b}.{w}" for b in expected for w in ("weight", "bias")} | set(head)
+    )
 
 
 def test_composed_epsilon_of_selection_and_training_meets_the_target():
@@ -245,6 +268,7 @@ def test_composed_epsilon_of_selection_and_training_meets_the_target():
     assert eps - 0.05 <= total <= eps  # ComputeSigma's tolerance is 0.01 in ε
     # DP-SGD alone spends about r_ε · ε (Algorithm 3)
     from dpzoo.privacy.accountant import Accountant
+
     sgd = Accountant("rdp", [[sel.noise_multiplier, sel.sgd_sample_rate, sel.sgd_steps]]).get_epsilon(delta)
     assert 0.9 * eps - 0.02 <= sgd <= 0.9 * eps
     engine.detach()
@@ -253,12 +277,18 @@ def test_composed_epsilon_of_selection_and_training_meets_the_target():
 def test_engine_calibrates_after_a_spent_history():
     """make_private(target_epsilon=…) with an accountant that already holds selection composes."""
     from dpzoo.privacy.accountant import Accountant
+
     acc = Accountant("rdp", [[3.0, 0.2, 5]])  # spends about ε = 0.8
     model = nn.Linear(8, 4)
     engine = dpzoo.PrivacyEngine(accountant=acc)
-    _, opt, dl = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                     data_loader=DataLoader(_data(100), batch_size=10), target_epsilon=2.0,
-                                     target_delta=1e-5, epochs=1)
+    _, opt, dl = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(_data(100), batch_size=10),
+        target_epsilon=2.0,
+        target_delta=1e-5,
+        epochs=1,
+    )
     alone = dpzoo.privacy.accountant.get_noise_multiplier(2.0, 1e-5, 0.1, 10)
     assert engine.noise_multiplier > alone  # less budget left, more noise
     engine.accountant.step(engine.noise_multiplier, 0.1, 10)

@@ -19,12 +19,12 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
+from grad_reference import assert_close, reference
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import dpzoo
 from dpzoo.grad_norms import LOOSE_TENSORS, attach_norm_hooks, register_loose_tensors
-from grad_reference import assert_close, reference
 
 F64 = torch.float64
 MODES = ["auto", "ghost", "instantiate"]
@@ -32,8 +32,10 @@ HAS_GHOST_BACKWARD = "ghost_backward" in inspect.signature(attach_norm_hooks).pa
 needs_ghost_backward = pytest.mark.skipif(not HAS_GHOST_BACKWARD, reason="attach_norm_hooks(ghost_backward=) absent")
 
 
-pytestmark = [pytest.mark.filterwarnings("ignore:Full backward hook is firing"),
-              pytest.mark.filterwarnings("ignore:Using padding='same'")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Full backward hook is firing"),
+    pytest.mark.filterwarnings("ignore:Using padding='same'"),
+]
 
 
 def xfail(reason):
@@ -41,6 +43,7 @@ def xfail(reason):
 
 
 # --- harness -------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def loose_owner():
@@ -50,6 +53,7 @@ def loose_owner():
     def register(cls, names):
         register_loose_tensors(cls, names)
         added.append(cls)
+
     yield register
     for cls in added:
         LOOSE_TENSORS.pop(cls, None)
@@ -65,7 +69,7 @@ def _perturb(model, seed=0):
 
 def _sq_loss(m, x):
     out = m(x)
-    return (out ** 2).sum() + out.sum()
+    return (out**2).sum() + out.sum()
 
 
 def _default_step(hooks, model, loss_fn, inputs, backward):
@@ -76,8 +80,9 @@ def _default_step(hooks, model, loss_fn, inputs, backward):
         loss.backward()
 
 
-def check(model, inputs, loss_fn=_sq_loss, *, mode="auto", backward="hooks", may_raise=True,
-          tol=1e-6, step=None, attach=None):
+def check(
+    model, inputs, loss_fn=_sq_loss, *, mode="auto", backward="hooks", may_raise=True, tol=1e-6, step=None, attach=None
+):
     """Brute force vs the hooks. Passes if they match, or (``may_raise``) if dpzoo raises
     UnsupportedModuleError. Returns "matched" or "raised"."""
     b = next(iter(inputs.values())).shape[0]
@@ -132,19 +137,26 @@ def _bias_only(model):
 B = 3
 
 # how the backward pass is run: hooks.backward(loss) or loss.backward(), without or with ghost_backward=True
-BACKWARDS = ["hooks", "loss", pytest.param("ghost-hooks", marks=needs_ghost_backward),
-             pytest.param("ghost-loss", marks=needs_ghost_backward)]
+BACKWARDS = [
+    "hooks",
+    "loss",
+    pytest.param("ghost-hooks", marks=needs_ghost_backward),
+    pytest.param("ghost-loss", marks=needs_ghost_backward),
+]
 
 
 def _how(backward):
     """check() keywords for a BACKWARDS entry."""
-    return {"backward": backward.split("-")[-1],
-            "attach": {"ghost_backward": True} if backward.startswith("ghost") else None}
+    return {
+        "backward": backward.split("-")[-1],
+        "attach": {"ghost_backward": True} if backward.startswith("ghost") else None,
+    }
 
 
 # ===========================================================================================
 # Cases that pass today (regression guards)
 # ===========================================================================================
+
 
 class TwiceDifferentShapes(nn.Module):
     """One Linear on (B, T, d) tokens and again on the (B, d) pooled vector."""
@@ -292,6 +304,7 @@ def test_two_forward_passes_functional_reuse_in_the_second_only(backward):
 
     def loss(m, x1, x2):
         return (m(x1) * m(x2, reuse=True)).sum()
+
     r = check(BranchReuse().double(), {"x1": _x(B, 4, seed=1), "x2": _x(B, 4, seed=2)}, loss, **_how(backward))
     assert r == "raised"
 
@@ -350,8 +363,9 @@ def test_non_contiguous_inputs():
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("k,dil,pmode", [(2, 1, "zeros"), (4, 1, "zeros"), (2, 2, "zeros"), (4, 1, "reflect"),
-                                         (2, 1, "circular")])
+@pytest.mark.parametrize(
+    "k,dil,pmode", [(2, 1, "zeros"), (4, 1, "zeros"), (2, 2, "zeros"), (4, 1, "reflect"), (2, 1, "circular")]
+)
 def test_conv_padding_same_with_even_kernel(k, dil, pmode, mode):
     torch.manual_seed(0)
     m = _perturb(Head(nn.Conv2d(2, 3, k, padding="same", dilation=dil, padding_mode=pmode)).double())
@@ -379,7 +393,7 @@ class EmbedHead(nn.Module):
 
 def _ids_loss(m, ids):
     out = m(ids)
-    return (out ** 2).sum() + out.sum()
+    return (out**2).sum() + out.sum()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -467,8 +481,20 @@ def test_loose_parameter_used_outside_its_owners_swap_raises(model, backward, lo
 
 def _gpt2(**extra):
     import transformers
-    cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=20, n_positions=16, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0, **extra)
+
+    cfg = transformers.GPT2Config(
+        n_layer=1,
+        n_head=2,
+        n_embd=8,
+        vocab_size=20,
+        n_positions=16,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        **extra,
+    )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(cfg).double().eval()
 
@@ -496,17 +522,34 @@ def test_hf_gpt2_batch_of_one():
     assert check(m, {"ids": ids, "mask": torch.ones(1, 6, dtype=torch.long)}, _gpt2_loss, may_raise=False) == "matched"
 
 
-@pytest.mark.parametrize("kw", [dict(class_token=False, global_pool="avg", reg_tokens=2),
-                                dict(global_pool="map", no_embed_class=True)],
-                         ids=["no-cls-avg-reg-tokens", "map-pool-no-embed-class"])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(class_token=False, global_pool="avg", reg_tokens=2), dict(global_pool="map", no_embed_class=True)],
+    ids=["no-cls-avg-reg-tokens", "map-pool-no-embed-class"],
+)
 def test_timm_vit_variants(kw):
     import timm
+
     torch.manual_seed(0)
-    v = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16, patch_size=8, depth=1,
-                          embed_dim=16, num_heads=2, num_classes=3, **kw).double().eval()
+    v = (
+        timm.create_model(
+            "vit_tiny_patch16_224",
+            pretrained=False,
+            img_size=16,
+            patch_size=8,
+            depth=1,
+            embed_dim=16,
+            num_heads=2,
+            num_classes=3,
+            **kw,
+        )
+        .double()
+        .eval()
+    )
 
     def loss(m, x, y):
         return F.cross_entropy(m(x), y, reduction="sum")
+
     assert check(v, {"x": _x(B, 3, 16, 16), "y": torch.tensor([0, 1, 2])}, loss, may_raise=False) == "matched"
 
 
@@ -544,6 +587,7 @@ def test_detach_restores_loose_parameters_even_after_an_exception_in_forward(loo
     class Boom(LooseOwner):
         def forward(self, x):
             raise ValueError("boom")
+
     m = Boom()
     hooks = attach_norm_hooks(m)
     with pytest.raises(ValueError):
@@ -554,8 +598,9 @@ def test_detach_restores_loose_parameters_even_after_an_exception_in_forward(loo
     hooks = attach_norm_hooks(m)
     m(torch.randn(2, 3, 4))
     hooks.detach()
-    assert "cls" not in m.__dict__ and all(not mm._forward_hooks and not mm._forward_pre_hooks
-                                           and not mm._backward_hooks for mm in m.modules())
+    assert "cls" not in m.__dict__ and all(
+        not mm._forward_hooks and not mm._forward_pre_hooks and not mm._backward_hooks for mm in m.modules()
+    )
 
 
 def test_float16_in_range():
@@ -582,6 +627,7 @@ def test_float16_in_range():
 
 # --- outputs of hooked layers modified in place -----------------------------------------------
 
+
 class InplaceAfterFirst(nn.Module):
     def __init__(self, op):
         super().__init__()
@@ -597,8 +643,7 @@ class InplaceAfterFirst(nn.Module):
         return h
 
 
-@pytest.mark.parametrize("backward", [
-    "hooks", "loss", pytest.param("ghost_backward", marks=needs_ghost_backward)])
+@pytest.mark.parametrize("backward", ["hooks", "loss", pytest.param("ghost_backward", marks=needs_ghost_backward)])
 def test_inplace_relu_after_first_linear(backward):
     """F.relu(inplace=True) right after the first layer: ghost differentiation targets the output's
     gradient edge taken before the in-place op (the module form, nn.ReLU(inplace=True), is refused
@@ -629,6 +674,7 @@ def test_bias_only_with_inplace_activation(which, backward, inplace):
         x = _x(B, 4)
     else:
         from timm.layers.norm_act import GroupNormAct
+
         m = Head(GroupNormAct(4, num_groups=2, act_layer=nn.ReLU, inplace=inplace), nn.Conv2d(2, 4, 1))
         x = _x(B, 2, 3, 3)
     m = _bias_only(_perturb(m.double()))
@@ -643,6 +689,7 @@ class ScaleInplace(nn.Module):
     def __init__(self):
         super().__init__()
         from timm.layers import LayerScale
+
         self.pre = nn.Linear(4, 4)
         self.ls = LayerScale(4, init_values=0.5, inplace=True)
 
@@ -669,6 +716,7 @@ def test_layerscale_inplace_modifies_its_own_input():
 
 
 # --- parameter uses the graph check does not see ----------------------------------------------
+
 
 class BiasFunctional(nn.Module):
     def __init__(self):
@@ -720,8 +768,12 @@ class UnusedCallMasksFunctionalUse(nn.Module):
 def test_unused_module_call_masks_a_functional_use(backward):
     """Only calls whose output reaches the loss count as recorded uses."""
     torch.manual_seed(0)
-    _raises(UnusedCallMasksFunctionalUse().double(), {"x": _x(B, 4)}, backward=backward,
-            match=r"a\.weight is used 2 time\(s\).*recorded 1")
+    _raises(
+        UnusedCallMasksFunctionalUse().double(),
+        {"x": _x(B, 4)},
+        backward=backward,
+        match=r"a\.weight is used 2 time\(s\).*recorded 1",
+    )
 
 
 class TiedInLoss(nn.Module):
@@ -749,17 +801,24 @@ def _l2_penalty_loss(m, ids):
 
 
 @pytest.mark.parametrize("loss_fn", [_tied_in_loss, _l2_penalty_loss], ids=["tied-projection", "l2-penalty"])
-@pytest.mark.parametrize("backward", [
-    pytest.param("loss", marks=xfail(
-        "LIMITATION of bare hooks + loss.backward() without ghost_backward: dpzoo never sees the loss, only "
-        "the model's outputs, so a use of a parameter in the loss outside model.forward is not in the graph "
-        "it walks (torch exposes no backward pass's roots) and every weight gets a .grad anyway; that use's "
-        "gradient is left out of the per-sample norms. hooks.backward(loss) walks the loss's graph, and "
-        "with ghost_backward=True (dpzoo's engine) a weight gradient reaching a parameter gives the use "
-        "away: both raise")),
-    pytest.param("ghost_backward", marks=needs_ghost_backward),
-    pytest.param("ghost_backward-loss", marks=needs_ghost_backward),
-])
+@pytest.mark.parametrize(
+    "backward",
+    [
+        pytest.param(
+            "loss",
+            marks=xfail(
+                "LIMITATION of bare hooks + loss.backward() without ghost_backward: dpzoo never sees the loss, only "
+                "the model's outputs, so a use of a parameter in the loss outside model.forward is not in the graph "
+                "it walks (torch exposes no backward pass's roots) and every weight gets a .grad anyway; that use's "
+                "gradient is left out of the per-sample norms. hooks.backward(loss) walks the loss's graph, and "
+                "with ghost_backward=True (dpzoo's engine) a weight gradient reaching a parameter gives the use "
+                "away: both raise"
+            ),
+        ),
+        pytest.param("ghost_backward", marks=needs_ghost_backward),
+        pytest.param("ghost_backward-loss", marks=needs_ghost_backward),
+    ],
+)
 def test_parameter_used_in_the_loss_outside_forward(loss_fn, backward):
     """hooks.backward(loss) counts the uses in the loss's graph; with ghost_backward=True and
     loss.backward(), the parameter receiving a weight gradient at all gives the use away."""
@@ -797,11 +856,13 @@ def test_functional_reuse_inside_forward_raises(backward):
     """`emb(ids) @ emb.weight.T` in forward, every way of running backward (with ghost_backward and
     hooks.backward, the model's graph behind the wrapped outputs is walked too)."""
     torch.manual_seed(0)
-    _raises(FunctionalReuse().double(), {"ids": _ids()}, _reuse_loss, match=r"emb\.weight is used 2 time",
-            **_how(backward))
+    _raises(
+        FunctionalReuse().double(), {"ids": _ids()}, _reuse_loss, match=r"emb\.weight is used 2 time", **_how(backward)
+    )
 
 
 # --- loose tensors whose dim 0 is not a batch dim -----------------------------------------------
+
 
 class ScalarGate(nn.Module):
     """ReZero / SAGAN-style gate: a trainable shape-(1,) scalar."""
@@ -861,13 +922,17 @@ class AttnPool(nn.Module):
         return (a * h).sum(1)
 
 
-@pytest.mark.parametrize("model,name", [
-    (lambda: ScalarGate(4), "alpha"),  # a (1,) scalar: a (B,) copy would broadcast along the last dim
-    (RowBias, "b"),  # (1, d) on (B, T, d): a (B, d) copy would align with T
-    (PosIndexed, "pos"),  # pos[0] would pick sample 0's copy
-    (ClsRepeat, "cls"),  # cls.repeat(B, 1, 1) would give B*B rows
-    (AttnPool, "w"),  # x @ w.T would give (.., B)
-], ids=["scalar-gate", "row-bias", "pos-index-0", "cls-repeat", "attn-pool-vector"])
+@pytest.mark.parametrize(
+    "model,name",
+    [
+        (lambda: ScalarGate(4), "alpha"),  # a (1,) scalar: a (B,) copy would broadcast along the last dim
+        (RowBias, "b"),  # (1, d) on (B, T, d): a (B, d) copy would align with T
+        (PosIndexed, "pos"),  # pos[0] would pick sample 0's copy
+        (ClsRepeat, "cls"),  # cls.repeat(B, 1, 1) would give B*B rows
+        (AttnPool, "w"),  # x @ w.T would give (.., B)
+    ],
+    ids=["scalar-gate", "row-bias", "pos-index-0", "cls-repeat", "attn-pool-vector"],
+)
 def test_loose_tensor_whose_leading_one_is_not_a_batch_dim(model, name):
     """A per-sample copy is exact only if the owner broadcasts the tensor over the batch, which
     dpzoo cannot check: only owners declared with register_loose_tensors get one; the others are
@@ -883,6 +948,7 @@ def test_loose_scalar_gate_with_batch_of_one():
 
 
 # --- batch-1 broadcast expansion and per-sample loops ------------------------------------------
+
 
 class SharedHyper(nn.Module):
     """A Linear on a shared (1, d) buffer whose output row is taken with [0]."""
@@ -915,8 +981,8 @@ class LoopSlices(nn.Module):
 
     def forward(self, x):
         if self.index:
-            return torch.stack([self.a(x[i:i + 1])[0] for i in range(x.shape[0])])
-        return torch.cat([self.a(x[i:i + 1]) for i in range(x.shape[0])])
+            return torch.stack([self.a(x[i : i + 1])[0] for i in range(x.shape[0])])
+        return torch.cat([self.a(x[i : i + 1]) for i in range(x.shape[0])])
 
 
 class SharedAdd(nn.Module):
@@ -929,9 +995,11 @@ class SharedAdd(nn.Module):
         return x + self.proj(self.c)
 
 
-@pytest.mark.parametrize("model", [SharedAdd, SharedHyper, SharedSqueeze, lambda: LoopSlices(index=False),
-                                   lambda: LoopSlices(index=True)],
-                         ids=["broadcast-add", "index-0", "squeeze-0", "loop-cat", "loop-index-0"])
+@pytest.mark.parametrize(
+    "model",
+    [SharedAdd, SharedHyper, SharedSqueeze, lambda: LoopSlices(index=False), lambda: LoopSlices(index=True)],
+    ids=["broadcast-add", "index-0", "squeeze-0", "loop-cat", "loop-index-0"],
+)
 def test_batch_one_input_to_a_hooked_layer(model):
     """Expanding a batch-1 input to B (once done for any layer) breaks `out[0]`, `.squeeze(0)` and
     per-sample loops; only nn.Embedding lookups of integer ids are expanded now, other layers must
@@ -959,8 +1027,11 @@ class LoopUnbatchedConv(nn.Module):
         return torch.stack([self.c(x[i]) for i in range(x.shape[0])])  # unbatched (C, L) inputs
 
 
-@pytest.mark.parametrize("model,shape", [(LoopUnbatchedLinear, (B, 4)), (LoopUnbatchedConv, (B, 2, 6))],
-                         ids=["linear-1d", "conv1d-unbatched"])
+@pytest.mark.parametrize(
+    "model,shape",
+    [(LoopUnbatchedLinear, (B, 4)), (LoopUnbatchedConv, (B, 2, 6))],
+    ids=["linear-1d", "conv1d-unbatched"],
+)
 def test_per_sample_loop_of_unbatched_calls(model, shape):
     """Unbatched calls are compared with the root batch size: refused, never summed into one 'sample'."""
     torch.manual_seed(0)
@@ -989,21 +1060,31 @@ class FlattenAll(nn.Module):
         return torch.tanh(self.a(x.reshape(b * t, d))).reshape(b, t, d)
 
 
-@pytest.mark.parametrize("model,shape", [
-    (SeqFirst, (B, 5, 4)),
-    pytest.param(SeqFirst, (B, B, 4), marks=xfail(
-        "LIMITATION: layers run sequence-first on (T, B, d) with T == B see as many rows as the root batch, so "
-        "the root-batch check passes and the T timesteps are taken for the B samples (silently wrong); dpzoo "
-        "checks sizes, not which dimension is the batch (docs/DESIGN.md, 'Broadcast inputs'); run such layers "
-        "batch-first")),
-    (FlattenAll, (B, 5, 4)),
-], ids=["seq-first-T-ne-B", "seq-first-T-eq-B", "flattened-tokens-only"])
+@pytest.mark.parametrize(
+    "model,shape",
+    [
+        (SeqFirst, (B, 5, 4)),
+        pytest.param(
+            SeqFirst,
+            (B, B, 4),
+            marks=xfail(
+                "LIMITATION: layers run sequence-first on (T, B, d) with T == B see as many rows as the root batch, so "
+                "the root-batch check passes and the T timesteps are taken for the B samples (silently wrong); dpzoo "
+                "checks sizes, not which dimension is the batch (docs/DESIGN.md, 'Broadcast inputs'); run such layers "
+                "batch-first"
+            ),
+        ),
+        (FlattenAll, (B, 5, 4)),
+    ],
+    ids=["seq-first-T-ne-B", "seq-first-T-eq-B", "flattened-tokens-only"],
+)
 def test_layers_that_do_not_see_batch_first_inputs(model, shape):
     torch.manual_seed(0)
     assert check(model().double(), {"x": _x(*shape)}) in ("matched", "raised")
 
 
 # --- rules inherited by subclasses that change forward -----------------------------------------
+
 
 class ScaledLinear(nn.Linear):
     def forward(self, x):
@@ -1012,26 +1093,33 @@ class ScaledLinear(nn.Linear):
 
 def _std_conv():
     from timm.layers import StdConv2d
+
     return StdConv2d(3, 4, 3, padding=1), (3, 5, 5)
 
 
 def _ln2d():
     from timm.layers import LayerNorm2d
+
     return LayerNorm2d(4), (4, 3, 4)  # W == C: shapes line up, values do not
 
 
 def _ln2d_wide():
     from timm.layers import LayerNorm2d
+
     return LayerNorm2d(4), (4, 3, 5)
 
 
-@pytest.mark.parametrize("make,bias_only", [
-    (lambda: (ScaledLinear(4, 3), (4,)), False),  # weight * 2: the Linear rule would be off by 2x
-    (_std_conv, False),  # timm StdConv2d (BiT/ResNetV2) standardises its weight in forward: own rule
-    (_ln2d, False),  # timm LayerNorm2d (ConvNeXt) normalises channels-first; W == C: shapes line up
-    (_ln2d_wide, False),
-    (_ln2d_wide, True),
-], ids=["scaled-linear", "timm-StdConv2d", "timm-LayerNorm2d-W-eq-C", "timm-LayerNorm2d", "timm-LayerNorm2d-bias"])
+@pytest.mark.parametrize(
+    "make,bias_only",
+    [
+        (lambda: (ScaledLinear(4, 3), (4,)), False),  # weight * 2: the Linear rule would be off by 2x
+        (_std_conv, False),  # timm StdConv2d (BiT/ResNetV2) standardises its weight in forward: own rule
+        (_ln2d, False),  # timm LayerNorm2d (ConvNeXt) normalises channels-first; W == C: shapes line up
+        (_ln2d_wide, False),
+        (_ln2d_wide, True),
+    ],
+    ids=["scaled-linear", "timm-StdConv2d", "timm-LayerNorm2d-W-eq-C", "timm-LayerNorm2d", "timm-LayerNorm2d-bias"],
+)
 def test_rule_on_subclass_with_a_different_forward(make, bias_only):
     """A subclass that overrides forward does not inherit its parent's rule (registry.find_rule):
     without a rule of its own it is refused at attach, naming the parent; timm's LayerNorm2d and
@@ -1042,8 +1130,9 @@ def test_rule_on_subclass_with_a_different_forward(make, bias_only):
     if bias_only:
         _bias_only(m)
     if isinstance(layer, ScaledLinear):
-        with pytest.raises(dpzoo.UnsupportedModuleError,
-                           match=rf"{type(layer).__name__} overrides the forward of (Linear|Conv2d)"):
+        with pytest.raises(
+            dpzoo.UnsupportedModuleError, match=rf"{type(layer).__name__} overrides the forward of (Linear|Conv2d)"
+        ):
             attach_norm_hooks(m)
     else:
         assert check(m, {"x": _x(B, *shape)}, may_raise=False) == "matched"
@@ -1055,6 +1144,7 @@ def test_rule_on_subclass_with_a_different_forward(make, bias_only):
 # declared with register_rule(..., methods=...) (`_conv_forward` for the convolutions). A subclass
 # or an instance replacing one of them gets no rule (refused at attach, naming the parameter); an
 # explicit register_rule(SubClass) makes it supported again.
+
 
 class WSConv(nn.Conv2d):
     """Weight standardisation inside _conv_forward (forward is Conv2d's)."""
@@ -1068,8 +1158,9 @@ class ReflectPadConv(nn.Conv2d):
     """Custom padding inside _conv_forward: the Conv rule would pad with zeros (padding=1)."""
 
     def _conv_forward(self, x, weight, bias):
-        return F.conv2d(F.pad(x, (1, 1, 1, 1), mode="reflect"), weight, bias, self.stride, 0, self.dilation,
-                        self.groups)
+        return F.conv2d(
+            F.pad(x, (1, 1, 1, 1), mode="reflect"), weight, bias, self.stride, 0, self.dilation, self.groups
+        )
 
 
 class _ScaleConvMixin:
@@ -1100,6 +1191,7 @@ def _replaced_function(layer):
 
 def _replaced_partial(layer):
     import functools
+
     layer.forward = functools.partial(lambda m, x: F.linear(x, 2.0 * m.weight, m.bias), layer)
 
 
@@ -1119,8 +1211,7 @@ def _dispatch_cases():
         "rmsnorm-subclass-normalize": (lambda: HalfRMS(4, style="torch"), (3, 4), "weight"),
         "instance-forward-function": (lambda: _setup(nn.Linear(4, 3), _replaced_function), (4,), "weight"),
         "instance-forward-partial": (lambda: _setup(nn.Linear(4, 3), _replaced_partial), (4,), "weight"),
-        "instance-forward-other-bound-method": (lambda: _setup(nn.Linear(4, 3), _replaced_other_bound), (4,),
-                                                "weight"),
+        "instance-forward-other-bound-method": (lambda: _setup(nn.Linear(4, 3), _replaced_other_bound), (4,), "weight"),
         "instance-_conv_forward": (lambda: _setup(nn.Conv2d(2, 3, 3), _replaced_conv_forward), (2, 5, 5), "weight"),
     }
 
@@ -1135,6 +1226,7 @@ def test_rule_not_inherited_when_a_method_it_relies_on_is_overridden(case):
     """Each of these computed something else than its registered parent with the parent's rule:
     per-sample norms silently wrong before; refused at attach now, naming the parameter."""
     from dpzoo.grad_norms.registry import find_rule, why_no_rule
+
     make, shape, pname = _dispatch_cases()[case]
     torch.manual_seed(0)
     layer = make()
@@ -1174,17 +1266,20 @@ def test_monkeypatched_registered_class_is_refused(monkeypatch):
     with pytest.raises(dpzoo.UnsupportedModuleError, match=r"layer\.weight"):
         attach_norm_hooks(Head(nn.Linear(4, 3)).double())
     from dpzoo.grad_norms.registry import why_no_rule
+
     assert "Linear.forward was replaced" in why_no_rule(nn.Linear(4, 3))
 
 
 @pytest.fixture
 def own_rule():
     from dpzoo.grad_norms import RULES
+
     added = []
 
     def register(cls, fn, **kw):
         dpzoo.register_rule(cls, **kw)(fn)
         added.append(cls)
+
     yield register
     for cls in added:
         RULES.pop(cls, None)
@@ -1207,6 +1302,7 @@ class CountingLinear(nn.Linear):
 def test_explicit_registration_of_a_subclass_makes_it_supported(which, own_rule):
     from dpzoo.grad_norms.rules.conv import conv_rule
     from dpzoo.grad_norms.rules.linear import linear_rule
+
     torch.manual_seed(0)
     if which == "conv":
         layer, shape, fn = CallsSuperConv(2, 3, 3, padding=1), (2, 5, 5), conv_rule
@@ -1238,8 +1334,11 @@ def _conv_kernel_swapped():
     return c, (2, 6, 6)
 
 
-@pytest.mark.parametrize("make", [_conv_padding_mutated, _conv_padding_int, _conv_kernel_swapped],
-                         ids=["padding-mutated", "int-padding-stride-dilation", "kernel-swapped"])
+@pytest.mark.parametrize(
+    "make",
+    [_conv_padding_mutated, _conv_padding_int, _conv_kernel_swapped],
+    ids=["padding-mutated", "int-padding-stride-dilation", "kernel-swapped"],
+)
 @pytest.mark.parametrize("mode", MODES)
 def test_conv_rule_mirrors_the_modules_current_attributes(make, mode):
     """The Conv rule pads as _conv_forward does now (module.padding for zeros), with the weight's own
@@ -1250,13 +1349,19 @@ def test_conv_rule_mirrors_the_modules_current_attributes(make, mode):
     assert check(m, {"x": _x(B, *shape)}, mode=mode, may_raise=False) == "matched"
 
 
-@pytest.mark.parametrize("cls,trainable", [
-    (c, t) for c in ["StdConv2d", "StdConv2dSame", "ScaledStdConv2d", "ScaledStdConv2dSame"]
-    for t in ["all", "weight", "bias"] + (["gain"] if c.startswith("Scaled") else [])])
+@pytest.mark.parametrize(
+    "cls,trainable",
+    [
+        (c, t)
+        for c in ["StdConv2d", "StdConv2dSame", "ScaledStdConv2d", "ScaledStdConv2dSame"]
+        for t in ["all", "weight", "bias"] + (["gain"] if c.startswith("Scaled") else [])
+    ],
+)
 def test_timm_weight_standardised_convs(cls, trainable):
     """timm's StdConv2d family (BiT ResNet-V2, NF-Nets): per-sample gradients pulled back through the
     weight standardisation, exact."""
     import timm.layers.std_conv as S
+
     torch.manual_seed(0)
     kw = dict(stride=2, bias=True) if "Same" in cls else dict(padding=1, bias=True, groups=2)
     layer = getattr(S, cls)(4, 6, 3, **kw)
@@ -1270,8 +1375,12 @@ def test_timm_weight_standardised_convs(cls, trainable):
 
 # --- several forward/backward passes ------------------------------------------------------------
 
-@pytest.mark.parametrize("reentrant,backward", [(False, "hooks"), (False, "loss"), (True, "loss")],
-                         ids=["nonreentrant-hooks", "nonreentrant-loss", "reentrant-loss"])
+
+@pytest.mark.parametrize(
+    "reentrant,backward",
+    [(False, "hooks"), (False, "loss"), (True, "loss")],
+    ids=["nonreentrant-hooks", "nonreentrant-loss", "reentrant-loss"],
+)
 def test_gradient_checkpointing(reentrant, backward):
     """The recompute inside backward must not start a new step."""
     torch.manual_seed(0)
@@ -1280,7 +1389,7 @@ def test_gradient_checkpointing(reentrant, backward):
 
 def _two_backward_calls(hooks, model, loss_fn, inputs):
     out = model(**inputs)
-    (out ** 2).sum().backward(retain_graph=True)
+    (out**2).sum().backward(retain_graph=True)
     out.sum().backward()  # loss_fn = sum of the two
 
 
@@ -1295,8 +1404,9 @@ def test_two_backward_calls_in_one_step(frozen, ghost):
     for n in filter(None, frozen.split(",")):
         m.get_parameter(n).requires_grad_(False)
     if ghost:
-        _raises(m, {"x": _x(B, 4)}, step=_two_backward_calls, attach={"ghost_backward": True},
-                match="once per forward pass")
+        _raises(
+            m, {"x": _x(B, 4)}, step=_two_backward_calls, attach={"ghost_backward": True}, match="once per forward pass"
+        )
     else:
         assert check(m, {"x": _x(B, 4)}, step=_two_backward_calls, may_raise=False) == "matched"
 
@@ -1320,6 +1430,7 @@ def test_loss_backward_then_hooks_backward_on_retained_graph(frozen):
 
 # --- precision, re-attachment, detach, ghost_backward ------------------------------------------
 
+
 def test_float16_norm_overflow():
     """||g_i||^2 overflows float16 past ||g_i|| = 256 (routine under AMP loss scaling): half-precision
     representations are squared and summed in float32."""
@@ -1333,6 +1444,7 @@ def test_float16_norm_overflow():
 
     def loss(mm, x):
         return (mm(x).float() * 200).sum()
+
     total, _, _ = reference(m64, loss, {"x": x.double()}, B, torch.ones(B, dtype=F64))
     assert total.max() < 2000  # the norms themselves are well inside float16's range
     hooks = attach_norm_hooks(m16)
@@ -1380,7 +1492,8 @@ def test_ghost_backward_output_modified_in_place():
     def loss(m, x):
         out = m(x)
         out[:, 0] = 0.0
-        return (out ** 2).sum()
+        return (out**2).sum()
+
     assert check(TwoLayer().double(), {"x": _x(B, 4)}, loss, attach={"ghost_backward": True}) == "matched"
 
 
@@ -1388,6 +1501,7 @@ def test_ghost_backward_output_modified_in_place():
 def test_ghost_backward_namedtuple_output_leaves_grad_alone():
     """A namedtuple output is wrapped like any tuple: loss.backward() fills no weight .grad."""
     from collections import namedtuple
+
     Out = namedtuple("Out", "y")
 
     class NT(nn.Module):
@@ -1397,6 +1511,7 @@ def test_ghost_backward_namedtuple_output_leaves_grad_alone():
 
         def forward(self, x):
             return Out(self.a(x))
+
     m = NT().double()
     hooks = attach_norm_hooks(m, ghost_backward=True)
     try:

@@ -8,11 +8,11 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from grad_reference import assert_close, reference
 from torch import nn
 
 import dpzoo
 from dpzoo.grad_norms import attach_norm_hooks
-from grad_reference import assert_close, reference
 
 TOL = {torch.float64: 1e-6, torch.float32: 1e-4}
 MODES = ["ghost", "instantiate", "auto"]
@@ -49,8 +49,17 @@ def _case_conv(rng):
     mode = rng.choice(["zeros", "zeros", "reflect", "circular"])
     pad = rng.choice([0, 1, "same"]) if stride == 1 else rng.choice([0, 1])
     size = {1: 9, 2: 7, 3: 5}[nd]
-    conv = [nn.Conv1d, nn.Conv2d, nn.Conv3d][nd - 1](cin, cout, k, stride=stride, padding=pad, dilation=dil,
-                                                     groups=groups, bias=rng.random() < 0.8, padding_mode=mode)
+    conv = [nn.Conv1d, nn.Conv2d, nn.Conv3d][nd - 1](
+        cin,
+        cout,
+        k,
+        stride=stride,
+        padding=pad,
+        dilation=dil,
+        groups=groups,
+        bias=rng.random() < 0.8,
+        padding_mode=mode,
+    )
     return conv, (cin,) + (size,) * nd
 
 
@@ -83,7 +92,7 @@ def _check(model, inputs, b, dtype, mode, use_hooks_backward=True, loss_fn=_loss
     total, per_param, clipped = reference(model, loss_fn, inputs, b, scale)
     hooks = attach_norm_hooks(model, mode=mode)
     try:
-        loss = sum(loss_fn(model, **{k: v[i:i + 1] for k, v in inputs.items()}) for i in range(0))  # noqa
+        loss = sum(loss_fn(model, **{k: v[i : i + 1] for k, v in inputs.items()}) for i in range(0))  # noqa
         loss = loss_fn(model, **inputs)
         if use_hooks_backward:
             hooks.backward(loss)
@@ -152,8 +161,9 @@ def _lm_loss(model, ids, target):
 @pytest.mark.parametrize("variant", ["plain", "padding_idx", "tied", "tied+twice", "twice"])
 def test_embedding_tied_and_reused_modules(variant, mode, dtype):
     torch.manual_seed(3)
-    model = EmbedModel(padding_idx=0 if variant == "padding_idx" else None,
-                       tied="tied" in variant, twice="twice" in variant).to(dtype)
+    model = EmbedModel(
+        padding_idx=0 if variant == "padding_idx" else None, tied="tied" in variant, twice="twice" in variant
+    ).to(dtype)
     b, t = 4, 6
     ids = torch.randint(0, 11, (b, t))
     ids[0, :2] = 0  # repeated tokens and, for padding_idx, padding
@@ -165,6 +175,7 @@ def test_embedding_tied_and_reused_modules(variant, mode, dtype):
 def test_phantom_clipping_memory_is_o_bl2_not_o_bv2():
     """The tied embedding's cross term never forms a (B, V, d) or (V, V) tensor."""
     from dpzoo.grad_norms import reps as R
+
     b, t, v, d = 2, 5, 5000, 3
     ids = torch.randint(0, v, (b, t))
     emb = R.OneHot(ids, torch.randn(b, t, d), v)
@@ -206,6 +217,7 @@ def test_loose_parameters_need_a_declared_owner():
 @pytest.mark.parametrize("mode", MODES)
 def test_loose_parameters(mode):
     from dpzoo.grad_norms import LOOSE_TENSORS, register_loose_tensors
+
     register_loose_tensors(Loose, ("cls_token", "pos_embed"))
     request_cleanup = lambda: LOOSE_TENSORS.pop(Loose, None)  # noqa: E731
     torch.manual_seed(4)
@@ -223,9 +235,13 @@ def test_hf_conv1d_and_timm_layers():
     from timm.layers import LayerScale
     from timm.layers.conv2d_same import Conv2dSame
     from transformers.pytorch_utils import Conv1D
+
     torch.manual_seed(5)
-    for layer, shape in [(Conv1D(6, 4), (3, 4)), (LayerScale(4, init_values=0.5), (3, 4)),
-                         (Conv2dSame(3, 4, 3, stride=2), (3, 8, 7))]:
+    for layer, shape in [
+        (Conv1D(6, 4), (3, 4)),
+        (LayerScale(4, init_values=0.5), (3, 4)),
+        (Conv2dSame(3, 4, 3, stride=2), (3, 8, 7)),
+    ]:
         model = Head(layer).double()
         with torch.no_grad():
             for p in model.parameters():
@@ -239,6 +255,7 @@ def test_hf_conv1d_and_timm_layers():
 
 def test_groupnorm_act_pulls_gradient_through_activation():
     from timm.layers.norm_act import GroupNormAct
+
     torch.manual_seed(6)
     model = Head(GroupNormAct(4, num_groups=2, act_layer=nn.ReLU, inplace=False)).double()
     x = torch.randn(3, 4, 3, 3, dtype=torch.float64)

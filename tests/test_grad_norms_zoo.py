@@ -7,15 +7,26 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from grad_reference import assert_close, reference
 from torch import nn
 
 import dpzoo
 from dpzoo.grad_norms import attach_norm_hooks
-from grad_reference import assert_close, reference
 
-ENTRIES = ["resnet18-gn-bias", "vit-tiny-patch16", "gpt2", "llama-tiny-bias", "bert-base",
-           "roberta-base", "efficientnet-lite0-gn-bias", "transformer-seqrec", "transformer-seqrec-untied",
-           "gru-seqrec", "lstm-seqrec", "dpformer"]
+ENTRIES = [
+    "resnet18-gn-bias",
+    "vit-tiny-patch16",
+    "gpt2",
+    "llama-tiny-bias",
+    "bert-base",
+    "roberta-base",
+    "efficientnet-lite0-gn-bias",
+    "transformer-seqrec",
+    "transformer-seqrec-untied",
+    "gru-seqrec",
+    "lstm-seqrec",
+    "dpformer",
+]
 
 
 def _model_and_inputs(name, b=3, seed=0):
@@ -30,22 +41,28 @@ def _model_and_inputs(name, b=3, seed=0):
 
         def loss_fn(m, x, y):
             return F.cross_entropy(m(x), y, reduction="sum")
+
         return model, {"x": x, "y": y}, loss_fn
     ids = torch.randint(0, spec["vocab_size"], (b, spec["seq_len"]), generator=g)
     if card.task == "sequential-recommendation":  # next item at every position, padding (0) ignored
+
         def loss_fn(m, ids):
             logits = m(ids)[:, :-1]
             return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum", ignore_index=0)
+
         return model, {"ids": ids}, loss_fn
     if card.task == "causal-lm":
+
         def loss_fn(m, ids):
             logits = m(input_ids=ids).logits[:, :-1]
             return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+
         return model, {"ids": ids}, loss_fn
     y = torch.randint(0, card.test_overrides["num_classes"], (b,), generator=g)
 
     def loss_fn(m, ids, y):
         return F.cross_entropy(m(input_ids=ids).logits, y, reduction="sum")
+
     return model, {"ids": ids, "y": y}, loss_fn
 
 
@@ -120,6 +137,7 @@ def test_float32_resnet_within_1e4():
 
 # --- no silent privacy leak ---------------------------------------------------------------
 
+
 class WithUnsupported(nn.Module):
     def __init__(self):
         super().__init__()
@@ -183,6 +201,7 @@ def test_input_modified_in_place_after_use_raises():
             y = self.lin(x)
             x.mul_(2)  # the stored activation changes after the layer used it
             return y + x
+
     m = Bad()
     hooks = attach_norm_hooks(m)
     loss = m(torch.randn(2, 3)).sum()
@@ -205,8 +224,7 @@ def test_detach_removes_every_hook_and_results_need_a_backward():
     with pytest.raises(RuntimeError, match="backward"):
         hooks.per_sample_norms()
     hooks.detach()
-    assert all(not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks
-               for m in model.modules())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks for m in model.modules())
     assert isinstance(model.cls_token, nn.Parameter)
 
 
@@ -238,6 +256,7 @@ def test_steps_release_their_activations():
     cycle through autograd's C++ nodes leaked ~300 MB per step on a small GPT-2)."""
     import gc
     import weakref
+
     model, inputs, loss_fn = _model_and_inputs("gpt2")
     hooks = attach_norm_hooks(model, ghost_backward=True)
     refs = []

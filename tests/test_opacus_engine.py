@@ -7,10 +7,10 @@ import warnings
 
 import pytest
 import torch
+from grad_reference import assert_close, per_sample_grads
 
 import dpzoo
 from dpzoo.losses import SequenceCrossEntropy
-from grad_reference import assert_close, per_sample_grads
 
 pytest.importorskip("opacus", reason="opacus is in the `test` extra: pip install -e '.[test]'")
 from opacus import PrivacyEngine  # noqa: E402
@@ -54,6 +54,7 @@ def _setup(name, b=4, **extra):
 def _expected(model, x, y, crit, fwd):
     def loss_fn(m, x, y):
         return crit(fwd(m, x), y)
+
     grads = per_sample_grads(model, loss_fn, {"x": x, "y": y}, x.shape[0])
     names = list(grads[0])
     norms = torch.stack([torch.sqrt(sum(g[n].pow(2).sum() for n in names)) for g in grads])
@@ -67,9 +68,17 @@ def _opacus_step(model, x, y, crit, fwd, mode):
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = make_private(PrivacyEngine(), module=model, optimizer=opt, data_loader=loader,
-                           noise_multiplier=0.0, max_grad_norm=C, grad_sample_mode=mode,
-                           poisson_sampling=False, criterion=crit)
+        out = make_private(
+            PrivacyEngine(),
+            module=model,
+            optimizer=opt,
+            data_loader=loader,
+            noise_multiplier=0.0,
+            max_grad_norm=C,
+            grad_sample_mode=mode,
+            poisson_sampling=False,
+            criterion=crit,
+        )
         if mode == "ghost":
             pm, popt, pcrit, ploader = out
         else:
@@ -80,11 +89,19 @@ def _opacus_step(model, x, y, crit, fwd, mode):
     return {n.removeprefix("_module."): p.grad for n, p in pm.named_parameters() if p.requires_grad}
 
 
-CASES = [("resnet18-gn-bias", "hooks"), ("resnet18-gn-bias", "ghost"),
-         ("vit-tiny-patch16", "hooks"), ("vit-tiny-patch16", "ghost"),
-         ("gpt2", "hooks"), ("llama-tiny-bias", "hooks"), ("llama-tiny-bias", "ghost"),
-         ("efficientnet-lite0-gn-bias", "hooks"), ("dpformer", "hooks"), ("transformer-seqrec-untied", "ghost"),
-         ("gru-seqrec", "hooks")]
+CASES = [
+    ("resnet18-gn-bias", "hooks"),
+    ("resnet18-gn-bias", "ghost"),
+    ("vit-tiny-patch16", "hooks"),
+    ("vit-tiny-patch16", "ghost"),
+    ("gpt2", "hooks"),
+    ("llama-tiny-bias", "hooks"),
+    ("llama-tiny-bias", "ghost"),
+    ("efficientnet-lite0-gn-bias", "hooks"),
+    ("dpformer", "hooks"),
+    ("transformer-seqrec-untied", "ghost"),
+    ("gru-seqrec", "hooks"),
+]
 
 
 @pytest.mark.parametrize("name, mode", CASES)
@@ -114,5 +131,6 @@ def test_opacus_ghost_with_tied_embeddings_gives_dpzoo_error():
 def test_registration_covers_dpzoo_modules():
     from opacus.grad_sample import GradSampleModule
     from transformers.pytorch_utils import Conv1D
+
     register_opacus_rules()
     assert {dpzoo.nn.RMSNorm, Conv1D} <= set(GradSampleModule.GRAD_SAMPLERS)

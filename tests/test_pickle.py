@@ -9,10 +9,10 @@ import pickle
 
 import pytest
 import torch
+from conftest import example_batch, output_tensor
 from torch import nn
 
 import dpzoo
-from conftest import example_batch, output_tensor
 
 ALL = dpzoo.list_models()
 

@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from grad_reference import assert_close, per_sample_grads
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -17,7 +18,6 @@ import dpzoo
 from dpzoo.errors import PrivacyUsageError, ReproducibleNoiseWarning, SelfCheckError
 from dpzoo.grad_norms.hooks import attached_norm_hooks
 from dpzoo.privacy import clip_factors
-from grad_reference import assert_close, per_sample_grads
 
 
 def _mlp(d=5, c=3, seed=0):
@@ -36,15 +36,17 @@ def _private(model, ds, batch_size=4, opt=None, **kw):
     kw.setdefault("noise_multiplier", 1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ReproducibleNoiseWarning)
-        model, opt, loader = engine.make_private(module=model, optimizer=opt,
-                                                 data_loader=DataLoader(ds, batch_size=batch_size), **kw)
+        model, opt, loader = engine.make_private(
+            module=model, optimizer=opt, data_loader=DataLoader(ds, batch_size=batch_size), **kw
+        )
     return engine, model, opt, loader
 
 
 def _dp_update(model, x, y, R, sigma, seed, reduction="sum", lr=0.5, expected=None):
     """The DP-SGD update by brute force (a loop of single-sample backward passes)."""
-    grads = per_sample_grads(model, lambda m, x, y: F.cross_entropy(m(x), y, reduction="sum"), {"x": x, "y": y},
-                             x.shape[0])
+    grads = per_sample_grads(
+        model, lambda m, x, y: F.cross_entropy(m(x), y, reduction="sum"), {"x": x, "y": y}, x.shape[0]
+    )
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     norms = torch.stack([torch.sqrt(sum(g[n].pow(2).sum() for n in names)) for g in grads])
     c = clip_factors(norms, R, "abadi")
@@ -52,8 +54,9 @@ def _dp_update(model, x, y, R, sigma, seed, reduction="sum", lr=0.5, expected=No
     out = {}
     for n in names:
         p = dict(model.named_parameters())[n]
-        g = sum(c[i] * grads[i][n] for i in range(len(grads))) + torch.normal(0.0, sigma * R, size=p.shape,
-                                                                               generator=gen, dtype=p.dtype)
+        g = sum(c[i] * grads[i][n] for i in range(len(grads))) + torch.normal(
+            0.0, sigma * R, size=p.shape, generator=gen, dtype=p.dtype
+        )
         out[n] = -lr * (g / expected if reduction == "mean" else g)
     return out
 
@@ -93,11 +96,15 @@ def test_parameter_group_added_after_make_private_is_refused_at_step():
 
 
 # -- 3. modules that mix samples ------------------------------------------------------------------
-@pytest.mark.parametrize("make", [
-    lambda: nn.BatchNorm1d(8, affine=False),
-    lambda: _frozen(nn.BatchNorm1d(8)),
-    lambda: nn.SyncBatchNorm(8, affine=False),
-], ids=["bn-no-affine", "bn-frozen-affine", "syncbn"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.BatchNorm1d(8, affine=False),
+        lambda: _frozen(nn.BatchNorm1d(8)),
+        lambda: nn.SyncBatchNorm(8, affine=False),
+    ],
+    ids=["bn-no-affine", "bn-frozen-affine", "syncbn"],
+)
 def test_batchnorm_without_trainable_parameters_is_refused(make):
     """Before: accepted; per-sample norms depended on other samples, running stats released."""
     torch.manual_seed(0)
@@ -229,7 +236,9 @@ def test_overridden_conv_forward_is_refused():
     torch.manual_seed(0)
     model = nn.Sequential(_StandardisedConv(2, 3, 3), nn.Flatten(), nn.Linear(3 * 4 * 4, 3)).double()
     g = torch.Generator().manual_seed(0)
-    ds = TensorDataset(torch.randn(8, 2, 6, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g))
+    ds = TensorDataset(
+        torch.randn(8, 2, 6, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
+    )
     with pytest.raises(dpzoo.DPZooError):
         engine, model, opt, loader = _private(model, ds, batch_size=8)
         x, y = next(iter(loader))
@@ -280,8 +289,9 @@ def test_iterating_the_original_loader_is_refused():
     model, ds = _mlp(), _ds()
     original = DataLoader(ds, batch_size=4)
     engine = dpzoo.PrivacyEngine()
-    model, opt, dp_loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                                data_loader=original, noise_multiplier=1.0)
+    model, opt, dp_loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=original, noise_multiplier=1.0
+    )
     x, y = next(iter(original))
     F.cross_entropy(model(x), y).backward()
     with pytest.raises(PrivacyUsageError, match="returned loader"):
@@ -293,8 +303,12 @@ def _one_update(seed_everything):
     torch.manual_seed(seed_everything)
     model, ds = _mlp(), _ds(n=4)
     engine = dpzoo.PrivacyEngine()
-    model, opt, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-                                             data_loader=DataLoader(ds, batch_size=4), noise_multiplier=1.0)
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+        data_loader=DataLoader(ds, batch_size=4),
+        noise_multiplier=1.0,
+    )
     before = [p.detach().clone() for p in model.parameters()]
     x, y = next(iter(loader))
     F.cross_entropy(model(x), y).backward()
@@ -316,8 +330,13 @@ def test_reproducible_noise_warns_and_is_recorded():
     model = _mlp()
     engine = dpzoo.PrivacyEngine()
     with pytest.warns(ReproducibleNoiseWarning, match="noise_seed=7"):
-        engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
-                            data_loader=DataLoader(_ds(), batch_size=4), noise_multiplier=1.0, noise_seed=7)
+        engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=1.0),
+            data_loader=DataLoader(_ds(), batch_size=4),
+            noise_multiplier=1.0,
+            noise_seed=7,
+        )
     assert engine.privacy_metadata(1e-5)["noise"].startswith("reproducible (not private")
     assert "generators" in engine.state_dict()["optimizer"]
 
@@ -325,10 +344,18 @@ def test_reproducible_noise_warns_and_is_recorded():
 def test_dpzoo_train_twice_with_the_default_seed_gives_different_models(tmp_path):
     """Before: `dpzoo train` with its default --seed 0 produced two bit-identical private models."""
     from dpzoo.train import train_image_classifier
+
     outs = []
     for k in range(2):
-        train_image_classifier("resnet18-gn-bias", epochs=1, batch_size=256, image_size=8, out=tmp_path / str(k),
-                               overrides={"width": 4, "layers": [1, 1, 1, 1]}, log=lambda *a: None)
+        train_image_classifier(
+            "resnet18-gn-bias",
+            epochs=1,
+            batch_size=256,
+            image_size=8,
+            out=tmp_path / str(k),
+            overrides={"width": 4, "layers": [1, 1, 1, 1]},
+            log=lambda *a: None,
+        )
         outs.append(dpzoo.load(tmp_path / str(k) / "model"))
     w = [dict(m.named_parameters())["fc.weight"].detach() for m in outs]
     assert not torch.equal(w[0], w[1])
@@ -342,8 +369,9 @@ def test_micro_batches_before_one_step_accumulate_exactly():
     R, sigma, seed = 0.3, 0.7, 11
     model, ds = _mlp(), _ds(n=8)
     reference = _mlp()
-    engine, model, opt, loader = _private(model, ds, batch_size=8, max_grad_norm=R, noise_multiplier=sigma,
-                                          noise_seed=seed, loss_reduction="sum")
+    engine, model, opt, loader = _private(
+        model, ds, batch_size=8, max_grad_norm=R, noise_multiplier=sigma, noise_seed=seed, loss_reduction="sum"
+    )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     x, y = next(iter(loader))  # q = 1: all 8
     for half in (slice(0, 5), slice(5, 8)):
@@ -402,7 +430,9 @@ def test_freezing_after_make_private_is_respected():
 def test_unfreezing_after_make_private_trains_privately():
     model = _mlp()
     model[0].weight.requires_grad_(False)
-    engine, model, opt, loader = _private(model, _ds(n=40), batch_size=10, opt=torch.optim.SGD(model.parameters(), lr=0.5))
+    engine, model, opt, loader = _private(
+        model, _ds(n=40), batch_size=10, opt=torch.optim.SGD(model.parameters(), lr=0.5)
+    )
     model[0].weight.requires_grad_(True)
     x, y = next(iter(loader))
     F.cross_entropy(model(x), y).backward()
@@ -412,23 +442,41 @@ def test_unfreezing_after_make_private_trains_privately():
 
 
 # -- 12. arguments -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("kwargs, match", [
-    ({"max_physical_batch_size": -4}, "max_physical_batch_size must be a positive integer"),
-    ({"max_physical_batch_size": 0}, "max_physical_batch_size must be a positive integer"),
-    ({"max_physical_batch_size": 2.5}, "max_physical_batch_size must be a positive integer"),
-    ({"target_epsilon": 0.0, "target_delta": 1e-5, "epochs": 1, "noise_multiplier": None}, "target_epsilon must be"),
-    ({"target_epsilon": -1.0, "target_delta": 1e-5, "epochs": 1, "noise_multiplier": None}, "target_epsilon must be"),
-    ({"target_epsilon": float("nan"), "target_delta": 1e-5, "epochs": 1, "noise_multiplier": None},
-     "target_epsilon must be"),
-    ({"target_epsilon": 1.0, "target_delta": 1.0, "epochs": 1, "noise_multiplier": None}, "target_delta must be in"),
-    ({"target_epsilon": 1.0, "target_delta": 0.0, "epochs": 1, "noise_multiplier": None}, "target_delta must be in"),
-    ({"target_epsilon": 1.0, "target_delta": 1e-5, "epochs": 0, "noise_multiplier": None}, "epochs must be"),
-    ({"noise_multiplier": -1.0}, "noise_multiplier must be"),
-    ({"max_grad_norm": 0.0}, "max_grad_norm must be"),
-    ({"clipping": "flat"}, "clipping must be"),
-    ({"loss_reduction": "none"}, "loss_reduction must be"),
-    ({"noise_seed": "abc"}, "noise_seed must be"),
-], ids=lambda v: str(v)[:40] if isinstance(v, dict) else None)
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_physical_batch_size": -4}, "max_physical_batch_size must be a positive integer"),
+        ({"max_physical_batch_size": 0}, "max_physical_batch_size must be a positive integer"),
+        ({"max_physical_batch_size": 2.5}, "max_physical_batch_size must be a positive integer"),
+        (
+            {"target_epsilon": 0.0, "target_delta": 1e-5, "epochs": 1, "noise_multiplier": None},
+            "target_epsilon must be",
+        ),
+        (
+            {"target_epsilon": -1.0, "target_delta": 1e-5, "epochs": 1, "noise_multiplier": None},
+            "target_epsilon must be",
+        ),
+        (
+            {"target_epsilon": float("nan"), "target_delta": 1e-5, "epochs": 1, "noise_multiplier": None},
+            "target_epsilon must be",
+        ),
+        (
+            {"target_epsilon": 1.0, "target_delta": 1.0, "epochs": 1, "noise_multiplier": None},
+            "target_delta must be in",
+        ),
+        (
+            {"target_epsilon": 1.0, "target_delta": 0.0, "epochs": 1, "noise_multiplier": None},
+            "target_delta must be in",
+        ),
+        ({"target_epsilon": 1.0, "target_delta": 1e-5, "epochs": 0, "noise_multiplier": None}, "epochs must be"),
+        ({"noise_multiplier": -1.0}, "noise_multiplier must be"),
+        ({"max_grad_norm": 0.0}, "max_grad_norm must be"),
+        ({"clipping": "flat"}, "clipping must be"),
+        ({"loss_reduction": "none"}, "loss_reduction must be"),
+        ({"noise_seed": "abc"}, "noise_seed must be"),
+    ],
+    ids=lambda v: str(v)[:40] if isinstance(v, dict) else None,
+)
 def test_bad_arguments_name_the_argument(kwargs, match):
     """Before: ran 0 steps and reported ε, ignored, or an unnamed ValueError."""
     with pytest.raises(dpzoo.DPZooError, match=match):
@@ -450,7 +498,7 @@ def test_dp_optimizer_is_a_torch_optimizer_and_schedulers_work():
         opt.step()
         opt.zero_grad()
         sched.step()
-    assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * 0.5 ** 4)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5 * 0.5**4)
     assert opt.original_optimizer.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
 
 
@@ -470,8 +518,9 @@ def test_bare_linear_root_model_is_exact():
     torch.manual_seed(0)
     model, reference = nn.Linear(5, 3).double(), None
     reference = copy.deepcopy(model)
-    engine, model, opt, loader = _private(model, _ds(n=6), batch_size=6, max_grad_norm=R, noise_multiplier=sigma,
-                                          noise_seed=seed, loss_reduction="sum")
+    engine, model, opt, loader = _private(
+        model, _ds(n=6), batch_size=6, max_grad_norm=R, noise_multiplier=sigma, noise_seed=seed, loss_reduction="sum"
+    )
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     x, y = next(iter(loader))
     F.cross_entropy(model(x), y, reduction="sum").backward()

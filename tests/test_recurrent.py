@@ -3,12 +3,12 @@
 
 import pytest
 import torch
+from grad_reference import assert_close, reference
 from torch import nn
 
 from dpzoo.errors import InvalidArgumentError
 from dpzoo.grad_norms import attach_norm_hooks
 from dpzoo.nn import DPGRU, DPLSTM
-from grad_reference import assert_close, reference
 
 
 @pytest.mark.parametrize("kind", ["gru", "lstm"])
@@ -48,6 +48,7 @@ def test_per_sample_norms_of_recurrent_layers(kind, mode):
 
     def loss_fn(m, x):
         return m(x).square().sum()
+
     scale = torch.rand(4, dtype=torch.float64) + 0.1
     total, per_param, clipped = reference(model, loss_fn, {"x": x}, 4, scale)
     hooks = attach_norm_hooks(model, mode=mode)

@@ -17,8 +17,8 @@ from dpzoo.privacy import accountant as A
 from dpzoo.privacy import engine as E
 from dpzoo.privacy import modes as M
 from dpzoo.privacy.accountant import ACCOUNTANTS, Accountant, get_noise_multiplier
-from dpzoo.seqrec import downloads as D
 from dpzoo.seqrec import DatasetSpec, load_dataset, register_dataset
+from dpzoo.seqrec import downloads as D
 
 DELTA = 1e-5
 
@@ -37,6 +37,7 @@ def _pld_wrapper(history, delta):
     """dp-accounting's PLD, composing the history itself: what a user would register."""
     from dp_accounting import dp_event
     from dp_accounting.pld.pld_privacy_accountant import PLDAccountant
+
     acc = PLDAccountant()
     for sigma, q, steps in history:
         acc.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(sigma)), steps)
@@ -53,14 +54,17 @@ def _train_args(*extra):
 
 # -- accountants --------------------------------------------------------------------------------
 
+
 def test_builtins_are_registered_in_order():
     assert tuple(ACCOUNTANTS) == ("pld", "rdp", "prv", "gdp", "opacus-rdp")
     assert ACCOUNTANTS == ("pld", "rdp", "prv", "gdp", "opacus-rdp") and ACCOUNTANTS[0] == "pld"
     assert "rdp" in ACCOUNTANTS and "moments" not in ACCOUNTANTS and 3 not in ACCOUNTANTS
     gdp = A.accountant_spec("gdp")
     assert not gdp.upper_bound and not gdp.composes_history and gdp.requires == "opacus.accountants"
-    assert all(A.accountant_spec(n).upper_bound and A.accountant_spec(n).composes_history
-               for n in ("pld", "rdp", "prv", "opacus-rdp"))
+    assert all(
+        A.accountant_spec(n).upper_bound and A.accountant_spec(n).composes_history
+        for n in ("pld", "rdp", "prv", "opacus-rdp")
+    )
     assert dpzoo.register_accountant is A.register_accountant is dpzoo.privacy.register_accountant
 
 
@@ -69,7 +73,8 @@ def test_a_registered_accountant_works_in_the_engine_and_the_cli(registered):
     assert spec.name == "my-pld" and "my-pld" in ACCOUNTANTS  # ACCOUNTANTS is a view of the registry
     history = [[1.0, 0.1, 5], [1.3, 0.05, 30]]
     assert Accountant("my-pld", history).get_epsilon(DELTA) == pytest.approx(
-        Accountant("pld", history).get_epsilon(DELTA), rel=1e-12)
+        Accountant("pld", history).get_epsilon(DELTA), rel=1e-12
+    )
     sigma = get_noise_multiplier(3.0, DELTA, 0.1, 20, "my-pld")
     assert sigma == pytest.approx(get_noise_multiplier(3.0, DELTA, 0.1, 20, "pld"), rel=1e-9)
 
@@ -77,9 +82,14 @@ def test_a_registered_accountant_works_in_the_engine_and_the_cli(registered):
     model = nn.Sequential(nn.Linear(4, 3))
     data = TensorDataset(torch.randn(100, 4), torch.randint(0, 3, (100,)))
     engine = dpzoo.PrivacyEngine(accountant="my-pld")
-    model, opt, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                             data_loader=DataLoader(data, batch_size=10), target_epsilon=2.0,
-                                             target_delta=DELTA, epochs=1)
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(data, batch_size=10),
+        target_epsilon=2.0,
+        target_delta=DELTA,
+        epochs=1,
+    )
     for x, y in loader:
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
@@ -107,8 +117,9 @@ def test_registration_is_checked(registered):
 
 
 def test_an_accountant_that_is_not_an_upper_bound_is_refused_for_training(registered):
-    dpzoo.register_accountant("approx", lambda h, d: 0.5 * _pld_wrapper(h, d), upper_bound=False,
-                              caveat="it halves PLD's ε")
+    dpzoo.register_accountant(
+        "approx", lambda h, d: 0.5 * _pld_wrapper(h, d), upper_bound=False, caveat="it halves PLD's ε"
+    )
     acc = Accountant("approx", [[1.0, 0.1, 5]])  # kept for comparisons
     assert acc.get_epsilon(DELTA) == pytest.approx(0.5 * Accountant("pld", [[1.0, 0.1, 5]]).get_epsilon(DELTA))
     for a in ("approx", acc):
@@ -139,13 +150,15 @@ def test_an_accountant_that_does_not_compose_sees_one_entry(registered):
 
 
 def test_a_missing_requirement_is_an_import_error(registered):
-    dpzoo.register_accountant("needs-lib", _pld_wrapper, requires="dpzoo_no_such_module",
-                              install="the no-such package: pip install no-such")
+    dpzoo.register_accountant(
+        "needs-lib", _pld_wrapper, requires="dpzoo_no_such_module", install="the no-such package: pip install no-such"
+    )
     with pytest.raises(ImportError, match="comes from the no-such package: pip install no-such"):
         Accountant("needs-lib")
 
 
 # -- datasets -----------------------------------------------------------------------------------
+
 
 def _write_sasrec(path):
     path.write_text("".join(f"{u} {i}\n" for u in range(1, 5) for i in range(1, 6)))
@@ -200,11 +213,17 @@ def test_dataset_registration_is_checked(registered, tmp_path, monkeypatch):
 
 # -- training modes -----------------------------------------------------------------------------
 
+
 def test_the_modes_table_drives_the_engine_and_the_cli():
     assert E.MODES is M.MODES and dpzoo.privacy.MODES is M.MODES
     assert M.MODES == {name: m.hooks for name, m in M.TRAINING_MODES.items()}
-    assert M.MODES == {"auto": "auto", "bk-mixopt": "auto", "bk": "ghost", "instantiate": "instantiate",
-                       "bitfit": "auto"}
+    assert M.MODES == {
+        "auto": "auto",
+        "bk-mixopt": "auto",
+        "bk": "ghost",
+        "instantiate": "instantiate",
+        "bitfit": "auto",
+    }
     assert [n for n, m in M.TRAINING_MODES.items() if m.bias_only] == ["bitfit"]
     mode = next(a for a in _train_parser()._actions if a.dest == "mode")
     assert list(mode.choices) == list(M.TRAINING_MODES) and mode.default == M.DEFAULT_CLI_MODE

@@ -66,6 +66,7 @@ def test_register_user_model(tmp_path):
             dpzoo.register_model("test-tiny-cnn")(lambda **kw: None)
     finally:
         from dpzoo import registry
+
         registry._REGISTRY.pop("test-tiny-cnn", None)
 
 
@@ -113,6 +114,7 @@ def test_cli_train_saves_model_with_privacy_metadata(tmp_path, capsys):
     meta = dpzoo.privacy_metadata(tmp_path / "model")
     assert meta["epsilon"] <= 4.0 and meta["accountant"] == "rdp" and meta["steps"] > 0
     import json
+
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["history"][0]["epsilon"] == pytest.approx(meta["epsilon"])
     assert dpzoo.load(tmp_path / "model").fc.out_features == 10
@@ -125,11 +127,29 @@ def test_cli_train_rejects_non_image_models(capsys):
 
 def test_cli_trains_a_sequence_model_on_synthetic_data(tmp_path, capsys):
     """issue 5: a 2-epoch run on synthetic data completes from the CLI, user-level privacy."""
-    assert main(["train", "transformer-seqrec", "--data", "synthetic", "--epochs", "2", "--eval-every", "1",
-                 "--epsilon", "5", "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "transformer-seqrec",
+                "--data",
+                "synthetic",
+                "--epochs",
+                "2",
+                "--eval-every",
+                "1",
+                "--epsilon",
+                "5",
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "epoch 2: test NDCG@10" in out
     import json
+
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert len(metrics["history"]) == 2 and metrics["history"][-1]["epsilon"] <= 5.0
     assert 0 <= metrics["history"][-1]["test_ndcg@10"] <= metrics["history"][-1]["test_hit@10"] <= 1

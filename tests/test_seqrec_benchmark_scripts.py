@@ -24,10 +24,23 @@ def _script(name):
 
 
 def _run_json(path, model, eps, seed, curve, lr=0.01, bs=64, epochs=2):
-    hist = [{"epoch": e, "test_ndcg@10": n / 100, "test_hit@10": 2 * n / 100, "valid_ndcg@10": n / 100}
-            for e, n in curve]
-    path.write_text(json.dumps({"model": model, "epsilon_target": eps, "lr": lr, "batch_size": bs,
-                                "epochs": epochs, "seed": seed, "noise_multiplier": 1.0, "history": hist}))
+    hist = [
+        {"epoch": e, "test_ndcg@10": n / 100, "test_hit@10": 2 * n / 100, "valid_ndcg@10": n / 100} for e, n in curve
+    ]
+    path.write_text(
+        json.dumps(
+            {
+                "model": model,
+                "epsilon_target": eps,
+                "lr": lr,
+                "batch_size": bs,
+                "epochs": epochs,
+                "seed": seed,
+                "noise_multiplier": 1.0,
+                "history": hist,
+            }
+        )
+    )
 
 
 def test_summariser_reads_json_and_log_runs_and_pairs_same_seeds(tmp_path):
@@ -38,7 +51,8 @@ def test_summariser_reads_json_and_log_runs_and_pairs_same_seeds(tmp_path):
     (tmp_path / "x.log").write_text(
         "[dpformer s1] dpformer on ml-1m: header line\n"
         "[dpformer s1] epoch 1: test NDCG@10 0.50%  HIT@10 1.00%  ε = 3.00  (4s)\n"
-        "[dpformer s1] epoch 2: test NDCG@10 5.00%  HIT@10 9.00%  ε = 5.00  (8s)\n")
+        "[dpformer s1] epoch 2: test NDCG@10 5.00%  HIT@10 9.00%  ε = 5.00  (8s)\n"
+    )
     summ.main([str(tmp_path), "--log-settings", "5", "0.01", "64", "--log-epochs", "2"])
     out = json.loads((tmp_path / "summary.json").read_text())
     dp = next(g for g in out["groups"] if g["model"] == "dpformer")
@@ -77,18 +91,43 @@ def test_summariser_refuses_cut_off_unlabelled_and_duplicate_runs(tmp_path):
 
 def test_reproduction_runner_trains_every_promised_run_with_one_grid_point(tmp_path, capsys):
     rep = _script("reproduce_dpformer_ml1m")
-    rep.main(["--data", "synthetic", "--models", "gru-seqrec", "--epochs", "1", "--lrs", "1e-2",
-              "--batch-sizes", "128", "--seeds", "2", "--epsilons", "8", "50", "--verbose", "--out", str(tmp_path)])
+    rep.main(
+        [
+            "--data",
+            "synthetic",
+            "--models",
+            "gru-seqrec",
+            "--epochs",
+            "1",
+            "--lrs",
+            "1e-2",
+            "--batch-sizes",
+            "128",
+            "--seeds",
+            "2",
+            "--epsilons",
+            "8",
+            "50",
+            "--verbose",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     names = sorted(p.name for p in (tmp_path / "runs").glob("*.json"))
-    assert names == ["gru-seqrec_eps50_lr0.01_bs128_seed0.json", "gru-seqrec_eps8_lr0.01_bs128_seed0.json",
-                     "gru-seqrec_eps8_lr0.01_bs128_seed1.json"]
+    assert names == [
+        "gru-seqrec_eps50_lr0.01_bs128_seed0.json",
+        "gru-seqrec_eps8_lr0.01_bs128_seed0.json",
+        "gru-seqrec_eps8_lr0.01_bs128_seed1.json",
+    ]
     printed = capsys.readouterr().out
     assert "[gru-seqrec_eps8_lr0.01_bs128_seed1] epoch 1:" in printed  # --verbose
     # what --verbose printed is enough for the summariser (the runs' files lost: partial results)
     (tmp_path / "lost").mkdir()
     (tmp_path / "lost" / "verbose.log").write_text(printed)
-    logged = {(r["epsilon"], r["seed"]): r for r in _script("summarize_seqrec_runs").from_log(
-        tmp_path / "lost" / "verbose.log", None, 1)}
+    logged = {
+        (r["epsilon"], r["seed"]): r
+        for r in _script("summarize_seqrec_runs").from_log(tmp_path / "lost" / "verbose.log", None, 1)
+    }
     assert set(logged) == {(8.0, 0), (8.0, 1), (50.0, 0)}
     for (eps, seed), r in logged.items():
         saved = json.loads((tmp_path / "runs" / f"gru-seqrec_eps{eps:g}_lr0.01_bs128_seed{seed}.json").read_text())
@@ -99,8 +138,10 @@ def test_reproduction_runner_trains_every_promised_run_with_one_grid_point(tmp_p
     row = next(r for r in summary["results"] if r["epsilon"] == 8)
     nd = [100 * runs[f"gru-seqrec_eps8_lr0.01_bs128_seed{s}.json"]["history"][-1]["test_ndcg@10"] for s in (0, 1)]
     assert row["seeds"] == 2 and row["ndcg@10_mean"] == pytest.approx(statistics.mean(nd))
-    assert runs["gru-seqrec_eps50_lr0.01_bs128_seed0.json"]["noise_multiplier"] < \
-        runs["gru-seqrec_eps8_lr0.01_bs128_seed0.json"]["noise_multiplier"]
+    assert (
+        runs["gru-seqrec_eps50_lr0.01_bs128_seed0.json"]["noise_multiplier"]
+        < runs["gru-seqrec_eps8_lr0.01_bs128_seed0.json"]["noise_multiplier"]
+    )
 
 
 def test_summary_only_lists_models_never_trained(tmp_path, capsys):

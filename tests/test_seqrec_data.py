@@ -17,8 +17,7 @@ from dpzoo.seqrec import downloads as D
 from dpzoo.seqrec import formats as F
 from dpzoo.seqrec.dataset import SequenceDataset, sasrec_preprocess
 from dpzoo.seqrec.downloads import load_dataset
-from dpzoo.seqrec.formats import (DataFormatError, read_amazon_csv, read_grouplens_ratings, read_ml100k,
-                                  read_sasrec_text)
+from dpzoo.seqrec.formats import DataFormatError, read_amazon_csv, read_grouplens_ratings, read_ml100k, read_sasrec_text
 
 
 def _shared_data() -> Path:
@@ -49,12 +48,11 @@ def _write(path: Path, text: str) -> Path:
 
 # ----------------------------------------------------------------------------- parsers
 
+
 @pytest.mark.parametrize("suffix", ["", ".gz"])
 def test_grouplens(tmp_path, suffix):
-    p = _write(tmp_path / f"ratings.dat{suffix}",
-               "1::1193::5::978300760\n1::661::3::978302109\n2::914::3::978301968\n")
-    assert read_grouplens_ratings(p) == [(1, 1193, 978300760), (1, 661, 978302109),
-                                         (2, 914, 978301968)]
+    p = _write(tmp_path / f"ratings.dat{suffix}", "1::1193::5::978300760\n1::661::3::978302109\n2::914::3::978301968\n")
+    assert read_grouplens_ratings(p) == [(1, 1193, 978300760), (1, 661, 978302109), (2, 914, 978301968)]
     assert F.sniff_format(p) == "grouplens"
 
 
@@ -69,8 +67,7 @@ def test_ml100k(tmp_path, suffix):
 def test_amazon(tmp_path, suffix):
     body = "A1B2C3,B000123,5.0,1381363200\nAX9,0700099867,1.0,1341792000\n"
     p = _write(tmp_path / f"games.csv{suffix}", body)
-    assert read_amazon_csv(p) == [("A1B2C3", "B000123", 1381363200),
-                                  ("AX9", "0700099867", 1341792000)]
+    assert read_amazon_csv(p) == [("A1B2C3", "B000123", 1381363200), ("AX9", "0700099867", 1341792000)]
     h = _write(tmp_path / f"h.csv{suffix}", "user,item,rating,timestamp\n" + body)
     assert read_amazon_csv(h) == read_amazon_csv(p)
     assert F.sniff_format(p) == "amazon"
@@ -78,8 +75,12 @@ def test_amazon(tmp_path, suffix):
 
 # Shaped like the two releases' "ratings only" files (ids invented): 2014 ratings_Video_Games.csv
 # is user,item,rating,timestamp; 2018 categoryFilesSmall/Video_Games.csv is item,user,...
-_AMZ = [("A2HD75EMZR8QLN", "0700099867", "5.0", 1341792000), ("A1JGAP0185YJI6", "B00004SVYK", "4.0", 1101168000),
-        ("AB9S9279OZ3QO", "0700099867", "1.0", 1373155200), ("A3V6Z4RCDGRC44", "B0000296O5", "3.0", 1248739200)]
+_AMZ = [
+    ("A2HD75EMZR8QLN", "0700099867", "5.0", 1341792000),
+    ("A1JGAP0185YJI6", "B00004SVYK", "4.0", 1101168000),
+    ("AB9S9279OZ3QO", "0700099867", "1.0", 1373155200),
+    ("A3V6Z4RCDGRC44", "B0000296O5", "3.0", 1248739200),
+]
 
 
 @pytest.mark.parametrize("suffix", ["", ".gz"])
@@ -92,8 +93,10 @@ def test_amazon_2018_column_order(tmp_path, suffix):
     assert read_amazon_csv(p18) == [(i, u, t) for u, i, t in want]  # the wrong order swaps the roles
     assert F.sniff_amazon_columns(p14) == F.AMAZON_2014
     assert F.sniff_amazon_columns(p18) == F.AMAZON_2018
-    h = _write(tmp_path / f"h.csv{suffix}",
-               "item,user,rating,timestamp\n" + "".join(f"{i},{u},{r},{t}\n" for u, i, r, t in _AMZ))
+    h = _write(
+        tmp_path / f"h.csv{suffix}",
+        "item,user,rating,timestamp\n" + "".join(f"{i},{u},{r},{t}\n" for u, i, r, t in _AMZ),
+    )
     assert read_amazon_csv(h, F.AMAZON_2018) == want and F.sniff_amazon_columns(h) == F.AMAZON_2018
 
 
@@ -109,7 +112,7 @@ def test_amazon_column_order_that_cannot_be_told_is_an_error(tmp_path):
 
 def _amazon_rows(n_users=6, n_items=6):
     users = [f"A{u:013d}" for u in range(n_users)]  # 14 characters, like reviewer ids
-    items = [f"B{i:09d}" for i in range(n_items)]   # 10 characters, like ASINs
+    items = [f"B{i:09d}" for i in range(n_items)]  # 10 characters, like ASINs
     return [(u, it, 1_000_000 + 100 * k + j) for k, u in enumerate(users) for j, it in enumerate(items)]
 
 
@@ -126,8 +129,10 @@ def test_load_dataset_reads_either_amazon_release_as_users_by_items(tmp_path, or
 
 def test_named_amazon_datasets_download_their_release(tmp_path, monkeypatch):
     rows = _amazon_rows()
-    bodies = {"2014": "".join(f"{u},{i},5.0,{t}\n" for u, i, t in rows).encode(),
-              "2018": "".join(f"{i},{u},5.0,{t}\n" for u, i, t in rows).encode()}
+    bodies = {
+        "2014": "".join(f"{u},{i},5.0,{t}\n" for u, i, t in rows).encode(),
+        "2018": "".join(f"{i},{u},5.0,{t}\n" for u, i, t in rows).encode(),
+    }
     calls = []
 
     def fake_urlopen(url):
@@ -149,8 +154,9 @@ def test_named_amazon_datasets_download_their_release(tmp_path, monkeypatch):
     rename = {u: f"C{j:09d}" for j, u in enumerate(sorted({u for u, _, _ in rows}))}
     asin_users = [(rename[u], i, t) for u, i, t in rows]
     (tmp_path / "amazon-games-2018").mkdir(exist_ok=True)
-    placed = _write(tmp_path / "amazon-games-2018" / "Video_Games.csv",
-                    "".join(f"{i},{u},5.0,{t}\n" for u, i, t in asin_users))
+    placed = _write(
+        tmp_path / "amazon-games-2018" / "Video_Games.csv", "".join(f"{i},{u},5.0,{t}\n" for u, i, t in asin_users)
+    )
     with pytest.raises(DPZooError, match="amazon_columns"):
         load_dataset(placed)
     ds18 = load_dataset("amazon-games-2018", cache_dir=tmp_path)
@@ -192,17 +198,20 @@ def test_sasrec_text(tmp_path, suffix):
     assert F.sniff_format(p) == "sasrec"
 
 
-@pytest.mark.parametrize("reader,text,bad_line", [
-    (read_grouplens_ratings, "1::2::3::4\n1::2::3\n", 2),
-    (read_grouplens_ratings, "1::2::3::4\n\n1::x::3::4\n", 3),
-    (read_ml100k, "1\t2\t3\t4\n1 2 3 4\n", 2),
-    (read_ml100k, "1\t2\tfive\t4\n", 1),
-    (read_amazon_csv, "A,B,5.0,1\nA,B,5.0,notatime\n", 2),
-    (read_amazon_csv, "reviewer,asin,rating,time\nA,B,5.0,1\n", 1),   # not the exact header
-    (read_amazon_csv, "A,B,5.0,1\nuser,item,rating,timestamp\n", 2),  # header only on line 1
-    (read_sasrec_text, "1 1\n1 2 3\n", 2),
-    (read_sasrec_text, "1 1\n1 a\n", 2),
-])
+@pytest.mark.parametrize(
+    "reader,text,bad_line",
+    [
+        (read_grouplens_ratings, "1::2::3::4\n1::2::3\n", 2),
+        (read_grouplens_ratings, "1::2::3::4\n\n1::x::3::4\n", 3),
+        (read_ml100k, "1\t2\t3\t4\n1 2 3 4\n", 2),
+        (read_ml100k, "1\t2\tfive\t4\n", 1),
+        (read_amazon_csv, "A,B,5.0,1\nA,B,5.0,notatime\n", 2),
+        (read_amazon_csv, "reviewer,asin,rating,time\nA,B,5.0,1\n", 1),  # not the exact header
+        (read_amazon_csv, "A,B,5.0,1\nuser,item,rating,timestamp\n", 2),  # header only on line 1
+        (read_sasrec_text, "1 1\n1 2 3\n", 2),
+        (read_sasrec_text, "1 1\n1 a\n", 2),
+    ],
+)
 @pytest.mark.parametrize("suffix", ["", ".gz"])
 def test_malformed_lines_name_the_line(tmp_path, reader, text, bad_line, suffix):
     p = _write(tmp_path / f"bad{suffix}", text)
@@ -214,19 +223,31 @@ def test_malformed_lines_name_the_line(tmp_path, reader, text, bad_line, suffix)
 
 # ----------------------------------------------------------------------------- preprocessing
 
+
 def test_sasrec_preprocess_exact():
     # (user, item, timestamp) in file order.
     rows = [
-        (20, "y", 5), (10, "x", 3), (10, "y", 1), (20, "x", 5), (30, "x", 9),
-        (10, "w", 3), (20, "v", 1), (10, "z", 2), (30, "y", 9), (20, "w", 2),
-        (10, "v", 7), (20, "v", 8), (10, "x", 9), (20, "w", 0),
+        (20, "y", 5),
+        (10, "x", 3),
+        (10, "y", 1),
+        (20, "x", 5),
+        (30, "x", 9),
+        (10, "w", 3),
+        (20, "v", 1),
+        (10, "z", 2),
+        (30, "y", 9),
+        (20, "w", 2),
+        (10, "v", 7),
+        (20, "v", 8),
+        (10, "x", 9),
+        (20, "w", 0),
     ]
     # counts once over all rows: users 10:5, 20:6, 30:2; items x:4, y:3, w:3, v:3, z:1
     ds = sasrec_preprocess(rows, min_count=3)
     # user 30 (2 actions) and item z (1 action) go; user 10 keeps 5 actions
     # user 10 by time: y@1, x@3, w@3 (tie: file order x before w), v@7, x@9
     # user 20 by time: w@0, v@1, w@2, y@5, x@5 (tie: file order y before x), v@8
-    assert ds.user_ids == [20, 10]          # first appearance among kept rows
+    assert ds.user_ids == [20, 10]  # first appearance among kept rows
     assert ds.item_ids == ["w", "v", "y", "x"]  # first appearance walking time order
     assert ds.sequences == [[1, 2, 1, 3, 4, 2], [3, 4, 1, 2, 4]]
     assert ds.num_users == 2 and ds.num_items == 4
@@ -253,6 +274,7 @@ def test_short_users_are_all_training():
 
 # ----------------------------------------------------------------------------- tensors
 
+
 def test_to_padded():
     ds = SequenceDataset([[1, 2, 3, 4, 5, 6], [7, 8, 9], [2, 4, 6, 8]], num_items=9)
     # train parts: [1,2,3,4], [7] (too short: no pair), [2,4]
@@ -275,9 +297,9 @@ def test_to_padded():
 
 # ----------------------------------------------------------------------------- loading
 
+
 def test_load_path_sniffs_format(tmp_path):
-    p = _write(tmp_path / "u.data", "".join(f"{u}\t{i}\t3\t{10 * u + i}\n"
-                                            for u in (1, 2) for i in (5, 6, 7)))
+    p = _write(tmp_path / "u.data", "".join(f"{u}\t{i}\t3\t{10 * u + i}\n" for u in (1, 2) for i in (5, 6, 7)))
     ds = load_dataset(p, min_count=1)
     assert ds.summary()["interactions"] == 6 and ds.num_items == 3
     t = _write(tmp_path / "s.txt.gz", "1 1\n1 2\n1 3\n2 3\n2 1\n")
@@ -296,6 +318,7 @@ def test_missing_dataset_without_network(tmp_path, monkeypatch):
 
 def test_download_file_url_and_sha(tmp_path):
     import hashlib
+
     src = tmp_path / "src.bin"
     src.write_bytes(b"hello" * 1000)
     sha = hashlib.sha256(src.read_bytes()).hexdigest()
@@ -332,8 +355,10 @@ def test_load_dataset_downloads_and_unzips(tmp_path, monkeypatch):
     calls.clear()
     import dataclasses
     import hashlib
-    monkeypatch.setitem(D.DATASETS, "ml-100k", dataclasses.replace(D.DATASETS["ml-100k"],
-                                                                  md5=hashlib.md5(buf.getvalue()).hexdigest()))
+
+    monkeypatch.setitem(
+        D.DATASETS, "ml-100k", dataclasses.replace(D.DATASETS["ml-100k"], md5=hashlib.md5(buf.getvalue()).hexdigest())
+    )
     ds = load_dataset("ml-100k", cache_dir=tmp_path)
     assert calls == ["https://files.grouplens.org/datasets/movielens/ml-100k.zip"]
     assert (tmp_path / "ml-100k" / "u.data").read_text() == rows
@@ -343,6 +368,7 @@ def test_load_dataset_downloads_and_unzips(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- real data
+
 
 @pytest.fixture(scope="module")
 def ml1m_txt():
@@ -358,8 +384,9 @@ def test_real_ml1m_txt(monkeypatch):
     assert ds.user_ids == list(range(1, 6041))
     # The released ids are "first appearance in time order", which sasrec_preprocess
     # reproduces: preprocessing the file again is the identity.
-    again = sasrec_preprocess(((u, i, k) for u, s_ in enumerate(ds.sequences, 1)
-                               for k, i in enumerate(s_)), min_count=1)
+    again = sasrec_preprocess(
+        ((u, i, k) for u, s_ in enumerate(ds.sequences, 1) for k, i in enumerate(s_)), min_count=1
+    )
     assert again.sequences == ds.sequences
     assert sum(len(s_) for s_ in ds.train_sequences()) == int(ds.item_counts.sum())
     assert ds.item_counts.sum() == 999611 - 2 * 6040

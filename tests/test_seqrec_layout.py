@@ -47,17 +47,20 @@ def test_one_documented_job_per_module(path):
     assert len(path.read_text().splitlines()) <= 400, f"{path.name} is over 400 lines"
 
 
-@pytest.mark.parametrize("first", ["dpzoo.seqrec.zoo", "dpzoo.seqrec.modeling", "dpzoo.seqrec.train",
-                                   "dpzoo.models", "dpzoo.seqrec"])
+@pytest.mark.parametrize(
+    "first", ["dpzoo.seqrec.zoo", "dpzoo.seqrec.modeling", "dpzoo.seqrec.train", "dpzoo.models", "dpzoo.seqrec"]
+)
 def test_import_order_does_not_matter(first):
     """Whatever is imported first, loading it does not load dpzoo.models (unless it is it), and
     the registry then lists the five sequential-recommendation entries."""
-    code = (f"import sys, {first}\n"
-            f"assert ({first!r} == 'dpzoo.models') == ('dpzoo.models' in sys.modules), sorted(sys.modules)\n"
-            "import dpzoo\n"
-            f"assert set({ENTRIES!r}) <= set(dpzoo.list_models())\n"
-            "from dpzoo.seqrec import zoo; zoo.register()\n"  # idempotent
-            "print(type(dpzoo.load('dpformer', num_items=5, max_len=4, d_model=8)).__module__)\n")
+    code = (
+        f"import sys, {first}\n"
+        f"assert ({first!r} == 'dpzoo.models') == ('dpzoo.models' in sys.modules), sorted(sys.modules)\n"
+        "import dpzoo\n"
+        f"assert set({ENTRIES!r}) <= set(dpzoo.list_models())\n"
+        "from dpzoo.seqrec import zoo; zoo.register()\n"  # idempotent
+        "print(type(dpzoo.load('dpformer', num_items=5, max_len=4, d_model=8)).__module__)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "dpzoo.seqrec.modeling"
@@ -71,10 +74,16 @@ def test_models_package_reaches_seqrec_only_to_register():
 
 def test_test_only_references_are_not_public_api():
     from dpzoo.seqrec import reattention
+
     for name in ("paper_eq_5_6", "linear", "reattention", "elementwise", "gelu", "iso_gelu"):
         assert not hasattr(reattention, name), name
-    used = [p for d in ("dpzoo", "examples", "benchmarks") if (ROOT / d).is_dir()
-            for p in (ROOT / d).rglob("*.py") if "paper_eq_5_6" in p.read_text() or "seqrec_reference" in p.read_text()]
+    used = [
+        p
+        for d in ("dpzoo", "examples", "benchmarks")
+        if (ROOT / d).is_dir()
+        for p in (ROOT / d).rglob("*.py")
+        if "paper_eq_5_6" in p.read_text() or "seqrec_reference" in p.read_text()
+    ]
     assert used == []
 
 
@@ -105,7 +114,12 @@ def test_engine_tells_every_noise_aware_module():
     model[1].set_dp_noise = "not a method"  # an attribute of that name that is not callable is skipped
     engine = dpzoo.PrivacyEngine()
     data = DataLoader(TensorDataset(torch.randn(40, 3), torch.randn(40, 1)), batch_size=8)
-    engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=data,
-                        noise_multiplier=1.5, max_grad_norm=0.7)
+    engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=data,
+        noise_multiplier=1.5,
+        max_grad_norm=0.7,
+    )
     assert model[0].calls == [(1.5, 0.7, pytest.approx(8.0))]
     engine.detach()

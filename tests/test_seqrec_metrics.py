@@ -13,8 +13,7 @@ from dpzoo.seqrec.synthetic import zipf_interactions
 
 def test_ranks_on_known_scores():
     # items 1..5 (column 0 is padding and must never count, even with a huge score)
-    scores = torch.tensor([[100.0, 0.1, 0.5, 0.3, 0.9, 0.2],
-                           [100.0, 5.0, 4.0, 3.0, 2.0, 1.0]])
+    scores = torch.tensor([[100.0, 0.1, 0.5, 0.3, 0.9, 0.2], [100.0, 5.0, 4.0, 3.0, 2.0, 1.0]])
     targets = torch.tensor([3, 1])
     ranks = target_ranks(scores, targets, exclude_history=False)
     assert ranks.tolist() == [2, 0]  # 0.3 is third after 0.9 and 0.5; item 1 is first

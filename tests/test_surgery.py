@@ -23,8 +23,8 @@ timm = pytest.importorskip("timm")
 from timm.layers import BatchNormAct2d  # noqa: E402
 from timm.models.resnet import BasicBlock, Bottleneck  # noqa: E402
 
-
 # --------------------------------------------------------------------------- helpers
+
 
 @pytest.fixture(autouse=True)
 def _seed():
@@ -77,6 +77,7 @@ BN_CASES = [
 
 # --------------------------------------------------------------------------- 1. BatchNorm -> GroupNorm
 
+
 @pytest.mark.parametrize("bn_cls, shape", BN_CASES)
 def test_batchnorm_becomes_groupnorm_with_copied_affine(bn_cls, shape):
     bn = bn_cls(8, eps=1e-3, dtype=torch.float64)
@@ -127,9 +128,16 @@ def test_batchnorm_itself_mixes_samples_in_train_mode():
 
 def test_whole_cnn_is_per_sample_independent_after_make_dp_ready():
     model = nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
-        nn.Conv2d(8, 16, 3, stride=2, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 6), nn.BatchNorm1d(6),
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(8, 16, 3, stride=2, bias=False),
+        nn.BatchNorm2d(16),
+        nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 6),
+        nn.BatchNorm1d(6),
     ).train()
     _randomize_(model, seed=6)
     make_dp_ready(model)
@@ -164,8 +172,11 @@ class _Outer(nn.Module):
 
 def test_nested_batchnorms_in_custom_modules_are_all_converted():
     model = _randomize_(_Outer(), seed=9)
-    before = {n: (m.weight.detach().clone(), m.bias.detach().clone(), m.num_features)
-              for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    before = {
+        n: (m.weight.detach().clone(), m.bias.detach().clone(), m.num_features)
+        for n, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    }
     assert len(before) == 7
     out = make_dp_ready(model)
     assert out is model
@@ -204,8 +215,7 @@ def test_affine_false_batchnorm_gives_affine_false_groupnorm():
     assert list(model.parameters()) == []
     assert gn.eps == 1e-2
     x = torch.randn(3, 8, 2, 2, dtype=torch.float32, generator=_gen(12))
-    torch.testing.assert_close(model(x).double(), _ref_group_norm(x, 4, None, None, 1e-2),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(model(x).double(), _ref_group_norm(x, 4, None, None, 1e-2), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("eps", [1e-5, 1e-3, 0.25])
@@ -223,7 +233,10 @@ def test_train_eval_mode_and_requires_grad_preserved():
     make_dp_ready(model)
     assert [m.training for m in model] == [False, True, True]
     assert [(m.weight.requires_grad, m.bias.requires_grad) for m in model] == [
-        (True, True), (False, True), (True, False)]
+        (True, True),
+        (False, True),
+        (True, False),
+    ]
 
     model2 = nn.Sequential(nn.BatchNorm2d(4)).eval()
     make_dp_ready(model2)
@@ -253,8 +266,9 @@ def test_timm_batchnormact2d_keeps_its_activation():
 
 # --------------------------------------------------------------------------- 2. group count
 
+
 def _primes(upto):
-    return [p for p in range(2, upto + 1) if all(p % d for d in range(2, int(p ** 0.5) + 1))]
+    return [p for p in range(2, upto + 1) if all(p % d for d in range(2, int(p**0.5) + 1))]
 
 
 def test_choose_num_groups_properties_for_1_to_300():
@@ -328,8 +342,9 @@ LAYER_CASES = [
     pytest.param(lambda: nn.Conv1d(3, 4, 3, bias=False), (2, 3, 9), 4, id="conv1d"),
     pytest.param(lambda: nn.Conv2d(3, 6, 3, groups=3, bias=False), (2, 3, 6, 6), 6, id="conv2d"),
     pytest.param(lambda: nn.Conv3d(3, 4, 2, bias=False), (2, 3, 4, 4, 4), 4, id="conv3d"),
-    pytest.param(lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2, bias=False),
-                 (2, 4, 5, 5), 6, id="convtranspose2d"),
+    pytest.param(
+        lambda: nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2, bias=False), (2, 4, 5, 5), 6, id="convtranspose2d"
+    ),
 ]
 
 
@@ -427,8 +442,11 @@ def test_layernorm_without_bias_gets_one_with_identical_outputs(shape):
 
 
 def test_affine_false_norms_reported_not_patched():
-    model = nn.Sequential(nn.LayerNorm(4, elementwise_affine=False), nn.GroupNorm(2, 4, affine=False),
-                          nn.RMSNorm(4, elementwise_affine=False))
+    model = nn.Sequential(
+        nn.LayerNorm(4, elementwise_affine=False),
+        nn.GroupNorm(2, 4, affine=False),
+        nn.RMSNorm(4, elementwise_affine=False),
+    )
     report = add_missing_biases(model)
     assert report.added == []
     assert set(report.not_patched) == {"0", "1", "2"}
@@ -592,6 +610,7 @@ def test_meta_device_models_can_be_patched(patch_inside_meta_block):
 
 # --------------------------------------------------------------------------- 4. in-place ops
 
+
 class _AddInPlace(nn.Module):
     def __init__(self):
         super().__init__()
@@ -657,11 +676,11 @@ def _downsample(cin, cout, stride):
 
 BLOCK_CASES = [
     pytest.param(lambda: BasicBlock(8, 8), DPBasicBlock, id="basic"),
-    pytest.param(lambda: BasicBlock(8, 16, stride=2, downsample=_downsample(8, 16, 2)), DPBasicBlock,
-                 id="basic-down"),
+    pytest.param(lambda: BasicBlock(8, 16, stride=2, downsample=_downsample(8, 16, 2)), DPBasicBlock, id="basic-down"),
     pytest.param(lambda: Bottleneck(8, 2), DPBottleneck, id="bottleneck"),
-    pytest.param(lambda: Bottleneck(8, 4, stride=2, downsample=_downsample(8, 16, 2)), DPBottleneck,
-                 id="bottleneck-down"),
+    pytest.param(
+        lambda: Bottleneck(8, 4, stride=2, downsample=_downsample(8, 16, 2)), DPBottleneck, id="bottleneck-down"
+    ),
 ]
 
 
@@ -729,6 +748,7 @@ def test_backward_hooks_fail_before_patch_and_work_after(resnet18):
 
 # --------------------------------------------------------------------------- 5. tied parameters
 
+
 class _TinyLM(nn.Module):
     def __init__(self, head_first=False):
         super().__init__()
@@ -785,11 +805,18 @@ def test_make_dp_ready_records_ties_and_keeps_them():
 
 # --------------------------------------------------------------------------- 6. check_dp_ready
 
+
 def _plain_cnn():
     return nn.Sequential(
-        nn.Conv2d(3, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
-        nn.Conv2d(8, 8, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.1, inplace=True),
+        nn.Conv2d(3, 8, 3, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(8, 8, 3, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Dropout(0.1, inplace=True),
         nn.Linear(8, 4, bias=False),
     )
 
@@ -845,18 +872,19 @@ def test_make_dp_ready_twice_changes_nothing_more():
 
 # --------------------------------------------------------------------------- 7. summary
 
+
 class _HandBuilt(nn.Module):
     def __init__(self):
         super().__init__()
-        self.emb = nn.Embedding(10, 4)                 # 40
-        self.proj = nn.Linear(4, 4)                    # 16 + 4 bias
-        self.ln = nn.LayerNorm(4)                      # 4 + 4 bias
-        self.bn = nn.BatchNorm1d(4)                    # 4 + 4 bias (running stats are buffers)
-        self.gn = nn.GroupNorm(2, 4)                   # 4 + 4 bias
-        self.gn2 = nn.GroupNorm(2, 4)                  # 4 + 4 bias
-        self.attn = nn.MultiheadAttention(4, 2)        # in_proj 48 + 12 bias, out_proj 16 + 4 bias
-        self.nobias = nn.Conv1d(4, 4, 1, bias=False)   # 16
-        self.head = nn.Linear(4, 10)                   # weight tied to emb (not counted), 10 bias
+        self.emb = nn.Embedding(10, 4)  # 40
+        self.proj = nn.Linear(4, 4)  # 16 + 4 bias
+        self.ln = nn.LayerNorm(4)  # 4 + 4 bias
+        self.bn = nn.BatchNorm1d(4)  # 4 + 4 bias (running stats are buffers)
+        self.gn = nn.GroupNorm(2, 4)  # 4 + 4 bias
+        self.gn2 = nn.GroupNorm(2, 4)  # 4 + 4 bias
+        self.attn = nn.MultiheadAttention(4, 2)  # in_proj 48 + 12 bias, out_proj 16 + 4 bias
+        self.nobias = nn.Conv1d(4, 4, 1, bias=False)  # 16
+        self.head = nn.Linear(4, 10)  # weight tied to emb (not counted), 10 bias
         self.head.weight = self.emb.weight
 
 
@@ -874,7 +902,7 @@ def test_summary_on_hand_built_model():
     assert [set(g.names) for g in s.tied_groups] == [{"emb.weight", "head.weight"}]
     assert "tied parameters" in str(s) and "emb.weight" in str(s)
 
-    model.emb.weight.requires_grad_(False)   # also freezes head.weight: same tensor
+    model.emb.weight.requires_grad_(False)  # also freezes head.weight: same tensor
     model.ln.requires_grad_(False)
     model.attn.in_proj_bias.requires_grad_(False)
     s = dpzoo.summary(model)

@@ -7,18 +7,28 @@ import fnmatch
 
 import pytest
 import torch
+from conftest import example_batch, output_tensor
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 
 import dpzoo
 from dpzoo.surgery import find_inplace_ops
-from conftest import example_batch, output_tensor
 
 ALL = dpzoo.list_models()
-REQUIRED = ["resnet18-gn-bias", "resnet34-gn-bias", "resnet50-gn-bias", "vit-tiny-patch16",
-            "vit-small-patch16", "vit-base-patch16", "gpt2", "bert-base", "roberta-base",
-            "llama-bias", "llama-tiny-bias"]
+REQUIRED = [
+    "resnet18-gn-bias",
+    "resnet34-gn-bias",
+    "resnet50-gn-bias",
+    "vit-tiny-patch16",
+    "vit-small-patch16",
+    "vit-base-patch16",
+    "gpt2",
+    "bert-base",
+    "roberta-base",
+    "llama-bias",
+    "llama-tiny-bias",
+]
 
 
 def test_required_entries_are_registered():
@@ -87,10 +97,12 @@ def test_zero_biases_leave_outputs_identical(name):
 
 
 def test_bias_init_normal_changes_biases_reproducibly():
-    a = dpzoo.load("resnet18-gn-bias", num_classes=3, layers=[1, 1, 1, 1], width=8,
-                   bias_init="normal", bias_std=0.01, bias_seed=3)
-    b = dpzoo.load("resnet18-gn-bias", num_classes=3, layers=[1, 1, 1, 1], width=8,
-                   bias_init="normal", bias_std=0.01, bias_seed=3)
+    a = dpzoo.load(
+        "resnet18-gn-bias", num_classes=3, layers=[1, 1, 1, 1], width=8, bias_init="normal", bias_std=0.01, bias_seed=3
+    )
+    b = dpzoo.load(
+        "resnet18-gn-bias", num_classes=3, layers=[1, 1, 1, 1], width=8, bias_init="normal", bias_std=0.01, bias_seed=3
+    )
     ba, bb = a.conv1.bias.detach(), b.conv1.bias.detach()
     assert ba.abs().sum() > 0 and torch.equal(ba, bb)
     assert 0.001 < ba.std().item() < 0.05
@@ -99,6 +111,7 @@ def test_bias_init_normal_changes_biases_reproducibly():
 def test_unpatched_timm_resnet_is_what_the_zoo_fixes():
     """The zoo entry differs from plain timm exactly by dpzoo's patches."""
     import timm
+
     plain = timm.create_model("resnet18", num_classes=10, layers=[1, 1, 1, 1], channels=[8, 16, 32, 64], stem_width=8)
     assert any(isinstance(m, nn.BatchNorm2d) for m in plain.modules())
     assert dpzoo.check_dp_ready(plain)
@@ -120,8 +133,15 @@ def test_gpt2_tied_embedding_is_tracked(small_model):
 def test_llama_projections_and_norms_get_biases(small_model):
     model, _ = small_model("llama-tiny-bias")
     layer = model.model.layers[0]
-    for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                 layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+    for proj in (
+        layer.self_attn.q_proj,
+        layer.self_attn.k_proj,
+        layer.self_attn.v_proj,
+        layer.self_attn.o_proj,
+        layer.mlp.gate_proj,
+        layer.mlp.up_proj,
+        layer.mlp.down_proj,
+    ):
         assert proj.bias is not None and torch.count_nonzero(proj.bias) == 0
     assert isinstance(layer.input_layernorm, dpzoo.nn.RMSNorm)
     assert isinstance(model.model.norm, dpzoo.nn.RMSNorm)
@@ -135,8 +155,9 @@ def test_overrides_change_sizes():
     assert m.fc.out_features == 4 and len(m.layer2) == 2 and m.layer1[0].conv1.out_channels == 16
     m = dpzoo.load("gpt2", vocab_size=100, num_layers=1, width=16, num_heads=2)
     assert m.config.vocab_size == 100 and m.config.n_layer == 1
-    m = dpzoo.load("bert-base", num_classes=5, vocab_size=100, num_layers=1, width=16, num_heads=2,
-                   intermediate_size=32)
+    m = dpzoo.load(
+        "bert-base", num_classes=5, vocab_size=100, num_layers=1, width=16, num_heads=2, intermediate_size=32
+    )
     assert m.classifier.out_features == 5
 
 

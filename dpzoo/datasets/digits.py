@@ -18,8 +18,9 @@ def digits_dataset(size: int = 32, test_fraction: float = 0.2, seed: int = 0) ->
     try:
         from sklearn.datasets import load_digits
     except ImportError:
-        raise MissingDependencyError("The digits dataset ships with scikit-learn, which is not installed: "
-                                     "pip install scikit-learn.") from None
+        raise MissingDependencyError(
+            "The digits dataset ships with scikit-learn, which is not installed: pip install scikit-learn."
+        ) from None
     data = load_digits()
     x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1) / 16.0  # (N, 1, 8, 8) in [0, 1]
     x = F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False).repeat(1, 3, 1, 1)

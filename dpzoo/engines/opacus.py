@@ -43,8 +43,9 @@ def _opacus():
             GradSampleModuleFastGradientClipping,
         )
     except ImportError as e:  # pragma: no cover - exercised without the extra
-        raise MissingDependencyError("The Opacus engine needs Opacus, which is not installed: "
-                                     "pip install 'dpzoo[opacus]'.") from e
+        raise MissingDependencyError(
+            "The Opacus engine needs Opacus, which is not installed: pip install 'dpzoo[opacus]'."
+        ) from e
     return GradSampleModule, GradSampleModuleFastGradientClipping
 
 
@@ -84,14 +85,18 @@ def register_opacus_rules() -> list[type]:
 
 def check_opacus_compatible(module: nn.Module, grad_sample_mode: str = "hooks") -> None:
     """Raise :class:`~dpzoo.UnsupportedModuleError` where Opacus would fail or be wrong."""
-    ties = [g for g in find_tied_parameters(module)
-            if any(p.requires_grad for n, p in module.named_parameters() if n in g.names)]
+    ties = [
+        g
+        for g in find_tied_parameters(module)
+        if any(p.requires_grad for n, p in module.named_parameters() if n in g.names)
+    ]
     if "ghost" in grad_sample_mode and ties:
         names = "; ".join(" = ".join(g.names) for g in ties)
         raise UnsupportedModuleError(
             f"Opacus' ghost clipping does not support tied parameters ({names}): it would need the "
             "cross term between the two uses. Use dpzoo's hooks, which compute it exactly "
-            "(Phantom Clipping): dpzoo.attach_norm_hooks(model), or Opacus' grad_sample_mode='hooks'.")
+            "(Phantom Clipping): dpzoo.attach_norm_hooks(model), or Opacus' grad_sample_mode='hooks'."
+        )
 
 
 def make_private(privacy_engine, *, module: nn.Module, grad_sample_mode: str = "hooks", **kwargs: Any):
@@ -99,4 +104,3 @@ def make_private(privacy_engine, *, module: nn.Module, grad_sample_mode: str = "
     check_opacus_compatible(module, grad_sample_mode)
     register_opacus_rules()
     return privacy_engine.make_private(module=module, grad_sample_mode=grad_sample_mode, **kwargs)
-

@@ -25,8 +25,14 @@ from ..errors import InvalidArgumentError
 __all__ = ["pgm_est", "pgm_variance"]
 
 
-def pgm_est(observed: torch.Tensor, mask: torch.Tensor, first_rate: float, noise_std: torch.Tensor | None = None,
-            iterations: int = 1000, tol: float = 1e-12) -> tuple[torch.Tensor, torch.Tensor]:
+def pgm_est(
+    observed: torch.Tensor,
+    mask: torch.Tensor,
+    first_rate: float,
+    noise_std: torch.Tensor | None = None,
+    iterations: int = 1000,
+    tol: float = 1e-12,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(ν (M,), λ (T,)) from ``observed`` (T, M) noisy PGMs where ``mask`` (T, M) is True.
 
     Every partition must be observed at t = 1. ``noise_std`` (T,) gives s_t (default equal).
@@ -35,8 +41,10 @@ def pgm_est(observed: torch.Tensor, mask: torch.Tensor, first_rate: float, noise
     m = mask.bool()
     t_count, _ = v.shape
     if not bool(m[0].all()):
-        raise InvalidArgumentError("pgm_est needs every partition observed in the first iteration: "
-                                   "set mask[0] to all True (observe all partitions at t = 1).")
+        raise InvalidArgumentError(
+            "pgm_est needs every partition observed in the first iteration: "
+            "set mask[0] to all True (observe all partitions at t = 1)."
+        )
     v = torch.where(m, v, torch.zeros_like(v))
     w = torch.ones(t_count, dtype=torch.float64) if noise_std is None else noise_std.double().pow(-2)
     if not torch.isfinite(w).all():  # zero noise: equal weights give the same (exact) fit
@@ -52,8 +60,9 @@ def pgm_est(observed: torch.Tensor, mask: torch.Tensor, first_rate: float, noise
         den = (mf * nu_new.pow(2)).sum(1)
         lam_new = torch.where(den > 0, (mf * v * nu_new).sum(1) / den.clamp_min(1e-300), lam)  # Lemma 4
         lam_new[0] = first_rate
-        done = (nu_new - nu).abs().max() <= tol * nu_new.abs().max().clamp_min(1e-300) and \
-            (lam_new - lam).abs().max() <= tol * lam_new.abs().max()
+        done = (nu_new - nu).abs().max() <= tol * nu_new.abs().max().clamp_min(1e-300) and (
+            lam_new - lam
+        ).abs().max() <= tol * lam_new.abs().max()
         nu, lam = nu_new, lam_new
         if done:
             break

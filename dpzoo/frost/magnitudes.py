@@ -65,9 +65,9 @@ def _transform(x: torch.Tensor, scale: float, absolute: bool) -> torch.Tensor:
 def _norm_contrib(piece, alpha: int, scale: float) -> torch.Tensor:
     """Per-sample Σ|x|^α of the scaled piece: (B,)."""
     if isinstance(piece, RowSparse):
-        rows = piece.values.abs().sum(1) * scale if alpha == 1 else piece.values.pow(2).sum(1) * scale ** 2
+        rows = piece.values.abs().sum(1) * scale if alpha == 1 else piece.values.pow(2).sum(1) * scale**2
         return rows.new_zeros(piece.batch_size).index_add_(0, piece.sample, rows)
-    return piece.abs().sum(1) * scale if alpha == 1 else piece.pow(2).sum(1) * scale ** 2
+    return piece.abs().sum(1) * scale if alpha == 1 else piece.pow(2).sum(1) * scale**2
 
 
 def _weighted_sum(piece, factor: torch.Tensor, scale: float, absolute: bool) -> torch.Tensor:
@@ -106,5 +106,4 @@ def pgms(sums: list[torch.Tensor], method: str, alpha: int, sizes: list[int]) ->
 def partition_grads(per_sample: dict, partitions: list[Partition]) -> list[list]:
     """Per partition, its parameters' per-sample gradients in order: (B, n) tensors, or
     :class:`RowSparse` for embeddings (from ``NormHooks.per_sample_grads(row_sparse=True)``)."""
-    return [[g if isinstance(g := per_sample[n], RowSparse) else g.flatten(1) for n in p.params]
-            for p in partitions]
+    return [[g if isinstance(g := per_sample[n], RowSparse) else g.flatten(1) for n in p.params] for p in partitions]

@@ -43,8 +43,11 @@ def resolve_partitions(model: nn.Module, partitions, exclude: Iterable[str] = ()
     parameter is trained unselected or selected unaccounted."""
     if partitions is None:
         return default_partitions(model, exclude)
-    items = (list(partitions.items()) if isinstance(partitions, Mapping)
-             else [(",".join(names), names) for names in partitions])
+    items = (
+        list(partitions.items())
+        if isinstance(partitions, Mapping)
+        else [(",".join(names), names) for names in partitions]
+    )
     params = _trainable(model)
     seen: dict[str, str] = {n: "<always trained>" for n in exclude}
     out = []
@@ -54,15 +57,21 @@ def resolve_partitions(model: nn.Module, partitions, exclude: Iterable[str] = ()
             raise DPZooError(f"partition {label!r} is empty")
         for n in names:
             if n not in params:
-                raise DPZooError(f"partition {label!r}: {n!r} is not a trainable parameter of the model "
-                                 f"(names as in model.named_parameters())")
+                raise DPZooError(
+                    f"partition {label!r}: {n!r} is not a trainable parameter of the model "
+                    f"(names as in model.named_parameters())"
+                )
             if n in seen:
-                raise DPZooError(f"parameter {n!r} is in two partitions ({seen[n]!r} and {label!r}); they must be disjoint")
+                raise DPZooError(
+                    f"parameter {n!r} is in two partitions ({seen[n]!r} and {label!r}); they must be disjoint"
+                )
             seen[n] = label
         out.append(Partition(str(label), names, sum(params[n].numel() for n in names)))
     missing = [n for n in params if n not in seen]
     if missing:
-        raise DPZooError(f"trainable parameters in no partition: {', '.join(missing[:8])}"
-                         f"{' …' if len(missing) > 8 else ''}. Add them to a partition, to always_train, or "
-                         "freeze them (requires_grad=False) before selecting.")
+        raise DPZooError(
+            f"trainable parameters in no partition: {', '.join(missing[:8])}"
+            f"{' …' if len(missing) > 8 else ''}. Add them to a partition, to always_train, or "
+            "freeze them (requires_grad=False) before selecting."
+        )
     return out

@@ -76,42 +76,69 @@ class FrostSelection:
         """``PrivacyEngine(accountant=self.accountant).make_private(...)`` with σ_SGD from
         ComputeSigma. Returns (engine, model, optimizer, data_loader)."""
         if "noise_multiplier" in kwargs or "target_epsilon" in kwargs:
-            raise DPZooError("the selection fixed the DP-SGD noise (ComputeSigma); do not pass noise_multiplier "
-                             "or target_epsilon, or use PrivacyEngine(accountant=selection.accountant) yourself.")
+            raise DPZooError(
+                "the selection fixed the DP-SGD noise (ComputeSigma); do not pass noise_multiplier "
+                "or target_epsilon, or use PrivacyEngine(accountant=selection.accountant) yourself."
+            )
         bs = getattr(data_loader, "batch_size", None)
         if bs is None or abs(bs / len(data_loader.dataset) - self.sgd_sample_rate) > 1e-12:
-            raise DPZooError(f"the data loader's batch size gives sample rate {bs}/{len(data_loader.dataset)}, but the "
-                             f"budget was split for {self.sgd_sample_rate:.6g}: pass the same batch_size to select().")
+            raise DPZooError(
+                f"the data loader's batch size gives sample rate {bs}/{len(data_loader.dataset)}, but the "
+                f"budget was split for {self.sgd_sample_rate:.6g}: pass the same batch_size to select()."
+            )
         engine = PrivacyEngine(accountant=self.accountant)
-        model, opt, loader = engine.make_private(module=module, optimizer=optimizer, data_loader=data_loader,
-                                                 noise_multiplier=self.noise_multiplier,
-                                                 target_delta=self.target_delta, **kwargs)
+        model, opt, loader = engine.make_private(
+            module=module,
+            optimizer=optimizer,
+            data_loader=data_loader,
+            noise_multiplier=self.noise_multiplier,
+            target_delta=self.target_delta,
+            **kwargs,
+        )
         return engine, model, opt, loader
 
     def summary(self) -> str:
-        return (f"DP-FROST selected {len(self.selected)}/{len(self.partitions)} partitions, "
-                f"{self.selected_size:,}/{self.total_size:,} parameters "
-                f"({100 * self.selected_size / max(1, self.total_size):.1f}%) + head {len(self.always_train)} tensors; "
-                f"σ_ps = {self.selection_noise_multiplier:.3g} (q = {self.sample_rate}, T = {self.iterations}), "
-                f"σ_SGD = {self.noise_multiplier:.3g}")
+        return (
+            f"DP-FROST selected {len(self.selected)}/{len(self.partitions)} partitions, "
+            f"{self.selected_size:,}/{self.total_size:,} parameters "
+            f"({100 * self.selected_size / max(1, self.total_size):.1f}%) + head {len(self.always_train)} tensors; "
+            f"σ_ps = {self.selection_noise_multiplier:.3g} (q = {self.sample_rate}, T = {self.iterations}), "
+            f"σ_SGD = {self.noise_multiplier:.3g}"
+        )
 
 
-def compute_sigma(target_epsilon: float, target_delta: float, sgd_sample_rate: float, sgd_steps: int,
-                  selection_sample_rate: float, selection_steps: int, budget_ratio: float = 0.9,
-                  accountant: str = "rdp") -> tuple[float, float]:
+def compute_sigma(
+    target_epsilon: float,
+    target_delta: float,
+    sgd_sample_rate: float,
+    sgd_steps: int,
+    selection_sample_rate: float,
+    selection_steps: int,
+    budget_ratio: float = 0.9,
+    accountant: str = "rdp",
+) -> tuple[float, float]:
     """ComputeSigma (App. C, Algorithm 3): σ_SGD spends budget_ratio·ε alone; σ_ps is the
     smallest noise for which selection and DP-SGD together spend ≤ ε (library accountant,
     bisection as Algorithm 2)."""
     if not 0 < budget_ratio < 1:
         raise InvalidArgumentError(f"budget_ratio={budget_ratio} is out of range; pass a value in (0, 1), e.g. 0.9.")
     if accountant == "gdp":
-        raise AccountingError("DP-FROST composes selection and DP-SGD, but accountant='gdp' (Opacus' "
-                              "GaussianAccountant) counts only the last mechanism of a history and would under-report "
-                              "ε: use accountant='pld' or 'rdp' (dp-accounting) or 'prv' (Opacus).")
-    sigma_sgd = get_noise_multiplier(budget_ratio * target_epsilon, target_delta, sgd_sample_rate, sgd_steps,
-                                     accountant)
-    sigma_ps = get_noise_multiplier(target_epsilon, target_delta, selection_sample_rate, selection_steps, accountant,
-                                    history=[(sigma_sgd, sgd_sample_rate, sgd_steps)])
+        raise AccountingError(
+            "DP-FROST composes selection and DP-SGD, but accountant='gdp' (Opacus' "
+            "GaussianAccountant) counts only the last mechanism of a history and would under-report "
+            "ε: use accountant='pld' or 'rdp' (dp-accounting) or 'prv' (Opacus)."
+        )
+    sigma_sgd = get_noise_multiplier(
+        budget_ratio * target_epsilon, target_delta, sgd_sample_rate, sgd_steps, accountant
+    )
+    sigma_ps = get_noise_multiplier(
+        target_epsilon,
+        target_delta,
+        selection_sample_rate,
+        selection_steps,
+        accountant,
+        history=[(sigma_sgd, sgd_sample_rate, sgd_steps)],
+    )
     return sigma_sgd, sigma_ps
 
 
@@ -155,8 +182,9 @@ class _Measurer:
             hooks = attach_norm_hooks(self.model, mode="instantiate", ghost_backward=True)
             try:
                 if indices:
-                    loader = DataLoader(Subset(self.dataset, indices), batch_size=self.physical,
-                                        collate_fn=self.collate_fn)
+                    loader = DataLoader(
+                        Subset(self.dataset, indices), batch_size=self.physical, collate_fn=self.collate_fn
+                    )
                     for batch in loader:
                         hooks.backward(self.loss_fn(self.model, batch))
                         grads = MG.partition_grads(hooks.per_sample_grads(row_sparse=True), parts)
@@ -176,9 +204,21 @@ class _Measurer:
         return MG.pgms(sums, self.method, self.alpha, sizes).double()
 
 
-def psel(measure, partitions: list[Partition], num_examples: int, noise_multiplier: float, sample_rate: float,
-         iterations: int, ratio: float, gap: float, method: str, alpha: int, clip: float,
-         generator: torch.Generator, pgm_iterations: int = 1000):
+def psel(
+    measure,
+    partitions: list[Partition],
+    num_examples: int,
+    noise_multiplier: float,
+    sample_rate: float,
+    iterations: int,
+    ratio: float,
+    gap: float,
+    method: str,
+    alpha: int,
+    clip: float,
+    generator: torch.Generator,
+    pgm_iterations: int = 1000,
+):
     """PSEL (Algorithm 4). ``measure(parts, indices)`` returns noise-free PGMs of ``parts`` on
     the examples ``indices``. Returns (selected partitions, ν estimates, per-iteration log)."""
     m = len(partitions)
@@ -200,8 +240,9 @@ def psel(measure, partitions: list[Partition], num_examples: int, noise_multipli
         sizes = [p.size for p in remaining]
         delta_t = MG.sensitivity(method, alpha, clip, sizes)
         clean = measure(remaining, chosen)
-        noisy = clean + noise_multiplier * delta_t * torch.randn(len(remaining), generator=generator,
-                                                                 dtype=torch.float64)
+        noisy = clean + noise_multiplier * delta_t * torch.randn(
+            len(remaining), generator=generator, dtype=torch.float64
+        )
         cols = [index[p.name] for p in remaining]
         obs[t - 1, cols], mask[t - 1, cols] = noisy, True
         noise_std[t - 1] = noise_multiplier * delta_t
@@ -227,8 +268,15 @@ def psel(measure, partitions: list[Partition], num_examples: int, noise_multipli
                 used += p.size
         selected += new
         remaining = [p for p in remaining if p not in new]
-        log.append({"iteration": t, "sample": len(chosen), "sensitivity": delta_t, "threshold": thres,
-                    "selected": [p.name for p in new]})
+        log.append(
+            {
+                "iteration": t,
+                "sample": len(chosen),
+                "sensitivity": delta_t,
+                "threshold": thres,
+                "selected": [p.name for p in new],
+            }
+        )
     return selected, {p.name: float(nu[index[p.name]]) for p in partitions}, log
 
 
@@ -247,13 +295,33 @@ def _head_params(model: nn.Module, always_train) -> list[str]:
     return out
 
 
-def select(model: nn.Module, data_loader: DataLoader, target_epsilon: float, target_delta: float,
-           ratio: float = 0.25, *, epochs: int, batch_size: int | None = None, budget_ratio: float = 0.9,
-           method: str = "mgna", alpha: int = 1, clip: float = 1.0, iterations: int = 5,
-           sample_rate: float = 0.02, gap: float = 5.0, single: bool = False, partitions=None,
-           always_train="auto", loss_fn=None, max_physical_batch_size: int = 16, accountant: str = "rdp",
-           selection_noise_multiplier: float | None = None, seed: int | None = None,
-           pgm_iterations: int = 1000, freeze: bool = True) -> FrostSelection:
+def select(
+    model: nn.Module,
+    data_loader: DataLoader,
+    target_epsilon: float,
+    target_delta: float,
+    ratio: float = 0.25,
+    *,
+    epochs: int,
+    batch_size: int | None = None,
+    budget_ratio: float = 0.9,
+    method: str = "mgna",
+    alpha: int = 1,
+    clip: float = 1.0,
+    iterations: int = 5,
+    sample_rate: float = 0.02,
+    gap: float = 5.0,
+    single: bool = False,
+    partitions=None,
+    always_train="auto",
+    loss_fn=None,
+    max_physical_batch_size: int = 16,
+    accountant: str = "rdp",
+    selection_noise_multiplier: float | None = None,
+    seed: int | None = None,
+    pgm_iterations: int = 1000,
+    freeze: bool = True,
+) -> FrostSelection:
     """Select privately which partitions to fine-tune, freeze the rest (DP-FROST, Algorithm 1).
 
     ``target_epsilon`` / ``target_delta`` are the budget of selection *and* the DP-SGD that
@@ -286,17 +354,20 @@ def select(model: nn.Module, data_loader: DataLoader, target_epsilon: float, tar
     if not parts:
         raise DPZooError("no partition to select from: the model has no trainable parameter outside always_train")
 
-    sigma_sgd, sigma_ps = compute_sigma(target_epsilon, target_delta, sgd_rate, sgd_steps, sample_rate,
-                                        iterations, budget_ratio, accountant)
+    sigma_sgd, sigma_ps = compute_sigma(
+        target_epsilon, target_delta, sgd_rate, sgd_steps, sample_rate, iterations, budget_ratio, accountant
+    )
     if selection_noise_multiplier is not None:
         sigma_ps = float(selection_noise_multiplier)
         if sigma_ps == 0:
             warnings.warn("DP-FROST selection without noise: not differentially private (ε = ∞)")
     gen = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(2**62, (1,))))
-    measure = _Measurer(model, dataset, data_loader.collate_fn, loss_fn or default_loss, method, alpha, clip,
-                        max_physical_batch_size)
-    chosen, estimates, log = psel(measure, parts, n, sigma_ps, sample_rate, iterations, ratio, gap, method, alpha,
-                                  clip, gen, pgm_iterations)
+    measure = _Measurer(
+        model, dataset, data_loader.collate_fn, loss_fn or default_loss, method, alpha, clip, max_physical_batch_size
+    )
+    chosen, estimates, log = psel(
+        measure, parts, n, sigma_ps, sample_rate, iterations, ratio, gap, method, alpha, clip, gen, pgm_iterations
+    )
     acc = Accountant(accountant)
     acc.step(sigma_ps, sample_rate, iterations)
     keep = {n for p in chosen for n in p.params} | set(head)
@@ -304,8 +375,20 @@ def select(model: nn.Module, data_loader: DataLoader, target_epsilon: float, tar
         for name, p in model.named_parameters():
             if name not in keep:
                 p.requires_grad_(False)
-    return FrostSelection(selected=chosen, partitions=parts, always_train=head, estimates=estimates,
-                          noise_multiplier=sigma_sgd, selection_noise_multiplier=sigma_ps, sample_rate=sample_rate,
-                          iterations=iterations, accountant=acc, target_epsilon=target_epsilon,
-                          target_delta=target_delta, sgd_sample_rate=sgd_rate, sgd_steps=sgd_steps,
-                          samples_seen=measure.samples, history=log)
+    return FrostSelection(
+        selected=chosen,
+        partitions=parts,
+        always_train=head,
+        estimates=estimates,
+        noise_multiplier=sigma_sgd,
+        selection_noise_multiplier=sigma_ps,
+        sample_rate=sample_rate,
+        iterations=iterations,
+        accountant=acc,
+        target_epsilon=target_epsilon,
+        target_delta=target_delta,
+        sgd_sample_rate=sgd_rate,
+        sgd_steps=sgd_steps,
+        samples_seen=measure.samples,
+        history=log,
+    )

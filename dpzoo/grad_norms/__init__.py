@@ -4,5 +4,17 @@ from .hooks import LOOSE_TENSORS, MODES, NormHooks, attach_norm_hooks, register_
 from .registry import RULES, Rule, find_rule, register_rule
 from .reps import Dense, Factored, OneHot
 
-__all__ = ["register_loose_tensors", "LOOSE_TENSORS", "attach_norm_hooks", "NormHooks", "MODES", "register_rule", "find_rule", "Rule", "RULES",
-           "Dense", "Factored", "OneHot"]
+__all__ = [
+    "register_loose_tensors",
+    "LOOSE_TENSORS",
+    "attach_norm_hooks",
+    "NormHooks",
+    "MODES",
+    "register_rule",
+    "find_rule",
+    "Rule",
+    "RULES",
+    "Dense",
+    "Factored",
+    "OneHot",
+]

@@ -45,7 +45,8 @@ def assemble(step: Step, plan: ModelPlan, ghost: bool | None) -> dict[str, R.Par
             raise UnsupportedModuleError(
                 f"The per-sample rule for {use.module_name} ({type(use.module).__name__}) failed on what the layer "
                 f"recorded ({str(e).splitlines()[0][:160]}). Mixed precision by autocast is not supported: "
-                "convert the model to one dtype instead.") from e
+                "convert the model to one dtype instead."
+            ) from e
         use.activations = None  # the representations hold what is needed from here on
         for local, rep in out.items():
             p = getattr(use.module, local)
@@ -53,7 +54,8 @@ def assemble(step: Step, plan: ModelPlan, ghost: bool | None) -> dict[str, R.Par
                 raise UnsupportedModuleError(
                     f"The rule for {use.module_name} ({type(use.module).__name__}) produced a per-sample "
                     f"gradient of shape {tuple(rep_shape(rep))} for {local}, whose shape is {tuple(p.shape)}: "
-                    "the module does not compute what its rule assumes.")
+                    "the module does not compute what its rule assumes."
+                )
             by_param[plan.param_names[id(p)]].append(rep)
             sizes.add((use.module_name, rep.batch_size))
     batch = {b for _, b in sizes}
@@ -64,7 +66,8 @@ def assemble(step: Step, plan: ModelPlan, ghost: bool | None) -> dict[str, R.Par
         raise UnsupportedModuleError(
             f"Layers saw different batch sizes in one step (batch {step.batch_size}; {detail}), so "
             "per-sample gradients cannot be matched across them. Every hooked layer must take "
-            "batch-first inputs.")
+            "batch-first inputs."
+        )
     step.unreached = [n for n, rs in by_param.items() if not rs]
     for n in step.unreached:  # unused in this step: zero gradient
         p = plan.params[n]

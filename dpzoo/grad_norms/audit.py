@@ -73,16 +73,19 @@ def compare_uses(step: Step, params: dict[str, nn.Parameter]) -> None:
                 f"Parameter {name} is used {step.edges[id(p)]} time(s) in this step but dpzoo recorded "
                 f"{recorded.get(id(p), 0)}: it is used outside the module that owns it (e.g. `x @ "
                 "module.weight` in another module's forward, or in the loss). Its per-sample gradient "
-                "cannot be accounted for; route every use through a module, or freeze it.")
+                "cannot be accounted for; route every use through a module, or freeze it."
+            )
     step.graph_checked = True
 
 
 def stray_grad_hook(rec: Recorder, name: str):
     """A tensor hook for parameter ``name``: notes a gradient computed outside ghost differentiation."""
+
     def hook(grad):
         if not rec.by_edges and not rec.paused:
             rec.step.stray.append(name)
         return None
+
     return hook
 
 
@@ -95,21 +98,24 @@ def check_versions(use: Use) -> None:
             raise UnsupportedModuleError(
                 f"The input of {use.module_name} was modified in place after the layer used "
                 "it; its per-sample gradient would be wrong. Remove the in-place op "
-                "(dpzoo.make_dp_ready switches off the usual ones).")
+                "(dpzoo.make_dp_ready switches off the usual ones)."
+            )
 
 
 def check_step(step: Step, params: dict[str, nn.Parameter]) -> None:
     """The checks due before assembling a step: a backward ran, no stray gradient, and every
     parameter use counted (from the model's outputs, when ``loss.backward()`` was used)."""
     if not step.backward_done:
-        raise RuntimeError("No backward pass since the last forward: call hooks.backward(loss) "
-                           "or loss.backward() first.")
+        raise RuntimeError(
+            "No backward pass since the last forward: call hooks.backward(loss) or loss.backward() first."
+        )
     if step.stray:
         raise UnsupportedModuleError(
             f"Parameter(s) {', '.join(dict.fromkeys(step.stray))} received a gradient outside dpzoo's ghost "
             "differentiation: they are used outside the model's forward (e.g. a weight penalty or a tied "
             "projection in the loss), so their per-sample gradient cannot be accounted for. Compute "
-            "every use inside the model (or use the optimizer's weight_decay), or freeze them.")
+            "every use inside the model (or use the optimizer's weight_decay), or freeze them."
+        )
     if not step.graph_checked:
         if step.outputs:  # loss.backward() was used: check from the model's outputs
             count_edges(step, step.outputs)
@@ -118,9 +124,11 @@ def check_step(step: Step, params: dict[str, nn.Parameter]) -> None:
             raise UnsupportedModuleError(
                 "Hooked layers ran, but not through the model itself (model.forward(...) or a submodule "
                 "was called): dpzoo cannot check every parameter use. Call model(...), or use "
-                "hooks.backward(loss).")
+                "hooks.backward(loss)."
+            )
         else:
             raise UnsupportedModuleError(
                 "The model's output holds no tensor dpzoo can find (it looks inside tensors, tuples, "
                 "lists and dicts), so the parameter uses behind loss.backward() cannot be checked. "
-                "Use hooks.backward(loss), or return tensors in one of these containers.")
+                "Use hooks.backward(loss), or return tensors in one of these containers."
+            )

@@ -121,8 +121,7 @@ class Capture:
     """Registers the recording hooks of ``plan`` on ``model``, recording into ``rec``.
     ``wrap(output, found)``: applied to the root's output (ghost differentiation), or None."""
 
-    def __init__(self, model: nn.Module, plan: ModelPlan, rec: Recorder,
-                 wrap: Callable | None = None):
+    def __init__(self, model: nn.Module, plan: ModelPlan, rec: Recorder, wrap: Callable | None = None):
         self.model, self.plan, self.rec, self.wrap = model, plan, rec, wrap
         self.bw_modules: list[nn.Module] = []
 
@@ -132,8 +131,7 @@ class Capture:
         handles = self.rec.handles
         # Root hooks for every model (bias-only ones too): the batch size, and the outputs
         # from which parameter uses are counted when loss.backward() is used.
-        handles.append(self.model.register_forward_pre_hook(root_pre_hook or self.begin_forward,
-                                                            with_kwargs=True))
+        handles.append(self.model.register_forward_pre_hook(root_pre_hook or self.begin_forward, with_kwargs=True))
         for plan in self.plan.modules:
             m = plan.module
             if plan.loose:
@@ -143,14 +141,12 @@ class Capture:
                 handles.append(m.register_forward_pre_hook(self._version_hook, with_kwargs=True))
                 # first among the layer's forward hooks: it must see the layer's own output, before
                 # any user hook edits it (the edit is then part of the graph behind it)
-                handles.append(m.register_forward_hook(self._forward_hook(plan), with_kwargs=True,
-                                                       prepend=True))
+                handles.append(m.register_forward_hook(self._forward_hook(plan), with_kwargs=True, prepend=True))
             else:  # activation-free: no forward hook on the layer, nothing stored (the root's
                 # pre-hook marks a new step, so several backward passes in one step add up)
                 if plan.rule.grad_from is not None:  # the gradient at a submodule's input
                     target = plan.rule.grad_from(m)
-                    handles.append(target.register_full_backward_hook(
-                        self._backward_hook(plan, use_grad_input=True)))
+                    handles.append(target.register_full_backward_hook(self._backward_hook(plan, use_grad_input=True)))
                 else:  # the output gradient: a pre-hook needs no wrapping of the inputs (cheaper)
                     target = m
                     pre = self._backward_hook(plan)
@@ -182,7 +178,8 @@ class Capture:
                 raise UnsupportedModuleError(
                     f"BatchNorm module(s) {', '.join(mixing[:6])} use batch statistics: each sample's output depends "
                     "on the others, so no per-sample gradient exists. dpzoo.make_dp_ready(model) converts them to "
-                    "GroupNorm; or put them in eval mode with running statistics.")
+                    "GroupNorm; or put them in eval mode with running statistics."
+                )
             x = first_tensor(tuple(args) + tuple((kwargs or {}).values()))
             if x is not None and x.dim() > 0:
                 rec.step.batch_size = x.shape[0]
@@ -204,7 +201,8 @@ class Capture:
         if torch.is_grad_enabled() and not self.rec.paused:
             ins = tuple(args) or tuple(v for v in kwargs.values() if isinstance(v, torch.Tensor))[:1]
             self.rec.pending.setdefault(id(module), []).append(
-                tuple(a._version if isinstance(a, torch.Tensor) else None for a in ins))
+                tuple(a._version if isinstance(a, torch.Tensor) else None for a in ins)
+            )
         return None
 
     def _forward_hook(self, plan: ModulePlan):
@@ -225,7 +223,8 @@ class Capture:
                 raise UnsupportedModuleError(
                     f"{plan.name} ({type(module).__name__}) modified its own input in place during forward; "
                     "its per-sample gradient cannot be computed from the stored input. Switch the "
-                    "in-place option off (dpzoo.make_dp_ready does).")
+                    "in-place option off (dpzoo.make_dp_ready does)."
+                )
             b = rec.step.batch_size
             x = first_tensor(args)
             if x is None or x.dim() == 0:
@@ -234,10 +233,17 @@ class Capture:
                 raise UnsupportedModuleError(
                     f"The parameters of {plan.name} ({type(module).__name__}) were swapped for other tensors during "
                     "this forward (torch.func.functional_call, a parametrization or stateless call): dpzoo's rule "
-                    "would attribute the gradient to the wrong tensor. Call the model with its own parameters.")
+                    "would attribute the gradient to the wrong tensor. Call the model with its own parameters."
+                )
             expanded = None
-            if (plan.broadcast_lookup and b is not None and b > 1 and x.shape[0] == 1
-                    and not x.is_floating_point() and output.shape[0] == 1):
+            if (
+                plan.broadcast_lookup
+                and b is not None
+                and b > 1
+                and x.shape[0] == 1
+                and not x.is_floating_point()
+                and output.shape[0] == 1
+            ):
                 # Position ids of batch 1 broadcast over the batch (HF): give every sample
                 # its own lookup, so the table's gradient splits per sample (exact).
                 args = tuple(a.expand(b, *a.shape[1:]) if isinstance(a, torch.Tensor) else a for a in args)
@@ -247,13 +253,23 @@ class Capture:
                 raise UnsupportedModuleError(
                     f"{plan.name} ({type(module).__name__}) got an input with {x.shape[0]} rows in its first "
                     f"dimension but the batch has {b} samples. Per-sample gradients need every hooked layer to "
-                    "take batch-first inputs (no sequence-first, flattened or unbatched inputs).")
+                    "take batch-first inputs (no sequence-first, flattened or unbatched inputs)."
+                )
             acts = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-            use = Use(module, plan.name, plan.params, acts, versions if versions is not None else now, output,
-                      torch.autograd.graph.get_gradient_edge(output), batch_size=x.shape[0])
+            use = Use(
+                module,
+                plan.name,
+                plan.params,
+                acts,
+                versions if versions is not None else now,
+                output,
+                torch.autograd.graph.get_gradient_edge(output),
+                batch_size=x.shape[0],
+            )
             output.register_hook(self._grad_catcher(use))
             rec.step.uses.append(use)
             return expanded  # None (output unchanged) unless expanded
+
         return hook
 
     def _grad_catcher(self, use: Use):
@@ -268,6 +284,7 @@ class Capture:
                 return  # step already dropped, or hooks.backward collects it from its edge
             u.grad = grad.detach() if u.grad is None else u.grad + grad.detach()
             rec.step.backward_done = True
+
         return catch
 
     def _backward_hook(self, plan: ModulePlan, use_grad_input: bool = False):
@@ -279,10 +296,12 @@ class Capture:
                 return None
             # the backward pass: the user's, also when ghost differentiation runs inside it
             task = rec.pass_id if rec.by_edges else torch._C._current_graph_task_id()
-            rec.step.uses.append(Use(plan.module, plan.name, plan.params, grad=grad.detach(),
-                                     batch_size=grad.shape[0], task=task))
+            rec.step.uses.append(
+                Use(plan.module, plan.name, plan.params, grad=grad.detach(), batch_size=grad.shape[0], task=task)
+            )
             rec.step.backward_done = True
             return None
+
         return hook
 
     def _loose_pre_hook(self, plan: ModulePlan):
@@ -299,11 +318,19 @@ class Capture:
                 # a per-sample copy, detached from p: any use of p itself is then visible
                 copy = p.detach().expand(b, *p.shape[1:]).clone().requires_grad_(True)
                 module.__dict__[n] = copy  # shadows the registered parameter during forward
-                use = Use(module, plan.name, (n,), output=copy, edge=torch.autograd.graph.get_gradient_edge(copy),
-                          loose=True, batch_size=b)
+                use = Use(
+                    module,
+                    plan.name,
+                    (n,),
+                    output=copy,
+                    edge=torch.autograd.graph.get_gradient_edge(copy),
+                    loose=True,
+                    batch_size=b,
+                )
                 copy.register_hook(self._grad_catcher(use))
                 rec.step.uses.append(use)
             return None
+
         return hook
 
     def _loose_post_hook(self, plan: ModulePlan):
@@ -311,4 +338,5 @@ class Capture:
             for n in plan.loose:
                 module.__dict__.pop(n, None)
             return None
+
         return hook

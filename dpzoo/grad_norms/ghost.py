@@ -47,7 +47,8 @@ class GhostBackward(torch.autograd.Function):
             raise UnsupportedModuleError(
                 "With ghost_backward=True the model's outputs can be back-propagated once per forward pass "
                 "(the model's graph is freed then, even with retain_graph=True): add the losses and call "
-                "backward once.")
+                "backward once."
+            )
         outs = [(o, g) for o, g in zip(ctx.real_outputs, grads) if g is not None]
         for o, g in outs:  # kept for the engine's first-step self-check (dpzoo.privacy.verify)
             ctx.rec.step.cotangents[id(o)] = g.detach()
@@ -77,6 +78,7 @@ def wrap_outputs(rec: Recorder, differentiate: Callable, output, found: list):
         if isinstance(o, list):
             return [rebuild(x) for x in o]
         return o
+
     return rebuild(output)
 
 

@@ -50,12 +50,26 @@ from .audit import check_step, count_edges, stray_grad_hook
 from .capture import Capture, Recorder, Use, output_tensors
 from .ghost import ghost_differentiate, wrap_outputs
 from .plan import plan_model
-from .rules.loose import (BROADCAST_LOOKUPS, LOOSE_CHECKS, LOOSE_TENSORS, register_broadcast_lookup,
-                          register_loose_tensors)
+from .rules.loose import (
+    BROADCAST_LOOKUPS,
+    LOOSE_CHECKS,
+    LOOSE_TENSORS,
+    register_broadcast_lookup,
+    register_loose_tensors,
+)
 
-__all__ = ["attach_norm_hooks", "attached_norm_hooks", "NormHooks", "MODES", "output_tensors",
-           "LOOSE_TENSORS", "LOOSE_CHECKS", "register_loose_tensors", "BROADCAST_LOOKUPS",
-           "register_broadcast_lookup"]
+__all__ = [
+    "attach_norm_hooks",
+    "attached_norm_hooks",
+    "NormHooks",
+    "MODES",
+    "output_tensors",
+    "LOOSE_TENSORS",
+    "LOOSE_CHECKS",
+    "register_loose_tensors",
+    "BROADCAST_LOOKUPS",
+    "register_broadcast_lookup",
+]
 
 MODES = ("auto", "ghost", "instantiate")
 
@@ -67,14 +81,15 @@ class NormHooks:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if attached_norm_hooks(model) is not None:
-            raise UnsupportedModuleError("This model already has dpzoo norm hooks attached; call "
-                                         ".detach() on the old handle first (two sets would split the records).")
+            raise UnsupportedModuleError(
+                "This model already has dpzoo norm hooks attached; call "
+                ".detach() on the old handle first (two sets would split the records)."
+            )
         self.model, self.mode = model, mode
         self.ghost_backward = ghost_backward
         self._rec = Recorder()
         self._plan = plan_model(model)
-        self._capture = Capture(model, self._plan, self._rec,
-                                wrap=self._wrap_outputs if ghost_backward else None)
+        self._capture = Capture(model, self._plan, self._rec, wrap=self._wrap_outputs if ghost_backward else None)
         # the root pre-hook is this handle's own method: the model keeps the handle alive
         self._capture.register(root_pre_hook=self.begin_forward)
         if ghost_backward:
@@ -111,7 +126,8 @@ class NormHooks:
                 "A backward pass already ran since the last forward (loss.backward() or hooks.backward()); "
                 "hooks.backward(loss) would add this loss's per-sample gradients to it. Call hooks.backward "
                 "once per forward pass, and not after loss.backward() (several loss.backward() calls in "
-                "one step add up).")
+                "one step add up)."
+            )
         if self.ghost_backward and st.outputs:
             count_edges(st, [loss])  # uses of parameters in the loss are checked too
             loss.backward()  # the outputs are wrapped: this is ghost differentiation already
@@ -170,7 +186,8 @@ class NormHooks:
             except RuntimeError as e:  # mixed dtypes (autocast) between activations and gradients
                 raise UnsupportedModuleError(
                     f"The clipped sum of {name} failed on what its layer recorded ({str(e).splitlines()[0][:160]}). "
-                    "Mixed precision by autocast is not supported: convert the model to one dtype instead.") from e
+                    "Mixed precision by autocast is not supported: convert the model to one dtype instead."
+                ) from e
             out[name] = total.to(self._plan.params[name].dtype)
         return out
 

@@ -61,13 +61,15 @@ def plan_model(model: nn.Module) -> ModelPlan:
     params = {param_names[id(p)]: p for p in model.parameters() if p.requires_grad}
     if not params:
         raise UnsupportedModuleError("The model has no trainable parameters (requires_grad=False everywhere).")
-    inplace = [n or "<root>" for n, m in model.named_modules()
-               if isinstance(getattr(m, "inplace", None), bool) and m.inplace]
+    inplace = [
+        n or "<root>" for n, m in model.named_modules() if isinstance(getattr(m, "inplace", None), bool) and m.inplace
+    ]
     if inplace:
         raise UnsupportedModuleError(
             f"Module(s) {', '.join(inplace[:8])} run in place (inplace=True), which corrupts the "
             "activations and output gradients dpzoo records. dpzoo.make_dp_ready(model) switches "
-            "them off.")
+            "them off."
+        )
     # BatchNorm without trainable parameters is in no plan, yet mixes samples whenever it
     # uses batch statistics: checked at every forward (train/eval can change after attach)
     batchnorms = [(n or "<root>", m) for n, m in model.named_modules() if isinstance(m, _BatchNorm)]
@@ -89,24 +91,33 @@ def plan_model(model: nn.Module) -> ModelPlan:
             if why:
                 raise UnsupportedModuleError(
                     f"Module {label} ({type(module).__name__}): {why}; its trainable parameter(s) "
-                    f"{qualified} cannot be clipped per sample.")
+                    f"{qualified} cannot be clipped per sample."
+                )
             extra = [n for n in own if n not in rule.params]
             if extra:
                 raise UnsupportedModuleError(
                     f"Module {label} ({type(module).__name__}) has trainable parameter(s) "
                     f"{', '.join(extra)} that its per-sample rule does not cover. Freeze them "
-                    "(requires_grad_(False)) or register a rule with dpzoo.grad_norms.register_rule.")
+                    "(requires_grad_(False)) or register a rule with dpzoo.grad_norms.register_rule."
+                )
             needs = any(n not in rule.activation_free for n in own)
             owner_name, _, attr = mname.rpartition(".")
             owner = model.get_submodule(owner_name) if mname else None
-            plans.append(ModulePlan(mname, module, rule, own, needs,
-                                    tensors=tuple(module._parameters[n] for n in own),
-                                    broadcast_lookup=is_broadcast_lookup(owner, attr)))
+            plans.append(
+                ModulePlan(
+                    mname,
+                    module,
+                    rule,
+                    own,
+                    needs,
+                    tensors=tuple(module._parameters[n] for n in own),
+                    broadcast_lookup=is_broadcast_lookup(owner, attr),
+                )
+            )
             rules[id(module)] = rule
             continue
         allowed = loose_names(module)
-        bad = [n for n in own if n not in allowed or getattr(module, n).dim() < 2
-               or getattr(module, n).shape[0] != 1]
+        bad = [n for n in own if n not in allowed or getattr(module, n).dim() < 2 or getattr(module, n).shape[0] != 1]
         if bad:
             why_not = why_no_rule(module)
             hint = f" ({why_not})" if why_not else ""
@@ -115,6 +126,7 @@ def plan_model(model: nn.Module) -> ModelPlan:
                 f"trainable parameter(s) {', '.join(f'{mname}.{n}' if mname else n for n in bad)}{hint}. "
                 "dpzoo will not leave them unclipped: freeze them (requires_grad_(False)), "
                 "replace the layer, or register a rule with dpzoo.grad_norms.register_rule "
-                "(tensors broadcast over the batch: dpzoo.grad_norms.register_loose_tensors).")
+                "(tensors broadcast over the batch: dpzoo.grad_norms.register_loose_tensors)."
+            )
         plans.append(ModulePlan(mname, module, None, own, True, loose=own))
     return ModelPlan(params, param_names, plans, rules, batchnorms)

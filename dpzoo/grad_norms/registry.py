@@ -76,8 +76,10 @@ def _mismatch(module: nn.Module, rule: Rule) -> str | None:
     t, base = type(module), rule.module_type
     for name, impl in zip(rule.methods, rule.impls):
         if _static(base, name) is not impl:
-            return (f"{base.__name__}.{name} was replaced after dpzoo's rule for {base.__name__} was "
-                    "registered, so that rule does not apply")
+            return (
+                f"{base.__name__}.{name} was replaced after dpzoo's rule for {base.__name__} was "
+                "registered, so that rule does not apply"
+            )
     for cls in t.__mro__:
         if cls is base:
             break
@@ -91,31 +93,42 @@ def _mismatch(module: nn.Module, rule: Rule) -> str | None:
             # the class's own method bound to this very module (``m.forward = m.forward``) is harmless
             if getattr(v, "__self__", None) is module and getattr(v, "__func__", None) is _static(t, name):
                 continue
-            return (f"its {name} was replaced on the instance (an attribute of the module, not "
-                    f"{base.__name__}.{name}), so the rule for {base.__name__} does not apply; `del module.{name}` "
-                    "restores the class's method")
+            return (
+                f"its {name} was replaced on the instance (an attribute of the module, not "
+                f"{base.__name__}.{name}), so the rule for {base.__name__} does not apply; `del module.{name}` "
+                "restores the class's method"
+            )
     return None
 
 
 def _guarded(fn: Callable, rule_ref: list) -> Callable:
     """``fn`` re-checking, each time it runs, that the module still computes what the rule assumes
     (a method replaced on the instance after the hooks were attached)."""
+
     @functools.wraps(fn)
     def run(module, activations, grad_output, params):
         why = _mismatch(module, rule_ref[0])
         if why:
             from ..errors import UnsupportedModuleError
+
             raise UnsupportedModuleError(
                 f"{type(module).__name__}: {why}; its per-sample gradients cannot be computed by the rule "
-                "(the module changed after the hooks were attached).")
+                "(the module changed after the hooks were attached)."
+            )
         return fn(module, activations, grad_output, params)
+
     run.__wrapped_rule__ = fn
     return run
 
 
-def register_rule(*module_types: type, params: Iterable[str] = ("weight", "bias"),
-                  activation_free: Iterable[str] = (), check: Callable[[nn.Module], str | None] | None = None,
-                  grad_from: Callable[[nn.Module], nn.Module] | None = None, methods: Iterable[str] = ()):
+def register_rule(
+    *module_types: type,
+    params: Iterable[str] = ("weight", "bias"),
+    activation_free: Iterable[str] = (),
+    check: Callable[[nn.Module], str | None] | None = None,
+    grad_from: Callable[[nn.Module], nn.Module] | None = None,
+    methods: Iterable[str] = (),
+):
     """Decorator: ``@register_rule(nn.Linear, activation_free={"bias"})``.
 
     ``check(module)`` returns why a particular module cannot be handled (e.g. an
@@ -129,16 +142,26 @@ def register_rule(*module_types: type, params: Iterable[str] = ("weight", "bias"
     def deco(fn):
         for t in module_types:
             ref: list = []
-            rule = Rule(_guarded(fn, ref), t, tuple(params), frozenset(activation_free), check, grad_from,
-                        names, tuple(_static(t, m) for m in names))
+            rule = Rule(
+                _guarded(fn, ref),
+                t,
+                tuple(params),
+                frozenset(activation_free),
+                check,
+                grad_from,
+                names,
+                tuple(_static(t, m) for m in names),
+            )
             ref.append(rule)
             RULES[t] = rule
         return fn
+
     return deco
 
 
 def _nearest(module: nn.Module) -> Rule | None:
     from . import rules  # noqa: F401  (registers the built-in rules)
+
     for cls in type(module).__mro__:
         if cls in RULES:
             return RULES[cls]

@@ -32,10 +32,23 @@ cross terms, and the cross terms themselves. It offers :meth:`ParamGrad.sq_norm`
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
-__all__ = ["Dense", "Factored", "OneHot", "Rep", "inner", "sq_norm", "clipped_sum",
-           "prefers_ghost", "instantiate", "ParamGrad", "RowSparse", "row_sparse"]
+__all__ = [
+    "Dense",
+    "Factored",
+    "OneHot",
+    "Rep",
+    "inner",
+    "sq_norm",
+    "clipped_sum",
+    "prefers_ghost",
+    "instantiate",
+    "ParamGrad",
+    "RowSparse",
+    "row_sparse",
+]
 
 
 @dataclass
@@ -117,6 +130,7 @@ def prefers_ghost(rep: Rep) -> bool:
 class RowSparse:
     """Per-sample gradients of an embedding with only the looked-up rows: sample ``sample[k]``
     has row ``row[k]`` equal to ``values[k]``; (sample, row) pairs are unique (coalesced)."""
+
     sample: torch.Tensor  # (K,) long
     row: torch.Tensor  # (K,) long
     values: torch.Tensor  # (K, c)
@@ -242,8 +256,12 @@ class ParamGrad:
 
     def _settle(self) -> None:
         ghost = self.ghost
-        rs = [Dense(instantiate(r)) if not isinstance(r, Dense)
-              and not (prefers_ghost(r) if ghost is None else ghost) else r for r in self.reps]
+        rs = [
+            Dense(instantiate(r))
+            if not isinstance(r, Dense) and not (prefers_ghost(r) if ghost is None else ghost)
+            else r
+            for r in self.reps
+        ]
         if len(rs) > 2 and ghost is not True:
             dense = instantiate(rs[0])
             for r in rs[1:]:
@@ -284,6 +302,9 @@ class ParamGrad:
         rs = self.reps
         if not all(isinstance(r, OneHot) for r in rs):
             return None
-        merged = rs[0] if len(rs) == 1 else OneHot(
-            torch.cat([r.index for r in rs], 1), torch.cat([r.right for r in rs], 1), rs[0].num_rows)
+        merged = (
+            rs[0]
+            if len(rs) == 1
+            else OneHot(torch.cat([r.index for r in rs], 1), torch.cat([r.right for r in rs], 1), rs[0].num_rows)
+        )
         return row_sparse(merged)

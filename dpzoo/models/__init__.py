@@ -1,7 +1,7 @@
 """The built-in zoo entries. Importing this package registers them (the sequential-recommendation
 entries live with their models in :mod:`dpzoo.seqrec.zoo`)."""
 
-from . import bert, efficientnet, gpt2, llama, resnet, vit  # noqa: F401
 from ..seqrec import zoo as _seqrec_zoo
+from . import bert, efficientnet, gpt2, llama, resnet, vit  # noqa: F401
 
 _seqrec_zoo.register()  # transformer-seqrec, transformer-seqrec-untied, dpformer, gru-seqrec, lstm-seqrec

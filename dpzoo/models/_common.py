@@ -31,4 +31,5 @@ def reject_unknown(entry: str, given: Iterable[str], accepted: Iterable[str]) ->
     if bad:
         raise OverrideError(
             f"{entry} does not accept override(s) {', '.join(map(repr, bad))}. "
-            f"Accepted: {', '.join(accepted)}. (`dpzoo.model_card({entry!r})` documents them.)")
+            f"Accepted: {', '.join(accepted)}. (`dpzoo.model_card({entry!r})` documents them.)"
+        )

@@ -45,9 +45,11 @@ def _config_kwargs(entry: str, config_cls, aliases: dict[str, str], arch_over: d
 
 def _check_hf_dir(path: Path) -> None:
     if not (path / "config.json").is_file():
-        raise CheckpointError(f"{path} has no config.json, so it is not a Hugging Face model "
-                              "directory. Pass the directory `save_pretrained` wrote, or a single "
-                              "weights file (.safetensors / .bin).")
+        raise CheckpointError(
+            f"{path} has no config.json, so it is not a Hugging Face model "
+            "directory. Pass the directory `save_pretrained` wrote, or a single "
+            "weights file (.safetensors / .bin)."
+        )
     try:
         json.loads((path / "config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -67,11 +69,23 @@ def _check_hf_dir(path: Path) -> None:
             read_state_dict(f)
 
 
-def build_hf(entry: str, model_cls, config_cls, *, pretrained: bool, pretrained_tag: str | None,
-             weights, overrides: dict[str, Any], aliases: dict[str, str], base_config: dict[str, Any],
-             head_keys: tuple[str, ...] = (), ignorable_unexpected: tuple[str, ...] = (),
-             bias_exempt: tuple[str, ...] = (), hub_id: str | None = None,
-             per_sample_positions: bool = False) -> nn.Module:
+def build_hf(
+    entry: str,
+    model_cls,
+    config_cls,
+    *,
+    pretrained: bool,
+    pretrained_tag: str | None,
+    weights,
+    overrides: dict[str, Any],
+    aliases: dict[str, str],
+    base_config: dict[str, Any],
+    head_keys: tuple[str, ...] = (),
+    ignorable_unexpected: tuple[str, ...] = (),
+    bias_exempt: tuple[str, ...] = (),
+    hub_id: str | None = None,
+    per_sample_positions: bool = False,
+) -> nn.Module:
     """Build ``model_cls``, load weights (hub, HF directory or weights file), then patch it.
 
     ``head_keys``: patterns of checkpoint keys that may be missing (a new task head).
@@ -94,17 +108,20 @@ def build_hf(entry: str, model_cls, config_cls, *, pretrained: bool, pretrained_
         with _quiet_transformers():
             try:
                 # mismatches come back in `info` and are reported below, by name
-                model, info = model_cls.from_pretrained(str(source), output_loading_info=True,
-                                                        ignore_mismatched_sizes=True, **cfg_kwargs)
+                model, info = model_cls.from_pretrained(
+                    str(source), output_loading_info=True, ignore_mismatched_sizes=True, **cfg_kwargs
+                )
             except (OSError, EnvironmentError) as e:
                 raise CheckpointError(
                     f"transformers could not load {source!s} ({str(e).splitlines()[0]}). Offline? "
-                    "Download the model where the hub is reachable and pass weights=DIR.") from None
+                    "Download the model where the hub is reachable and pass weights=DIR."
+                ) from None
             except (ValueError, RuntimeError, TypeError) as e:
                 raise CheckpointError(f"{source!s} does not fit {entry}: {e}") from None
         bad_missing = sorted(k for k in info["missing_keys"] if not any(fnmatch.fnmatch(k, p) for p in head_keys))
-        unexpected = sorted(k for k in info["unexpected_keys"]
-                            if not any(fnmatch.fnmatch(k, p) for p in ignorable_unexpected))
+        unexpected = sorted(
+            k for k in info["unexpected_keys"] if not any(fnmatch.fnmatch(k, p) for p in ignorable_unexpected)
+        )
         mismatched = sorted(k[0] if isinstance(k, tuple) else str(k) for k in info["mismatched_keys"])
         if "num_labels" in cfg_kwargs:  # a new head for another number of classes is expected
             mismatched = [k for k in mismatched if not any(fnmatch.fnmatch(k, p) for p in head_keys)]
@@ -113,12 +130,16 @@ def build_hf(entry: str, model_cls, config_cls, *, pretrained: bool, pretrained_
             if bad_missing:
                 parts.append(f"missing from the checkpoint ({len(bad_missing)}): {', '.join(bad_missing[:12])}")
             if unexpected:
-                parts.append(f"not in the model ({len(unexpected)}): {', '.join(unexpected[:12])}"
-                             + (" ..." if len(unexpected) > 12 else ""))
+                parts.append(
+                    f"not in the model ({len(unexpected)}): {', '.join(unexpected[:12])}"
+                    + (" ..." if len(unexpected) > 12 else "")
+                )
             if mismatched:
                 parts.append(f"wrong shape: {', '.join(mismatched[:12])}")
-            raise CheckpointError(f"The checkpoint {source!s} does not fit {entry}: {'; '.join(parts)}. "
-                                  "Size overrides must match the checkpoint's config.")
+            raise CheckpointError(
+                f"The checkpoint {source!s} does not fit {entry}: {'; '.join(parts)}. "
+                "Size overrides must match the checkpoint's config."
+            )
     else:
         config = config_cls(**{**base_config, **cfg_kwargs})
         model = model_cls(config)
@@ -126,9 +147,14 @@ def build_hf(entry: str, model_cls, config_cls, *, pretrained: bool, pretrained_
             sd = read_state_dict(weights)
             if getattr(model.config, "tie_word_embeddings", False):
                 model.tie_weights()
-            load_state_dict_checked(model, sd, source=f"checkpoint {weights}", allow_missing=head_keys,
-                                    ignore_unexpected=ignorable_unexpected,
-                                    hint="Size overrides must match the checkpoint's.")
+            load_state_dict_checked(
+                model,
+                sd,
+                source=f"checkpoint {weights}",
+                allow_missing=head_keys,
+                ignore_unexpected=ignorable_unexpected,
+                hint="Size overrides must match the checkpoint's.",
+            )
     model.eval()  # like from_pretrained; call .train() before training
     model = make_dp_ready(model, **patch_kw)
     if per_sample_positions:

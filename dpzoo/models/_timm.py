@@ -26,8 +26,14 @@ def _create(arch: str, pretrained: bool, **kwargs) -> nn.Module:
         raise OverrideError(f"timm's {arch.split('.')[0]} cannot be built with {kwargs}: {e}") from None
 
 
-def _load_local(model: nn.Module, path, *, num_classes_overridden: bool, entry: str,
-                convert_state_dict: Callable[[dict], dict] | None = None) -> None:
+def _load_local(
+    model: nn.Module,
+    path,
+    *,
+    num_classes_overridden: bool,
+    entry: str,
+    convert_state_dict: Callable[[dict], dict] | None = None,
+) -> None:
     sd = read_state_dict(path)
     if convert_state_dict is not None:  # the entry's own key mapping (e.g. another library's names)
         sd = convert_state_dict(sd)
@@ -48,15 +54,29 @@ def _load_local(model: nn.Module, path, *, num_classes_overridden: bool, entry: 
             log.info("%s: classifier %s re-initialised for the new num_classes", entry, classifier)
             sd = {k: v for k, v in sd.items() if k not in head_keys}
             allow_missing.append(classifier + ".*")
-    load_state_dict_checked(model, sd, source=f"checkpoint {path}", allow_missing=allow_missing,
-                            hint=f"Is it a checkpoint of timm's {type(model).__name__} with the same "
-                                 f"sizes? Pass the matching overrides (dpzoo.model_card({entry!r})).")
+    load_state_dict_checked(
+        model,
+        sd,
+        source=f"checkpoint {path}",
+        allow_missing=allow_missing,
+        hint=f"Is it a checkpoint of timm's {type(model).__name__} with the same "
+        f"sizes? Pass the matching overrides (dpzoo.model_card({entry!r})).",
+    )
 
 
-def build_timm(entry: str, arch: str, *, pretrained: bool, pretrained_tag: str | None, weights,
-               overrides: dict[str, Any], accepted: dict[str, Callable[[Any], dict]] | None = None,
-               base_kwargs: dict[str, Any] | None = None, patch_defaults: dict[str, Any] | None = None,
-               convert_state_dict: Callable[[dict], dict] | None = None) -> nn.Module:
+def build_timm(
+    entry: str,
+    arch: str,
+    *,
+    pretrained: bool,
+    pretrained_tag: str | None,
+    weights,
+    overrides: dict[str, Any],
+    accepted: dict[str, Callable[[Any], dict]] | None = None,
+    base_kwargs: dict[str, Any] | None = None,
+    patch_defaults: dict[str, Any] | None = None,
+    convert_state_dict: Callable[[dict], dict] | None = None,
+) -> nn.Module:
     """Build timm's ``arch``, load weights, then apply dpzoo's patches.
 
     ``accepted`` maps each user-facing override to a function returning timm kwargs.
@@ -81,12 +101,18 @@ def build_timm(entry: str, arch: str, *, pretrained: bool, pretrained_tag: str |
             raise CheckpointError(
                 f"timm could not fetch pretrained weights for {name!r} ({type(e).__name__}: "
                 f"{str(e).splitlines()[0] if str(e) else ''}). Offline? Download the checkpoint "
-                f"where the hub is reachable and pass weights=PATH.") from None
+                f"where the hub is reachable and pass weights=PATH."
+            ) from None
     else:
         model = _create(arch, False, **kwargs)
         if weights is not None:
-            _load_local(model, weights, num_classes_overridden="num_classes" in arch_over, entry=entry,
-                        convert_state_dict=convert_state_dict)
+            _load_local(
+                model,
+                weights,
+                num_classes_overridden="num_classes" in arch_over,
+                entry=entry,
+                convert_state_dict=convert_state_dict,
+            )
     return make_dp_ready(model, **patch_kw)
 
 
@@ -95,6 +121,7 @@ def as_int(key: str, minimum: int = 1):
         if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
             raise OverrideError(f"{key} must be an integer >= {minimum}, got {v!r}")
         return v
+
     return conv
 
 
@@ -103,14 +130,18 @@ def as_float(key: str, lo: float = 0.0, hi: float = 1.0):
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
             raise OverrideError(f"{key} must be a number in [{lo}, {hi}], got {v!r}")
         return float(v)
+
     return conv
 
 
 def as_int_tuple(key: str, length: int):
     def conv(v):
-        if (not isinstance(v, (list, tuple)) or len(v) != length
-                or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in v)):
+        if (
+            not isinstance(v, (list, tuple))
+            or len(v) != length
+            or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in v)
+        ):
             raise OverrideError(f"{key} must be a list of {length} positive integers, got {v!r}")
         return list(v)
-    return conv
 
+    return conv

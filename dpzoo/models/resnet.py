@@ -36,8 +36,7 @@ _OVERRIDE_DOCS = {
     **PATCH_OPTIONS,
 }
 _PATCHES = (
-    "BatchNorm2d → GroupNorm (groups: largest divisor of C ≤ 32 with ≥ 2 channels per group; "
-    "BN's γ, β copied)",
+    "BatchNorm2d → GroupNorm (groups: largest divisor of C ≤ 32 with ≥ 2 channels per group; BN's γ, β copied)",
     "BiTFiT-Add: a zero bias on every Conv2d (the fc layer already has one)",
     "in-place ReLU and `x += shortcut` replaced by out-of-place ops (safe under backward hooks)",
 )
@@ -51,25 +50,37 @@ def _card(name: str, arch: str, depth: int, tag: str) -> ModelCard:
         library="timm",
         task="image-classification",
         patches=_PATCHES,
-        weight_source=("random initialisation; `pretrained=True` loads timm's ImageNet BatchNorm "
-                       "weights and converts them (GroupNorm statistics differ from BatchNorm's: "
-                       "fine-tune before use); `weights=PATH` loads a local timm checkpoint"),
+        weight_source=(
+            "random initialisation; `pretrained=True` loads timm's ImageNet BatchNorm "
+            "weights and converts them (GroupNorm statistics differ from BatchNorm's: "
+            "fine-tune before use); `weights=PATH` loads a local timm checkpoint"
+        ),
         pretrained_tags={tag: f"timm hub `timm/{arch}.{tag}` (ImageNet-1k, BatchNorm)"},
         license="Apache-2.0 (timm code and weights)",
         papers=_PAPERS,
         overrides=_OVERRIDE_DOCS,
         test_overrides={"num_classes": 10, "layers": [1, 1, 1, 1], "width": 8},
         example_input={"kind": "image", "shape": [3, 32, 32]},
-        notes=("Group counts follow the 'auto' rule unless `gn_groups` is given. Any input size "
-               "works (global average pooling)."),
+        notes=(
+            "Group counts follow the 'auto' rule unless `gn_groups` is given. Any input size "
+            "works (global average pooling)."
+        ),
     )
 
 
 def _builder(name: str, arch: str, depth: int, tag: str):
     @register_model(name, card=_card(name, arch, depth, tag))
     def build(pretrained: bool = False, pretrained_tag: str | None = None, weights=None, **overrides):
-        return build_timm(name, arch, pretrained=pretrained, pretrained_tag=pretrained_tag or tag,
-                          weights=weights, overrides=overrides, accepted=_ACCEPTED)
+        return build_timm(
+            name,
+            arch,
+            pretrained=pretrained,
+            pretrained_tag=pretrained_tag or tag,
+            weights=weights,
+            overrides=overrides,
+            accepted=_ACCEPTED,
+        )
+
     build.__name__ = name.replace("-", "_")
     return build
 

@@ -46,24 +46,35 @@ def _builder(size: str):
         architecture=f"timm `{arch}`",
         library="timm",
         task="image-classification",
-        patches=("none needed: LayerNorm, every Linear and the patch-embedding Conv2d have biases",
-                 "in-place ops switched off where a module offers the switch"),
+        patches=(
+            "none needed: LayerNorm, every Linear and the patch-embedding Conv2d have biases",
+            "in-place ops switched off where a module offers the switch",
+        ),
         weight_source="random initialisation; `pretrained=True`: timm hub; `weights=PATH`: a local timm checkpoint",
         pretrained_tags={tag: f"timm hub `timm/{arch}.{tag}` (ImageNet-21k, fine-tuned on 1k)"},
         license="Apache-2.0 (timm code and weights)",
-        papers=("Dosovitskiy et al., An Image is Worth 16x16 Words, ICLR 2021",
-                "Bu et al., DP-BiTFiT, ICML 2024: Table 1 (bias share of ViT parameters)"),
+        papers=(
+            "Dosovitskiy et al., An Image is Worth 16x16 Words, ICLR 2021",
+            "Bu et al., DP-BiTFiT, ICML 2024: Table 1 (bias share of ViT parameters)",
+        ),
         overrides=_DOCS,
-        test_overrides={"num_classes": 10, "img_size": 32, "patch_size": 8, "depth": 2,
-                        "width": 32, "num_heads": 2},
+        test_overrides={"num_classes": 10, "img_size": 32, "patch_size": 8, "depth": 2, "width": 32, "num_heads": 2},
         example_input={"kind": "image", "shape": [3, 32, 32]},
         notes="`cls_token` and `pos_embed` are trainable tensors owned by the model itself, not by a layer.",
     )
 
     @register_model(name, card=card)
     def build(pretrained: bool = False, pretrained_tag: str | None = None, weights=None, **overrides):
-        return build_timm(name, arch, pretrained=pretrained, pretrained_tag=pretrained_tag or tag,
-                          weights=weights, overrides=overrides, accepted=_ACCEPTED)
+        return build_timm(
+            name,
+            arch,
+            pretrained=pretrained,
+            pretrained_tag=pretrained_tag or tag,
+            weights=weights,
+            overrides=overrides,
+            accepted=_ACCEPTED,
+        )
+
     build.__name__ = name.replace("-", "_")
     return build
 

@@ -24,8 +24,13 @@ def per_sample_position_ids(module: nn.Module, args: tuple, kwargs: dict):
     """Forward pre-hook (``with_kwargs=True``): pass ``position_ids`` of shape (B, T) when the
     caller gave none, no KV cache is in use and ``input_ids`` is the only positional argument."""
     input_ids = args[0] if args else kwargs.get("input_ids")
-    if (len(args) > 1 or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2
-            or kwargs.get("position_ids") is not None or kwargs.get("past_key_values") is not None):
+    if (
+        len(args) > 1
+        or not isinstance(input_ids, torch.Tensor)
+        or input_ids.dim() != 2
+        or kwargs.get("position_ids") is not None
+        or kwargs.get("past_key_values") is not None
+    ):
         return None
     b, t = input_ids.shape
     # contiguous: some engines .view() the lookup ids; a new dict: callers' kwargs stay untouched

@@ -20,11 +20,12 @@ __all__ = ["DPGRU", "DPLSTM"]
 
 def _from_torch(cls, rnn: nn.RNNBase):
     """A dpzoo cell with ``rnn``'s weights (one layer, unidirectional, batch_first, biases)."""
-    if (rnn.num_layers != 1 or rnn.bidirectional or not rnn.batch_first or not rnn.bias
-            or getattr(rnn, "proj_size", 0)):
-        raise InvalidArgumentError(f"{cls.__name__}.from_torch copies one layer, unidirectional, batch_first, with "
-                                   f"biases, not {rnn!r}; build it with num_layers=1, bidirectional=False, "
-                                   "batch_first=True, bias=True and no proj_size.")
+    if rnn.num_layers != 1 or rnn.bidirectional or not rnn.batch_first or not rnn.bias or getattr(rnn, "proj_size", 0):
+        raise InvalidArgumentError(
+            f"{cls.__name__}.from_torch copies one layer, unidirectional, batch_first, with "
+            f"biases, not {rnn!r}; build it with num_layers=1, bidirectional=False, "
+            "batch_first=True, bias=True and no proj_size."
+        )
     m = cls(rnn.input_size, rnn.hidden_size)
     with torch.no_grad():
         m.ih.weight.copy_(rnn.weight_ih_l0)

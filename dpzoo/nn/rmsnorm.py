@@ -20,11 +20,22 @@ class RMSNorm(nn.Module):
     * ``"torch"``: ``torch.nn.RMSNorm`` (``F.rms_norm``), plus ``b``.
     """
 
-    def __init__(self, hidden_size: int, eps: float | None = 1e-6, *, bias: bool = True,
-                 elementwise_affine: bool = True, style: str = "llama", device=None, dtype=None):
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float | None = 1e-6,
+        *,
+        bias: bool = True,
+        elementwise_affine: bool = True,
+        style: str = "llama",
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         if style not in ("llama", "torch"):
-            raise InvalidArgumentError(f"RMSNorm style={style!r} is not supported; pass style='llama' or style='torch'.")
+            raise InvalidArgumentError(
+                f"RMSNorm style={style!r} is not supported; pass style='llama' or style='torch'."
+            )
         factory = {"device": device, "dtype": dtype}
         self.hidden_size, self.eps, self.style = int(hidden_size), eps, style
         self.weight = nn.Parameter(torch.ones(hidden_size, **factory)) if elementwise_affine else None
@@ -50,5 +61,4 @@ class RMSNorm(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return (f"{self.hidden_size}, eps={self.eps}, style={self.style}, "
-                f"bias={self.bias is not None}")
+        return f"{self.hidden_size}, eps={self.eps}, style={self.style}, bias={self.bias is not None}"

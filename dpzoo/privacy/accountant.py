@@ -38,8 +38,14 @@ from typing import Callable, Iterable
 
 from ..errors import AccountingError
 
-__all__ = ["Accountant", "ACCOUNTANTS", "AccountantSpec", "register_accountant", "accountant_spec",
-           "get_noise_multiplier"]
+__all__ = [
+    "Accountant",
+    "ACCOUNTANTS",
+    "AccountantSpec",
+    "register_accountant",
+    "accountant_spec",
+    "get_noise_multiplier",
+]
 
 _MULTI = "use accountant='pld' or 'rdp' (dp-accounting) or 'prv' (Opacus), which compose every entry"
 
@@ -99,9 +105,18 @@ class _Names(Sequence):
 ACCOUNTANTS = _Names(_REGISTRY)  # names of every registered accountant (a view: registrations show up)
 
 
-def register_accountant(name: str, epsilon_fn: Callable[[list, float], float], *, composes_history: bool = True,
-                        requires: str | None = None, upper_bound: bool = True, install: str | None = None,
-                        description: str = "", caveat: str = "", replace: bool = False) -> AccountantSpec:
+def register_accountant(
+    name: str,
+    epsilon_fn: Callable[[list, float], float],
+    *,
+    composes_history: bool = True,
+    requires: str | None = None,
+    upper_bound: bool = True,
+    install: str | None = None,
+    description: str = "",
+    caveat: str = "",
+    replace: bool = False,
+) -> AccountantSpec:
     """Register an accountant under ``name`` (as Opacus registers its accountants).
 
     ``epsilon_fn(history, delta) -> ε`` computes ε at δ for a (σ, q, steps) history, each entry
@@ -112,14 +127,25 @@ def register_accountant(name: str, epsilon_fn: Callable[[list, float], float], *
     is refused unless ``replace=True``. Returns the :class:`AccountantSpec`.
     """
     if not isinstance(name, str) or not name or name != name.strip():
-        raise AccountingError(f"an accountant name must be a non-empty string without surrounding blanks, got {name!r}.")
+        raise AccountingError(
+            f"an accountant name must be a non-empty string without surrounding blanks, got {name!r}."
+        )
     if not callable(epsilon_fn):
-        raise AccountingError(f"epsilon_fn for accountant {name!r} must be callable (history, delta) -> ε, "
-                              f"got {epsilon_fn!r}.")
+        raise AccountingError(
+            f"epsilon_fn for accountant {name!r} must be callable (history, delta) -> ε, got {epsilon_fn!r}."
+        )
     if name in _REGISTRY and not replace:
         raise AccountingError(f"an accountant named {name!r} is already registered (pass replace=True to replace it).")
-    spec = AccountantSpec(name, epsilon_fn, composes_history=bool(composes_history), upper_bound=bool(upper_bound),
-                          requires=requires, install=install, description=description, caveat=caveat)
+    spec = AccountantSpec(
+        name,
+        epsilon_fn,
+        composes_history=bool(composes_history),
+        upper_bound=bool(upper_bound),
+        requires=requires,
+        install=install,
+        description=description,
+        caveat=caveat,
+    )
     _REGISTRY[name] = spec
     return spec
 
@@ -131,8 +157,10 @@ def accountant_spec(name) -> AccountantSpec:
 
 def _check_name(name) -> str:
     if not isinstance(name, str) or name not in _REGISTRY:
-        raise AccountingError(f"accountant={name!r} is unknown: choose one of {', '.join(map(repr, ACCOUNTANTS))} "
-                              "(or register one with dpzoo.register_accountant).")
+        raise AccountingError(
+            f"accountant={name!r} is unknown: choose one of {', '.join(map(repr, ACCOUNTANTS))} "
+            "(or register one with dpzoo.register_accountant)."
+        )
     return name
 
 
@@ -196,8 +224,9 @@ def _check_single(name: str, history: list) -> None:
     distinct = list(dict.fromkeys((h[0], h[1]) for h in _spent(history)))
     if len(distinct) > 1:
         shown = ", ".join(f"(σ={s:.4g}, q={q:.4g})" for s, q in distinct[:4]) + (", …" if len(distinct) > 4 else "")
-        raise AccountingError(f"{_label(name)} only counts the last (σ, q) of a "
-                              f"history and would under-report ε for {shown}: {_MULTI}.")
+        raise AccountingError(
+            f"{_label(name)} only counts the last (σ, q) of a history and would under-report ε for {shown}: {_MULTI}."
+        )
 
 
 class Accountant:
@@ -209,8 +238,10 @@ class Accountant:
             try:
                 importlib.import_module(spec.requires)
             except ImportError:
-                raise ImportError(f"The {name!r} accountant comes from {spec.install or spec.requires}, "
-                                  "or use accountant='pld' / 'rdp' (dp-accounting).") from None
+                raise ImportError(
+                    f"The {name!r} accountant comes from {spec.install or spec.requires}, "
+                    "or use accountant='pld' / 'rdp' (dp-accounting)."
+                ) from None
         self.name = name
         self.history: list[list] = [_row(h) for h in history]
         _check_single(name, self.history)
@@ -251,8 +282,10 @@ class Accountant:
             return math.inf
         eps = _epsilon(self.name, history, delta)
         if math.isnan(eps) or eps < 0:
-            raise AccountingError(f"the {self.name!r} accountant returned ε = {eps} for the history {history} at "
-                                  f"δ = {delta}: use another accountant ('pld' or 'rdp').")
+            raise AccountingError(
+                f"the {self.name!r} accountant returned ε = {eps} for the history {history} at "
+                f"δ = {delta}: use another accountant ('pld' or 'rdp')."
+            )
         return eps
 
     def state_dict(self) -> dict:
@@ -260,8 +293,10 @@ class Accountant:
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("name") != self.name:
-            raise AccountingError(f"checkpoint accountant {state.get('name')!r} != this engine's {self.name!r}: "
-                                  f"create the engine with accountant={state.get('name')!r}.")
+            raise AccountingError(
+                f"checkpoint accountant {state.get('name')!r} != this engine's {self.name!r}: "
+                f"create the engine with accountant={state.get('name')!r}."
+            )
         history = [_row(h) for h in state["history"]]
         _check_single(self.name, history)
         self.history = history
@@ -269,6 +304,7 @@ class Accountant:
 
 def _epsilon(name: str, history: list, delta: float) -> float:
     import logging
+
     absl = logging.getLogger("absl")
     level = absl.level
     # dp-accounting logs every fractional RDP order it cannot evaluate and then leaves it
@@ -290,9 +326,11 @@ def _library_epsilon(name: str, history: list, delta: float) -> float:
 
 # -- built-in accountants: registered like any other ---------------------------------------------
 
+
 def _dp_accounting_epsilon(kind: str) -> Callable[[list, float], float]:
     def epsilon(history: list, delta: float) -> float:
         from dp_accounting import dp_event
+
         if kind == "pld":
             from dp_accounting.pld.pld_privacy_accountant import PLDAccountant as Impl
         else:
@@ -304,6 +342,7 @@ def _dp_accounting_epsilon(kind: str) -> Callable[[list, float], float]:
                 event = dp_event.PoissonSampledDpEvent(q, event)
             acc.compose(event, steps)
         return float(acc.get_epsilon(delta))
+
     epsilon.__qualname__ = f"dp_accounting_{kind}_epsilon"
     return epsilon
 
@@ -311,9 +350,11 @@ def _dp_accounting_epsilon(kind: str) -> Callable[[list, float], float]:
 def _opacus_epsilon(kind: str) -> Callable[[list, float], float]:
     def epsilon(history: list, delta: float) -> float:
         from opacus.accountants import create_accountant
+
         acc = create_accountant(kind)
         acc.history = [tuple(h) for h in history]
         return float(acc.get_epsilon(delta))
+
     epsilon.__qualname__ = f"opacus_{kind}_epsilon"
     return epsilon
 
@@ -321,18 +362,42 @@ def _opacus_epsilon(kind: str) -> Callable[[list, float], float]:
 _OPACUS_INSTALL = "Opacus: pip install 'dpzoo[opacus]'"
 register_accountant("pld", _dp_accounting_epsilon("pld"), description="dp-accounting's PLDAccountant")
 register_accountant("rdp", _dp_accounting_epsilon("rdp"), description="dp-accounting's RdpAccountant")
-register_accountant("prv", _opacus_epsilon("prv"), requires="opacus.accountants", install=_OPACUS_INSTALL,
-                    description="Opacus' PRVAccountant")
-register_accountant("gdp", _opacus_epsilon("gdp"), composes_history=False, upper_bound=False,
-                    requires="opacus.accountants", install=_OPACUS_INSTALL, description="Opacus' GaussianAccountant",
-                    caveat="Opacus' Gaussian-DP accountant is a central-limit approximation, not an upper bound "
-                           "(σ = 1, q = 0.1, 5 steps, δ = 1e-5: it reports ε = 1.10 where PLD's bound is 2.35)")
-register_accountant("opacus-rdp", _opacus_epsilon("rdp"), requires="opacus.accountants", install=_OPACUS_INSTALL,
-                    description="Opacus' RDPAccountant")
+register_accountant(
+    "prv",
+    _opacus_epsilon("prv"),
+    requires="opacus.accountants",
+    install=_OPACUS_INSTALL,
+    description="Opacus' PRVAccountant",
+)
+register_accountant(
+    "gdp",
+    _opacus_epsilon("gdp"),
+    composes_history=False,
+    upper_bound=False,
+    requires="opacus.accountants",
+    install=_OPACUS_INSTALL,
+    description="Opacus' GaussianAccountant",
+    caveat="Opacus' Gaussian-DP accountant is a central-limit approximation, not an upper bound "
+    "(σ = 1, q = 0.1, 5 steps, δ = 1e-5: it reports ε = 1.10 where PLD's bound is 2.35)",
+)
+register_accountant(
+    "opacus-rdp",
+    _opacus_epsilon("rdp"),
+    requires="opacus.accountants",
+    install=_OPACUS_INSTALL,
+    description="Opacus' RDPAccountant",
+)
 
 
-def get_noise_multiplier(target_epsilon: float, target_delta: float, sample_rate: float, steps: int,
-                         accountant: str = "rdp", tolerance: float = 0.01, history: Iterable = ()) -> float:
+def get_noise_multiplier(
+    target_epsilon: float,
+    target_delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: str = "rdp",
+    tolerance: float = 0.01,
+    history: Iterable = (),
+) -> float:
     """The smallest σ (to ``tolerance`` in ε) whose ε after ``steps`` steps is ≤ ``target_epsilon``.
 
     A bracket on σ, then a safeguarded regula falsi, with every ε computed by the chosen library
@@ -358,12 +423,16 @@ def get_noise_multiplier(target_epsilon: float, target_delta: float, sample_rate
     history = base.history
     if _spent(history):
         if not _composes(accountant):
-            raise AccountingError(f"{_label(accountant)} cannot calibrate σ after a spent "
-                                  f"history (it only counts the last (σ, q)): {_MULTI}.")
+            raise AccountingError(
+                f"{_label(accountant)} cannot calibrate σ after a spent "
+                f"history (it only counts the last (σ, q)): {_MULTI}."
+            )
         spent = base.get_epsilon(target_delta)
         if spent >= eps_target:
-            raise AccountingError(f"the history already spends ε = {spent:.3g} >= target_epsilon = {eps_target} "
-                                  f"at δ = {target_delta}: nothing is left for {steps} more steps.")
+            raise AccountingError(
+                f"the history already spends ε = {spent:.3g} >= target_epsilon = {eps_target} "
+                f"at δ = {target_delta}: nothing is left for {steps} more steps."
+            )
 
     cache: dict[float, float] = {0.0: math.inf}
 
@@ -392,9 +461,11 @@ def get_noise_multiplier(target_epsilon: float, target_delta: float, sample_rate
     while eps(hi) > eps_target:
         lo, hi = hi, hi * 2
         if hi > 1e4:
-            raise AccountingError(f"target_epsilon={eps_target} is out of reach for accountant={accountant!r} "
-                                  "(σ > 1e4 needed): raise target_epsilon or target_delta, take fewer steps, or use "
-                                  "accountant='pld' (tightest; Opacus' RDP orders stop at 63).")
+            raise AccountingError(
+                f"target_epsilon={eps_target} is out of reach for accountant={accountant!r} "
+                "(σ > 1e4 needed): raise target_epsilon or target_delta, take fewer steps, or use "
+                "accountant='pld' (tightest; Opacus' RDP orders stop at 63)."
+            )
     # Safeguarded regula falsi on log ε(log σ) (about linear), aiming at target - tol/2, with a
     # bisection step whenever an interpolation did not halve the bracket.
     # Invariant: eps(hi) <= target < eps(lo); only a σ whose ε was checked is returned.

@@ -55,8 +55,14 @@ class PoissonBatchSampler(Sampler[list[int]]):
     ``generator``: reproducible membership (not secret); default: fresh OS entropy each epoch.
     """
 
-    def __init__(self, num_samples: int, sample_rate: float, steps: int | None = None,
-                 generator: torch.Generator | None = None, indices: Sequence[int] | None = None):
+    def __init__(
+        self,
+        num_samples: int,
+        sample_rate: float,
+        steps: int | None = None,
+        generator: torch.Generator | None = None,
+        indices: Sequence[int] | None = None,
+    ):
         if num_samples < 1 or not 0 < sample_rate <= 1:
             raise ValueError(f"need num_samples >= 1 and 0 < sample_rate <= 1, got {num_samples}, {sample_rate}")
         self.num_samples, self.sample_rate = num_samples, sample_rate
@@ -97,10 +103,20 @@ class DPDataLoader:
     logical step is complete. ``len()`` is the number of logical steps per epoch.
     """
 
-    def __init__(self, dataset: Dataset, sample_rate: float, *, collate_fn=None, num_workers: int = 0,
-                 max_physical_batch_size: int | None = None, steps: int | None = None,
-                 generator: torch.Generator | None = None, signal: StepSignal | None = None,
-                 indices: Sequence[int] | None = None, **loader_kwargs):
+    def __init__(
+        self,
+        dataset: Dataset,
+        sample_rate: float,
+        *,
+        collate_fn=None,
+        num_workers: int = 0,
+        max_physical_batch_size: int | None = None,
+        steps: int | None = None,
+        generator: torch.Generator | None = None,
+        signal: StepSignal | None = None,
+        indices: Sequence[int] | None = None,
+        **loader_kwargs,
+    ):
         self.dataset = dataset
         self.sample_rate = sample_rate
         self.batch_sampler = PoissonBatchSampler(len(dataset), sample_rate, steps, generator, indices)
@@ -108,8 +124,13 @@ class DPDataLoader:
         self.max_physical_batch_size = max_physical_batch_size
         self.signal = signal or StepSignal()
         self._sizes: collections.deque = collections.deque()  # indices drawn per batch, in order
-        self._loader = DataLoader(dataset, batch_sampler=_Counting(self.batch_sampler, self._sizes),
-                                  collate_fn=self._collate, num_workers=num_workers, **loader_kwargs)
+        self._loader = DataLoader(
+            dataset,
+            batch_sampler=_Counting(self.batch_sampler, self._sizes),
+            collate_fn=self._collate,
+            num_workers=num_workers,
+            **loader_kwargs,
+        )
 
     @property
     def expected_batch_size(self) -> float:
@@ -148,7 +169,8 @@ class DPDataLoader:
                 raise PrivacyUsageError(
                     f"The collated batch has {_batch_len(batch)} rows in dimension 0 for {size} sampled samples: "
                     "max_physical_batch_size splits dimension 0, so the collate must put the batch there "
-                    "(e.g. pad_sequence(..., batch_first=True)).")
+                    "(e.g. pad_sequence(..., batch_first=True))."
+                )
             starts = list(range(0, size, chunk))
             for i, s in enumerate(starts):
                 sig.last_physical = i == len(starts) - 1

@@ -113,8 +113,7 @@ def sample_mixing_modules(model: nn.Module) -> list[str]:
 def _to_bytes(obj, out: list) -> None:
     if isinstance(obj, torch.Tensor):
         out.append(str((obj.dtype, tuple(obj.shape))).encode())
-        out.append(obj.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-                   if obj.numel() else b"")
+        out.append(obj.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes() if obj.numel() else b"")
     elif isinstance(obj, dict):
         for k in sorted(obj, key=str):
             out.append(str(k).encode())
@@ -145,6 +144,7 @@ def _checksums(module: nn.Module) -> dict[str, tuple[float, float]]:
 
 def eval_settings(text: str) -> list:
     import ast
+
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
@@ -163,7 +163,8 @@ class PrivacyEngine:
             raise PrivacyUsageError(
                 f"accountant={spec.name!r} is refused for training: "
                 + (spec.caveat or "its ε is not an upper bound (it may under-report)")
-                + ". Use 'pld' (tight), 'prv' or 'rdp'.")
+                + ". Use 'pld' (tight), 'prv' or 'rdp'."
+            )
         self.hooks = None
         self.optimizer: DPOptimizer | None = None
         self.module: nn.Module | None = None
@@ -173,13 +174,28 @@ class PrivacyEngine:
         self._handles: list = []
 
     # -- set-up ------------------------------------------------------------------------------
-    def make_private(self, *, module: nn.Module, optimizer: torch.optim.Optimizer, data_loader: DataLoader,
-                     noise_multiplier: float | None = None, target_epsilon: float | None = None,
-                     target_delta: float | None = None, epochs: int | None = None, max_grad_norm: float = 1.0,
-                     clipping: str = "abadi", mode: str = "auto", loss_reduction: str = "mean",
-                     poisson_sampling: bool = True, max_physical_batch_size: int | None = None,
-                     train_head: Iterable[str] | str | None = "auto", noise_seed: int | None = None,
-                     sample_seed: int | None = None, self_check: bool = True, self_check_samples: int = 3):
+    def make_private(
+        self,
+        *,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data_loader: DataLoader,
+        noise_multiplier: float | None = None,
+        target_epsilon: float | None = None,
+        target_delta: float | None = None,
+        epochs: int | None = None,
+        max_grad_norm: float = 1.0,
+        clipping: str = "abadi",
+        mode: str = "auto",
+        loss_reduction: str = "mean",
+        poisson_sampling: bool = True,
+        max_physical_batch_size: int | None = None,
+        train_head: Iterable[str] | str | None = "auto",
+        noise_seed: int | None = None,
+        sample_seed: int | None = None,
+        self_check: bool = True,
+        self_check_samples: int = 3,
+    ):
         """Make ``module``, ``optimizer`` and ``data_loader`` private. Returns all three, wrapped.
 
         Either ``noise_multiplier`` or ``target_epsilon`` (with ``target_delta`` and
@@ -202,7 +218,8 @@ class PrivacyEngine:
             raise PrivacyUsageError(
                 "Pass the model unwrapped, not in DistributedDataParallel: dpzoo sums the clipped gradients across "
                 "ranks itself (DDP would all-reduce non-private gradients). Initialise torch.distributed and call "
-                "make_private on each rank.")
+                "make_private on each rank."
+            )
         if not isinstance(module, nn.Module):
             raise PrivacyUsageError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
         if isinstance(optimizer, DPOptimizer):
@@ -228,10 +245,17 @@ class PrivacyEngine:
             raise PrivacyUsageError(f"target_delta must be in (0, 1), got {target_delta!r}: use δ < 1/N, e.g. 1e-5.")
         _number("max_grad_norm", max_grad_norm, positive=True, fix="pass the clipping bound R, e.g. 1.0")
         if max_physical_batch_size is not None and not isinstance(max_physical_batch_size, numbers.Integral):
-            raise PrivacyUsageError(f"max_physical_batch_size must be a positive integer, got {max_physical_batch_size!r}.")
+            raise PrivacyUsageError(
+                f"max_physical_batch_size must be a positive integer, got {max_physical_batch_size!r}."
+            )
         if max_physical_batch_size is not None:
-            _number("max_physical_batch_size", max_physical_batch_size, positive=True, integer=True,
-                    fix="pass the largest micro-batch that fits in memory, or None for no splitting")
+            _number(
+                "max_physical_batch_size",
+                max_physical_batch_size,
+                positive=True,
+                integer=True,
+                fix="pass the largest micro-batch that fits in memory, or None for no splitting",
+            )
         _number("self_check_samples", self_check_samples, positive=True, integer=True)
         for name, seed in (("noise_seed", noise_seed), ("sample_seed", sample_seed)):
             if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)):
@@ -240,29 +264,34 @@ class PrivacyEngine:
             raise PrivacyUsageError(
                 "poisson_sampling=False is refused: dpzoo accounts DP-SGD as Poisson-subsampled, and the ε of fixed or "
                 "shuffled batches is not that (nor simply bounded under add/remove adjacency). Keep "
-                "poisson_sampling=True; use max_physical_batch_size to bound memory.")
+                "poisson_sampling=True; use max_physical_batch_size to bound memory."
+            )
         if not isinstance(data_loader, DataLoader) and not hasattr(data_loader, "dataset"):
             raise PrivacyUsageError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}.")
         batch_size = getattr(data_loader, "batch_size", None)
         if batch_size is None:
-            raise PrivacyUsageError("The data loader needs a fixed batch_size (no batch_sampler): it sets the "
-                                    "expected Poisson batch size.")
+            raise PrivacyUsageError(
+                "The data loader needs a fixed batch_size (no batch_sampler): it sets the expected Poisson batch size."
+            )
         lazy = [n for n, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
         if lazy:
             raise PrivacyUsageError(
                 f"Parameter(s) {', '.join(lazy[:6])} are not initialised yet (lazy modules): run one forward pass on "
-                "a dummy (non-private) batch before make_private, so dpzoo can plan their per-sample gradients.")
+                "a dummy (non-private) batch before make_private, so dpzoo can plan their per-sample gradients."
+            )
         renorm = [n or "<root>" for n, m in module.named_modules() if isinstance(m, nn.Embedding) and m.max_norm]
         if renorm:
             raise PrivacyUsageError(
                 f"Embedding(s) {', '.join(renorm[:6])} have max_norm: forward renormalises the rows the batch looks "
-                "up, in place, which releases which ids the private batch holds. Set max_norm=None.")
+                "up, in place, which releases which ids the private batch holds. Set max_norm=None."
+            )
         mixing = sample_mixing_modules(module)
         if mixing:
             raise PrivacyUsageError(
                 f"Module(s) {', '.join(mixing[:6])} mix samples in train mode (batch statistics) and update running "
                 "statistics from private data without noise. Convert them with dpzoo.make_dp_ready(model) "
-                "(BatchNorm -> GroupNorm), or put them in eval mode and freeze them.")
+                "(BatchNorm -> GroupNorm), or put them in eval mode and freeze them."
+            )
         dataset = data_loader.dataset
         n = len(dataset)
         if n < 1:
@@ -271,46 +300,76 @@ class PrivacyEngine:
         indices = None
         if world > 1:
             indices = self._shard(data_loader, n, world, rank)
-            self._same_on_every_rank(world, batch_size=batch_size, noise_multiplier=noise_multiplier,
-                                     target_epsilon=target_epsilon, target_delta=target_delta, epochs=epochs,
-                                     max_grad_norm=max_grad_norm, clipping=clipping, mode=mode,
-                                     loss_reduction=loss_reduction, accountant=self.accountant.name,
-                                     history=self.accountant.history, max_physical_batch_size=max_physical_batch_size,
-                                     self_check=self_check)
+            self._same_on_every_rank(
+                world,
+                batch_size=batch_size,
+                noise_multiplier=noise_multiplier,
+                target_epsilon=target_epsilon,
+                target_delta=target_delta,
+                epochs=epochs,
+                max_grad_norm=max_grad_norm,
+                clipping=clipping,
+                mode=mode,
+                loss_reduction=loss_reduction,
+                accountant=self.accountant.name,
+                history=self.accountant.history,
+                max_physical_batch_size=max_physical_batch_size,
+                self_check=self_check,
+            )
         prior = self._prior_spending(module)
         sample_rate = batch_size * world / n
         if sample_rate > 1:
             raise PrivacyUsageError(
                 f"batch_size {batch_size}{f' x {world} ranks' if world > 1 else ''} exceeds the dataset's "
                 f"{n} samples (sample rate q = {sample_rate:.3g} > 1): use a batch_size of at most "
-                f"{n // world}.")
+                f"{n // world}."
+            )
         signal = StepSignal()
         gen = torch.Generator().manual_seed(sample_seed + rank) if sample_seed is not None else None
-        loader = DPDataLoader(dataset, sample_rate, collate_fn=data_loader.collate_fn,
-                              num_workers=data_loader.num_workers, max_physical_batch_size=max_physical_batch_size,
-                              generator=gen, signal=signal, indices=indices)
+        loader = DPDataLoader(
+            dataset,
+            sample_rate,
+            collate_fn=data_loader.collate_fn,
+            num_workers=data_loader.num_workers,
+            max_physical_batch_size=max_physical_batch_size,
+            generator=gen,
+            signal=signal,
+            indices=indices,
+        )
         steps_per_epoch = len(loader)
         if prior:  # the model already spent privacy on its data (dpzoo.load, an earlier engine): compose after it
             self.accountant.load_state_dict({"name": self.accountant.name, "history": prior + self.accountant.history})
         if target_epsilon is not None:
             try:
-                noise_multiplier = get_noise_multiplier(target_epsilon, target_delta, sample_rate,
-                                                        int(epochs) * steps_per_epoch, self.accountant.name,
-                                                        history=self.accountant.history)
+                noise_multiplier = get_noise_multiplier(
+                    target_epsilon,
+                    target_delta,
+                    sample_rate,
+                    int(epochs) * steps_per_epoch,
+                    self.accountant.name,
+                    history=self.accountant.history,
+                )
             except ValueError as e:
                 if isinstance(e, DPZooError):
                     raise
                 raise PrivacyUsageError(f"Cannot calibrate the noise: {e}") from None
         self.accountant.check(float(noise_multiplier), sample_rate)  # e.g. a history this accountant cannot compose
         self.prior_spending = prior
-        trainable = (_bitfit_trainable(module, _default_head(module) if train_head == "auto" else train_head)
-                     if mode == "bitfit" else {id(p) for p in module.parameters() if p.requires_grad})
+        trainable = (
+            _bitfit_trainable(module, _default_head(module) if train_head == "auto" else train_head)
+            if mode == "bitfit"
+            else {id(p) for p in module.parameters() if p.requires_grad}
+        )
         self._check_optimizer(module, optimizer, trainable)
         for name, seed in (("noise_seed", noise_seed), ("sample_seed", sample_seed)):
             if seed is not None:
-                warnings.warn(f"{name}={seed}: {'noise' if name == 'noise_seed' else 'Poisson membership'} is "
-                              "reproducible, so it is not secret: the guarantee does not hold against anyone who "
-                              "holds the seed. Leave it None outside tests.", ReproducibleNoiseWarning, stacklevel=2)
+                warnings.warn(
+                    f"{name}={seed}: {'noise' if name == 'noise_seed' else 'Poisson membership'} is "
+                    "reproducible, so it is not secret: the guarantee does not hold against anyone who "
+                    "holds the seed. Leave it None outside tests.",
+                    ReproducibleNoiseWarning,
+                    stacklevel=2,
+                )
         self.target_delta = target_delta
         self.sample_rate, self.noise_multiplier = sample_rate, float(noise_multiplier)
         self.max_grad_norm, self.clipping, self.loss_reduction = float(max_grad_norm), clipping, loss_reduction
@@ -322,10 +381,19 @@ class PrivacyEngine:
         try:
             self._notify_noise()
             self._set_mode(mode, train_head)
-            self.optimizer = DPOptimizer(optimizer, hooks=self.hooks, noise_multiplier=noise_multiplier,
-                                         max_grad_norm=max_grad_norm, clipping=clipping, loss_reduction=loss_reduction,
-                                         expected_batch_size=self.expected_batch_size, sample_rate=sample_rate,
-                                         accountant=self.accountant, signal=signal, noise_seed=noise_seed)
+            self.optimizer = DPOptimizer(
+                optimizer,
+                hooks=self.hooks,
+                noise_multiplier=noise_multiplier,
+                max_grad_norm=max_grad_norm,
+                clipping=clipping,
+                loss_reduction=loss_reduction,
+                expected_batch_size=self.expected_batch_size,
+                sample_rate=sample_rate,
+                accountant=self.accountant,
+                signal=signal,
+                noise_seed=noise_seed,
+            )
         except BaseException:
             if self.hooks is not None:
                 self.hooks.detach()
@@ -344,8 +412,10 @@ class PrivacyEngine:
             self.optimizer.on_first_step = self._run_self_check
             self.optimizer.capture_inputs = lambda: self._check_inputs
         signal.on_empty = self._noise_only_step
-        self._handles = [module.register_forward_pre_hook(self._on_forward, with_kwargs=True, prepend=True),
-                         module.register_forward_hook(self._after_forward)]
+        self._handles = [
+            module.register_forward_pre_hook(self._on_forward, with_kwargs=True, prepend=True),
+            module.register_forward_hook(self._after_forward),
+        ]
         module._dpzoo_engine = weakref.ref(self)
         return module, self.optimizer, loader
 
@@ -358,14 +428,16 @@ class PrivacyEngine:
         if isinstance(sampler, DistributedSampler) and (sampler.num_replicas != world or sampler.rank != rank):
             raise PrivacyUsageError(
                 f"The DistributedSampler is for rank {sampler.rank} of {sampler.num_replicas} but this process is "
-                f"rank {rank} of {world}: build it from the initialised process group (or pass none).")
+                f"rank {rank} of {world}: build it from the initialised process group (or pass none)."
+            )
         fingerprints: list = [None] * world
         torch.distributed.all_gather_object(fingerprints, dataset_fingerprint(data_loader.dataset))
         if len(set(fingerprints)) > 1:
             raise PrivacyUsageError(
                 "The ranks passed different datasets to make_private. Pass the same full dataset on every rank "
                 "(with or without a DistributedSampler): dpzoo gives each rank a disjoint shard and Poisson-samples "
-                "it, so each sample is counted once. Pre-sharded or overlapping datasets cannot be accounted.")
+                "it, so each sample is counted once. Pre-sharded or overlapping datasets cannot be accounted."
+            )
         return range(rank, n, world)
 
     def _check_optimizer(self, module: nn.Module, optimizer: torch.optim.Optimizer, trainable: set[int]) -> None:
@@ -379,13 +451,15 @@ class PrivacyEngine:
             raise PrivacyUsageError(
                 f"The optimizer holds {len(outside)} trainable parameter(s) that are not in the model (shapes "
                 f"{shapes}): they would be updated with raw, unclipped gradients. Give the optimizer only "
-                "model.parameters(); put every trained module (e.g. a head) inside the model passed to make_private.")
+                "model.parameters(); put every trained module (e.g. a head) inside the model passed to make_private."
+            )
         missing = sorted({names[pid] for pid in trainable if pid not in in_opt})
         if missing:
             raise PrivacyUsageError(
                 f"Trainable parameter(s) {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} of the model are "
                 "not in the optimizer: they would be clipped and noised but never trained. Pass model.parameters() "
-                "to the optimizer, or freeze them (requires_grad_(False)) before make_private.")
+                "to the optimizer, or freeze them (requires_grad_(False)) before make_private."
+            )
 
     def _check_step_parameters(self) -> None:
         """At each step: the optimizer still trains exactly the hooked parameters."""
@@ -397,12 +471,14 @@ class PrivacyEngine:
             label = ", ".join(names.get(id(p), f"<not in the model, shape {tuple(p.shape)}>") for p in extra[:6])
             raise PrivacyUsageError(
                 f"The optimizer now trains parameter(s) dpzoo does not clip: {label}. They would be updated with raw "
-                "gradients. Add parameters to the model before make_private (a new engine), not to the optimizer.")
+                "gradients. Add parameters to the model before make_private (a new engine), not to the optimizer."
+            )
         missing = [n for n, p in self.hooks.trainable_parameters.items() if p.requires_grad and id(p) not in in_opt]
         if missing:
             raise PrivacyUsageError(
                 f"Trainable parameter(s) {', '.join(missing[:8])} were removed from the optimizer after make_private: "
-                "freeze them (requires_grad_(False)) instead.")
+                "freeze them (requires_grad_(False)) instead."
+            )
 
     def _trainable_changed(self) -> bool:
         hooked = self.hooks.trainable_parameters
@@ -412,7 +488,8 @@ class PrivacyEngine:
             raise PrivacyUsageError(
                 f"Parameter(s) {', '.join(swapped[:6])} are not in the model during this forward: they were swapped "
                 "(torch.func.functional_call, stateless calls) or removed. dpzoo clips the model's own parameters: "
-                "call the model itself.")
+                "call the model itself."
+            )
         if any(not p.requires_grad for p in hooked.values()):
             return True
         ids = {id(p) for p in hooked.values()}
@@ -452,15 +529,19 @@ class PrivacyEngine:
         if before is None:
             return
         now = dict(self.module.named_buffers())
-        changed = [n for n, b in before.items() if n not in now or now[n].shape != b.shape
-                   or not torch.equal(now[n].detach(), b)]
+        changed = [
+            n
+            for n, b in before.items()
+            if n not in now or now[n].shape != b.shape or not torch.equal(now[n].detach(), b)
+        ]
         changed += [n for n in now if n not in before]
         if changed:
             self._buffers_at_step = None
             raise PrivacyUsageError(
                 f"Buffer(s) {', '.join(changed[:6])} changed during {when}: values computed from private data would be "
                 "released without noise (and may mix samples). Stop what updates them (a running statistic, an EMA, "
-                "a hook) or replace it (dpzoo.make_dp_ready converts BatchNorm).")
+                "a hook) or replace it (dpzoo.make_dp_ready converts BatchNorm)."
+            )
 
     def _check_state(self) -> None:
         """At each step, before noise: buffers unchanged since the step's first forward (backward
@@ -476,7 +557,8 @@ class PrivacyEngine:
                     f"Parameter(s) {', '.join(moved[:6])} changed between the first forward pass and optimizer.step(): "
                     "something wrote batch data into them (a data-dependent initialisation, a renormalisation, a "
                     "write through .data), which would be released without noise. Initialise on public data before "
-                    "make_private.")
+                    "make_private."
+                )
 
     @staticmethod
     def _prior_spending(module: nn.Module) -> list:
@@ -493,7 +575,8 @@ class PrivacyEngine:
             raise PrivacyUsageError(
                 f"This model was trained with DP before (ε = {meta.get('epsilon')}) but its metadata lacks the noise "
                 "multiplier to compose with: pass accountant=Accountant(name, history) with the earlier steps, or "
-                "`del model.dpzoo_privacy` if the new data is disjoint from the data it was trained on.")
+                "`del model.dpzoo_privacy` if the new data is disjoint from the data it was trained on."
+            )
         return [[float(meta["noise_multiplier"]), float(meta["sample_rate"]), int(meta["steps"])]]
 
     @staticmethod
@@ -505,7 +588,8 @@ class PrivacyEngine:
             diff = [k for k, v in settings.items() if repr(v) != repr(first.get(k))] or ["(see the ranks)"]
             raise PrivacyUsageError(
                 f"make_private got different settings on different ranks ({', '.join(diff)}): every rank must use the "
-                "same batch_size, noise, clipping bound, mode and accountant, or the reported ε holds for none.")
+                "same batch_size, noise, clipping bound, mode and accountant, or the reported ε holds for none."
+            )
 
     def _noise_only_step(self) -> None:
         """An empty Poisson batch: the mechanism still releases a (noise-only) update."""
@@ -521,24 +605,31 @@ class PrivacyEngine:
         self._in_check = True
         try:
             with torch.enable_grad():
-                report = self_check(self.module, self.hooks, args, kwargs, cotangents=cotangents,
-                                    samples=self._check_samples)
+                report = self_check(
+                    self.module, self.hooks, args, kwargs, cotangents=cotangents, samples=self._check_samples
+                )
         except DPZooError as e:
             self.self_check_result = f"failed: {e}"
             raise
         finally:
             self._in_check = False
-        self.self_check_result = f"passed on the first step ({len(report.samples)} samples, largest relative " \
-                                 f"difference {max(report.worst.values(), default=0.0):.1e})"
+        self.self_check_result = (
+            f"passed on the first step ({len(report.samples)} samples, largest relative "
+            f"difference {max(report.worst.values(), default=0.0):.1e})"
+        )
 
     def _notify_noise(self) -> None:
         """Tell every :class:`~dpzoo.privacy.protocols.NoiseAware` module (e.g. DPFormer's
         Re-Attention) what the optimizer adds: σ, R and the expected batch size."""
         from .protocols import NoiseAware
+
         for m in self.module.modules():  # idempotent: a module reached twice just sets it twice
             if isinstance(m, NoiseAware) and callable(m.set_dp_noise):  # the protocol checks the name only
-                m.set_dp_noise(noise_multiplier=self.noise_multiplier, max_grad_norm=self.max_grad_norm,
-                               expected_batch_size=self.expected_batch_size)
+                m.set_dp_noise(
+                    noise_multiplier=self.noise_multiplier,
+                    max_grad_norm=self.max_grad_norm,
+                    expected_batch_size=self.expected_batch_size,
+                )
 
     def _set_mode(self, mode: str, train_head) -> None:
         if mode == "bitfit" and train_head != "keep":
@@ -593,27 +684,43 @@ class PrivacyEngine:
             noise = "secret (OS entropy)"
         else:
             noise = "reproducible (not private against anyone holding the seed)"
-        sampling = "Poisson, secret (OS entropy)" if self.sample_seed is None else \
-            "Poisson, reproducible (membership predictable from the seed)"
+        sampling = (
+            "Poisson, secret (OS entropy)"
+            if self.sample_seed is None
+            else "Poisson, reproducible (membership predictable from the seed)"
+        )
         if self.optimizer is not None and self.optimizer.refusal is not None:
             check = self.self_check_result or f"failed: {self.optimizer.refusal}"  # and no step was taken since
         elif not self._self_check:
             check = "skipped by the user (self_check=False)"
         else:
             check = self.self_check_result or "pending (no non-empty step yet)"
-        return {"epsilon": float(eps), "delta": float(delta),
-                "accountant": self.accountant.name, "steps": int(self.steps),
-                "sample_rate": float(self.sample_rate), "noise_multiplier": float(self.noise_multiplier),
-                "max_grad_norm": float(self.max_grad_norm), "privacy_unit": "sample", "noise": noise,
-                "sampling": sampling, "self_check": check}
+        return {
+            "epsilon": float(eps),
+            "delta": float(delta),
+            "accountant": self.accountant.name,
+            "steps": int(self.steps),
+            "sample_rate": float(self.sample_rate),
+            "noise_multiplier": float(self.noise_multiplier),
+            "max_grad_norm": float(self.max_grad_norm),
+            "privacy_unit": "sample",
+            "noise": noise,
+            "sampling": sampling,
+            "self_check": check,
+        }
 
     def state_dict(self) -> dict:
         """Accountant history and optimizer state, for training checkpoints. No noise state
         unless the noise was made reproducible (``noise_seed``): secret noise leaves nothing
         that predicts it."""
-        return {"accountant": self.accountant.state_dict(), "noise_multiplier": self.noise_multiplier,
-                "sample_rate": self.sample_rate, "max_grad_norm": self.max_grad_norm,
-                "mode": self.mode, "optimizer": self.optimizer.state_dict() if self.optimizer else None}
+        return {
+            "accountant": self.accountant.state_dict(),
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": self.sample_rate,
+            "max_grad_norm": self.max_grad_norm,
+            "mode": self.mode,
+            "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.accountant.load_state_dict(state["accountant"])

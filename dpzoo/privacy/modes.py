@@ -23,15 +23,25 @@ class TrainingMode:
     description: str = ""
 
 
-TRAINING_MODES: dict[str, TrainingMode] = {m.name: m for m in (
-    TrainingMode("auto", "auto", description="ghost norm or per-sample instantiation per layer, whichever is "
-                                             "cheaper (2T² < p·d)"),
-    TrainingMode("bk-mixopt", "auto", description="= auto (BK paper's name)"),
-    TrainingMode("bk", "ghost", description="ghost norm on every generalised linear layer (BK paper §2–3)"),
-    TrainingMode("instantiate", "instantiate", description="per-sample gradients everywhere (Opacus-style)"),
-    TrainingMode("bitfit", "auto", bias_only=True,
-                 description="only biases (plus train_head) are trained, activation-free (DP-BiTFiT Alg. 1)"),
-)}
+TRAINING_MODES: dict[str, TrainingMode] = {
+    m.name: m
+    for m in (
+        TrainingMode(
+            "auto",
+            "auto",
+            description="ghost norm or per-sample instantiation per layer, whichever is cheaper (2T² < p·d)",
+        ),
+        TrainingMode("bk-mixopt", "auto", description="= auto (BK paper's name)"),
+        TrainingMode("bk", "ghost", description="ghost norm on every generalised linear layer (BK paper §2–3)"),
+        TrainingMode("instantiate", "instantiate", description="per-sample gradients everywhere (Opacus-style)"),
+        TrainingMode(
+            "bitfit",
+            "auto",
+            bias_only=True,
+            description="only biases (plus train_head) are trained, activation-free (DP-BiTFiT Alg. 1)",
+        ),
+    )
+}
 
 # mode name -> norm-hook algorithm (what the engine hands attach_norm_hooks)
 MODES: dict[str, str] = {name: m.hooks for name, m in TRAINING_MODES.items()}

@@ -65,17 +65,29 @@ def _world() -> tuple[int, int]:
 class DPOptimizer(torch.optim.Optimizer):
     """Wraps a torch optimizer; ``step()`` replaces ``.grad`` by the private gradient first."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, hooks: NormHooks, noise_multiplier: float,
-                 max_grad_norm: float, clipping: str = "abadi", loss_reduction: str = "mean",
-                 expected_batch_size: float, sample_rate: float, accountant: Accountant,
-                 signal: StepSignal | None = None, noise_seed: int | None = None):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        hooks: NormHooks,
+        noise_multiplier: float,
+        max_grad_norm: float,
+        clipping: str = "abadi",
+        loss_reduction: str = "mean",
+        expected_batch_size: float,
+        sample_rate: float,
+        accountant: Accountant,
+        signal: StepSignal | None = None,
+        noise_seed: int | None = None,
+    ):
         if clipping not in CLIPPING:
             raise PrivacyUsageError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
         if loss_reduction not in ("mean", "sum"):
             raise PrivacyUsageError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
         if not max_grad_norm > 0 or not noise_multiplier >= 0:
-            raise PrivacyUsageError(f"need max_grad_norm > 0 and noise_multiplier >= 0, got {max_grad_norm}, "
-                                    f"{noise_multiplier}")
+            raise PrivacyUsageError(
+                f"need max_grad_norm > 0 and noise_multiplier >= 0, got {max_grad_norm}, {noise_multiplier}"
+            )
         # No Optimizer.__init__: param_groups and state are the wrapped optimizer's (properties below).
         self.original_optimizer = optimizer
         self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
@@ -148,8 +160,11 @@ class DPOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """The wrapped optimizer's state and the step count; the noise generators' state only in
         reproducible mode (``noise_seed``): secret noise leaves nothing that predicts it."""
-        out = {"optimizer": self.original_optimizer.state_dict(), "steps": self.steps,
-               "accountant": self.accountant.state_dict()}  # a resume continues the spending
+        out = {
+            "optimizer": self.original_optimizer.state_dict(),
+            "steps": self.steps,
+            "accountant": self.accountant.state_dict(),
+        }  # a resume continues the spending
         if self.noise_seed is not None:
             out["noise_seed"] = self.noise_seed
             out["generators"] = {str(d): g.get_state() for d, g in self._generators.items()}
@@ -162,21 +177,24 @@ class DPOptimizer(torch.optim.Optimizer):
         if "optimizer" not in state:  # a plain torch optimizer's state dict: no privacy record
             raise PrivacyUsageError(
                 "This is not a DPOptimizer state dict (no accountant in it): the steps it took would vanish from ε. "
-                "Save and load optimizer.state_dict() of the DPOptimizer, or engine.state_dict().")
+                "Save and load optimizer.state_dict() of the DPOptimizer, or engine.state_dict()."
+            )
         if state.get("steps", 0) and "accountant" not in state:
             raise PrivacyUsageError(
                 f"This optimizer checkpoint took {state['steps']} private steps but records no accountant history "
                 "(saved by an older dpzoo): ε would restart from 0. Restore the history with "
-                "engine.accountant.load_state_dict(...) from the run's engine.state_dict().")
+                "engine.accountant.load_state_dict(...) from the run's engine.state_dict()."
+            )
         if "accountant" in state:
             saved = [list(h) for h in state["accountant"]["history"]]
             now = [list(h) for h in self.accountant.history]
-            if saved[:len(now)] != now:  # the checkpoint does not start with what is spent here: compose
+            if saved[: len(now)] != now:  # the checkpoint does not start with what is spent here: compose
                 saved = now + saved
             if state["accountant"].get("name") != self.accountant.name:
                 raise PrivacyUsageError(
                     f"The checkpoint was accounted with {state['accountant'].get('name')!r}, this engine uses "
-                    f"{self.accountant.name!r}: make the engine with the checkpoint's accountant.")
+                    f"{self.accountant.name!r}: make the engine with the checkpoint's accountant."
+                )
             self.accountant.load_state_dict({"name": self.accountant.name, "history": saved})
         self.original_optimizer.load_state_dict(state["optimizer"])
         self.steps = state["steps"]
@@ -186,8 +204,10 @@ class DPOptimizer(torch.optim.Optimizer):
                 self._generator(torch.device(dev)).set_state(st)
 
     def __repr__(self) -> str:
-        return (f"DPOptimizer(σ={self.noise_multiplier:.4g}, R={self.max_grad_norm}, clipping={self.clipping}, "
-                f"reduction={self.loss_reduction}, wrapping {type(self.original_optimizer).__name__})")
+        return (
+            f"DPOptimizer(σ={self.noise_multiplier:.4g}, R={self.max_grad_norm}, clipping={self.clipping}, "
+            f"reduction={self.loss_reduction}, wrapping {type(self.original_optimizer).__name__})"
+        )
 
     def attach_step_hook(self, fn: Callable[["DPOptimizer"], None]) -> None:
         """``fn(optimizer)`` after every logical step, the engine's noise-only steps on empty
@@ -249,7 +269,8 @@ class DPOptimizer(torch.optim.Optimizer):
                 "Forward/backward passes of two different logical batches before one optimizer.step(): one noise "
                 "draw would cover two Poisson batches (the accounted mechanism has one). Call optimizer.step() "
                 "after each batch from the loader; for gradient accumulation over physical micro-batches, pass "
-                "max_physical_batch_size to make_private and keep calling step() after each micro-batch.")
+                "max_physical_batch_size to make_private and keep calling step() after each micro-batch."
+            )
         params = self.hooks.trainable_parameters
         if self.hooks.ghost_backward and self.hooks.forward_calls:
             # With ghost differentiation nothing but this optimizer writes .grad: a gradient
@@ -260,7 +281,8 @@ class DPOptimizer(torch.optim.Optimizer):
                         f"Parameter {name} received a gradient outside dpzoo's hooks (is it used in the loss or "
                         "outside the model's forward, e.g. a weight penalty or a tied projection?). Its "
                         "per-sample gradient cannot be clipped; compute every use inside the model, or "
-                        "use the optimizer's weight_decay for penalties.")
+                        "use the optimizer's weight_decay for penalties."
+                    )
         norms = self.hooks.per_sample_norms()
         b = norms.shape[0]
         if b and not torch.isfinite(norms).all():
@@ -268,7 +290,8 @@ class DPOptimizer(torch.optim.Optimizer):
             raise PrivacyUsageError(
                 f"{bad} sample(s) of this batch have a non-finite gradient (NaN or inf in the data, the loss or the "
                 "model): clipping cannot bound them and the update would reveal them. Clean the data, or make the "
-                "loss finite for every sample.")
+                "loss finite for every sample."
+            )
         if b:
             unreached = set(self.hooks.unreached_parameters())
             self._reached.update(n for n in params if n not in unreached)
@@ -295,22 +318,26 @@ class DPOptimizer(torch.optim.Optimizer):
         if sig.logical_index < 0:
             raise PrivacyUsageError(
                 "optimizer.step() before any batch came from the data loader make_private returned: dpzoo accounts "
-                "Poisson-sampled batches from that loader only. Iterate the returned loader, not the original one.")
+                "Poisson-sampled batches from that loader only. Iterate the returned loader, not the original one."
+            )
         if self._last_stepped == sig.logical_index:
             raise PrivacyUsageError(
                 f"A second optimizer.step() on logical batch {sig.logical_index}: each Poisson batch is one step of "
-                "the mechanism. Take the next batch from the loader before stepping again.")
+                "the mechanism. Take the next batch from the loader before stepping again."
+            )
         if self.micro_batches_in_step and self._step_batch != sig.logical_index:
             raise PrivacyUsageError(
                 "optimizer.step() clipped samples of an earlier logical batch than the loader's current one: step "
-                "after each batch, before taking the next from the loader.")
+                "after each batch, before taking the next from the loader."
+            )
         if self.samples_in_step != sig.logical_batch_size:
             raise PrivacyUsageError(
                 f"This step clipped {self.samples_in_step} rows but the loader's logical batch has "
                 f"{sig.logical_batch_size} samples. dpzoo clips dimension 0 of the model's input as the batch: "
                 "pass batch-first inputs (no time-major / sequence-first layout), run every sample of the batch "
                 "through exactly one forward/backward before step() (none twice, none skipped), and iterate the "
-                "loader make_private returned.")
+                "loader make_private returned."
+            )
 
     def add_noise(self) -> None:
         """Write ``p.grad`` = clipped sum (+ N(0, σ²R²) on rank 0), all-reduced across ranks."""
@@ -326,8 +353,9 @@ class DPOptimizer(torch.optim.Optimizer):
             # rank 0 draws the noise once for everyone: the all-reduced sum holds N(0, σ²R²);
             # reproducible mode draws on every rank so the generators stay in step
             if std > 0 and (rank == 0 or self.noise_seed is not None):
-                noise = torch.normal(0.0, std, size=p.shape, generator=self._generator(p.device),
-                                     device=p.device, dtype=p.dtype)
+                noise = torch.normal(
+                    0.0, std, size=p.shape, generator=self._generator(p.device), device=p.device, dtype=p.dtype
+                )
                 if rank == 0:
                     g = g + noise
             if world > 1:
@@ -358,7 +386,9 @@ class DPOptimizer(torch.optim.Optimizer):
             "samples: they are moved by noise only. If they are not meant to train, freeze them "
             "(requires_grad_(False)) before make_private; if they are, check that the forward pass uses them "
             "and does not detach their path (e.g. a result reassigned under torch.no_grad()).",
-            NoGradientWarning, stacklevel=6)  # the caller of opt.step()
+            NoGradientWarning,
+            stacklevel=6,
+        )  # the caller of opt.step()
 
     def _drop_frozen(self) -> None:
         """Parameters frozen (requires_grad_(False)) after make_private: no update. Their norms were
@@ -372,8 +402,9 @@ class DPOptimizer(torch.optim.Optimizer):
         """Accumulate; at the end of a logical step write private ``.grad``s. True if it did."""
         if self.refusal is not None:
             self.hooks.clear()
-            raise type(self.refusal)(f"Refused: the first step's self-check failed, so no step of this engine is "
-                                     f"taken ({self.refusal})")
+            raise type(self.refusal)(
+                f"Refused: the first step's self-check failed, so no step of this engine is taken ({self.refusal})"
+            )
         with self._aborting():
             self.clip_and_accumulate()
             if not self.signal.last_physical and self.check_batches:

@@ -54,14 +54,16 @@ class SelfCheckReport:
 
     def __str__(self) -> str:
         top = max(self.worst.values(), default=0.0)
-        return (f"self-check passed: samples {self.samples} of a batch of {self.batch_size}, "
-                f"{len(self.worst)} parameters, largest relative difference {top:.2e} (tolerance {self.tolerance:.0e})")
+        return (
+            f"self-check passed: samples {self.samples} of a batch of {self.batch_size}, "
+            f"{len(self.worst)} parameters, largest relative difference {top:.2e} (tolerance {self.tolerance:.0e})"
+        )
 
 
 def _slice_row(obj, i: int, batch: int):
     """Sample i of a batch-first input: tensors whose first dimension is the batch are sliced."""
     if isinstance(obj, torch.Tensor):
-        return obj[i:i + 1] if obj.dim() > 0 and obj.shape[0] == batch else obj
+        return obj[i : i + 1] if obj.dim() > 0 and obj.shape[0] == batch else obj
     if isinstance(obj, dict):
         return {k: _slice_row(v, i, batch) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
@@ -86,8 +88,15 @@ def _modes(model: nn.Module) -> dict[nn.Module, bool]:
     return {m: m.training for m in model.modules()}
 
 
-def self_check(model: nn.Module, hooks: NormHooks, args: tuple, kwargs: dict,
-               cotangents: list[torch.Tensor] | None = None, loss_fn=None, samples: int = 3) -> SelfCheckReport:
+def self_check(
+    model: nn.Module,
+    hooks: NormHooks,
+    args: tuple,
+    kwargs: dict,
+    cotangents: list[torch.Tensor] | None = None,
+    loss_fn=None,
+    samples: int = 3,
+) -> SelfCheckReport:
     """Compare ``hooks``' per-sample norms on the batch ``(args, kwargs)`` with single-sample
     backward passes (see the module docstring). Output gradients: ``cotangents`` (one per output
     tensor, in :func:`~dpzoo.grad_norms.hooks.output_tensors` order) or those of
@@ -109,13 +118,16 @@ def self_check(model: nn.Module, hooks: NormHooks, args: tuple, kwargs: dict,
             cotangents = list(torch.autograd.grad(loss, outs, allow_unused=True, retain_graph=True))
             cotangents = [torch.zeros_like(o) if c is None else c.detach() for o, c in zip(outs, cotangents)]
         if len(cotangents) != len(outs) or any(c.shape != o.shape for c, o in zip(cotangents, outs)):
-            raise SelfCheckError("The model's outputs changed structure between the training pass and the "
-                                 "self-check's (in eval mode): the self-check cannot compare them.")
+            raise SelfCheckError(
+                "The model's outputs changed structure between the training pass and the "
+                "self-check's (in eval mode): the self-check cannot compare them."
+            )
         for o in outs:
             if o.dim() == 0 or o.shape[0] != batch:
                 raise SelfCheckError(
                     f"The model returns an output of shape {tuple(o.shape)} beside one of {batch} rows: every output "
-                    "must be batch-first (row i = sample i) for per-sample clipping to mean anything.")
+                    "must be batch-first (row i = sample i) for per-sample clipping to mean anything."
+                )
         if batch < 1:
             raise SelfCheckError("The self-check needs a batch with at least one sample.")
         hooks.backward_from(outs, cotangents)
@@ -126,8 +138,11 @@ def self_check(model: nn.Module, hooks: NormHooks, args: tuple, kwargs: dict,
         gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "little"))
         weights = torch.randn(batch, generator=gen, dtype=torch.float64).to(outs[0].device)
         summed = {n: g.detach().double() for n, g in hooks.clipped_sum(weights.to(outs[0].dtype)).items()}
-        hooks_sum_ones = hooks.clipped_sum(torch.ones(batch, dtype=outs[0].dtype, device=outs[0].device)) \
-            if loss_fn is not None else {}
+        hooks_sum_ones = (
+            hooks.clipped_sum(torch.ones(batch, dtype=outs[0].dtype, device=outs[0].device))
+            if loss_fn is not None
+            else {}
+        )
         batch_outs = [o.detach() for o in outs]
         hooks.clear()
         picks = _pick(batch, samples)
@@ -140,13 +155,22 @@ def self_check(model: nn.Module, hooks: NormHooks, args: tuple, kwargs: dict,
             # a layer whose gradient reaches the wrong tensor keeps its norms but not its sum.
             out_b = model(*args, **kwargs)
             outs_b = output_tensors(out_b)
+
             def _row_weighted(c):
                 w = weights.to(c.dtype).reshape(-1, *([1] * (c.dim() - 1)))
                 return c * w
-            ref_sum = torch.autograd.grad(outs_b, tensors, [_row_weighted(c) for c in cotangents],
-                                          allow_unused=True, retain_graph=loss_fn is not None)
-            ref_sum = {n: (g.detach().double() if g is not None else torch.zeros_like(summed[n]))
-                       for n, g in zip(names, ref_sum)}
+
+            ref_sum = torch.autograd.grad(
+                outs_b,
+                tensors,
+                [_row_weighted(c) for c in cotangents],
+                allow_unused=True,
+                retain_graph=loss_fn is not None,
+            )
+            ref_sum = {
+                n: (g.detach().double() if g is not None else torch.zeros_like(summed[n]))
+                for n, g in zip(names, ref_sum)
+            }
             if loss_fn is not None:
                 # a use of a parameter in the loss itself (outside the model) is in the loss's batch
                 # gradient but not in any output gradient: the unweighted sums must agree too
@@ -168,22 +192,29 @@ def self_check(model: nn.Module, hooks: NormHooks, args: tuple, kwargs: dict,
             for i in picks:
                 out_i = model(*_slice_row(args, i, batch), **_slice_row(kwargs, i, batch))
                 outs_i = output_tensors(out_i)
-                if len(outs_i) != len(outs) or any(a.shape[1:] != b.shape[1:] or a.shape[0] != 1
-                                                    for a, b in zip(outs_i, outs)):
-                    mixing.append(f"sample {i}: output shapes {[tuple(a.shape) for a in outs_i]} alone vs "
-                                  f"{[tuple(b.shape[1:]) for b in outs]} per row in the batch")
+                if len(outs_i) != len(outs) or any(
+                    a.shape[1:] != b.shape[1:] or a.shape[0] != 1 for a, b in zip(outs_i, outs)
+                ):
+                    mixing.append(
+                        f"sample {i}: output shapes {[tuple(a.shape) for a in outs_i]} alone vs "
+                        f"{[tuple(b.shape[1:]) for b in outs]} per row in the batch"
+                    )
                     continue
                 for a, b in zip(outs_i, batch_outs):
                     gap = (a.detach()[0] - b[i]).abs().max().item()
                     scale = b[i].abs().max().item() + 1e-30
                     if gap > tol * max(scale, 1e-3):
-                        mixing.append(f"sample {i}: its output row in the batch differs from its output alone "
-                                      f"(max difference {gap:.3g})")
+                        mixing.append(
+                            f"sample {i}: its output row in the batch differs from its output alone "
+                            f"(max difference {gap:.3g})"
+                        )
                         break
-                grads = torch.autograd.grad(outs_i, tensors, [c[i:i + 1] for c in cotangents], allow_unused=True)
-                ref = {n: (g.detach().double().norm() if g is not None else torch.zeros((), dtype=torch.float64))
-                       for n, g in zip(names, grads)}
-                total = torch.sqrt(sum(v ** 2 for v in ref.values())).item()
+                grads = torch.autograd.grad(outs_i, tensors, [c[i : i + 1] for c in cotangents], allow_unused=True)
+                ref = {
+                    n: (g.detach().double().norm() if g is not None else torch.zeros((), dtype=torch.float64))
+                    for n, g in zip(names, grads)
+                }
+                total = torch.sqrt(sum(v**2 for v in ref.values())).item()
                 for n in names:
                     got, want = hooks_norms[n][i].item(), ref[n].item()
                     rel = abs(got - want) / max(want, got, 1e-3 * total, 1e-30)
@@ -198,34 +229,39 @@ def self_check(model: nn.Module, hooks: NormHooks, args: tuple, kwargs: dict,
         mixing = _train_mode_mixing(model, hooks, args, kwargs, batch, picks[0], tol)
     if mixing:
         raise SelfCheckError(
-            "Self-check failed: the model does not process batch rows independently (" + "; ".join(mixing[:3]) +
-            "). dpzoo clips row i of dimension 0 as sample i: make the model batch-first, with no mixing, "
+            "Self-check failed: the model does not process batch rows independently ("
+            + "; ".join(mixing[:3])
+            + "). dpzoo clips row i of dimension 0 as sample i: make the model batch-first, with no mixing, "
             "permutation or randomness that eval() leaves on; or pass self_check=False if you have checked this "
-            "yourself (recorded in the privacy metadata).")
+            "yourself (recorded in the privacy metadata)."
+        )
     if wrong_sum:
         raise SelfCheckError(
             "Self-check failed: the sum of dpzoo's per-sample gradients is not the batch gradient for "
             f"{', '.join(wrong_sum[:6])}: a parameter is used where its layer's rule cannot see it (swapped "
-            "parameters, an edited output, a use in the loss). Route every use through the layer's own forward.")
+            "parameters, an edited output, a use in the loss). Route every use through the layer's own forward."
+        )
     if bad:
-        shown = "; ".join(f"{n}: sample {i} hooks {g:.4g} vs alone {w:.4g}" for n, v in list(bad.items())[:6]
-                          for i, g, w in v[:1])
+        shown = "; ".join(
+            f"{n}: sample {i} hooks {g:.4g} vs alone {w:.4g}" for n, v in list(bad.items())[:6] for i, g, w in v[:1]
+        )
         raise SelfCheckError(
             f"Self-check failed: dpzoo's per-sample gradient norms disagree with single-sample backward passes for "
             f"{len(bad)} parameter(s) ({shown}). A layer computes something other than its registered rule assumes "
             "(an overridden forward or _conv_forward, a time-major or (T, T)-indexed layer, a custom op): replace "
-            "it, freeze it, or register a rule for it with dpzoo.grad_norms.register_rule.")
+            "it, freeze it, or register a rule for it with dpzoo.grad_norms.register_rule."
+        )
     return SelfCheckReport(picks, batch, worst, tol)
 
 
-def _train_mode_mixing(model: nn.Module, hooks: NormHooks, args, kwargs, batch: int, j: int,
-                       tol: float) -> list[str]:
+def _train_mode_mixing(model: nn.Module, hooks: NormHooks, args, kwargs, batch: int, j: int, tol: float) -> list[str]:
     """Mixing that only happens in train mode (batch statistics, mixup, in-batch shuffles): run
     the batch twice in train mode with the same random state, the second time with sample j
     replaced by another; every other row's output must stay the same. Buffers are restored."""
     if batch < 2:
         return []
     k = (j + 1) % batch
+
     def replaced(obj):
         if isinstance(obj, torch.Tensor):
             if obj.dim() > 0 and obj.shape[0] == batch:
@@ -237,6 +273,7 @@ def _train_mode_mixing(model: nn.Module, hooks: NormHooks, args, kwargs, batch: 
         if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
             return type(obj)(replaced(v) for v in obj)
         return obj
+
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     devices = sorted({t.device.index for t in model.parameters() if t.device.type == "cuda"})
     seed = int.from_bytes(os.urandom(7), "little")  # not from torch's RNG: the user's stream stays untouched

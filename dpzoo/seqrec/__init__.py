@@ -25,7 +25,18 @@ from .formats import DataFormatError
 from .modeling import SeqRecRNN, SeqRecTransformer
 from .reattention import ReAttention, ReAttentionBlock
 
-__all__ = ["SeqRecConfig", "SeqRecTransformer", "SeqRecRNN", "ReAttention", "ReAttentionBlock",
-           "SequenceDataset", "sasrec_preprocess", "dataset_from_file", "load_dataset", "DATASETS",
-           "DatasetSpec", "register_dataset",
-           "DataFormatError"]
+__all__ = [
+    "SeqRecConfig",
+    "SeqRecTransformer",
+    "SeqRecRNN",
+    "ReAttention",
+    "ReAttentionBlock",
+    "SequenceDataset",
+    "sasrec_preprocess",
+    "dataset_from_file",
+    "load_dataset",
+    "DATASETS",
+    "DatasetSpec",
+    "register_dataset",
+    "DataFormatError",
+]

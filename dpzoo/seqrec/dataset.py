@@ -38,9 +38,14 @@ class SequenceDataset:
     item over the *training* parts only, so no held-out item leaks into token frequencies.
     """
 
-    def __init__(self, sequences: Sequence[Sequence[int]], num_items: int | None = None,
-                 user_ids: Sequence | None = None, item_ids: Sequence | None = None,
-                 name: str | None = None):
+    def __init__(
+        self,
+        sequences: Sequence[Sequence[int]],
+        num_items: int | None = None,
+        user_ids: Sequence | None = None,
+        item_ids: Sequence | None = None,
+        name: str | None = None,
+    ):
         self.sequences = [list(map(int, s)) for s in sequences]
         top = max((max(s) for s in self.sequences if s), default=0)
         low = min((min(s) for s in self.sequences if s), default=1)
@@ -65,8 +70,10 @@ class SequenceDataset:
     def __repr__(self) -> str:
         s = self.summary()
         label = f"{self.name!r}, " if self.name else ""
-        return (f"SequenceDataset({label}users={s['users']}, items={s['items']}, "
-                f"interactions={s['interactions']}, avg_len={s['avg_len']:.1f})")
+        return (
+            f"SequenceDataset({label}users={s['users']}, items={s['items']}, "
+            f"interactions={s['interactions']}, avg_len={s['avg_len']:.1f})"
+        )
 
     # -- split
     def train_sequences(self) -> list[list[int]]:
@@ -83,8 +90,12 @@ class SequenceDataset:
 
     def summary(self) -> dict:
         n = sum(len(s) for s in self.sequences)
-        return {"users": self.num_users, "items": self.num_items, "interactions": n,
-                "avg_len": n / self.num_users if self.num_users else 0.0}
+        return {
+            "users": self.num_users,
+            "items": self.num_items,
+            "interactions": n,
+            "avg_len": n / self.num_users if self.num_users else 0.0,
+        }
 
     # -- tensors
     def padded_users(self, part: str = "train") -> torch.Tensor:
@@ -129,10 +140,10 @@ class SequenceDataset:
         for r, (_, hist, tgt) in enumerate(ex):
             hist = hist[-max_len:]
             if hist:
-                inputs[r, max_len - len(hist):] = torch.tensor(hist)
+                inputs[r, max_len - len(hist) :] = torch.tensor(hist)
             if part == "train":
                 tgt = tgt[-max_len:]
-                targets[r, max_len - len(tgt):] = torch.tensor(tgt)
+                targets[r, max_len - len(tgt) :] = torch.tensor(tgt)
             else:
                 targets[r] = tgt
         return inputs, targets
@@ -141,8 +152,7 @@ class SequenceDataset:
 # ----------------------------------------------------------------------------- preprocessing
 
 
-def sasrec_preprocess(interactions: Iterable[Sequence], min_count: int = 5,
-                      name: str | None = None) -> SequenceDataset:
+def sasrec_preprocess(interactions: Iterable[Sequence], min_count: int = 5, name: str | None = None) -> SequenceDataset:
     """SASRec preprocessing of ``(user, item, timestamp)`` rows into a SequenceDataset.
 
     1. Filtering, **once** (not iterated to a fixed point), as SASRec's reference
@@ -179,14 +189,14 @@ def sasrec_preprocess(interactions: Iterable[Sequence], min_count: int = 5,
                 k = item_map[i] = len(item_map) + 1
             seq.append(k)
         sequences.append(seq)
-    return SequenceDataset(sequences, num_items=len(item_map), user_ids=list(by_user),
-                           item_ids=list(item_map), name=name)
+    return SequenceDataset(
+        sequences, num_items=len(item_map), user_ids=list(by_user), item_ids=list(item_map), name=name
+    )
 
 
-
-
-def dataset_from_file(path, min_count: int = 5, name: str | None = None,
-                      amazon_columns: str | None = None) -> SequenceDataset:
+def dataset_from_file(
+    path, min_count: int = 5, name: str | None = None, amazon_columns: str | None = None
+) -> SequenceDataset:
     """A ratings file (format sniffed, see :func:`dpzoo.seqrec.formats.read_interactions`) as a
     SequenceDataset: SASRec text is already preprocessed (filtered, time-ordered, renumbered) and
     keeps its ids; every other format goes through :func:`sasrec_preprocess`."""

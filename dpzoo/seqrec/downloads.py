@@ -31,8 +31,15 @@ from dpzoo.errors import DPZooError
 from .dataset import SequenceDataset, dataset_from_file
 from .formats import AMAZON_2014, AMAZON_2018, AMAZON_COLUMNS
 
-__all__ = ["DATASETS", "DatasetSpec", "register_dataset", "load_dataset", "download", "default_cache_dir",
-           "network_reachable"]
+__all__ = [
+    "DATASETS",
+    "DatasetSpec",
+    "register_dataset",
+    "load_dataset",
+    "download",
+    "default_cache_dir",
+    "network_reachable",
+]
 
 
 @dataclass(frozen=True)
@@ -66,7 +73,9 @@ class DatasetSpec:
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name or self.name != self.name.strip():
-            raise DPZooError(f"a dataset name must be a non-empty string without surrounding blanks, got {self.name!r}.")
+            raise DPZooError(
+                f"a dataset name must be a non-empty string without surrounding blanks, got {self.name!r}."
+            )
         files = (self.files,) if isinstance(self.files, (str, Path)) else self.files
         object.__setattr__(self, "files", tuple(str(f) for f in files))  # a path or a list is taken too
         if not self.files and self.url is None:
@@ -74,8 +83,9 @@ class DatasetSpec:
         if self.columns is not None and self.columns not in AMAZON_COLUMNS:
             raise DPZooError(f"dataset {self.name!r}: columns={self.columns!r}, expected one of {AMAZON_COLUMNS}.")
         if self.parser is not None and not callable(self.parser):
-            raise DPZooError(f"dataset {self.name!r}: parser must be callable (path, min_count, name), got "
-                             f"{self.parser!r}.")
+            raise DPZooError(
+                f"dataset {self.name!r}: parser must be callable (path, min_count, name), got {self.parser!r}."
+            )
 
     @property
     def target(self) -> str:
@@ -111,33 +121,57 @@ def register_dataset(spec: DatasetSpec, *, replace: bool = False) -> DatasetSpec
 # Checksums of the official files. The machine this was written on cannot download them, so
 # they are the values the publishers (GroupLens' .md5 files) and other public loaders verify
 # against; None = none known, the download is not verified.
-register_dataset(DatasetSpec(
-    "ml-1m", files=("ml-1m/ml-1m.txt", "ml-1m/ratings.dat", "ml-1m/ratings.dat.gz"),
-    url="https://files.grouplens.org/datasets/movielens/ml-1m.zip", member="ml-1m/ratings.dat",
-    download_as="ml-1m/ratings.dat",
-    sha256="a6898adb50b9ca05aa231689da44c217cb524e7ebd39d264c56e2832f2c54e20",
-    md5="c4d9eecfca2ab87c1945afe126590906", max_len=200,
-    description="MovieLens 1M; SASRec's ml-1m.txt preferred"))
-register_dataset(DatasetSpec(
-    "ml-100k", files=("ml-100k/u.data", "ml-100k/u.data.gz"),
-    url="https://files.grouplens.org/datasets/movielens/ml-100k.zip", member="ml-100k/u.data",
-    download_as="ml-100k/u.data", sha256=None,  # unknown
-    md5="0e33842e24a9c977be4e0107933c0723", description="MovieLens 100K"))
+register_dataset(
+    DatasetSpec(
+        "ml-1m",
+        files=("ml-1m/ml-1m.txt", "ml-1m/ratings.dat", "ml-1m/ratings.dat.gz"),
+        url="https://files.grouplens.org/datasets/movielens/ml-1m.zip",
+        member="ml-1m/ratings.dat",
+        download_as="ml-1m/ratings.dat",
+        sha256="a6898adb50b9ca05aa231689da44c217cb524e7ebd39d264c56e2832f2c54e20",
+        md5="c4d9eecfca2ab87c1945afe126590906",
+        max_len=200,
+        description="MovieLens 1M; SASRec's ml-1m.txt preferred",
+    )
+)
+register_dataset(
+    DatasetSpec(
+        "ml-100k",
+        files=("ml-100k/u.data", "ml-100k/u.data.gz"),
+        url="https://files.grouplens.org/datasets/movielens/ml-100k.zip",
+        member="ml-100k/u.data",
+        download_as="ml-100k/u.data",
+        sha256=None,  # unknown
+        md5="0e33842e24a9c977be4e0107933c0723",
+        description="MovieLens 100K",
+    )
+)
 # The 'Games' category of McAuley et al. 2015, the release DPFormer (App. E.1, ref. [28])
 # and SASRec use: user,item,rating,timestamp.
-register_dataset(DatasetSpec(
-    "amazon-games", files=("amazon-games/ratings_Video_Games.csv", "amazon-games/ratings_Video_Games.csv.gz"),
-    url="https://snap.stanford.edu/data/amazon/productGraph/categoryFiles/ratings_Video_Games.csv",
-    member=None,  # a plain CSV, not an archive
-    download_as="amazon-games/ratings_Video_Games.csv", sha256=None,  # unknown
-    columns=AMAZON_2014, description="Amazon Video Games, 2014 release"))
+register_dataset(
+    DatasetSpec(
+        "amazon-games",
+        files=("amazon-games/ratings_Video_Games.csv", "amazon-games/ratings_Video_Games.csv.gz"),
+        url="https://snap.stanford.edu/data/amazon/productGraph/categoryFiles/ratings_Video_Games.csv",
+        member=None,  # a plain CSV, not an archive
+        download_as="amazon-games/ratings_Video_Games.csv",
+        sha256=None,  # unknown
+        columns=AMAZON_2014,
+        description="Amazon Video Games, 2014 release",
+    )
+)
 # The 2018 release (Ni et al.): item,user,rating,timestamp.
-register_dataset(DatasetSpec(
-    "amazon-games-2018", files=("amazon-games-2018/Video_Games.csv", "amazon-games-2018/Video_Games.csv.gz"),
-    url="https://mcauleylab.ucsd.edu/public_datasets/data/amazon_v2/categoryFilesSmall/Video_Games.csv",
-    download_as="amazon-games-2018/Video_Games.csv",
-    sha256="c3fec1cce4ee67f0d51f8b53a7e294d8bbe6f75ca1d8732256e900b3c46606d8",
-    columns=AMAZON_2018, description="Amazon Video Games, 2018 release"))
+register_dataset(
+    DatasetSpec(
+        "amazon-games-2018",
+        files=("amazon-games-2018/Video_Games.csv", "amazon-games-2018/Video_Games.csv.gz"),
+        url="https://mcauleylab.ucsd.edu/public_datasets/data/amazon_v2/categoryFilesSmall/Video_Games.csv",
+        download_as="amazon-games-2018/Video_Games.csv",
+        sha256="c3fec1cce4ee67f0d51f8b53a7e294d8bbe6f75ca1d8732256e900b3c46606d8",
+        columns=AMAZON_2018,
+        description="Amazon Video Games, 2018 release",
+    )
+)
 
 _urlopen = urllib.request.urlopen  # tests monkeypatch this; never the network in tests
 
@@ -166,8 +200,7 @@ def network_reachable(url: str, timeout: float = 3.0) -> bool:
     if p.scheme == "file":
         return True
     try:
-        with socket.create_connection((p.hostname, p.port or (443 if p.scheme == "https" else 80)),
-                                      timeout=timeout):
+        with socket.create_connection((p.hostname, p.port or (443 if p.scheme == "https" else 80)), timeout=timeout):
             return True
     except OSError:
         return False
@@ -195,8 +228,10 @@ def download(url: str, dest, sha256: str | None = None, chunk: int = 1 << 20, md
                 out.write(block)
         for kind, got, want in (("sha256", h.hexdigest(), sha256), ("md5", h5.hexdigest(), md5)):
             if want is not None and got != want.lower():
-                raise DPZooError(f"Download of {url} has {kind} {got}, expected {want}; the file is "
-                                 "corrupt or has changed. Nothing was saved.")
+                raise DPZooError(
+                    f"Download of {url} has {kind} {got}, expected {want}; the file is "
+                    "corrupt or has changed. Nothing was saved."
+                )
         os.replace(tmp, dest)
     except BaseException:
         if os.path.exists(tmp):
@@ -214,8 +249,7 @@ def _fetch(spec: DatasetSpec, cache_dir: Path) -> Path:
     target = cache_dir / spec.target
     if spec.member is None:
         return download(spec.url, target, spec.sha256, md5=spec.md5)
-    archive = download(spec.url, cache_dir / Path(urllib.parse.urlparse(spec.url).path).name,
-                       spec.sha256, md5=spec.md5)
+    archive = download(spec.url, cache_dir / Path(urllib.parse.urlparse(spec.url).path).name, spec.sha256, md5=spec.md5)
     with zipfile.ZipFile(archive) as z:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".part", dir=target.parent)
@@ -225,8 +259,9 @@ def _fetch(spec: DatasetSpec, cache_dir: Path) -> Path:
     return target
 
 
-def load_dataset(name_or_path, cache_dir=None, min_count: int = 5,
-                 allow_download: bool = True, amazon_columns: str | None = None) -> SequenceDataset:
+def load_dataset(
+    name_or_path, cache_dir=None, min_count: int = 5, allow_download: bool = True, amazon_columns: str | None = None
+) -> SequenceDataset:
     """A SequenceDataset by name (a registered :class:`DatasetSpec`: 'ml-1m', 'ml-100k',
     'amazon-games', 'amazon-games-2018', or one of :func:`register_dataset`) or from a file.
 
@@ -244,15 +279,18 @@ def load_dataset(name_or_path, cache_dir=None, min_count: int = 5,
     if str(name_or_path) not in DATASETS:
         path = Path(name_or_path)
         if not path.is_file():
-            raise DPZooError(f"{str(name_or_path)!r} is neither a dataset name "
-                             f"({', '.join(DATASETS)}) nor an existing file.")
+            raise DPZooError(
+                f"{str(name_or_path)!r} is neither a dataset name ({', '.join(DATASETS)}) nor an existing file."
+            )
         return dataset_from_file(path, min_count, path.name, amazon_columns)
     name = str(name_or_path)
     spec = DATASETS[name]
     if amazon_columns is not None and amazon_columns != spec.columns:
-        raise DPZooError(f"amazon_columns={amazon_columns!r} does not apply to {name!r}"
-                         + (f", whose files are {spec.columns!r}" if spec.columns else "")
-                         + "; give it only with a file path.")
+        raise DPZooError(
+            f"amazon_columns={amazon_columns!r} does not apply to {name!r}"
+            + (f", whose files are {spec.columns!r}" if spec.columns else "")
+            + "; give it only with a file path."
+        )
     roots = _search_roots(cache_dir)
     for root in roots:
         for rel in spec.files:
@@ -263,10 +301,14 @@ def load_dataset(name_or_path, cache_dir=None, min_count: int = 5,
         return spec.load(_fetch(spec, cache), min_count)
     looked = f"Looked in: {', '.join(str(r) for r in roots)}."
     if spec.url is None:
-        raise DPZooError(f"Dataset {name!r} not found: it has no download, put "
-                         f"{' or '.join(spec.files)} under $DPZOO_DATA. {looked}")
+        raise DPZooError(
+            f"Dataset {name!r} not found: it has no download, put {' or '.join(spec.files)} under $DPZOO_DATA. {looked}"
+        )
     raise DPZooError(
         f"Dataset {name!r} not found and cannot be downloaded (no network). Download "
-        f"{spec.url}" + (f", unzip it and put {spec.member}" if spec.member else "")
-        + f" at {cache / spec.target}" + (f" (or put {spec.files[0]} under $DPZOO_DATA)" if spec.files else "")
-        + f". {looked}")
+        f"{spec.url}"
+        + (f", unzip it and put {spec.member}" if spec.member else "")
+        + f" at {cache / spec.target}"
+        + (f" (or put {spec.files[0]} under $DPZOO_DATA)" if spec.files else "")
+        + f". {looked}"
+    )

@@ -43,8 +43,7 @@ def _open_text(path) -> io.TextIOBase:
     return io.TextIOWrapper(raw, encoding="latin-1", newline=None)
 
 
-def _read_rows(path, parse: Callable[[str], tuple], expected: str,
-               header: str | None = None) -> list[tuple]:
+def _read_rows(path, parse: Callable[[str], tuple], expected: str, header: str | None = None) -> list[tuple]:
     """Parse every non-blank line of `path` with `parse`; wrap failures in DataFormatError."""
     rows = []
     first = True
@@ -62,9 +61,7 @@ def _read_rows(path, parse: Callable[[str], tuple], expected: str,
                 rows.append(parse(line))
             except (ValueError, IndexError):
                 shown = line if len(line) <= 80 else line[:77] + "..."
-                raise DataFormatError(
-                    f"{path}: line {lineno}: expected {expected}, got {shown!r}"
-                ) from None
+                raise DataFormatError(f"{path}: line {lineno}: expected {expected}, got {shown!r}") from None
     return rows
 
 
@@ -72,7 +69,7 @@ def _strip_bom(text: str) -> str:
     # files are read as latin-1, where a UTF-8 byte-order mark shows as these three characters
     for bom in ("\xef\xbb\xbf", "\ufeff"):
         if text.startswith(bom):
-            return text[len(bom):]
+            return text[len(bom) :]
     return text
 
 
@@ -114,16 +111,20 @@ def read_grouplens_ratings(path) -> list[tuple[int, int, int]]:
 
     Returns ``[(user, item, timestamp), ...]`` as ints, in file order (ratings ignored).
     """
-    return _read_rows(path, _parse_grouplens,
-                      "'UserID::MovieID::Rating::Timestamp' (4 fields separated by '::', "
-                      "integer ids and timestamp)")
+    return _read_rows(
+        path,
+        _parse_grouplens,
+        "'UserID::MovieID::Rating::Timestamp' (4 fields separated by '::', integer ids and timestamp)",
+    )
 
 
 def read_ml100k(path) -> list[tuple[int, int, int]]:
     """MovieLens-100K ``u.data`` (tab-separated ``user item rating timestamp``), plain or .gz."""
-    return _read_rows(path, _parse_ml100k,
-                      "'user<TAB>item<TAB>rating<TAB>timestamp' (4 tab-separated fields, "
-                      "integer ids and timestamp)")
+    return _read_rows(
+        path,
+        _parse_ml100k,
+        "'user<TAB>item<TAB>rating<TAB>timestamp' (4 tab-separated fields, integer ids and timestamp)",
+    )
 
 
 AMAZON_2014 = "user,item,rating,timestamp"  # the 2014 release's ratings_*.csv (DPFormer's [28])
@@ -141,12 +142,16 @@ def read_amazon_csv(path, columns: str = AMAZON_2014) -> list[tuple[str, str, in
     ``columns`` is skipped, any other non-numeric line is an error. Ids stay strings (``A1B2C3``).
     """
     if columns not in AMAZON_COLUMNS:
-        raise DPZooError(f"columns={columns!r}: expected {AMAZON_2014!r} (2014 release) "
-                         f"or {AMAZON_2018!r} (2018 release)")
+        raise DPZooError(
+            f"columns={columns!r}: expected {AMAZON_2014!r} (2014 release) or {AMAZON_2018!r} (2018 release)"
+        )
     item_first = columns == AMAZON_2018
-    return _read_rows(path, lambda line: _parse_amazon(line, item_first),
-                      f"'{columns}' (4 comma-separated fields, numeric rating, integer unix "
-                      "timestamp)", header=columns)
+    return _read_rows(
+        path,
+        lambda line: _parse_amazon(line, item_first),
+        f"'{columns}' (4 comma-separated fields, numeric rating, integer unix timestamp)",
+        header=columns,
+    )
 
 
 def _is_asin(s: str) -> bool:
@@ -173,8 +178,10 @@ def sniff_amazon_columns(path, lines: int = 2000) -> str:
                 return text  # a header line says it
             parts = text.split(",")
             if len(parts) != 4:
-                raise DataFormatError(f"{path}: line {lineno}: expected 'user,item,rating,timestamp' or "
-                                      f"'item,user,rating,timestamp' (4 comma-separated fields), got {text[:80]!r}")
+                raise DataFormatError(
+                    f"{path}: line {lineno}: expected 'user,item,rating,timestamp' or "
+                    f"'item,user,rating,timestamp' (4 comma-separated fields), got {text[:80]!r}"
+                )
             n += 1
             first += _is_asin(parts[0].strip())
             second += _is_asin(parts[1].strip())
@@ -189,7 +196,8 @@ def sniff_amazon_columns(path, lines: int = 2000) -> str:
     raise DPZooError(
         f"{path}: cannot tell whether the Amazon CSV is {AMAZON_2014!r} (2014 release) or "
         f"{AMAZON_2018!r} (2018 release): both id columns look like product ids; give the order "
-        "explicitly (load_dataset(path, amazon_columns=...) or `dpzoo train --amazon-columns ...`).")
+        "explicitly (load_dataset(path, amazon_columns=...) or `dpzoo train --amazon-columns ...`)."
+    )
 
 
 def read_sasrec_text(path) -> list[tuple[int, int, int]]:
@@ -227,12 +235,16 @@ def sniff_format(path) -> str:
     raise DataFormatError(
         f"{path}: line 1: cannot tell the format from {line[:80]!r}; expected one of "
         "'UserID::MovieID::Rating::Timestamp', tab-separated 'user item rating timestamp', "
-        "'user,item,rating,timestamp' (or 'item,user,...') or 'user item'.")
+        "'user,item,rating,timestamp' (or 'item,user,...') or 'user item'."
+    )
 
 
-_READERS = {"grouplens": read_grouplens_ratings, "ml100k": read_ml100k,
-            "amazon": read_amazon_csv, "sasrec": read_sasrec_text}
-
+_READERS = {
+    "grouplens": read_grouplens_ratings,
+    "ml100k": read_ml100k,
+    "amazon": read_amazon_csv,
+    "sasrec": read_sasrec_text,
+}
 
 
 def read_interactions(path, amazon_columns: str | None = None) -> tuple[str, list[tuple]]:

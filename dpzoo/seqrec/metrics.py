@@ -25,8 +25,9 @@ from ..errors import InvalidArgumentError
 __all__ = ["target_ranks", "ndcg_hit_at_k"]
 
 
-def target_ranks(scores: torch.Tensor, targets: torch.Tensor, history: torch.Tensor | None = None,
-                 exclude_history: bool = True) -> torch.Tensor:
+def target_ranks(
+    scores: torch.Tensor, targets: torch.Tensor, history: torch.Tensor | None = None, exclude_history: bool = True
+) -> torch.Tensor:
     """0-based rank of each target among all items.
 
     Args:
@@ -35,11 +36,15 @@ def target_ranks(scores: torch.Tensor, targets: torch.Tensor, history: torch.Ten
         history: (N, L) item ids the user interacted with before (0 = padding), or None.
     """
     if scores.dim() != 2 or targets.dim() != 1 or scores.shape[0] != targets.shape[0]:
-        raise InvalidArgumentError(f"scores must be (N, V+1) and targets (N,), got {tuple(scores.shape)} and "
-                                   f"{tuple(targets.shape)}; pass one row of scores per target.")
+        raise InvalidArgumentError(
+            f"scores must be (N, V+1) and targets (N,), got {tuple(scores.shape)} and "
+            f"{tuple(targets.shape)}; pass one row of scores per target."
+        )
     if (targets < 1).any() or (targets >= scores.shape[1]).any():
-        raise InvalidArgumentError("targets must be item ids in 1..V, where V + 1 is the number of score columns "
-                                   "(0 is padding); drop padded targets or widen scores.")
+        raise InvalidArgumentError(
+            "targets must be item ids in 1..V, where V + 1 is the number of score columns "
+            "(0 is padding); drop padded targets or widen scores."
+        )
     s = scores.detach().clone().float()
     s[:, 0] = -math.inf
     if exclude_history and history is not None:

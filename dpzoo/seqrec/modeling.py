@@ -47,8 +47,10 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: SeqRecConfig):
         super().__init__()
         if cfg.d_model % cfg.num_heads:
-            raise InvalidArgumentError(f"d_model={cfg.d_model} is not divisible by num_heads={cfg.num_heads}; "
-                                       "choose num_heads that divides d_model.")
+            raise InvalidArgumentError(
+                f"d_model={cfg.d_model} is not divisible by num_heads={cfg.num_heads}; "
+                "choose num_heads that divides d_model."
+            )
         self.h, self.dk = cfg.num_heads, cfg.d_model // cfg.num_heads
         self.q, self.k, self.v, self.o = (nn.Linear(cfg.d_model, cfg.d_model) for _ in range(4))
         self.drop = nn.Dropout(cfg.dropout)
@@ -59,8 +61,13 @@ class CausalSelfAttention(nn.Module):
         k = self.k(x).view(b, t, self.h, self.dk).transpose(1, 2)
         return q @ k.transpose(-2, -1) / math.sqrt(self.dk), q
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor, score_correction: ScoreCorrection | None = None,
-                return_trace: bool = False):
+    def forward(
+        self,
+        x: torch.Tensor,
+        key_mask: torch.Tensor,
+        score_correction: ScoreCorrection | None = None,
+        return_trace: bool = False,
+    ):
         """The attention output; ``score_correction(x, q)`` is subtracted from the logits before the
         softmax (Re-Attention, §5.2). With ``return_trace``: ``(output, probs, mixed)``."""
         b, t, d = x.shape
@@ -87,8 +94,13 @@ class Block(nn.Module):
         self.act = nn.ReLU()
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor, score_correction: ScoreCorrection | None = None,
-                return_trace: bool = False):
+    def forward(
+        self,
+        x: torch.Tensor,
+        key_mask: torch.Tensor,
+        score_correction: ScoreCorrection | None = None,
+        return_trace: bool = False,
+    ):
         """Pre-norm attention and feed-forward, each with a residual. ``score_correction`` goes to
         the attention; with ``return_trace``: ``(output, BlockTrace)``."""
         h = self.ln1(x)
@@ -129,8 +141,9 @@ class SeqRecTransformer(nn.Module):
         privacy engine calls it (and its ReAttention's, which is the same) when making the model
         private. Without Re-Attention: nothing to do."""
         if self.reattention is not None:
-            self.reattention.set_dp_noise(noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-                                          expected_batch_size=expected_batch_size)
+            self.reattention.set_dp_noise(
+                noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, expected_batch_size=expected_batch_size
+            )
 
     def set_token_frequencies(self, train_inputs: torch.Tensor) -> None:
         if self.reattention is not None:
@@ -143,8 +156,10 @@ class SeqRecTransformer(nn.Module):
         """Final hidden states (B, T, d) before the output layer (evaluation scores only the last)."""
         b, t = input_ids.shape
         if t > self.config.max_len:
-            raise InvalidArgumentError(f"sequence length {t} > max_len {self.config.max_len}; keep the last "
-                                       "max_len items of each sequence or build the model with a larger max_len.")
+            raise InvalidArgumentError(
+                f"sequence length {t} > max_len {self.config.max_len}; keep the last "
+                "max_len items of each sequence or build the model with a larger max_len."
+            )
         positions = torch.arange(t, device=input_ids.device).unsqueeze(0).expand(b, t)  # per sample
         scale = math.sqrt(self.config.d_model)
         x = self.emb_drop(self.item_emb(input_ids) * scale + self.pos_emb(positions))
@@ -185,7 +200,9 @@ class SeqRecRNN(nn.Module):
 
     def features(self, input_ids: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[1] > self.config.max_len:
-            raise InvalidArgumentError(f"sequence length {input_ids.shape[1]} > max_len {self.config.max_len}; keep the "
-                                       "last max_len items of each sequence or build the model with a larger max_len.")
+            raise InvalidArgumentError(
+                f"sequence length {input_ids.shape[1]} > max_len {self.config.max_len}; keep the "
+                "last max_len items of each sequence or build the model with a larger max_len."
+            )
         h, _ = self.rnn(self.drop(self.item_emb(input_ids)))
         return self.ln_f(self.drop(h))

@@ -29,8 +29,18 @@ from torch import nn
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["ReAttention", "ReAttentionBlock", "key_noise_correction", "score_correction", "relu", "iso_linear",
-           "iso_layer_norm", "iso_relu", "iso_attention_values", "iso_residual"]
+__all__ = [
+    "ReAttention",
+    "ReAttentionBlock",
+    "key_noise_correction",
+    "score_correction",
+    "relu",
+    "iso_linear",
+    "iso_layer_norm",
+    "iso_relu",
+    "iso_attention_values",
+    "iso_residual",
+]
 
 _SQRT2 = math.sqrt(2.0)
 
@@ -61,8 +71,10 @@ class ReAttention(nn.Module):
 
     def set_dp_noise(self, *, noise_multiplier: float, max_grad_norm: float, expected_batch_size: float) -> None:
         if expected_batch_size <= 0:
-            raise InvalidArgumentError(f"expected_batch_size={expected_batch_size} must be > 0; pass the expected "
-                                       "(logical) batch size of DP training.")
+            raise InvalidArgumentError(
+                f"expected_batch_size={expected_batch_size} must be > 0; pass the expected "
+                "(logical) batch size of DP training."
+            )
         self.noise_std.fill_(float(noise_multiplier) * float(max_grad_norm) / float(expected_batch_size))
 
     @property
@@ -83,10 +95,14 @@ class ReAttention(nn.Module):
         are not covered by the DP guarantee of training (see docs/DESIGN.md)."""
         n, t = train_inputs.shape
         if t > self.pos_freq.numel():
-            raise InvalidArgumentError(f"inputs are {t} long but the model's max_len is {self.pos_freq.numel()}; "
-                                       "truncate the inputs to max_len.")
+            raise InvalidArgumentError(
+                f"inputs are {t} long but the model's max_len is {self.pos_freq.numel()}; "
+                "truncate the inputs to max_len."
+            )
         if n == 0:
-            raise InvalidArgumentError("no training inputs to count item frequencies from; pass a non-empty (N, T) tensor.")
+            raise InvalidArgumentError(
+                "no training inputs to count item frequencies from; pass a non-empty (N, T) tensor."
+            )
         ids = train_inputs.long().to(self.item_freq.device)
         rows = torch.arange(n, device=ids.device).unsqueeze(1).expand_as(ids)
         seen = torch.zeros(n, self.item_freq.numel(), dtype=torch.bool, device=ids.device)
@@ -126,8 +142,9 @@ def relu(c: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return m1, (m2 - m1 * m1).clamp_min(0)
 
 
-def iso_linear(x: torch.Tensor, var: torch.Tensor, weight: torch.Tensor, var_w: float = 0.0,
-               var_b: float = 0.0) -> torch.Tensor:
+def iso_linear(
+    x: torch.Tensor, var: torch.Tensor, weight: torch.Tensor, var_w: float = 0.0, var_b: float = 0.0
+) -> torch.Tensor:
     """Per-token output variance of y = x Wᵀ + b (eq. 5.5 averaged over the outputs).
 
     ``x`` (…, d_in) is the realised input, ``var`` (…) its per-coordinate variance. Each output
@@ -139,8 +156,9 @@ def iso_linear(x: torch.Tensor, var: torch.Tensor, weight: torch.Tensor, var_w: 
     return var * weight.pow(2).sum() / d_out + var_w * x.pow(2).sum(-1) + var_b
 
 
-def iso_layer_norm(x: torch.Tensor, var: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                   var_w: float = 0.0, var_b: float = 0.0) -> torch.Tensor:
+def iso_layer_norm(
+    x: torch.Tensor, var: torch.Tensor, weight: torch.Tensor | None, eps: float, var_w: float = 0.0, var_b: float = 0.0
+) -> torch.Tensor:
     """Per-token output variance of LayerNorm (the paper leaves LayerNorm open; dpzoo's design).
 
     x = m + n with n ~ N(0, var·I) over d coordinates. Centring keeps (1 - 1/d) of the noise
@@ -193,10 +211,12 @@ def key_noise_correction(attn: nn.Module, var_in: torch.Tensor, var_w: float):
     has per-token variance ``var_in`` (B, T): a callable ``(x, q) → C·σ_k²/2``, σ_k² propagated
     through W_k (eq. 5.5). A debiasing constant: computed without gradient (the corrected scores
     themselves stay in the graph, so q and k train)."""
+
     def correction(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             var_k = iso_linear(x, var_in, attn.k.weight, var_w, var_w)
             return score_correction(q.detach(), var_k, 1 / math.sqrt(attn.dk))
+
     return correction
 
 
@@ -216,8 +236,9 @@ class ReAttentionBlock(nn.Module):
         super().__init__()
         self.block = block
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor, var: torch.Tensor,
-                var_w: float) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, key_mask: torch.Tensor, var: torch.Tensor, var_w: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         b = self.block
         with torch.no_grad():
             var_h = iso_layer_norm(x, var, b.ln1.weight, b.ln1.eps, var_w, var_w)

@@ -15,14 +15,22 @@ from ..errors import InvalidArgumentError
 __all__ = ["zipf_interactions"]
 
 
-def zipf_interactions(num_users: int = 500, num_items: int = 300, min_len: int = 5, max_len: int = 40,
-                      alpha: float = 1.1, p_follow: float = 0.6, seed: int = 0) -> list[tuple[int, int, int]]:
+def zipf_interactions(
+    num_users: int = 500,
+    num_items: int = 300,
+    min_len: int = 5,
+    max_len: int = 40,
+    alpha: float = 1.1,
+    p_follow: float = 0.6,
+    seed: int = 0,
+) -> list[tuple[int, int, int]]:
     """(user, item, timestamp) triples, users 1..num_users, items 1..num_items."""
     if num_users < 1 or num_items < 2 or not 1 <= min_len <= max_len or alpha <= 0 or not 0 <= p_follow <= 1:
         raise InvalidArgumentError(
             f"zipf_interactions got num_users={num_users}, num_items={num_items}, min_len={min_len}, "
             f"max_len={max_len}, alpha={alpha}, p_follow={p_follow}; pass num_users >= 1, num_items >= 2, "
-            "1 <= min_len <= max_len, alpha > 0 and 0 <= p_follow <= 1.")
+            "1 <= min_len <= max_len, alpha > 0 and 0 <= p_follow <= 1."
+        )
     g = torch.Generator().manual_seed(seed)
     popularity = torch.arange(1, num_items + 1, dtype=torch.float64).pow(-alpha)
     popularity /= popularity.sum()

@@ -7,9 +7,18 @@ from .inplace import InplaceOp, disable_inplace, find_inplace_ops
 from .tied import TiedGroup, find_tied_parameters
 
 __all__ = [
-    "make_dp_ready", "check_dp_ready", "PatchReport", "patch_report",
-    "add_missing_biases", "missing_biases", "BiasReport",
-    "convert_batchnorm", "choose_num_groups",
-    "disable_inplace", "find_inplace_ops", "InplaceOp",
-    "find_tied_parameters", "TiedGroup",
+    "make_dp_ready",
+    "check_dp_ready",
+    "PatchReport",
+    "patch_report",
+    "add_missing_biases",
+    "missing_biases",
+    "BiasReport",
+    "convert_batchnorm",
+    "choose_num_groups",
+    "disable_inplace",
+    "find_inplace_ops",
+    "InplaceOp",
+    "find_tied_parameters",
+    "TiedGroup",
 ]

@@ -33,7 +33,7 @@ BIAS_LAYER_TYPES = (nn.Linear, _ConvNd)
 
 @dataclass
 class BiasReport:
-    added: list[str] = field(default_factory=list)          # module names given a bias
+    added: list[str] = field(default_factory=list)  # module names given a bias
     replaced_norms: list[str] = field(default_factory=list)  # RMSNorms swapped for dpzoo's
     not_patched: dict[str, str] = field(default_factory=dict)  # name -> why not
 
@@ -42,8 +42,7 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatch(name, p) for p in patterns)
 
 
-def _new_bias(size: int, like: torch.Tensor, init: str, std: float,
-              generator: torch.Generator | None) -> nn.Parameter:
+def _new_bias(size: int, like: torch.Tensor, init: str, std: float, generator: torch.Generator | None) -> nn.Parameter:
     b = torch.zeros(size, dtype=like.dtype, device=like.device)
     if init == "normal" and like.device.type != "meta":
         b.copy_(torch.randn(size, generator=generator, dtype=torch.float32) * std)
@@ -56,8 +55,12 @@ def _is_rmsnorm(m: nn.Module) -> bool:
     if isinstance(m, getattr(nn, "RMSNorm", ())):
         return m.weight is not None  # elementwise_affine=False: no parameters, nothing to add
     w = getattr(m, "weight", None)
-    return (type(m).__name__.lower().endswith("rmsnorm") and isinstance(w, nn.Parameter)
-            and w.dim() == 1 and getattr(m, "bias", None) is None)
+    return (
+        type(m).__name__.lower().endswith("rmsnorm")
+        and isinstance(w, nn.Parameter)
+        and w.dim() == 1
+        and getattr(m, "bias", None) is None
+    )
 
 
 def _rmsnorm_replacement(m: nn.Module) -> RMSNorm | None:
@@ -87,7 +90,7 @@ def _proven_replacement(m: nn.Module, new: RMSNorm, w: torch.Tensor) -> RMSNorm 
         new = new.to(dtype=rw.dtype)
         new.weight.copy_(rw)
         # torch-style RMSNorm warns on an input dtype other than its weight's: probe only that
-        for dtype in ((torch.float32,) if new.style == "torch" else (torch.float32, torch.bfloat16)):
+        for dtype in (torch.float32,) if new.style == "torch" else (torch.float32, torch.bfloat16):
             x = torch.randn(3, 5, w.shape[0], generator=g).to(dtype)
             try:
                 same = torch.equal(probe_old(x), new(x))
@@ -105,8 +108,15 @@ def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
-def add_missing_biases(model: nn.Module, *, exclude: Iterable[str] = (), init: str = "zero",
-                       std: float = 1e-3, norms: bool = True, seed: int | None = None) -> BiasReport:
+def add_missing_biases(
+    model: nn.Module,
+    *,
+    exclude: Iterable[str] = (),
+    init: str = "zero",
+    std: float = 1e-3,
+    norms: bool = True,
+    seed: int | None = None,
+) -> BiasReport:
     """Add a bias to every Conv/Linear (and affine normalisation layer) that lacks one.
 
     Args:
@@ -154,8 +164,9 @@ def add_missing_biases(model: nn.Module, *, exclude: Iterable[str] = (), init: s
         elif _is_rmsnorm(m):
             new = _rmsnorm_replacement(m)
             if new is None:
-                report.not_patched[name] = (f"{type(m).__name__}: not recognised as a standard "
-                                            "RMSNorm, left without a bias")
+                report.not_patched[name] = (
+                    f"{type(m).__name__}: not recognised as a standard RMSNorm, left without a bias"
+                )
                 continue
             with torch.no_grad():
                 if m.weight.device.type != "meta":

@@ -48,14 +48,18 @@ class PatchReport:
         if self.groupnorm:
             out.append(f"BatchNorm -> GroupNorm: {len(self.groupnorm)} layers (affine γ, β copied)")
         if self.biases_added:
-            out.append(f"zero biases added (BiTFiT-Add): {len(self.biases_added)} layers"
-                       if self.options.get("bias_init", "zero") == "zero"
-                       else f"random biases added (BiTFiT-Add): {len(self.biases_added)} layers")
+            out.append(
+                f"zero biases added (BiTFiT-Add): {len(self.biases_added)} layers"
+                if self.options.get("bias_init", "zero") == "zero"
+                else f"random biases added (BiTFiT-Add): {len(self.biases_added)} layers"
+            )
         if self.norms_replaced:
             out.append(f"RMSNorm -> dpzoo.nn.RMSNorm with bias: {len(self.norms_replaced)} layers")
         if self.inplace_switched_off or self.blocks_swapped:
-            out.append(f"in-place ops removed: {len(self.inplace_switched_off)} modules, "
-                       f"{len(self.blocks_swapped)} residual blocks")
+            out.append(
+                f"in-place ops removed: {len(self.inplace_switched_off)} modules, "
+                f"{len(self.blocks_swapped)} residual blocks"
+            )
         for g in self.tied_groups:
             out.append("tied: " + " = ".join(g.names))
         if self.position_ids_per_sample:
@@ -65,10 +69,19 @@ class PatchReport:
         return out
 
 
-def make_dp_ready(model: nn.Module, *, groupnorm: bool = True, gn_groups: GroupSpec = "auto",
-                  add_bias: bool = True, bias_exempt: Iterable[str] = (), bias_init: str = "zero",
-                  bias_std: float = 1e-3, bias_seed: int | None = None, norm_bias: bool = True,
-                  fix_inplace: bool = True) -> nn.Module:
+def make_dp_ready(
+    model: nn.Module,
+    *,
+    groupnorm: bool = True,
+    gn_groups: GroupSpec = "auto",
+    add_bias: bool = True,
+    bias_exempt: Iterable[str] = (),
+    bias_init: str = "zero",
+    bias_std: float = 1e-3,
+    bias_seed: int | None = None,
+    norm_bias: bool = True,
+    fix_inplace: bool = True,
+) -> nn.Module:
     """Patch ``model`` for DP training; works on any ``nn.Module``, not only zoo entries.
 
     1. BatchNorm → GroupNorm with γ, β copied (:func:`dpzoo.surgery.convert_batchnorm`).
@@ -80,17 +93,25 @@ def make_dp_ready(model: nn.Module, *, groupnorm: bool = True, gn_groups: GroupS
     with ``model.dpzoo_patch_report`` describing every change.
     """
     bias_exempt = tuple(bias_exempt)
-    report = PatchReport(options={
-        "groupnorm": groupnorm, "gn_groups": gn_groups if not callable(gn_groups) else "callable",
-        "add_bias": add_bias, "bias_exempt": list(bias_exempt), "bias_init": bias_init,
-        "bias_std": bias_std, "norm_bias": norm_bias, "fix_inplace": fix_inplace,
-    })
+    report = PatchReport(
+        options={
+            "groupnorm": groupnorm,
+            "gn_groups": gn_groups if not callable(gn_groups) else "callable",
+            "add_bias": add_bias,
+            "bias_exempt": list(bias_exempt),
+            "bias_init": bias_init,
+            "bias_std": bias_std,
+            "norm_bias": norm_bias,
+            "fix_inplace": fix_inplace,
+        }
+    )
     if groupnorm:
         model, nr = convert_batchnorm(model, gn_groups)
         report.groupnorm = nr.converted
     if add_bias:
-        br = add_missing_biases(model, exclude=bias_exempt, init=bias_init, std=bias_std,
-                                norms=norm_bias, seed=bias_seed)
+        br = add_missing_biases(
+            model, exclude=bias_exempt, init=bias_init, std=bias_std, norms=norm_bias, seed=bias_seed
+        )
         report.biases_added, report.norms_replaced = br.added, br.replaced_norms
         report.not_patched.update(br.not_patched)
     if fix_inplace:
@@ -117,8 +138,9 @@ def check_dp_ready(model: nn.Module, *, bias_exempt: Iterable[str] = (), require
     problems = []
     for name, m in model.named_modules():
         if isinstance(m, _BatchNorm):
-            problems.append(f"{name or '<root>'}: {type(m).__name__} mixes samples; "
-                            "convert with dpzoo.make_dp_ready(model)")
+            problems.append(
+                f"{name or '<root>'}: {type(m).__name__} mixes samples; convert with dpzoo.make_dp_ready(model)"
+            )
         if isinstance(getattr(m, "inplace", None), bool) and m.inplace:
             problems.append(f"{name}: {type(m).__name__}(inplace=True) breaks backward hooks")
     for name, m in model.named_modules():
@@ -126,6 +148,5 @@ def check_dp_ready(model: nn.Module, *, bias_exempt: Iterable[str] = (), require
             problems.append(f"{name}: {type(m).__name__} adds its shortcut in place")
     if require_bias:
         for name in missing_biases(model, bias_exempt):
-            problems.append(f"{name}: no bias (DP-BiTFiT would not train it); "
-                            "dpzoo.make_dp_ready adds a zero one")
+            problems.append(f"{name}: no bias (DP-BiTFiT would not train it); dpzoo.make_dp_ready adds a zero one")
     return problems

@@ -52,14 +52,14 @@ def _groups_for(spec: GroupSpec, name: str, channels: int) -> int:
     elif isinstance(spec, int) and not isinstance(spec, bool):
         g = spec
     else:
-        raise PatchError(f"gn_groups must be 'auto', an int or a callable(name, channels) -> int; "
-                         f"got {spec!r}")
+        raise PatchError(f"gn_groups must be 'auto', an int or a callable(name, channels) -> int; got {spec!r}")
     if not isinstance(g, int) or g < 1 or channels % g != 0:
         divisors = [d for d in range(1, min(channels, 64) + 1) if channels % d == 0]
         raise PatchError(
             f"Cannot convert {name!r} to GroupNorm with {g!r} groups: {channels} channels are not "
             f"divisible by it. Divisors of {channels} include {divisors}; pass gn_groups='auto' "
-            "or a callable(name, channels) -> groups.")
+            "or a callable(name, channels) -> groups."
+        )
     return g
 
 
@@ -67,8 +67,7 @@ def _group_norm_like(bn: _BatchNorm, groups: int) -> nn.Module:
     c, dev = bn.num_features, (bn.weight.device if bn.weight is not None else None)
     dtype = bn.weight.dtype if bn.weight is not None else None
     if isinstance(bn, BatchNormAct2d):  # timm's fused BatchNormAct2d: keep its activation and dropout
-        gn = GroupNormAct(c, num_groups=groups, eps=bn.eps, affine=bn.affine, apply_act=False,
-                          device=dev, dtype=dtype)
+        gn = GroupNormAct(c, num_groups=groups, eps=bn.eps, affine=bn.affine, apply_act=False, device=dev, dtype=dtype)
         gn.act, gn.drop = bn.act, bn.drop
     else:
         gn = nn.GroupNorm(groups, c, eps=bn.eps, affine=bn.affine, device=dev, dtype=dtype)

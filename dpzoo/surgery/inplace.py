@@ -85,6 +85,7 @@ def find_inplace_ops(model: nn.Module, *args, **kwargs) -> list[InplaceOp]:
     def enter(name):
         def hook(module, inputs):
             stack.append(name)  # returns None: the inputs are left as they are
+
         return hook
 
     def leave(module, inputs, output):

@@ -43,7 +43,7 @@ def _patches(x: torch.Tensor, module: nn.Module, pad: list[int] | None, mode: st
         if d > 1:
             x = x[..., ::d]
     b, c = x.shape[:2]
-    t = math.prod(x.shape[2:2 + nd])
+    t = math.prod(x.shape[2 : 2 + nd])
     k = math.prod(kernel)
     g = module.groups
     x = x.reshape(b, g, c // g, t, k).permute(0, 1, 3, 2, 4)
@@ -91,7 +91,8 @@ def _conv_rule(module, activations, grad_output, params, pad_fn=_module_padding)
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
             raise UnsupportedModuleError(
                 f"{type(module).__name__} got an input {shape} that is not a batch (N, C, ...) of the "
-                f"convolution's {module.weight.dim() - 2}-d inputs: per-sample gradients need batch-first inputs.")
+                f"convolution's {module.weight.dim() - 2}-d inputs: per-sample gradients need batch-first inputs."
+            )
         pad, mode = pad_fn(module, x)
         patches = _patches(x, module, pad, mode)
         g = _grad_by_group(grad_output, module.groups)
@@ -99,7 +100,8 @@ def _conv_rule(module, activations, grad_output, params, pad_fn=_module_padding)
             raise UnsupportedModuleError(
                 f"{type(module).__name__}: the convolution dpzoo reconstructs from the module's attributes "
                 f"(padding, stride, dilation, groups, kernel) has {patches.shape[2]} output positions per sample, "
-                f"the module's output {g.shape[2]}: the module does not compute what the Conv rule assumes.")
+                f"the module's output {g.shape[2]}: the module does not compute what the Conv rule assumes."
+            )
         out["weight"] = Factored(g, patches, tuple(module.weight.shape))
     if "bias" in params:
         out["bias"] = Dense(grad_output.reshape(grad_output.shape[0], grad_output.shape[1], -1).sum(2))
@@ -183,5 +185,6 @@ def _std_conv_rule(module, activations, grad_output, params):
 
 if StdConv2d is not None:
     register_rule(StdConv2d, StdConv2dSame, activation_free={"bias"})(_std_conv_rule)
-    register_rule(ScaledStdConv2d, ScaledStdConv2dSame, params=("weight", "bias", "gain"),
-                  activation_free={"bias"})(_std_conv_rule)
+    register_rule(ScaledStdConv2d, ScaledStdConv2dSame, params=("weight", "bias", "gain"), activation_free={"bias"})(
+        _std_conv_rule
+    )

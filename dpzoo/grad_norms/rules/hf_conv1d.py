@@ -12,6 +12,7 @@ except ImportError:  # pragma: no cover - transformers is a dependency
     Conv1D = None
 
 if Conv1D is not None:
+
     @register_rule(Conv1D, activation_free={"bias"})
     def hf_conv1d_rule(module, activations, grad_output, params):
         out = {}

@@ -13,6 +13,7 @@ except ImportError:  # pragma: no cover
     LayerScale = LayerScale2d = None
 
 if LayerScale is not None:
+
     @register_rule(LayerScale, params=("gamma",))
     def layerscale_rule(module, activations, grad_output, params):
         return {"gamma": Dense((tokens_last(grad_output) * tokens_last(activations[0])).sum(1))}

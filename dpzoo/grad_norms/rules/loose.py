@@ -19,8 +19,15 @@ from torch import nn
 
 from ...errors import UnsupportedModuleError
 
-__all__ = ["LOOSE_TENSORS", "LOOSE_CHECKS", "register_loose_tensors", "loose_names",
-           "BROADCAST_LOOKUPS", "register_broadcast_lookup", "is_broadcast_lookup"]
+__all__ = [
+    "LOOSE_TENSORS",
+    "LOOSE_CHECKS",
+    "register_loose_tensors",
+    "loose_names",
+    "BROADCAST_LOOKUPS",
+    "register_broadcast_lookup",
+    "is_broadcast_lookup",
+]
 
 
 LOOSE_TENSORS: dict[type, tuple[str, ...]] = {}
@@ -28,8 +35,9 @@ LOOSE_TENSORS: dict[type, tuple[str, ...]] = {}
 LOOSE_CHECKS: dict[type, Callable[[nn.Module], "str | None"]] = {}
 
 
-def register_loose_tensors(module_type: type, names: Iterable[str],
-                           check: Callable[[nn.Module], "str | None"] | None = None) -> None:
+def register_loose_tensors(
+    module_type: type, names: Iterable[str], check: Callable[[nn.Module], "str | None"] | None = None
+) -> None:
     """Declare that ``module_type`` uses its tensors ``names`` (shape (1, ...), dim ≥ 2) only
     broadcast over the batch, so dpzoo may give each sample its own copy during forward.
     ``check(module)`` returns why a particular instance does not (it is then refused), or None."""
@@ -53,19 +61,23 @@ def loose_names(module: nn.Module) -> tuple[str, ...]:
 
 def _timm_vit_check(module: nn.Module) -> str | None:
     if getattr(module, "dynamic_img_size", False):
-        return ("dynamic_img_size=True resamples pos_embed as a (1, ...) tensor, which per-sample copies "
-                "cannot follow; build the ViT with dynamic_img_size=False (a fixed image size)")
+        return (
+            "dynamic_img_size=True resamples pos_embed as a (1, ...) tensor, which per-sample copies "
+            "cannot follow; build the ViT with dynamic_img_size=False (a fixed image size)"
+        )
     return None
 
 
 try:  # timm's Vision Transformers: cls_token, pos_embed, reg_token, broadcast in _pos_embed
     from timm.models.vision_transformer import VisionTransformer as _TimmViT
+
     register_loose_tensors(_TimmViT, ("cls_token", "pos_embed", "reg_token"), check=_timm_vit_check)
 except ImportError:  # pragma: no cover
     pass
 
 try:  # timm's attention pooling (global_pool="map"): latent.expand(B, -1, -1)
     from timm.layers.attention_pool import AttentionPoolLatent as _TimmAttnPool
+
     register_loose_tensors(_TimmAttnPool, ("latent",))
 except ImportError:  # pragma: no cover
     pass

@@ -34,7 +34,8 @@ def layernorm_rule(module: nn.LayerNorm, activations, grad_output, params):
 
 
 try:  # timm's LayerNorm computes F.layer_norm too (optionally a fused kernel)
-    from timm.layers.norm import LayerNorm as TimmLayerNorm, LayerNorm2d as TimmLayerNorm2d
+    from timm.layers.norm import LayerNorm as TimmLayerNorm
+    from timm.layers.norm import LayerNorm2d as TimmLayerNorm2d
 except ImportError:  # pragma: no cover
     TimmLayerNorm = TimmLayerNorm2d = None
 if TimmLayerNorm is not None:
@@ -76,8 +77,10 @@ if GroupNormAct is not None:
         # the rule recomputes act(GN(x)) to pull the output gradient back through it: an activation
         # drawing random numbers in training (RReLU's slopes) would be pulled back with other draws
         if any(isinstance(m, _RANDOM) for m in module.act.modules()):
-            return (f"GroupNormAct with a random activation ({type(module.act).__name__}): the draws of the "
-                    "forward pass cannot be recomputed")
+            return (
+                f"GroupNormAct with a random activation ({type(module.act).__name__}): the draws of the "
+                "forward pass cannot be recomputed"
+            )
         return None
 
     @register_rule(GroupNormAct, check=_check_gn_act, activation_free={"bias"}, grad_from=lambda m: m.act)
@@ -87,8 +90,9 @@ if GroupNormAct is not None:
         # The output is act(GN(x)): pull grad_output back through the activation first.
         x = activations[0]
         with torch.enable_grad():
-            y = F.group_norm(x, module.num_groups, module.weight.detach(), module.bias.detach(),
-                             module.eps).requires_grad_(True)
+            y = F.group_norm(
+                x, module.num_groups, module.weight.detach(), module.bias.detach(), module.eps
+            ).requires_grad_(True)
             (g,) = torch.autograd.grad(module.act(y.clone()), y, grad_output)  # act may be in-place
         return groupnorm_rule(module, activations, g, params)
 
@@ -102,6 +106,7 @@ def _rms_rule(normalize):
         if "bias" in params:
             out["bias"] = Dense(_sum_to_trailing(grad_output, 1))
         return out
+
     return rule
 
 
@@ -110,10 +115,13 @@ def _rms_rule(normalize):
 register_rule(RMSNorm, activation_free={"bias"}, methods=("normalize",))(_rms_rule(lambda m, x: m.normalize(x)))
 
 if hasattr(nn, "RMSNorm"):
+
     def _torch_rms_check(module) -> str | None:
         return None if len(module.normalized_shape) == 1 else "RMSNorm over several dims"
+
     register_rule(nn.RMSNorm, params=("weight",), check=_torch_rms_check)(
-        _rms_rule(lambda m, x: F.rms_norm(x, m.normalized_shape, None, m.eps)))
+        _rms_rule(lambda m, x: F.rms_norm(x, m.normalized_shape, None, m.eps))
+    )
 
 
 def _llama_normalize(module, x):
