@@ -32,7 +32,7 @@ from torch.utils.data import DataLoader, Subset
 
 from ..errors import AccountingError, DPZooError, InvalidArgumentError
 from ..grad_norms import attach_norm_hooks
-from ..privacy.accountant import Accountant, get_noise_multiplier
+from ..privacy.accountant import Accountant, accountant_spec, get_noise_multiplier
 from ..privacy.engine import PrivacyEngine, _default_head
 from . import magnitudes as MG
 from .estimation import pgm_est, pgm_variance
@@ -122,11 +122,11 @@ def compute_sigma(
     bisection as Algorithm 2)."""
     if not 0 < budget_ratio < 1:
         raise InvalidArgumentError(f"budget_ratio={budget_ratio} is out of range; pass a value in (0, 1), e.g. 0.9.")
-    if accountant == "gdp":
+    if not accountant_spec(accountant).composes_history:
         raise AccountingError(
-            "DP-FROST composes selection and DP-SGD, but accountant='gdp' (Opacus' "
-            "GaussianAccountant) counts only the last mechanism of a history and would under-report "
-            "ε: use accountant='pld' or 'rdp' (dp-accounting) or 'prv' (Opacus)."
+            f"DP-FROST composes selection and DP-SGD, but accountant={accountant!r} does not compose a "
+            "history (it would count only the last mechanism and under-report ε): use accountant='pld' or "
+            "'rdp' (dp-accounting) or 'prv' (Opacus)."
         )
     sigma_sgd = get_noise_multiplier(
         budget_ratio * target_epsilon, target_delta, sgd_sample_rate, sgd_steps, accountant

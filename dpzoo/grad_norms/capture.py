@@ -89,15 +89,16 @@ class Recorder:
         self.pending.clear()
 
 
-def output_tensors(output) -> list[torch.Tensor]:
-    """The tensors in a model's output that have a gradient path (inside tensors, tuples, lists,
-    dicts and transformers' ModelOutputs), in a fixed order: two calls on outputs of the same
-    structure list corresponding tensors at the same positions."""
+def output_tensors(output, grad_only: bool = True) -> list[torch.Tensor]:
+    """The tensors in a model's output that have a gradient path (all tensors with
+    ``grad_only=False``), inside tensors, tuples, lists, dicts and transformers' ModelOutputs, in a
+    fixed order: two calls on outputs of the same structure list corresponding tensors at the same
+    positions."""
     found, stack = [], [output]
     while stack:
         o = stack.pop()
         if isinstance(o, torch.Tensor):
-            if o.grad_fn is not None:
+            if o.grad_fn is not None or not grad_only:
                 found.append(o)
         elif isinstance(o, dict):
             stack.extend(reversed(list(o.values())))

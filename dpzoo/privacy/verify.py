@@ -283,7 +283,7 @@ def _train_mode_mixing(model: nn.Module, hooks: NormHooks, args, kwargs, batch: 
             for inputs in ((args, kwargs), (replaced(args), replaced(kwargs))):
                 with torch.random.fork_rng(devices=devices):
                     torch.manual_seed(seed)
-                    outs.append([o.detach() for o in _all_tensors(model(*inputs[0], **inputs[1]))])
+                    outs.append([o.detach() for o in output_tensors(model(*inputs[0], **inputs[1]), grad_only=False)])
     finally:
         with torch.no_grad():
             for name, b in model.named_buffers():
@@ -298,19 +298,6 @@ def _train_mode_mixing(model: nn.Module, hooks: NormHooks, args, kwargs, batch: 
         if gap > tol * max(a[keep].abs().max().item(), 1e-3):
             return [f"in train mode, changing sample {j} changed other samples' outputs (max difference {gap:.3g})"]
     return []
-
-
-def _all_tensors(output) -> list[torch.Tensor]:
-    found, stack = [], [output]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, torch.Tensor):
-            found.append(o)
-        elif isinstance(o, dict):
-            stack.extend(reversed(list(o.values())))
-        elif isinstance(o, (list, tuple)):
-            stack.extend(reversed(o))
-    return found
 
 
 def verify(model: nn.Module, inputs, loss_fn, *, samples: int = 3, mode: str = "auto") -> SelfCheckReport:

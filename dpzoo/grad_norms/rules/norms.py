@@ -14,11 +14,7 @@ from torch import nn
 from ...nn.rmsnorm import RMSNorm
 from ..registry import register_rule
 from ..reps import Dense
-
-
-def _sum_to_trailing(x: torch.Tensor, ndims: int) -> torch.Tensor:
-    dims = tuple(range(1, x.dim() - ndims))
-    return x.sum(dims) if dims else x
+from ._util import sum_all_but
 
 
 @register_rule(nn.LayerNorm, activation_free={"bias"})
@@ -27,9 +23,9 @@ def layernorm_rule(module: nn.LayerNorm, activations, grad_output, params):
     out = {}
     if "weight" in params:
         xhat = F.layer_norm(activations[0], module.normalized_shape, None, None, module.eps)
-        out["weight"] = Dense(_sum_to_trailing(grad_output * xhat, nd))
+        out["weight"] = Dense(sum_all_but(grad_output * xhat, nd))
     if "bias" in params:
-        out["bias"] = Dense(_sum_to_trailing(grad_output, nd))
+        out["bias"] = Dense(sum_all_but(grad_output, nd))
     return out
 
 
@@ -102,9 +98,9 @@ def _rms_rule(normalize):
         out = {}
         if "weight" in params:
             xhat = normalize(module, activations[0])
-            out["weight"] = Dense(_sum_to_trailing(grad_output * xhat, 1))
+            out["weight"] = Dense(sum_all_but(grad_output * xhat, 1))
         if "bias" in params:
-            out["bias"] = Dense(_sum_to_trailing(grad_output, 1))
+            out["bias"] = Dense(sum_all_but(grad_output, 1))
         return out
 
     return rule
