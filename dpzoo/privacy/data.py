@@ -16,6 +16,7 @@ the global batch, once.
 from __future__ import annotations
 
 import collections
+import hashlib
 import os
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
@@ -26,7 +27,7 @@ from torch.utils.data.dataloader import default_collate
 
 from ..errors import PrivacyUsageError
 
-__all__ = ["PoissonBatchSampler", "DPDataLoader", "StepSignal", "secret_generator"]
+__all__ = ["PoissonBatchSampler", "DPDataLoader", "StepSignal", "secret_generator", "dataset_fingerprint"]
 
 
 def secret_generator(device: "torch.device | str" = "cpu") -> torch.Generator:
@@ -209,3 +210,29 @@ def _slice(batch, start, stop):
     if isinstance(batch, dict):
         return {k: _slice(v, start, stop) for k, v in batch.items()}
     return type(batch)(_slice(v, start, stop) for v in batch)
+
+
+def _to_bytes(obj, out: list) -> None:
+    if isinstance(obj, torch.Tensor):
+        out.append(str((obj.dtype, tuple(obj.shape))).encode())
+        out.append(obj.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes() if obj.numel() else b"")
+    elif isinstance(obj, dict):
+        for k in sorted(obj, key=str):
+            out.append(str(k).encode())
+            _to_bytes(obj[k], out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _to_bytes(v, out)
+    elif hasattr(obj, "tobytes"):  # numpy arrays and scalars
+        out.append(obj.tobytes())
+    else:
+        out.append(repr(obj).encode())
+
+
+def dataset_fingerprint(dataset) -> str:
+    """Length and a hash of a few items: equal on every rank iff (very likely) the same dataset."""
+    n = len(dataset)
+    parts: list = [str(n).encode()]
+    for i in sorted({0, n // 3, n // 2, n - 1} if n else set()):
+        _to_bytes(dataset[i], parts)
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()

@@ -20,7 +20,6 @@ cheaper (2T² < p·d); ``"instantiate"`` per-sample gradients everywhere (Opacus
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import math
 import numbers
 import warnings
@@ -35,7 +34,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 from ..errors import DPZooError, PrivacyUsageError, ReproducibleNoiseWarning
 from ..grad_norms import attach_norm_hooks
 from .accountant import Accountant, accountant_spec, get_noise_multiplier
-from .data import DPDataLoader, StepSignal
+from .data import DPDataLoader, StepSignal, dataset_fingerprint
 from .modes import MODES
 from .optimizer import CLIPPING, DPOptimizer, _world
 from .verify import self_check
@@ -52,13 +51,11 @@ def freeze_all_but_biases(model: nn.Module, train_head: Iterable[str] | str | No
 
     Returns the names of the trainable parameters.
     """
-    heads = [train_head] if isinstance(train_head, str) else list(train_head or [])
+    keep = _bitfit_trainable(model, train_head)
     trainable = []
     for name, p in model.named_parameters():
-        module = name.rpartition(".")[0]
-        keep = _is_bias(name) or any(fnmatch.fnmatch(module, h) or fnmatch.fnmatch(name, h) for h in heads)
-        p.requires_grad_(keep)
-        if keep:
+        p.requires_grad_(id(p) in keep)
+        if id(p) in keep:
             trainable.append(name)
     return trainable
 
@@ -74,7 +71,7 @@ def _default_head(model: nn.Module) -> list[str]:
 
 
 def _bitfit_trainable(model: nn.Module, train_head) -> set[int]:
-    """ids of the parameters :func:`freeze_all_but_biases` would leave trainable (no mutation)."""
+    """ids of the parameters DP-BiTFiT trains: biases and ``train_head`` patterns (no mutation)."""
     heads = [train_head] if isinstance(train_head, str) else list(train_head or [])
     keep = set()
     for name, p in model.named_parameters():
@@ -110,45 +107,10 @@ def sample_mixing_modules(model: nn.Module) -> list[str]:
     return out
 
 
-def _to_bytes(obj, out: list) -> None:
-    if isinstance(obj, torch.Tensor):
-        out.append(str((obj.dtype, tuple(obj.shape))).encode())
-        out.append(obj.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes() if obj.numel() else b"")
-    elif isinstance(obj, dict):
-        for k in sorted(obj, key=str):
-            out.append(str(k).encode())
-            _to_bytes(obj[k], out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _to_bytes(v, out)
-    elif hasattr(obj, "tobytes"):  # numpy arrays and scalars
-        out.append(obj.tobytes())
-    else:
-        out.append(repr(obj).encode())
-
-
-def dataset_fingerprint(dataset) -> str:
-    """Length and a hash of a few items: equal on every rank iff (very likely) the same dataset."""
-    n = len(dataset)
-    parts: list = [str(n).encode()]
-    for i in sorted({0, n // 3, n // 2, n - 1} if n else set()):
-        _to_bytes(dataset[i], parts)
-    return hashlib.sha256(b"\0".join(parts)).hexdigest()
-
-
 def _checksums(module: nn.Module) -> dict[str, tuple[float, float]]:
     """Two sums per parameter (plain and squared, float64): a cheap fingerprint of its values."""
     with torch.no_grad():
         return {n: (float(p.double().sum()), float(p.double().pow(2).sum())) for n, p in module.named_parameters()}
-
-
-def eval_settings(text: str) -> list:
-    import ast
-
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return []
 
 
 class PrivacyEngine:
@@ -581,11 +543,11 @@ class PrivacyEngine:
 
     @staticmethod
     def _same_on_every_rank(world: int, **settings) -> None:
+        mine = {k: repr(v) for k, v in settings.items()}
         gathered: list = [None] * world
-        torch.distributed.all_gather_object(gathered, repr(sorted(settings.items())))
-        if len(set(gathered)) > 1:
-            first = dict(eval_settings(gathered[0]))
-            diff = [k for k, v in settings.items() if repr(v) != repr(first.get(k))] or ["(see the ranks)"]
+        torch.distributed.all_gather_object(gathered, mine)
+        diff = sorted({k for other in gathered for k in mine if other.get(k) != mine[k]})
+        if diff:
             raise PrivacyUsageError(
                 f"make_private got different settings on different ranks ({', '.join(diff)}): every rank must use the "
                 "same batch_size, noise, clipping bound, mode and accountant, or the reported ε holds for none."
