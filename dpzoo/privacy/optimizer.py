@@ -124,7 +124,6 @@ class DPOptimizer(torch.optim.Optimizer):
         self.check_parameters: Callable[[], None] | None = None
         self.check_state: Callable[[], None] | None = None  # the engine's watch on buffers / parameters
         self.refusal: Exception | None = None  # a failed self-check: every later step is refused too
-        self.check_batches = True  # the engine's loader feeds the signal
 
     # -- the wrapped optimizer -------------------------------------------------------------
     @property
@@ -263,7 +262,7 @@ class DPOptimizer(torch.optim.Optimizer):
         batch_tag, self._pending_batch = self._pending_batch, None
         if batch_tag is None:  # a forward the engine did not see (its hooks detached): the current batch
             batch_tag = self.signal.logical_index
-        if self.check_batches and self._step_batch is not None and batch_tag != self._step_batch:
+        if self._step_batch is not None and batch_tag != self._step_batch:
             self.hooks.clear()
             raise PrivacyUsageError(
                 "Forward/backward passes of two different logical batches before one optimizer.step(): one noise "
@@ -312,8 +311,6 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def check_step(self) -> None:
         """Refuse a step whose clipped rows are not exactly one logical batch of the loader."""
-        if not self.check_batches:
-            return
         sig = self.signal
         if sig.logical_index < 0:
             raise PrivacyUsageError(
@@ -407,7 +404,7 @@ class DPOptimizer(torch.optim.Optimizer):
             )
         with self._aborting():
             self.clip_and_accumulate()
-            if not self.signal.last_physical and self.check_batches:
+            if not self.signal.last_physical:
                 return False
             self.check_step()
             if self.check_parameters is not None:
