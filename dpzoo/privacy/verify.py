@@ -37,9 +37,12 @@ from ..grad_norms.hooks import NormHooks, attach_norm_hooks, attached_norm_hooks
 
 __all__ = ["verify", "self_check", "SelfCheckReport"]
 
-# Relative tolerance per parameter (with a floor of 1e-3 of the sample's total gradient norm).
-# A layer whose rule does not fit is off by O(1); float32 roundoff alone reaches ~0.5% on
-# parameters whose gradients are sums of cancelling terms (ghost norms, batched vs single convs).
+# Relative tolerance per parameter, with a floor of 0.1 of the sample's total gradient norm: a gap
+# fails only if it is over `tol` of the parameter's norm and over 0.1·tol of the total. A layer
+# whose rule does not fit is off by O(1); float32 roundoff alone reached ~1% on a parameter whose
+# gradient is a tiny sum of cancelling terms (a first conv: 8e-5, ghost norm vs a single conv),
+# which is far below 1e-3 of the total that clipping uses.
+_FLOOR = 0.1
 _TOL = {torch.float64: 1e-6, torch.float32: 1e-2, torch.bfloat16: 1e-1, torch.float16: 1e-1}
 
 
@@ -184,7 +187,7 @@ def self_check(
             wrong_sum = []
             for n in names:
                 gap = (summed[n] - ref_sum[n]).norm().item()
-                rel = gap / max(ref_sum[n].norm().item(), 1e-3 * scale, 1e-30) if math.isfinite(gap) else math.inf
+                rel = gap / max(ref_sum[n].norm().item(), _FLOOR * scale, 1e-30) if math.isfinite(gap) else math.inf
                 worst[n] = max(worst[n], rel)
                 if rel > tol:
                     wrong_sum.append(f"{n} (relative difference {rel:.2g})")
@@ -217,7 +220,7 @@ def self_check(
                 total = torch.sqrt(sum(v**2 for v in ref.values())).item()
                 for n in names:
                     got, want = hooks_norms[n][i].item(), ref[n].item()
-                    rel = abs(got - want) / max(want, got, 1e-3 * total, 1e-30)
+                    rel = abs(got - want) / max(want, got, _FLOOR * total, 1e-30)
                     worst[n] = max(worst[n], rel)
                     if rel > tol:
                         bad.setdefault(n, []).append((i, got, want))
