@@ -12,6 +12,8 @@ from .errors import (
     AccountingError,
     CheckpointError,
     DPZooError,
+    InvalidArgumentError,
+    MissingDependencyError,
     NoGradientWarning,
     OverrideError,
     PatchError,
@@ -20,13 +22,14 @@ from .errors import (
     SaveError,
     SelfCheckError,
     UnknownModelError,
+    UnsupportedBatchError,
     UnsupportedModuleError,
 )
 from .grad_norms import NormHooks, attach_norm_hooks, register_rule
 from .hub import create_model, load, privacy_metadata, read_config, save
-from .privacy import PrivacyEngine, register_accountant
+from .privacy import PrivacyEngine, register_accountant, unregister_accountant
 from .privacy.verify import verify
-from .registry import ModelCard, is_model, list_models, model_card, register_model
+from .registry import ModelCard, is_model, list_models, model_card, register_model, unregister_model
 from .summary import ModelSummary, summary
 from .surgery import check_dp_ready, find_inplace_ops, find_tied_parameters, make_dp_ready
 
@@ -39,6 +42,7 @@ __all__ = [
     "privacy_metadata",
     "list_models",
     "register_model",
+    "unregister_model",
     "model_card",
     "is_model",
     "ModelCard",
@@ -50,6 +54,7 @@ __all__ = [
     "find_inplace_ops",
     "PrivacyEngine",
     "register_accountant",
+    "unregister_accountant",
     "verify",
     "attach_norm_hooks",
     "NormHooks",
@@ -66,6 +71,9 @@ __all__ = [
     "PrivacyUsageError",
     "AccountingError",
     "SelfCheckError",
+    "InvalidArgumentError",
+    "MissingDependencyError",
+    "UnsupportedBatchError",
     "NoGradientWarning",
     "ReproducibleNoiseWarning",
 ]

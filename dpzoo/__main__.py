@@ -1,3 +1,5 @@
+"""`python -m dpzoo`: the command line (dpzoo.cli)."""
+
 import sys
 
 from .cli import main

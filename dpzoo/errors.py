@@ -85,6 +85,11 @@ class ReproducibleNoiseWarning(UserWarning):
     noise, so the guarantee holds only against those who do not."""
 
 
+class UnsupportedBatchError(DPZooError, TypeError):
+    """A dataset item or collated batch whose type the DP data loader cannot count rows of or
+    build an empty batch from. A ``TypeError`` too, as it was before it had its own class."""
+
+
 class InvalidArgumentError(DPZooError, ValueError):
     """An argument dpzoo cannot use: out of range, not one of the accepted choices, a tensor of
     the wrong shape, or a name already taken in a registry.

@@ -24,6 +24,7 @@ from torch import nn
 from . import __version__
 from .checkpoint import load_state_dict_checked
 from .errors import CheckpointError, OverrideError, SaveError
+from .privacy.engine import engine_of
 from .registry import get_entry, split_name
 
 __all__ = [
@@ -202,8 +203,7 @@ def save(
             "or register a builder with @dpzoo.register_model."
         )
     if privacy is None:  # a model trained by dpzoo's engine carries its privacy spend
-        engine_ref = getattr(model, "_dpzoo_engine", None)
-        engine = engine_ref() if engine_ref is not None else None
+        engine = engine_of(model)
         if engine is not None and engine.steps > 0:
             privacy = engine.privacy_metadata()
         else:

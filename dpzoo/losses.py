@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .errors import InvalidArgumentError
+
 __all__ = ["SequenceCrossEntropy"]
 
 
@@ -24,7 +26,9 @@ class SequenceCrossEntropy(nn.Module):
     ):
         super().__init__()
         if reduction not in ("none", "sum", "mean") or token_reduction not in ("sum", "mean"):
-            raise ValueError("reduction must be none|sum|mean and token_reduction sum|mean")
+            raise InvalidArgumentError(
+                f"reduction must be none|sum|mean and token_reduction sum|mean, got {reduction!r} and {token_reduction!r}"
+            )
         self.reduction, self.token_reduction = reduction, token_reduction
         self.ignore_index, self.shift = ignore_index, shift
 

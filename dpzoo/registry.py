@@ -19,6 +19,7 @@ __all__ = [
     "ModelCard",
     "ModelEntry",
     "register_model",
+    "unregister_model",
     "list_models",
     "model_card",
     "get_entry",
@@ -140,6 +141,19 @@ def register_model(name: str | Callable | None = None, *, card: ModelCard | None
     if callable(name):  # bare @register_model
         return decorate(name, None)
     return lambda fn: decorate(fn, name)
+
+
+def unregister_model(name: str) -> Callable[..., Any]:
+    """Remove an entry registered with :func:`register_model` and return its builder (a plugin's
+    tests clean up with it). dpzoo's own entries cannot be removed."""
+    _ensure_builtin()
+    if name not in _REGISTRY:
+        raise UnknownModelError(name, _REGISTRY)
+    builder = _REGISTRY[name].builder
+    if builder.__module__.split(".")[0] == "dpzoo":
+        raise InvalidArgumentError(f"{name!r} is one of dpzoo's own zoo entries and cannot be unregistered.")
+    del _REGISTRY[name]
+    return builder
 
 
 def _ensure_builtin() -> None:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+import dpzoo
+from dpzoo.grad_norms import attach_norm_hooks
 
 
 def per_sample_grads(model: nn.Module, loss_fn, inputs: dict, batch_size: int) -> list[dict[str, torch.Tensor]]:
@@ -46,3 +50,65 @@ def assert_close(actual, expected, rtol, what="", floor=1e-12):
     scale = expected.abs().max().clamp_min(float(floor))
     err = (actual - expected).abs().max() / scale
     assert err <= rtol, f"{what}: relative error {err:.3e} > {rtol:.0e}"
+
+
+def zoo_model_and_inputs(name, b=3, seed=0):
+    """A zoo entry in its small test configuration (float64, eval), a batch of ``b`` example inputs
+    from its card and a summed loss ``loss_fn(model, **inputs)``."""
+    torch.manual_seed(seed)
+    card = dpzoo.model_card(name)
+    model = dpzoo.load(name, **card.test_overrides).double().eval()  # eval: no dropout
+    spec = card.example_input
+    g = torch.Generator().manual_seed(seed + 1)
+    if spec["kind"] == "image":
+        x = torch.randn(b, *spec["shape"], generator=g, dtype=torch.float64)
+        y = torch.randint(0, card.test_overrides["num_classes"], (b,), generator=g)
+
+        def loss_fn(m, x, y):
+            return F.cross_entropy(m(x), y, reduction="sum")
+
+        return model, {"x": x, "y": y}, loss_fn
+    ids = torch.randint(0, spec["vocab_size"], (b, spec["seq_len"]), generator=g)
+    if card.task == "sequential-recommendation":  # next item at every position, padding (0) ignored
+
+        def loss_fn(m, ids):
+            logits = m(ids)[:, :-1]
+            return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum", ignore_index=0)
+
+        return model, {"ids": ids}, loss_fn
+    if card.task == "causal-lm":
+
+        def loss_fn(m, ids):
+            logits = m(input_ids=ids).logits[:, :-1]
+            return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+
+        return model, {"ids": ids}, loss_fn
+    y = torch.randint(0, card.test_overrides["num_classes"], (b,), generator=g)
+
+    def loss_fn(m, ids, y):
+        return F.cross_entropy(m(input_ids=ids).logits, y, reduction="sum")
+
+    return model, {"ids": ids, "y": y}, loss_fn
+
+
+def check_against_brute_force(model, inputs, loss_fn, mode, tol=1e-6):
+    """Per-sample norms (total and per parameter) and a randomly weighted clipped sum from dpzoo's
+    hooks in ``mode``, each against a loop of per-sample backward passes; returns the hooks."""
+    b = next(iter(inputs.values())).shape[0]
+    scale = torch.rand(b, dtype=torch.float64, generator=torch.Generator().manual_seed(9)) + 0.1
+    total, per_param, clipped = reference(model, loss_fn, inputs, b, scale)
+    hooks = attach_norm_hooks(model, mode=mode)
+    try:
+        hooks.backward(loss_fn(model, **inputs))
+        assert_close(hooks.per_sample_norms(), total, tol, "per_sample_norms")
+        got = hooks.per_param_norms()
+        assert set(got) == set(per_param)
+        for n in per_param:  # relative to the total norm: some true per-parameter norms are 0
+            assert_close(got[n], per_param[n], tol, n, floor=total.abs().max() * 1e-3)
+        cs = hooks.clipped_sum(scale)
+        biggest = max(c.abs().max() for c in clipped.values())
+        for n in clipped:
+            assert_close(cs[n], clipped[n], tol, f"clipped {n}", floor=biggest * 1e-3)
+        return hooks
+    finally:
+        hooks.detach()

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
+from grad_reference import check_against_brute_force, zoo_model_and_inputs
 from seqrec_reference import reattention as reference_reattention
-from test_grad_norms_zoo import _check, _model_and_inputs
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpzoo
@@ -140,11 +140,11 @@ def test_rare_keys_get_less_attention():
 def test_per_sample_norms_with_reattention_active():
     """The correction is a constant for autograd: per-sample norms and clipped sums still equal
     the brute-force loop (Phantom Clipping on the tied embedding included)."""
-    model, inputs, loss_fn = _model_and_inputs("dpformer")
+    model, inputs, loss_fn = zoo_model_and_inputs("dpformer")
     model.set_token_frequencies(inputs["ids"])
     model.set_dp_noise(noise_multiplier=3.0, max_grad_norm=1.0, expected_batch_size=2)
     for mode in ("auto", "ghost", "instantiate"):
-        _check(model, inputs, loss_fn, mode)
+        check_against_brute_force(model, inputs, loss_fn, mode)
 
 
 def test_correction_changes_outputs_but_is_cheap():

@@ -161,10 +161,12 @@ def test_matches_reference_implementation(ckpt, converted):
     # dpzoo's own loading path (format detection + mapping) into the unpatched timm model
     import timm
 
-    from dpzoo.models._timm import _load_local
+    from dpzoo.models._timm import load_local_checkpoint
 
     ours = timm.create_model(eff.ARCH)
-    _load_local(ours, ckpt, num_classes_overridden=False, entry=NAME, convert_state_dict=eff.convert_state_dict)
+    load_local_checkpoint(
+        ours, ckpt, num_classes_overridden=False, entry=NAME, convert_state_dict=eff.convert_state_dict
+    )
     ours.eval()
     x = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import dpzoo
 from dpzoo import frost
 from dpzoo.frost import magnitudes as MG
-from dpzoo.frost.selection import _Measurer
+from dpzoo.frost.selection import PartitionGradientMeasure
 
 # -- PGM-EST -------------------------------------------------------------------------------
 
@@ -178,7 +178,7 @@ def test_measured_pgms_equal_brute_force_per_sample_gradients():
     idx = [0, 3, 4, 7, 11]
     for method in frost.METHODS:
         for alpha in (1, 2):
-            got = _Measurer(model, ds, None, frost.default_loss, method, alpha, 0.3, 2)(parts, idx)
+            got = PartitionGradientMeasure(model, ds, None, frost.default_loss, method, alpha, 0.3, 2)(parts, idx)
             x, y = ds.tensors
             grads = per_sample_grads(
                 model, lambda m, x, y: F.cross_entropy(m(x), y, reduction="sum"), {"x": x[idx], "y": y[idx]}, len(idx)
@@ -197,7 +197,7 @@ def test_measured_pgms_on_a_transformer_match_brute_force():
     y = torch.randint(0, card.test_overrides["num_classes"], (5,))
     ds = TensorDataset(ids, y)
     parts = frost.default_partitions(model)
-    got = _Measurer(model, ds, None, frost.default_loss, "mgna", 1, 1.0, 2)(parts, list(range(5)))
+    got = PartitionGradientMeasure(model, ds, None, frost.default_loss, "mgna", 1, 1.0, 2)(parts, list(range(5)))
     model.eval()
     grads = per_sample_grads(
         model, lambda m, i, y: F.cross_entropy(m(input_ids=i).logits, y, reduction="sum"), {"i": ids, "y": y}, 5
@@ -208,7 +208,9 @@ def test_measured_pgms_on_a_transformer_match_brute_force():
 
 
 def _true_order(model, ds, parts, method="mgna", alpha=1):
-    pg = _Measurer(model, ds, None, frost.default_loss, method, alpha, 1.0, 64)(parts, list(range(len(ds))))
+    pg = PartitionGradientMeasure(model, ds, None, frost.default_loss, method, alpha, 1.0, 64)(
+        parts, list(range(len(ds)))
+    )
     return [parts[i].name for i in torch.argsort(pg, descending=True).tolist()]
 
 
@@ -340,7 +342,7 @@ def test_embedding_rows_coalesced_before_abs():
     y = torch.tensor([0, 2, 1])
     ds = TensorDataset(ids, y)
     parts = frost.default_partitions(model)
-    got = _Measurer(model, ds, None, frost.default_loss, "mgna", 1, 0.05, 2)(parts, [0, 1, 2])
+    got = PartitionGradientMeasure(model, ds, None, frost.default_loss, "mgna", 1, 0.05, 2)(parts, [0, 1, 2])
     grads = per_sample_grads(model, lambda m, i, y: F.cross_entropy(m(i), y, reduction="sum"), {"i": ids, "y": y}, 3)
     pg = [torch.stack([torch.cat([g[n].flatten() for n in p.params]) for g in grads]) for p in parts]
     assert torch.allclose(got, _definition(pg, "mgna", 1, 0.05, [p.size for p in parts]))

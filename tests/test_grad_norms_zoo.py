@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
-from grad_reference import assert_close, reference
+from grad_reference import assert_close, check_against_brute_force, zoo_model_and_inputs
 from torch import nn
 
 import dpzoo
@@ -29,79 +28,21 @@ ENTRIES = [
 ]
 
 
-def _model_and_inputs(name, b=3, seed=0):
-    torch.manual_seed(seed)
-    card = dpzoo.model_card(name)
-    model = dpzoo.load(name, **card.test_overrides).double().eval()  # eval: no dropout
-    spec = card.example_input
-    g = torch.Generator().manual_seed(seed + 1)
-    if spec["kind"] == "image":
-        x = torch.randn(b, *spec["shape"], generator=g, dtype=torch.float64)
-        y = torch.randint(0, card.test_overrides["num_classes"], (b,), generator=g)
-
-        def loss_fn(m, x, y):
-            return F.cross_entropy(m(x), y, reduction="sum")
-
-        return model, {"x": x, "y": y}, loss_fn
-    ids = torch.randint(0, spec["vocab_size"], (b, spec["seq_len"]), generator=g)
-    if card.task == "sequential-recommendation":  # next item at every position, padding (0) ignored
-
-        def loss_fn(m, ids):
-            logits = m(ids)[:, :-1]
-            return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum", ignore_index=0)
-
-        return model, {"ids": ids}, loss_fn
-    if card.task == "causal-lm":
-
-        def loss_fn(m, ids):
-            logits = m(input_ids=ids).logits[:, :-1]
-            return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
-
-        return model, {"ids": ids}, loss_fn
-    y = torch.randint(0, card.test_overrides["num_classes"], (b,), generator=g)
-
-    def loss_fn(m, ids, y):
-        return F.cross_entropy(m(input_ids=ids).logits, y, reduction="sum")
-
-    return model, {"ids": ids, "y": y}, loss_fn
-
-
 def _bias_only(model):
     for n, p in model.named_parameters():
         p.requires_grad_(n.rsplit(".", 1)[-1].endswith("bias"))
 
 
-def _check(model, inputs, loss_fn, mode, tol=1e-6):
-    b = next(iter(inputs.values())).shape[0]
-    scale = torch.rand(b, dtype=torch.float64, generator=torch.Generator().manual_seed(9)) + 0.1
-    total, per_param, clipped = reference(model, loss_fn, inputs, b, scale)
-    hooks = attach_norm_hooks(model, mode=mode)
-    try:
-        hooks.backward(loss_fn(model, **inputs))
-        assert_close(hooks.per_sample_norms(), total, tol, "per_sample_norms")
-        got = hooks.per_param_norms()
-        assert set(got) == set(per_param)
-        for n in per_param:  # relative to the total norm: some true per-parameter norms are 0
-            assert_close(got[n], per_param[n], tol, n, floor=total.abs().max() * 1e-3)
-        cs = hooks.clipped_sum(scale)
-        biggest = max(c.abs().max() for c in clipped.values())
-        for n in clipped:
-            assert_close(cs[n], clipped[n], tol, f"clipped {n}", floor=biggest * 1e-3)
-        return hooks
-    finally:
-        hooks.detach()
-
-
 @pytest.mark.parametrize("mode", ["auto", "ghost", "instantiate"])
 @pytest.mark.parametrize("name", ENTRIES)
 def test_zoo_full_training_norms(name, mode):
-    model, inputs, loss_fn = _model_and_inputs(name)
-    _check(model, inputs, loss_fn, mode)
+    model, inputs, loss_fn = zoo_model_and_inputs(name)
+    check_against_brute_force(model, inputs, loss_fn, mode)
 
 
 @pytest.mark.parametrize("name", ENTRIES)
 def test_zoo_bias_only_norms_and_no_activations(name):
-    model, inputs, loss_fn = _model_and_inputs(name)
+    model, inputs, loss_fn = zoo_model_and_inputs(name)
     _bias_only(model)
     hooks = attach_norm_hooks(model)
     try:
@@ -115,24 +56,24 @@ def test_zoo_bias_only_norms_and_no_activations(name):
         assert hooks.records and all(u.activations is None for u in hooks.records)
     finally:
         hooks.detach()
-    _check(model, inputs, loss_fn, "auto")
+    check_against_brute_force(model, inputs, loss_fn, "auto")
 
 
 def test_gpt2_tied_embedding_exact_and_untied_too():
-    model, inputs, loss_fn = _model_and_inputs("gpt2")
+    model, inputs, loss_fn = zoo_model_and_inputs("gpt2")
     assert model.lm_head.weight is model.transformer.wte.weight
-    _check(model, inputs, loss_fn, "auto")
+    check_against_brute_force(model, inputs, loss_fn, "auto")
     torch.manual_seed(0)
     card = dpzoo.model_card("gpt2")
     untied = dpzoo.load("gpt2", **card.test_overrides, tie_word_embeddings=False).double().eval()
-    _check(untied, inputs, loss_fn, "auto")
+    check_against_brute_force(untied, inputs, loss_fn, "auto")
 
 
 def test_float32_resnet_within_1e4():
-    model, inputs, loss_fn = _model_and_inputs("resnet18-gn-bias")
+    model, inputs, loss_fn = zoo_model_and_inputs("resnet18-gn-bias")
     model = model.float()
     inputs = {k: (v.float() if v.is_floating_point() else v) for k, v in inputs.items()}
-    _check(model, inputs, loss_fn, "auto", tol=1e-4)
+    check_against_brute_force(model, inputs, loss_fn, "auto", tol=1e-4)
 
 
 # --- no silent privacy leak ---------------------------------------------------------------
@@ -219,9 +160,9 @@ def test_no_trainable_parameters_is_an_error():
 
 
 def test_detach_removes_every_hook_and_results_need_a_backward():
-    model, inputs, loss_fn = _model_and_inputs("vit-tiny-patch16")
+    model, inputs, loss_fn = zoo_model_and_inputs("vit-tiny-patch16")
     hooks = attach_norm_hooks(model)
-    with pytest.raises(RuntimeError, match="backward"):
+    with pytest.raises(dpzoo.PrivacyUsageError, match="backward"):
         hooks.per_sample_norms()
     hooks.detach()
     assert all(not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks for m in model.modules())
@@ -229,7 +170,7 @@ def test_detach_removes_every_hook_and_results_need_a_backward():
 
 
 def test_ghost_differentiation_computes_no_parameter_gradient():
-    model, inputs, loss_fn = _model_and_inputs("gpt2")
+    model, inputs, loss_fn = zoo_model_and_inputs("gpt2")
     hooks = attach_norm_hooks(model)
     hooks.backward(loss_fn(model, **inputs))
     assert all(p.grad is None for p in model.parameters())
@@ -239,7 +180,7 @@ def test_ghost_differentiation_computes_no_parameter_gradient():
 
 def test_steps_do_not_mix():
     """A second forward/backward replaces the first step's records."""
-    model, inputs, loss_fn = _model_and_inputs("resnet18-gn-bias")
+    model, inputs, loss_fn = zoo_model_and_inputs("resnet18-gn-bias")
     hooks = attach_norm_hooks(model)
     hooks.backward(loss_fn(model, **inputs))
     first = hooks.per_sample_norms().clone()
@@ -257,7 +198,7 @@ def test_steps_release_their_activations():
     import gc
     import weakref
 
-    model, inputs, loss_fn = _model_and_inputs("gpt2")
+    model, inputs, loss_fn = zoo_model_and_inputs("gpt2")
     hooks = attach_norm_hooks(model, ghost_backward=True)
     refs = []
     handle = model.transformer.h[0].mlp.c_fc.register_forward_hook(lambda m, a, o: refs.append(weakref.ref(o)))

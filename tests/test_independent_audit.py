@@ -782,7 +782,7 @@ def zoo_entry():
 
     dpzoo.register_model("indaudit-mlp")(_indaudit_mlp)
     yield "indaudit-mlp"
-    registry._REGISTRY.pop("indaudit-mlp", None)
+    registry.unregister_model("indaudit-mlp")
 
 
 def _zoo():

@@ -26,11 +26,25 @@ DELTA = 1e-5
 @pytest.fixture
 def registered():
     """Names registered by a test are removed afterwards (accountants and datasets)."""
-    before_acc, before_data = dict(A._REGISTRY), dict(D.DATASETS)
+    before_acc, before_data = {n: A.accountant_spec(n) for n in ACCOUNTANTS}, dict(D.DATASETS)
     yield
-    for reg, before in ((A._REGISTRY, before_acc), (D.DATASETS, before_data)):
-        reg.clear()
-        reg.update(before)
+    for name in [n for n in ACCOUNTANTS if n not in before_acc]:
+        A.unregister_accountant(name)
+    for spec in before_acc.values():  # a replaced one (replace=True) back as it was, in its place
+        if spec.name not in ACCOUNTANTS or A.accountant_spec(spec.name) is not spec:
+            A.register_accountant(
+                spec.name,
+                spec.epsilon,
+                composes_history=spec.composes_history,
+                requires=spec.requires,
+                upper_bound=spec.upper_bound,
+                install=spec.install,
+                description=spec.description,
+                caveat=spec.caveat,
+                replace=True,
+            )
+    D.DATASETS.clear()
+    D.DATASETS.update(before_data)
 
 
 def _pld_wrapper(history, delta):
@@ -206,7 +220,7 @@ def test_dataset_registration_is_checked(registered, tmp_path, monkeypatch):
     with pytest.raises(Exception):  # frozen: a spec changes by registering a new one
         D.DATASETS["ml-1m"].url = "http://elsewhere"
     register_dataset(DatasetSpec("test-absent", files=("absent/r.txt",)))
-    monkeypatch.setattr(D, "_search_roots", lambda c: [tmp_path])
+    monkeypatch.setattr(D, "search_roots", lambda c: [tmp_path])
     with pytest.raises(DPZooError, match="'test-absent' not found: it has no download.*absent/r.txt"):
         load_dataset("test-absent")
 

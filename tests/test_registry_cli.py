@@ -67,7 +67,8 @@ def test_register_user_model(tmp_path):
     finally:
         from dpzoo import registry
 
-        registry._REGISTRY.pop("test-tiny-cnn", None)
+        if dpzoo.is_model("test-tiny-cnn"):
+            registry.unregister_model("test-tiny-cnn")
 
 
 def test_create_model_is_load():
@@ -170,3 +171,19 @@ def test_cli_amazon_columns_reaches_the_loader(tmp_path, capsys):
     assert "--amazon-columns" in capsys.readouterr().err
     assert main(args + ["--amazon-columns", "item,user,rating,timestamp"]) == 0
     assert "7 users" in capsys.readouterr().out  # read the other way round: 5 users of 7 items
+
+
+def test_unregister_model_removes_a_user_entry_and_refuses_dpzoos_own():
+    def tiny_user_net(pretrained=False, pretrained_tag=None, weights=None):
+        """A user's one-layer net."""
+        return torch.nn.Linear(2, 2)
+
+    dpzoo.register_model("test-unregister-net")(tiny_user_net)
+    assert dpzoo.is_model("test-unregister-net")
+    assert dpzoo.unregister_model("test-unregister-net") is tiny_user_net
+    assert not dpzoo.is_model("test-unregister-net") and "test-unregister-net" not in dpzoo.list_models()
+    with pytest.raises(dpzoo.UnknownModelError):
+        dpzoo.unregister_model("test-unregister-net")
+    with pytest.raises(InvalidArgumentError, match="dpzoo's own"):
+        dpzoo.unregister_model("resnet18-gn-bias")
+    assert dpzoo.is_model("resnet18-gn-bias")

@@ -139,9 +139,9 @@ def test_named_amazon_datasets_download_their_release(tmp_path, monkeypatch):
         calls.append(url)
         return io.BytesIO(bodies["2018" if "amazon_v2" in url else "2014"])
 
-    monkeypatch.setattr(D, "_urlopen", fake_urlopen)
+    monkeypatch.setattr(D, "urlopen", fake_urlopen)
     monkeypatch.setattr(D, "network_reachable", lambda url, timeout=3.0: True)
-    monkeypatch.setattr(D, "_search_roots", lambda c: [Path(c)])
+    monkeypatch.setattr(D, "search_roots", lambda c: [Path(c)])
     ds = load_dataset("amazon-games", cache_dir=tmp_path)
     assert calls == [D.DATASETS["amazon-games"].url] and "ratings_Video_Games.csv" in calls[0]
     assert ds.num_users == 6 and sorted(ds.user_ids) == sorted({u for u, _, _ in rows})
@@ -309,7 +309,7 @@ def test_load_path_sniffs_format(tmp_path):
 
 def test_missing_dataset_without_network(tmp_path, monkeypatch):
     monkeypatch.setenv("DPZOO_DATA", str(tmp_path / "none"))
-    monkeypatch.setattr(D, "_search_roots", lambda c: [tmp_path / "none", Path(c)])
+    monkeypatch.setattr(D, "search_roots", lambda c: [tmp_path / "none", Path(c)])
     monkeypatch.setattr(D, "network_reachable", lambda url, timeout=3.0: False)
     with pytest.raises(DPZooError, match=r"ml-100k\.zip.*ml-100k/u\.data") as e:
         load_dataset("ml-100k", cache_dir=tmp_path / "cache")
@@ -345,9 +345,9 @@ def test_load_dataset_downloads_and_unzips(tmp_path, monkeypatch):
         calls.append(url)
         return io.BytesIO(buf.getvalue())
 
-    monkeypatch.setattr(D, "_urlopen", fake_urlopen)
+    monkeypatch.setattr(D, "urlopen", fake_urlopen)
     monkeypatch.setattr(D, "network_reachable", lambda url, timeout=3.0: True)
-    monkeypatch.setattr(D, "_search_roots", lambda c: [Path(c)])
+    monkeypatch.setattr(D, "search_roots", lambda c: [Path(c)])
     # GroupLens' published md5 is checked: this stand-in zip is refused and nothing is left behind
     with pytest.raises(DPZooError, match="md5"):
         load_dataset("ml-100k", cache_dir=tmp_path)

@@ -33,7 +33,8 @@ from torch.utils.data import DataLoader, Subset
 from ..errors import AccountingError, DPZooError, InvalidArgumentError
 from ..grad_norms import attach_norm_hooks
 from ..privacy.accountant import Accountant, accountant_spec, get_noise_multiplier
-from ..privacy.engine import PrivacyEngine, _default_head
+from ..privacy.bitfit import default_head
+from ..privacy.engine import PrivacyEngine
 from . import magnitudes as MG
 from .estimation import pgm_est, pgm_variance
 from .partitions import Partition, resolve_partitions
@@ -160,7 +161,7 @@ def _batch_len(batch) -> int:
     return len(batch[0])
 
 
-class _Measurer:
+class PartitionGradientMeasure:
     """Noise-free PGMs of chosen partitions on a set of examples, from dpzoo's per-sample hooks."""
 
     def __init__(self, model, dataset, collate_fn, loss_fn, method, alpha, clip, physical):
@@ -282,7 +283,7 @@ def psel(
 
 def _head_params(model: nn.Module, always_train) -> list[str]:
     if always_train == "auto":
-        heads = _default_head(model)
+        heads = default_head(model)
     else:
         heads = list(always_train or [])
     names = [n for n, p in model.named_parameters() if p.requires_grad]
@@ -362,7 +363,7 @@ def select(
         if sigma_ps == 0:
             warnings.warn("DP-FROST selection without noise: not differentially private (ε = ∞)")
     gen = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(2**62, (1,))))
-    measure = _Measurer(
+    measure = PartitionGradientMeasure(
         model, dataset, data_loader.collate_fn, loss_fn or default_loss, method, alpha, clip, max_physical_batch_size
     )
     chosen, estimates, log = psel(

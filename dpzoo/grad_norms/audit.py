@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..errors import UnsupportedModuleError
+from ..errors import PrivacyUsageError, UnsupportedModuleError
 from .capture import Recorder, Step, Use
 
 __all__ = ["count_edges", "compare_uses", "stray_grad_hook", "check_versions", "check_step"]
@@ -25,7 +25,9 @@ def count_edges(step: Step, roots: list) -> None:
     """Count the direct uses of every trainable parameter in the graph of ``roots`` (added to
     the counts of graphs walked before in this step; shared nodes are walked once)."""
     if roots and all(r.grad_fn is None for r in roots):
-        raise RuntimeError("loss does not require grad: did the forward pass run under no_grad?")
+        raise PrivacyUsageError(
+            "loss does not require grad: did the forward pass run under torch.no_grad()? Run it with grad enabled."
+        )
     edges: dict[int, int] = step.edges if step.edges is not None else {}
     walked: set = step.walked if step.walked is not None else set()
     stack = [r.grad_fn for r in roots]
@@ -106,7 +108,7 @@ def check_step(step: Step, params: dict[str, nn.Parameter]) -> None:
     """The checks due before assembling a step: a backward ran, no stray gradient, and every
     parameter use counted (from the model's outputs, when ``loss.backward()`` was used)."""
     if not step.backward_done:
-        raise RuntimeError(
+        raise PrivacyUsageError(
             "No backward pass since the last forward: call hooks.backward(loss) or loss.backward() first."
         )
     if step.stray:

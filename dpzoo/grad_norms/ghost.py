@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from ..errors import UnsupportedModuleError
+from ..errors import PrivacyUsageError, UnsupportedModuleError
 from .audit import compare_uses, count_edges
 from .capture import Recorder
 from .plan import ModelPlan
@@ -95,7 +95,10 @@ def ghost_differentiate(rec: Recorder, plan: ModelPlan, roots: list, grads: list
         if not mp.needs_activations:
             targets += [getattr(mp.module, n) for n in mp.params if getattr(mp.module, n).requires_grad]
     if not targets:
-        raise RuntimeError("No hooked layer took part in this forward pass; nothing to differentiate.")
+        raise PrivacyUsageError(
+            "No hooked layer took part in this forward pass; nothing to differentiate: "
+            "run the hooked model's forward before the backward."
+        )
     outer = torch._C._current_graph_task_id()  # the user's loss.backward() (ghost_backward), or none
     rec.n_passes += 1
     rec.pass_id = outer if outer != -1 else ("hooks.backward", rec.n_passes)

@@ -43,7 +43,7 @@ import weakref
 import torch
 from torch import nn
 
-from ..errors import UnsupportedModuleError
+from ..errors import InvalidArgumentError, PrivacyUsageError, UnsupportedModuleError
 from . import reps as R
 from .assembly import assemble
 from .audit import check_step, count_edges, stray_grad_hook
@@ -79,7 +79,7 @@ class NormHooks:
 
     def __init__(self, model: nn.Module, mode: str = "auto", ghost_backward: bool = False):
         if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+            raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
         if attached_norm_hooks(model) is not None:
             raise UnsupportedModuleError(
                 "This model already has dpzoo norm hooks attached; call "
@@ -146,7 +146,9 @@ class NormHooks:
     def _batch_size(grads) -> int:
         for g in grads.values():
             return g.batch_size
-        raise RuntimeError("No per-sample gradient was recorded in this step.")
+        raise PrivacyUsageError(
+            "No per-sample gradient was recorded in this step: run a forward and a backward pass of the hooked model first."
+        )
 
     def _ghost_flag(self) -> bool | None:
         return {"auto": None, "ghost": True, "instantiate": False}[self.mode]
@@ -178,7 +180,9 @@ class NormHooks:
         grads = self._grads()
         b = self._batch_size(grads)
         if scale.dim() != 1 or scale.shape[0] != b:
-            raise ValueError(f"scale must be a Tensor[{b}] (one factor per sample), got shape {tuple(scale.shape)}")
+            raise InvalidArgumentError(
+                f"scale must be a Tensor[{b}] (one factor per sample), got shape {tuple(scale.shape)}"
+            )
         out = {}
         for name, g in grads.items():
             try:

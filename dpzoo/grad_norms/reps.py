@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InvalidArgumentError
+
 __all__ = [
     "Dense",
     "Factored",
@@ -245,7 +247,7 @@ class ParamGrad:
 
     def __init__(self, reps: list, ghost: bool | None = None):
         if not reps:
-            raise ValueError("a ParamGrad needs at least one representation")
+            raise InvalidArgumentError("a ParamGrad needs at least one representation: build it from a rule's output")
         self.reps = list(reps)
         self.ghost = ghost
         self._sq: torch.Tensor | None = None

@@ -12,7 +12,7 @@ from torch import nn
 from ..checkpoint import load_state_dict_checked, read_state_dict
 from ..errors import CheckpointError, OverrideError
 from ..surgery import make_dp_ready
-from ._common import reject_unknown, split_patch_options
+from ._common import Override, OverrideTable, library_kwargs, split_patch_options
 
 log = logging.getLogger("dpzoo")
 
@@ -26,7 +26,7 @@ def _create(arch: str, pretrained: bool, **kwargs) -> nn.Module:
         raise OverrideError(f"timm's {arch.split('.')[0]} cannot be built with {kwargs}: {e}") from None
 
 
-def _load_local(
+def load_local_checkpoint(
     model: nn.Module,
     path,
     *,
@@ -34,6 +34,9 @@ def _load_local(
     entry: str,
     convert_state_dict: Callable[[dict], dict] | None = None,
 ) -> None:
+    """Load a local checkpoint file into a timm ``model``: the entry's own key mapping, then timm's
+    ``checkpoint_filter_fn``, then a strict load (a new head may be missing when
+    ``num_classes_overridden``)."""
     sd = read_state_dict(path)
     if convert_state_dict is not None:  # the entry's own key mapping (e.g. another library's names)
         sd = convert_state_dict(sd)
@@ -72,23 +75,19 @@ def build_timm(
     pretrained_tag: str | None,
     weights,
     overrides: dict[str, Any],
-    accepted: dict[str, Callable[[Any], dict]] | None = None,
+    overrides_table: OverrideTable,
     base_kwargs: dict[str, Any] | None = None,
     patch_defaults: dict[str, Any] | None = None,
     convert_state_dict: Callable[[dict], dict] | None = None,
 ) -> nn.Module:
     """Build timm's ``arch``, load weights, then apply dpzoo's patches.
 
-    ``accepted`` maps each user-facing override to a function returning timm kwargs.
+    ``overrides_table`` declares each user-facing override (its card text and its timm kwargs).
     ``convert_state_dict`` maps a ``weights=PATH`` state dict to timm's keys; it runs right
     after the file is read, before timm's own ``checkpoint_filter_fn``.
     """
-    accepted = accepted or {}
     arch_over, patch_kw = split_patch_options(overrides, patch_defaults)
-    reject_unknown(entry, arch_over, accepted)
-    kwargs = dict(base_kwargs or {})
-    for key, value in arch_over.items():
-        kwargs.update(accepted[key](value))
+    kwargs = {**(base_kwargs or {}), **library_kwargs(entry, overrides_table, arch_over)}
     if pretrained and weights is not None:
         raise OverrideError("Pass either pretrained=True or weights=PATH, not both.")
     if pretrained:
@@ -106,7 +105,7 @@ def build_timm(
     else:
         model = _create(arch, False, **kwargs)
         if weights is not None:
-            _load_local(
+            load_local_checkpoint(
                 model,
                 weights,
                 num_classes_overridden="num_classes" in arch_over,
@@ -116,32 +115,43 @@ def build_timm(
     return make_dp_ready(model, **patch_kw)
 
 
-def as_int(key: str, minimum: int = 1):
-    def conv(v):
-        if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-            raise OverrideError(f"{key} must be an integer >= {minimum}, got {v!r}")
-        return v
-
-    return conv
+def _int(key: str, v: Any, minimum: int = 1) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise OverrideError(f"{key} must be an integer >= {minimum}, got {v!r}")
+    return v
 
 
-def as_float(key: str, lo: float = 0.0, hi: float = 1.0):
-    def conv(v):
+def int_override(key: str, doc: str, *, target: str | None = None) -> Override:
+    """An integer ≥ 1 passed to timm as ``target`` (default: the same name)."""
+    return Override(doc, lambda v: {target or key: _int(key, v)})
+
+
+def float_override(key: str, doc: str, *, lo: float = 0.0, hi: float = 1.0, target: str | None = None) -> Override:
+    """A number in [lo, hi] passed to timm as ``target`` (default: the same name)."""
+
+    def to_kwargs(v: Any) -> dict[str, Any]:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
             raise OverrideError(f"{key} must be a number in [{lo}, {hi}], got {v!r}")
-        return float(v)
+        return {target or key: float(v)}
 
-    return conv
+    return Override(doc, to_kwargs)
 
 
-def as_int_tuple(key: str, length: int):
-    def conv(v):
+def int_list_override(key: str, length: int, doc: str) -> Override:
+    """A list of ``length`` positive integers, passed to timm under the same name."""
+
+    def to_kwargs(v: Any) -> dict[str, Any]:
         if (
             not isinstance(v, (list, tuple))
             or len(v) != length
             or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in v)
         ):
             raise OverrideError(f"{key} must be a list of {length} positive integers, got {v!r}")
-        return list(v)
+        return {key: list(v)}
 
-    return conv
+    return Override(doc, to_kwargs)
+
+
+def stage_width_override(doc: str) -> Override:
+    """``width`` w → timm's ``channels`` [w, 2w, 4w, 8w] (ResNet stages)."""
+    return Override(doc, lambda v: {"channels": [_int("width", v) * m for m in (1, 2, 4, 8)]})

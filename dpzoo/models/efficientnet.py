@@ -22,8 +22,8 @@ import torch
 
 from ..errors import CheckpointError
 from ..registry import ModelCard, register_model
-from ._common import PATCH_OPTIONS
-from ._timm import as_float, as_int, build_timm
+from ._common import card_overrides
+from ._timm import build_timm, float_override, int_override
 
 __all__ = [
     "lukemelas_to_timm",
@@ -162,18 +162,13 @@ _PAPERS = (
     "ICML 2024: §3.4 (BiTFiT-Add), App. A.2 (BatchNorm → GroupNorm)",
 )
 
-_ACCEPTED = {
-    "num_classes": lambda v: {"num_classes": as_int("num_classes")(v)},
-    "in_chans": lambda v: {"in_chans": as_int("in_chans")(v)},
-    "drop_rate": lambda v: {"drop_rate": as_float("drop_rate")(v)},
-    "drop_path_rate": lambda v: {"drop_path_rate": as_float("drop_path_rate")(v)},
-}
-_OVERRIDE_DOCS = {
-    "num_classes": "classifier outputs (default 1000); a new head when it differs from the checkpoint's",
-    "in_chans": "input channels (default 3; the ImageNet checkpoints need 3)",
-    "drop_rate": "dropout before the classifier (the TF recipe uses 0.2 for training)",
-    "drop_path_rate": "stochastic depth rate (the TF recipe uses 0.2 for training)",
-    **PATCH_OPTIONS,
+OVERRIDES = {
+    "num_classes": int_override(
+        "num_classes", "classifier outputs (default 1000); a new head when it differs from the checkpoint's"
+    ),
+    "in_chans": int_override("in_chans", "input channels (default 3; the ImageNet checkpoints need 3)"),
+    "drop_rate": float_override("drop_rate", "dropout before the classifier (the TF recipe uses 0.2 for training)"),
+    "drop_path_rate": float_override("drop_path_rate", "stochastic depth rate (the TF recipe uses 0.2 for training)"),
 }
 _PATCHES = (
     "BatchNorm → GroupNorm: timm's fused BatchNormAct2d (BatchNorm + ReLU6) becomes GroupNormAct "
@@ -214,7 +209,7 @@ CARD = ModelCard(
         "come from tensorflow/tpu, an Apache-2.0 repository"
     ),
     papers=_PAPERS,
-    overrides=_OVERRIDE_DOCS,
+    overrides=card_overrides(OVERRIDES),
     # timm's tf_efficientnet_lite0 fixes channel_multiplier and depth_multiplier, so the
     # small configuration is the full network on small images (a forward pass at 32x32 is cheap).
     test_overrides={"num_classes": 10},
@@ -248,6 +243,6 @@ def efficientnet_lite0_gn_bias(pretrained: bool = False, pretrained_tag: str | N
         pretrained_tag=pretrained_tag or "in1k",
         weights=weights,
         overrides=overrides,
-        accepted=_ACCEPTED,
+        overrides_table=OVERRIDES,
         convert_state_dict=convert_state_dict,
     )

@@ -8,8 +8,8 @@ blocks run out of place so backward hooks (Opacus, dpzoo) work unchanged.
 from __future__ import annotations
 
 from ..registry import ModelCard, register_model
-from ._common import PATCH_OPTIONS
-from ._timm import as_float, as_int, as_int_tuple, build_timm
+from ._common import card_overrides
+from ._timm import build_timm, float_override, int_list_override, int_override, stage_width_override
 
 _PAPERS = (
     "He et al., Deep Residual Learning for Image Recognition, CVPR 2016",
@@ -18,22 +18,17 @@ _PAPERS = (
     "ICML 2024: §3.4 (BiTFiT-Add), App. A.2 (ResNet-GN)",
 )
 
-_ACCEPTED = {
-    "num_classes": lambda v: {"num_classes": as_int("num_classes")(v)},
-    "in_chans": lambda v: {"in_chans": as_int("in_chans")(v)},
-    "layers": lambda v: {"layers": as_int_tuple("layers", 4)(v)},
-    "width": lambda v: {"channels": [as_int("width")(v) * m for m in (1, 2, 4, 8)]},
-    "drop_rate": lambda v: {"drop_rate": as_float("drop_rate")(v)},
-    "drop_path_rate": lambda v: {"drop_path_rate": as_float("drop_path_rate")(v)},
-}
-_OVERRIDE_DOCS = {
-    "num_classes": "classifier outputs (default 1000); a new head when it differs from the checkpoint's",
-    "in_chans": "input channels (default 3)",
-    "layers": "blocks per stage, 4 integers (default the architecture's)",
-    "width": "channels of the first stage w; stages use w, 2w, 4w, 8w (default 64; the 7×7 stem keeps timm's 64)",
-    "drop_rate": "dropout before the classifier",
-    "drop_path_rate": "stochastic depth rate",
-    **PATCH_OPTIONS,
+OVERRIDES = {
+    "num_classes": int_override(
+        "num_classes", "classifier outputs (default 1000); a new head when it differs from the checkpoint's"
+    ),
+    "in_chans": int_override("in_chans", "input channels (default 3)"),
+    "layers": int_list_override("layers", 4, "blocks per stage, 4 integers (default the architecture's)"),
+    "width": stage_width_override(
+        "channels of the first stage w; stages use w, 2w, 4w, 8w (default 64; the 7×7 stem keeps timm's 64)"
+    ),
+    "drop_rate": float_override("drop_rate", "dropout before the classifier"),
+    "drop_path_rate": float_override("drop_path_rate", "stochastic depth rate"),
 }
 _PATCHES = (
     "BatchNorm2d → GroupNorm (groups: largest divisor of C ≤ 32 with ≥ 2 channels per group; BN's γ, β copied)",
@@ -58,7 +53,7 @@ def _card(name: str, arch: str, depth: int, tag: str) -> ModelCard:
         pretrained_tags={tag: f"timm hub `timm/{arch}.{tag}` (ImageNet-1k, BatchNorm)"},
         license="Apache-2.0 (timm code and weights)",
         papers=_PAPERS,
-        overrides=_OVERRIDE_DOCS,
+        overrides=card_overrides(OVERRIDES),
         test_overrides={"num_classes": 10, "layers": [1, 1, 1, 1], "width": 8},
         example_input={"kind": "image", "shape": [3, 32, 32]},
         notes=(
@@ -78,7 +73,7 @@ def _builder(name: str, arch: str, depth: int, tag: str):
             pretrained_tag=pretrained_tag or tag,
             weights=weights,
             overrides=overrides,
-            accepted=_ACCEPTED,
+            overrides_table=OVERRIDES,
         )
 
     build.__name__ = name.replace("-", "_")

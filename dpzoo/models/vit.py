@@ -5,33 +5,22 @@ owns directly: the per-sample-norm hooks cover them with their own rules."""
 from __future__ import annotations
 
 from ..registry import ModelCard, register_model
-from ._common import PATCH_OPTIONS
-from ._timm import as_float, as_int, build_timm
+from ._common import card_overrides
+from ._timm import build_timm, float_override, int_override
 
-_ACCEPTED = {
-    "num_classes": lambda v: {"num_classes": as_int("num_classes")(v)},
-    "img_size": lambda v: {"img_size": as_int("img_size")(v)},
-    "patch_size": lambda v: {"patch_size": as_int("patch_size")(v)},
-    "in_chans": lambda v: {"in_chans": as_int("in_chans")(v)},
-    "depth": lambda v: {"depth": as_int("depth")(v)},
-    "width": lambda v: {"embed_dim": as_int("width")(v)},
-    "num_heads": lambda v: {"num_heads": as_int("num_heads")(v)},
-    "mlp_ratio": lambda v: {"mlp_ratio": as_float("mlp_ratio", 0.01, 64)(v)},
-    "drop_rate": lambda v: {"drop_rate": as_float("drop_rate")(v)},
-    "drop_path_rate": lambda v: {"drop_path_rate": as_float("drop_path_rate")(v)},
-}
-_DOCS = {
-    "num_classes": "classifier outputs (default 1000)",
-    "img_size": "input resolution (default 224); position embeddings are resampled when loading weights",
-    "patch_size": "patch size (default 16)",
-    "in_chans": "input channels (default 3)",
-    "depth": "number of Transformer blocks",
-    "width": "embedding dimension",
-    "num_heads": "attention heads",
-    "mlp_ratio": "MLP hidden size / width (default 4)",
-    "drop_rate": "dropout rate",
-    "drop_path_rate": "stochastic depth rate",
-    **PATCH_OPTIONS,
+OVERRIDES = {
+    "num_classes": int_override("num_classes", "classifier outputs (default 1000)"),
+    "img_size": int_override(
+        "img_size", "input resolution (default 224); position embeddings are resampled when loading weights"
+    ),
+    "patch_size": int_override("patch_size", "patch size (default 16)"),
+    "in_chans": int_override("in_chans", "input channels (default 3)"),
+    "depth": int_override("depth", "number of Transformer blocks"),
+    "width": int_override("width", "embedding dimension", target="embed_dim"),
+    "num_heads": int_override("num_heads", "attention heads"),
+    "mlp_ratio": float_override("mlp_ratio", "MLP hidden size / width (default 4)", lo=0.01, hi=64),
+    "drop_rate": float_override("drop_rate", "dropout rate"),
+    "drop_path_rate": float_override("drop_path_rate", "stochastic depth rate"),
 }
 _SIZES = {"tiny": (192, 3), "small": (384, 6), "base": (768, 12)}
 
@@ -57,7 +46,7 @@ def _builder(size: str):
             "Dosovitskiy et al., An Image is Worth 16x16 Words, ICLR 2021",
             "Bu et al., DP-BiTFiT, ICML 2024: Table 1 (bias share of ViT parameters)",
         ),
-        overrides=_DOCS,
+        overrides=card_overrides(OVERRIDES),
         test_overrides={"num_classes": 10, "img_size": 32, "patch_size": 8, "depth": 2, "width": 32, "num_heads": 2},
         example_input={"kind": "image", "shape": [3, 32, 32]},
         notes="`cls_token` and `pos_embed` are trainable tensors owned by the model itself, not by a layer.",
@@ -72,7 +61,7 @@ def _builder(size: str):
             pretrained_tag=pretrained_tag or tag,
             weights=weights,
             overrides=overrides,
-            accepted=_ACCEPTED,
+            overrides_table=OVERRIDES,
         )
 
     build.__name__ = name.replace("-", "_")

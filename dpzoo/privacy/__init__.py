@@ -8,6 +8,7 @@ from .accountant import (
     accountant_spec,
     get_noise_multiplier,
     register_accountant,
+    unregister_accountant,
 )
 from .data import DPDataLoader, PoissonBatchSampler, StepSignal
 from .engine import PrivacyEngine, freeze_all_but_biases, sample_mixing_modules
@@ -21,6 +22,7 @@ __all__ = [
     "ACCOUNTANTS",
     "AccountantSpec",
     "register_accountant",
+    "unregister_accountant",
     "accountant_spec",
     "get_noise_multiplier",
     "PrivacyEngine",

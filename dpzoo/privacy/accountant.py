@@ -1,167 +1,52 @@
-"""Privacy accounting through established libraries (never a hand-written accountant).
-
-* ``"rdp"`` (default: fast and conservative): Rényi DP of the Poisson-subsampled Gaussian
-  (Mironov 2017; Mironov, Talwar & Zhang 2019), ``dp_accounting.rdp.RdpAccountant``;
-* ``"pld"``: privacy loss distributions (Koskela et al. 2020; Doroshenko et al. 2022),
-  ``dp_accounting.pld.PLDAccountant`` with its default pessimistic discretisation — tight;
-  both from Google's dp-accounting, a core dependency;
-* ``"prv"``: privacy loss random variables (Gopi, Lee & Wutschitz 2021), Opacus'
-  ``PRVAccountant`` (its ε upper bound);
-* ``"opacus-rdp"``: Opacus' ``RDPAccountant`` (the same analysis as ``"rdp"``, Opacus' orders);
-* ``"gdp"``: Opacus' ``GaussianAccountant``, Gaussian DP via the central limit theorem
-  (Bu, Dong, Long & Su 2020). An *approximation*, not a bound (Opacus warns that it can
-  underestimate ε), and it only reads the *last* (σ, q, steps) of a history: dpzoo refuses it
-  for any history with more than one distinct (σ, q) (:class:`~dpzoo.errors.AccountingError`),
-  e.g. DP-FROST's selection followed by training, or a run resumed with another σ.
-
-Opacus' accountants come with ``pip install "dpzoo[opacus]"``.
-
-Accountants are registered (:func:`register_accountant`, the built-ins above too): a name, a
-function turning a (σ, q, steps) history into ε at δ through a library, whether it composes a
-multi-entry history and whether its ε is an upper bound (the engine refuses one that is not).
-``ACCOUNTANTS`` is a live view of the registered names.
+"""The privacy accountant: ε at δ of a (σ, q, steps) history, and its inverse (σ for a target ε).
 
 The accountant keeps the history of (noise multiplier σ, sample rate q, steps) for the
 Poisson-subsampled Gaussian mechanism, as Opacus does; ε is computed from that history by
-the library when asked (every entry composed). The history is the accountant's state: it is
-saved in training checkpoints and restored on resume.
+the library when asked (every entry composed) — never by a hand-written accountant: the
+libraries are dp-accounting's RDP and PLD accountants and Opacus' PRV, RDP and Gaussian-DP
+ones (:mod:`dpzoo.privacy.accounting_backends`, with the analyses they implement), looked up by
+name in the registry (:mod:`dpzoo.privacy.accounting_registry`). :func:`get_noise_multiplier`
+inverts that ε: the smallest σ whose ε, composed after a history, meets a target.
+
+``"gdp"`` (Opacus' ``GaussianAccountant``, Bu, Dong, Long & Su 2020) is an approximation, not a
+bound, and only reads the *last* (σ, q, steps) of a history: dpzoo refuses it for any history
+with more than one distinct (σ, q) (:class:`~dpzoo.errors.AccountingError`), e.g. DP-FROST's
+selection followed by training, or a run resumed with another σ.
+
+The history is the accountant's state: it is saved in training checkpoints and restored on
+resume. This module also exports the registry's names (``ACCOUNTANTS``,
+:func:`register_accountant`, :func:`unregister_accountant`, :func:`accountant_spec`,
+:class:`AccountantSpec`), so ``dpzoo.privacy.accountant`` is the one import for accounting.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 import numbers
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Iterable
 
-from ..errors import AccountingError
+from ..errors import AccountingError, MissingDependencyError
+from .accounting_registry import (
+    ACCOUNTANTS,
+    AccountantSpec,
+    accountant_spec,
+    register_accountant,
+    unregister_accountant,
+)
 
 __all__ = [
     "Accountant",
     "ACCOUNTANTS",
     "AccountantSpec",
     "register_accountant",
+    "unregister_accountant",
     "accountant_spec",
     "get_noise_multiplier",
 ]
 
 _MULTI = "use accountant='pld' or 'rdp' (dp-accounting) or 'prv' (Opacus), which compose every entry"
-
-
-@dataclass(frozen=True)
-class AccountantSpec:
-    """One registered accountant (see :func:`register_accountant`).
-
-    ``epsilon(history, delta)`` turns a (σ, q, steps) history of the Poisson-subsampled Gaussian
-    mechanism (tuples, every entry with steps > 0 and σ > 0) into ε at δ through a library.
-    ``composes_history=False``: the library counts one (σ, q) only; dpzoo then refuses any
-    history with a second distinct (σ, q) and hands ``epsilon`` a single entry (the steps summed).
-    ``upper_bound=False``: ε is an approximation that may under-report; the
-    :class:`~dpzoo.PrivacyEngine` refuses it for training (``caveat`` says why). ``requires``:
-    a module imported when an :class:`Accountant` of this name is created (``install`` says how to
-    get it when the import fails).
-    """
-
-    name: str
-    epsilon: Callable[[list, float], float]
-    composes_history: bool = True
-    upper_bound: bool = True
-    requires: str | None = None
-    install: str | None = None
-    description: str = ""
-    caveat: str = ""
-
-
-_REGISTRY: dict[str, AccountantSpec] = {}
-
-
-class _Names(Sequence):
-    """A live, read-only view of the registered accountants' names (in registration order)."""
-
-    def __init__(self, registry: dict):
-        self._registry = registry
-
-    def __getitem__(self, i):
-        return tuple(self._registry)[i]
-
-    def __len__(self) -> int:
-        return len(self._registry)
-
-    def __contains__(self, name) -> bool:
-        return isinstance(name, str) and name in self._registry
-
-    def __iter__(self):
-        return iter(tuple(self._registry))
-
-    def __eq__(self, other) -> bool:
-        return tuple(self) == (tuple(other) if isinstance(other, (tuple, list, _Names)) else other)
-
-    def __repr__(self) -> str:
-        return repr(tuple(self))
-
-
-ACCOUNTANTS = _Names(_REGISTRY)  # names of every registered accountant (a view: registrations show up)
-
-
-def register_accountant(
-    name: str,
-    epsilon_fn: Callable[[list, float], float],
-    *,
-    composes_history: bool = True,
-    requires: str | None = None,
-    upper_bound: bool = True,
-    install: str | None = None,
-    description: str = "",
-    caveat: str = "",
-    replace: bool = False,
-) -> AccountantSpec:
-    """Register an accountant under ``name`` (as Opacus registers its accountants).
-
-    ``epsilon_fn(history, delta) -> ε`` computes ε at δ for a (σ, q, steps) history, each entry
-    with σ > 0 and steps > 0, through a library (dpzoo computes no ε itself); see
-    :class:`AccountantSpec` for the flags. Afterwards ``Accountant(name)``,
-    ``PrivacyEngine(accountant=name)`` (if ``upper_bound``), ``get_noise_multiplier(...,
-    accountant=name)`` and ``dpzoo train --accountant name`` accept it. A name already registered
-    is refused unless ``replace=True``. Returns the :class:`AccountantSpec`.
-    """
-    if not isinstance(name, str) or not name or name != name.strip():
-        raise AccountingError(
-            f"an accountant name must be a non-empty string without surrounding blanks, got {name!r}."
-        )
-    if not callable(epsilon_fn):
-        raise AccountingError(
-            f"epsilon_fn for accountant {name!r} must be callable (history, delta) -> ε, got {epsilon_fn!r}."
-        )
-    if name in _REGISTRY and not replace:
-        raise AccountingError(f"an accountant named {name!r} is already registered (pass replace=True to replace it).")
-    spec = AccountantSpec(
-        name,
-        epsilon_fn,
-        composes_history=bool(composes_history),
-        upper_bound=bool(upper_bound),
-        requires=requires,
-        install=install,
-        description=description,
-        caveat=caveat,
-    )
-    _REGISTRY[name] = spec
-    return spec
-
-
-def accountant_spec(name) -> AccountantSpec:
-    """The :class:`AccountantSpec` registered under ``name`` (an :class:`~dpzoo.errors.AccountingError` if none)."""
-    return _REGISTRY[_check_name(name)]
-
-
-def _check_name(name) -> str:
-    if not isinstance(name, str) or name not in _REGISTRY:
-        raise AccountingError(
-            f"accountant={name!r} is unknown: choose one of {', '.join(map(repr, ACCOUNTANTS))} "
-            "(or register one with dpzoo.register_accountant)."
-        )
-    return name
 
 
 def _number(value, arg: str) -> float:
@@ -206,13 +91,18 @@ def _spent(history: list) -> list:
     return [h for h in history if h[2] > 0]
 
 
+def _registered(name: str) -> AccountantSpec | None:
+    """The spec of ``name``, or None once it is no longer registered (:func:`unregister_accountant`)."""
+    return accountant_spec(name) if name in ACCOUNTANTS else None
+
+
 def _label(name: str) -> str:
-    spec = _REGISTRY.get(name)
+    spec = _registered(name)
     return f"accountant={name!r}" + (f" ({spec.description})" if spec is not None and spec.description else "")
 
 
 def _composes(name: str) -> bool:
-    spec = _REGISTRY.get(name)
+    spec = _registered(name)
     return spec is None or spec.composes_history
 
 
@@ -238,7 +128,7 @@ class Accountant:
             try:
                 importlib.import_module(spec.requires)
             except ImportError:
-                raise ImportError(
+                raise MissingDependencyError(
                     f"The {name!r} accountant comes from {spec.install or spec.requires}, "
                     "or use accountant='pld' / 'rdp' (dp-accounting)."
                 ) from None
@@ -303,8 +193,6 @@ class Accountant:
 
 
 def _epsilon(name: str, history: list, delta: float) -> float:
-    import logging
-
     absl = logging.getLogger("absl")
     level = absl.level
     # dp-accounting logs every fractional RDP order it cannot evaluate and then leaves it
@@ -322,71 +210,6 @@ def _library_epsilon(name: str, history: list, delta: float) -> float:
     if not spec.composes_history:  # one (σ, q) (checked by the caller): the library reads one entry
         entries = [(entries[0][0], entries[0][1], sum(h[2] for h in entries))]
     return float(spec.epsilon(entries, delta))
-
-
-# -- built-in accountants: registered like any other ---------------------------------------------
-
-
-def _dp_accounting_epsilon(kind: str) -> Callable[[list, float], float]:
-    def epsilon(history: list, delta: float) -> float:
-        from dp_accounting import dp_event
-
-        if kind == "pld":
-            from dp_accounting.pld.pld_privacy_accountant import PLDAccountant as Impl
-        else:
-            from dp_accounting.rdp.rdp_privacy_accountant import RdpAccountant as Impl
-        acc = Impl()
-        for sigma, q, steps in history:
-            event = dp_event.GaussianDpEvent(sigma)
-            if q < 1:
-                event = dp_event.PoissonSampledDpEvent(q, event)
-            acc.compose(event, steps)
-        return float(acc.get_epsilon(delta))
-
-    epsilon.__qualname__ = f"dp_accounting_{kind}_epsilon"
-    return epsilon
-
-
-def _opacus_epsilon(kind: str) -> Callable[[list, float], float]:
-    def epsilon(history: list, delta: float) -> float:
-        from opacus.accountants import create_accountant
-
-        acc = create_accountant(kind)
-        acc.history = [tuple(h) for h in history]
-        return float(acc.get_epsilon(delta))
-
-    epsilon.__qualname__ = f"opacus_{kind}_epsilon"
-    return epsilon
-
-
-_OPACUS_INSTALL = "Opacus: pip install 'dpzoo[opacus]'"
-register_accountant("pld", _dp_accounting_epsilon("pld"), description="dp-accounting's PLDAccountant")
-register_accountant("rdp", _dp_accounting_epsilon("rdp"), description="dp-accounting's RdpAccountant")
-register_accountant(
-    "prv",
-    _opacus_epsilon("prv"),
-    requires="opacus.accountants",
-    install=_OPACUS_INSTALL,
-    description="Opacus' PRVAccountant",
-)
-register_accountant(
-    "gdp",
-    _opacus_epsilon("gdp"),
-    composes_history=False,
-    upper_bound=False,
-    requires="opacus.accountants",
-    install=_OPACUS_INSTALL,
-    description="Opacus' GaussianAccountant",
-    caveat="Opacus' Gaussian-DP accountant is a central-limit approximation, not an upper bound "
-    "(σ = 1, q = 0.1, 5 steps, δ = 1e-5: it reports ε = 1.10 where PLD's bound is 2.35)",
-)
-register_accountant(
-    "opacus-rdp",
-    _opacus_epsilon("rdp"),
-    requires="opacus.accountants",
-    install=_OPACUS_INSTALL,
-    description="Opacus' RDPAccountant",
-)
 
 
 def get_noise_multiplier(
@@ -407,7 +230,7 @@ def get_noise_multiplier(
     selection: the new mechanism is composed after it (DP-FROST App. C, Algorithm 2). An accountant
     that cannot compose (``"gdp"``) refuses a non-empty history.
     """
-    _check_name(accountant)
+    accountant_spec(accountant)  # an unknown name: AccountingError
     eps_target = _number(target_epsilon, "target_epsilon")
     if not (math.isfinite(eps_target) and eps_target > 0):
         raise AccountingError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}.")

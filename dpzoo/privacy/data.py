@@ -25,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
-from ..errors import PrivacyUsageError
+from ..errors import InvalidArgumentError, PrivacyUsageError, UnsupportedBatchError
 
 __all__ = ["PoissonBatchSampler", "DPDataLoader", "StepSignal", "secret_generator", "dataset_fingerprint"]
 
@@ -65,7 +65,9 @@ class PoissonBatchSampler(Sampler[list[int]]):
         indices: Sequence[int] | None = None,
     ):
         if num_samples < 1 or not 0 < sample_rate <= 1:
-            raise ValueError(f"need num_samples >= 1 and 0 < sample_rate <= 1, got {num_samples}, {sample_rate}")
+            raise InvalidArgumentError(
+                f"need num_samples >= 1 and 0 < sample_rate <= 1, got {num_samples}, {sample_rate}"
+            )
         self.num_samples, self.sample_rate = num_samples, sample_rate
         self.steps = steps if steps is not None else max(1, round(1 / sample_rate))
         self.generator = generator
@@ -94,7 +96,10 @@ def _empty_like(sample):
         return {k: _empty_like(v) for k, v in sample.items()}
     if isinstance(sample, (list, tuple)):
         return type(sample)(_empty_like(v) for v in sample)
-    raise TypeError(f"cannot build an empty batch of {type(sample).__name__}")
+    raise UnsupportedBatchError(
+        f"cannot build an empty batch of {type(sample).__name__}: dataset items must be tensors, numbers, "
+        "or dicts/lists/tuples of them (or pass a collate_fn that handles an empty list)"
+    )
 
 
 class DPDataLoader:
@@ -201,7 +206,10 @@ def _batch_len(batch) -> int:
         return _batch_len(next(iter(batch.values())))
     if isinstance(batch, (list, tuple)):
         return _batch_len(batch[0])
-    raise TypeError(f"cannot tell the batch size of {type(batch).__name__}")
+    raise UnsupportedBatchError(
+        f"cannot tell the batch size of {type(batch).__name__}: the collate_fn must return a tensor, "
+        "or a dict/list/tuple whose first entry is one, with one row per sample in dimension 0"
+    )
 
 
 def _slice(batch, start, stop):

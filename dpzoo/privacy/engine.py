@@ -15,102 +15,54 @@ Modes (BK paper §2–3; DP-BiTFiT): ``"bk"`` ghost norm on every generalised li
 ``"bk-mixopt"`` (= ``"auto"``) ghost norm or per-sample instantiation per layer, whichever is
 cheaper (2T² < p·d); ``"instantiate"`` per-sample gradients everywhere (Opacus-style);
 ``"bitfit"`` trains only biases (plus ``train_head``), activation-free (DP-BiTFiT Alg. 1).
+
+This module's job is the engine's set-up and what it answers for (mode switches, ε, metadata,
+checkpoints); each part it wires has its own module: the argument refusals
+(:mod:`~dpzoo.privacy.arguments`), the sample rate and σ (:mod:`~dpzoo.privacy.budget`),
+ranks and shards (:mod:`~dpzoo.privacy.distributed`), DP-BiTFiT's trainable set
+(:mod:`~dpzoo.privacy.bitfit`), the checks that keep ε true (:mod:`~dpzoo.privacy.guards`),
+the duties around each forward and step (:mod:`~dpzoo.privacy.watch`), the optimizer
+(:mod:`~dpzoo.privacy.optimizer`).
 """
 
 from __future__ import annotations
 
-import fnmatch
-import math
-import numbers
-import warnings
 import weakref
 from typing import Any, Iterable
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
-from ..errors import DPZooError, PrivacyUsageError, ReproducibleNoiseWarning
+from ..errors import DPZooError, PrivacyUsageError
 from ..grad_norms import attach_norm_hooks
-from .accountant import Accountant, accountant_spec, get_noise_multiplier
-from .data import DPDataLoader, StepSignal, dataset_fingerprint
+from .accountant import Accountant, accountant_spec
+from .arguments import (
+    check_layers,
+    check_loader,
+    check_module,
+    check_optimizer,
+    check_settings,
+    sample_mixing_modules,
+    warn_seeds,
+)
+from .bitfit import bitfit_trainable, freeze_all_but_biases, resolve_head
+from .budget import calibrate, compute_sample_rate, prior_spending
+from .data import DPDataLoader, StepSignal
+from .distributed import same_on_every_rank, shard, world_and_rank
+from .guards import check_optimizer_parameters, check_step_parameters
 from .modes import MODES
-from .optimizer import CLIPPING, DPOptimizer, _world
-from .verify import self_check
+from .optimizer import DPOptimizer
+from .watch import TrainingWatch
 
-__all__ = ["PrivacyEngine", "MODES", "freeze_all_but_biases", "sample_mixing_modules"]
-
-
-def _is_bias(name: str) -> bool:
-    return name.rsplit(".", 1)[-1].endswith("bias")
+__all__ = ["PrivacyEngine", "MODES", "freeze_all_but_biases", "sample_mixing_modules", "engine_of"]
 
 
-def freeze_all_but_biases(model: nn.Module, train_head: Iterable[str] | str | None = None) -> list[str]:
-    """DP-BiTFiT: only biases (and modules matching ``train_head`` patterns) stay trainable.
-
-    Returns the names of the trainable parameters.
-    """
-    keep = _bitfit_trainable(model, train_head)
-    trainable = []
-    for name, p in model.named_parameters():
-        p.requires_grad_(id(p) in keep)
-        if id(p) in keep:
-            trainable.append(name)
-    return trainable
-
-
-def _default_head(model: nn.Module) -> list[str]:
-    cfg = getattr(model, "pretrained_cfg", None) or {}
-    if cfg.get("classifier"):
-        return [cfg["classifier"]]
-    for name in ("classifier", "score", "fc", "head"):
-        if isinstance(getattr(model, name, None), nn.Module):
-            return [name]
-    return []
-
-
-def _bitfit_trainable(model: nn.Module, train_head) -> set[int]:
-    """ids of the parameters DP-BiTFiT trains: biases and ``train_head`` patterns (no mutation)."""
-    heads = [train_head] if isinstance(train_head, str) else list(train_head or [])
-    keep = set()
-    for name, p in model.named_parameters():
-        module = name.rpartition(".")[0]
-        if _is_bias(name) or any(fnmatch.fnmatch(module, h) or fnmatch.fnmatch(name, h) for h in heads):
-            keep.add(id(p))
-    return keep
-
-
-def _number(name: str, value, *, positive: bool = False, integer: bool = False, fix: str = "") -> None:
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-    if ok and integer:
-        ok = float(value).is_integer()
-    if ok and positive:
-        ok = value > 0
-    elif ok:
-        ok = value >= 0
-    if not ok:
-        kind = ("a positive integer" if integer else "a finite number > 0") if positive else "a finite number >= 0"
-        raise PrivacyUsageError(f"{name} must be {kind}, got {value!r}" + (f": {fix}" if fix else "."))
-
-
-def sample_mixing_modules(model: nn.Module) -> list[str]:
-    """Modules that make one sample's output depend on others in train mode, or whose running
-    statistics update from the batch (released without noise): BatchNorm of any kind, with or
-    without affine parameters, and instance norms that track running statistics."""
-    out = []
-    for name, m in model.named_modules():
-        if isinstance(m, _BatchNorm) and m.training:
-            out.append(f"{name or '<root>'} ({type(m).__name__})")
-        elif isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.track_running_stats and m.training:
-            out.append(f"{name or '<root>'} ({type(m).__name__}, track_running_stats=True)")
-    return out
-
-
-def _checksums(module: nn.Module) -> dict[str, tuple[float, float]]:
-    """Two sums per parameter (plain and squared, float64): a cheap fingerprint of its values."""
-    with torch.no_grad():
-        return {n: (float(p.double().sum()), float(p.double().pow(2).sum())) for n, p in module.named_parameters()}
+def engine_of(module: nn.Module) -> "PrivacyEngine | None":
+    """The live :class:`PrivacyEngine` that made ``module`` private, or None (none did, or it is
+    gone: the model holds it by a weak reference)."""
+    ref = getattr(module, "_dpzoo_engine", None)
+    return ref() if callable(ref) else None
 
 
 class PrivacyEngine:
@@ -133,7 +85,7 @@ class PrivacyEngine:
         self.target_delta: float | None = None
         self.mode: str | None = None
         self.self_check_result: str | None = None
-        self._handles: list = []
+        self._watch: TrainingWatch | None = None  # the duties around each forward and step
 
     # -- set-up ------------------------------------------------------------------------------
     def make_private(
@@ -176,93 +128,36 @@ class PrivacyEngine:
         """
         if self.module is not None:
             raise PrivacyUsageError("This PrivacyEngine already made a model private; use a new engine.")
-        if isinstance(module, nn.parallel.DistributedDataParallel):
-            raise PrivacyUsageError(
-                "Pass the model unwrapped, not in DistributedDataParallel: dpzoo sums the clipped gradients across "
-                "ranks itself (DDP would all-reduce non-private gradients). Initialise torch.distributed and call "
-                "make_private on each rank."
-            )
-        if not isinstance(module, nn.Module):
-            raise PrivacyUsageError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
-        if isinstance(optimizer, DPOptimizer):
-            raise PrivacyUsageError("optimizer is already a dpzoo DPOptimizer: pass the plain torch optimizer.")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise PrivacyUsageError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
-        if mode not in MODES:
-            raise PrivacyUsageError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if clipping not in CLIPPING:
-            raise PrivacyUsageError(f"clipping must be one of {', '.join(CLIPPING)}, got {clipping!r}")
-        if loss_reduction not in ("mean", "sum"):
-            raise PrivacyUsageError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
-        if (noise_multiplier is None) == (target_epsilon is None):
-            raise PrivacyUsageError("Give either noise_multiplier or target_epsilon (with target_delta and epochs).")
-        if target_epsilon is not None:
-            if target_delta is None or epochs is None:
-                raise PrivacyUsageError("target_epsilon needs target_delta and epochs to calibrate the noise.")
-            _number("target_epsilon", target_epsilon, positive=True, fix="pass the privacy budget ε, e.g. 8")
-            _number("epochs", epochs, positive=True, integer=True, fix="pass how many epochs you will train")
-        else:
-            _number("noise_multiplier", noise_multiplier, fix="pass σ >= 0 (0 means no privacy)")
-        if target_delta is not None and not (isinstance(target_delta, numbers.Real) and 0 < target_delta < 1):
-            raise PrivacyUsageError(f"target_delta must be in (0, 1), got {target_delta!r}: use δ < 1/N, e.g. 1e-5.")
-        _number("max_grad_norm", max_grad_norm, positive=True, fix="pass the clipping bound R, e.g. 1.0")
-        if max_physical_batch_size is not None and not isinstance(max_physical_batch_size, numbers.Integral):
-            raise PrivacyUsageError(
-                f"max_physical_batch_size must be a positive integer, got {max_physical_batch_size!r}."
-            )
-        if max_physical_batch_size is not None:
-            _number(
-                "max_physical_batch_size",
-                max_physical_batch_size,
-                positive=True,
-                integer=True,
-                fix="pass the largest micro-batch that fits in memory, or None for no splitting",
-            )
-        _number("self_check_samples", self_check_samples, positive=True, integer=True)
-        for name, seed in (("noise_seed", noise_seed), ("sample_seed", sample_seed)):
-            if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)):
-                raise PrivacyUsageError(f"{name} must be an int or None (the default: secret), got {seed!r}.")
-        if not poisson_sampling:
-            raise PrivacyUsageError(
-                "poisson_sampling=False is refused: dpzoo accounts DP-SGD as Poisson-subsampled, and the ε of fixed or "
-                "shuffled batches is not that (nor simply bounded under add/remove adjacency). Keep "
-                "poisson_sampling=True; use max_physical_batch_size to bound memory."
-            )
-        if not isinstance(data_loader, DataLoader) and not hasattr(data_loader, "dataset"):
-            raise PrivacyUsageError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}.")
-        batch_size = getattr(data_loader, "batch_size", None)
-        if batch_size is None:
-            raise PrivacyUsageError(
-                "The data loader needs a fixed batch_size (no batch_sampler): it sets the expected Poisson batch size."
-            )
-        lazy = [n for n, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
-        if lazy:
-            raise PrivacyUsageError(
-                f"Parameter(s) {', '.join(lazy[:6])} are not initialised yet (lazy modules): run one forward pass on "
-                "a dummy (non-private) batch before make_private, so dpzoo can plan their per-sample gradients."
-            )
-        renorm = [n or "<root>" for n, m in module.named_modules() if isinstance(m, nn.Embedding) and m.max_norm]
-        if renorm:
-            raise PrivacyUsageError(
-                f"Embedding(s) {', '.join(renorm[:6])} have max_norm: forward renormalises the rows the batch looks "
-                "up, in place, which releases which ids the private batch holds. Set max_norm=None."
-            )
-        mixing = sample_mixing_modules(module)
-        if mixing:
-            raise PrivacyUsageError(
-                f"Module(s) {', '.join(mixing[:6])} mix samples in train mode (batch statistics) and update running "
-                "statistics from private data without noise. Convert them with dpzoo.make_dp_ready(model) "
-                "(BatchNorm -> GroupNorm), or put them in eval mode and freeze them."
-            )
+        # 1. refuse what is malformed or would make ε false (dpzoo.privacy.arguments)
+        check_module(module)
+        check_optimizer(optimizer)
+        check_settings(
+            mode=mode,
+            clipping=clipping,
+            loss_reduction=loss_reduction,
+            noise_multiplier=noise_multiplier,
+            target_epsilon=target_epsilon,
+            target_delta=target_delta,
+            epochs=epochs,
+            max_grad_norm=max_grad_norm,
+            max_physical_batch_size=max_physical_batch_size,
+            self_check_samples=self_check_samples,
+            noise_seed=noise_seed,
+            sample_seed=sample_seed,
+            poisson_sampling=poisson_sampling,
+        )
+        batch_size = check_loader(data_loader)
+        check_layers(module)
         dataset = data_loader.dataset
         n = len(dataset)
         if n < 1:
             raise PrivacyUsageError("The data loader's dataset is empty.")
-        world, rank = _world()
+        # 2. this rank's shard, the same data and settings on every rank
+        world, rank = world_and_rank()
         indices = None
         if world > 1:
-            indices = self._shard(data_loader, n, world, rank)
-            self._same_on_every_rank(
+            indices = shard(data_loader, n, world, rank)
+            same_on_every_rank(
                 world,
                 batch_size=batch_size,
                 noise_multiplier=noise_multiplier,
@@ -278,14 +173,10 @@ class PrivacyEngine:
                 max_physical_batch_size=max_physical_batch_size,
                 self_check=self_check,
             )
-        prior = self._prior_spending(module)
-        sample_rate = batch_size * world / n
-        if sample_rate > 1:
-            raise PrivacyUsageError(
-                f"batch_size {batch_size}{f' x {world} ranks' if world > 1 else ''} exceeds the dataset's "
-                f"{n} samples (sample rate q = {sample_rate:.3g} > 1): use a batch_size of at most "
-                f"{n // world}."
-            )
+        # 3. the Poisson-sampling loader, then σ for its steps, composed after what the model spent
+        earlier = engine_of(module)
+        prior = prior_spending(module, earlier.accountant.history if earlier is not None else [])
+        sample_rate = compute_sample_rate(batch_size, world, n)
         signal = StepSignal()
         gen = torch.Generator().manual_seed(sample_seed + rank) if sample_seed is not None else None
         loader = DPDataLoader(
@@ -298,46 +189,46 @@ class PrivacyEngine:
             signal=signal,
             indices=indices,
         )
-        steps_per_epoch = len(loader)
-        if prior:  # the model already spent privacy on its data (dpzoo.load, an earlier engine): compose after it
-            self.accountant.load_state_dict({"name": self.accountant.name, "history": prior + self.accountant.history})
-        if target_epsilon is not None:
-            try:
-                noise_multiplier = get_noise_multiplier(
-                    target_epsilon,
-                    target_delta,
-                    sample_rate,
-                    int(epochs) * steps_per_epoch,
-                    self.accountant.name,
-                    history=self.accountant.history,
-                )
-            except ValueError as e:
-                if isinstance(e, DPZooError):
-                    raise
-                raise PrivacyUsageError(f"Cannot calibrate the noise: {e}") from None
-        self.accountant.check(float(noise_multiplier), sample_rate)  # e.g. a history this accountant cannot compose
+        noise_multiplier = calibrate(
+            self.accountant,
+            prior,
+            noise_multiplier=noise_multiplier,
+            target_epsilon=target_epsilon,
+            target_delta=target_delta,
+            epochs=epochs,
+            sample_rate=sample_rate,
+            steps_per_epoch=len(loader),
+        )
         self.prior_spending = prior
+        # 4. the optimizer must train exactly the parameters dpzoo will clip
         trainable = (
-            _bitfit_trainable(module, _default_head(module) if train_head == "auto" else train_head)
+            bitfit_trainable(module, resolve_head(module, train_head))
             if mode == "bitfit"
             else {id(p) for p in module.parameters() if p.requires_grad}
         )
-        self._check_optimizer(module, optimizer, trainable)
-        for name, seed in (("noise_seed", noise_seed), ("sample_seed", sample_seed)):
-            if seed is not None:
-                warnings.warn(
-                    f"{name}={seed}: {'noise' if name == 'noise_seed' else 'Poisson membership'} is "
-                    "reproducible, so it is not secret: the guarantee does not hold against anyone who "
-                    "holds the seed. Leave it None outside tests.",
-                    ReproducibleNoiseWarning,
-                    stacklevel=2,
-                )
+        check_optimizer_parameters(module, optimizer, trainable)
+        warn_seeds(noise_seed, sample_seed)
+        # 5. record the mechanism, attach the hooks and the DP optimizer, watch every step
         self.target_delta = target_delta
         self.sample_rate, self.noise_multiplier = sample_rate, float(noise_multiplier)
         self.max_grad_norm, self.clipping, self.loss_reduction = float(max_grad_norm), clipping, loss_reduction
         self.noise_seed, self.sample_seed = noise_seed, sample_seed
         # each rank samples its shard of the one dataset at rate q: the expected global batch is q · N
         self.expected_batch_size = sample_rate * n
+        self._attach(module, optimizer, mode, train_head, signal)
+        self._watch = TrainingWatch(
+            self,
+            signal,
+            replan=lambda: self._set_mode(self.mode, "keep"),
+            self_check=self_check,
+            self_check_samples=self_check_samples,
+        )
+        module._dpzoo_engine = weakref.ref(self)
+        return module, self.optimizer, loader
+
+    def _attach(self, module: nn.Module, optimizer: torch.optim.Optimizer, mode: str, train_head, signal) -> None:
+        """The norm hooks in ``mode`` and the DPOptimizer around ``optimizer``; if either fails, the
+        model is left as it was (no hooks, its ``requires_grad`` flags restored)."""
         requires = {p: p.requires_grad for p in module.parameters()}
         self.module = module
         try:
@@ -346,15 +237,15 @@ class PrivacyEngine:
             self.optimizer = DPOptimizer(
                 optimizer,
                 hooks=self.hooks,
-                noise_multiplier=noise_multiplier,
-                max_grad_norm=max_grad_norm,
-                clipping=clipping,
-                loss_reduction=loss_reduction,
+                noise_multiplier=self.noise_multiplier,
+                max_grad_norm=self.max_grad_norm,
+                clipping=self.clipping,
+                loss_reduction=self.loss_reduction,
                 expected_batch_size=self.expected_batch_size,
-                sample_rate=sample_rate,
+                sample_rate=self.sample_rate,
                 accountant=self.accountant,
                 signal=signal,
-                noise_seed=noise_seed,
+                noise_seed=self.noise_seed,
             )
         except BaseException:
             if self.hooks is not None:
@@ -363,222 +254,6 @@ class PrivacyEngine:
             for p, r in requires.items():
                 p.requires_grad_(r)
             raise
-        self.optimizer.check_parameters = self._check_step_parameters
-        self.optimizer.check_state = self._check_state
-        self._buffers_at_step: dict | None = None
-        self._param_sums: dict | None = None
-        self._self_check, self._check_samples = bool(self_check), int(self_check_samples)
-        self._check_inputs = None
-        self._in_check = False
-        if self._self_check:
-            self.optimizer.on_first_step = self._run_self_check
-            self.optimizer.capture_inputs = lambda: self._check_inputs
-        signal.on_empty = self._noise_only_step
-        self._handles = [
-            module.register_forward_pre_hook(self._on_forward, with_kwargs=True, prepend=True),
-            module.register_forward_hook(self._after_forward),
-        ]
-        module._dpzoo_engine = weakref.ref(self)
-        return module, self.optimizer, loader
-
-    # -- the checks that keep ε true ---------------------------------------------------------
-    @staticmethod
-    def _shard(data_loader, n: int, world: int, rank: int) -> range:
-        """This rank's shard of the one dataset every rank passes (a DistributedSampler's is
-        replaced: it pads shards by repeating samples, and dpzoo samples each shard by Poisson)."""
-        sampler = getattr(data_loader, "sampler", None)
-        if isinstance(sampler, DistributedSampler) and (sampler.num_replicas != world or sampler.rank != rank):
-            raise PrivacyUsageError(
-                f"The DistributedSampler is for rank {sampler.rank} of {sampler.num_replicas} but this process is "
-                f"rank {rank} of {world}: build it from the initialised process group (or pass none)."
-            )
-        fingerprints: list = [None] * world
-        torch.distributed.all_gather_object(fingerprints, dataset_fingerprint(data_loader.dataset))
-        if len(set(fingerprints)) > 1:
-            raise PrivacyUsageError(
-                "The ranks passed different datasets to make_private. Pass the same full dataset on every rank "
-                "(with or without a DistributedSampler): dpzoo gives each rank a disjoint shard and Poisson-samples "
-                "it, so each sample is counted once. Pre-sharded or overlapping datasets cannot be accounted."
-            )
-        return range(rank, n, world)
-
-    def _check_optimizer(self, module: nn.Module, optimizer: torch.optim.Optimizer, trainable: set[int]) -> None:
-        """The optimizer's trainable parameters must be exactly the model's: one outside the model
-        would be updated with its raw gradient; one missing would spend ε on nothing."""
-        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-        in_opt = {id(p): p for g in optimizer.param_groups for p in g["params"]}
-        outside = [p for pid, p in in_opt.items() if pid not in names and p.requires_grad]
-        if outside:
-            shapes = ", ".join(str(tuple(p.shape)) for p in outside[:6])
-            raise PrivacyUsageError(
-                f"The optimizer holds {len(outside)} trainable parameter(s) that are not in the model (shapes "
-                f"{shapes}): they would be updated with raw, unclipped gradients. Give the optimizer only "
-                "model.parameters(); put every trained module (e.g. a head) inside the model passed to make_private."
-            )
-        missing = sorted({names[pid] for pid in trainable if pid not in in_opt})
-        if missing:
-            raise PrivacyUsageError(
-                f"Trainable parameter(s) {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''} of the model are "
-                "not in the optimizer: they would be clipped and noised but never trained. Pass model.parameters() "
-                "to the optimizer, or freeze them (requires_grad_(False)) before make_private."
-            )
-
-    def _check_step_parameters(self) -> None:
-        """At each step: the optimizer still trains exactly the hooked parameters."""
-        hooked = {id(p) for p in self.hooks.trainable_parameters.values() if p.requires_grad}
-        names = {id(p): n for n, p in self.module.named_parameters(remove_duplicate=False)}
-        in_opt = {id(p): p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad}
-        extra = [p for pid, p in in_opt.items() if pid not in hooked]
-        if extra:
-            label = ", ".join(names.get(id(p), f"<not in the model, shape {tuple(p.shape)}>") for p in extra[:6])
-            raise PrivacyUsageError(
-                f"The optimizer now trains parameter(s) dpzoo does not clip: {label}. They would be updated with raw "
-                "gradients. Add parameters to the model before make_private (a new engine), not to the optimizer."
-            )
-        missing = [n for n, p in self.hooks.trainable_parameters.items() if p.requires_grad and id(p) not in in_opt]
-        if missing:
-            raise PrivacyUsageError(
-                f"Trainable parameter(s) {', '.join(missing[:8])} were removed from the optimizer after make_private: "
-                "freeze them (requires_grad_(False)) instead."
-            )
-
-    def _trainable_changed(self) -> bool:
-        hooked = self.hooks.trainable_parameters
-        present = {id(p) for p in self.module.parameters()}
-        swapped = [n for n, p in hooked.items() if id(p) not in present]
-        if swapped:
-            raise PrivacyUsageError(
-                f"Parameter(s) {', '.join(swapped[:6])} are not in the model during this forward: they were swapped "
-                "(torch.func.functional_call, stateless calls) or removed. dpzoo clips the model's own parameters: "
-                "call the model itself."
-            )
-        if any(not p.requires_grad for p in hooked.values()):
-            return True
-        ids = {id(p) for p in hooked.values()}
-        return any(p.requires_grad and id(p) not in ids for p in self.module.parameters())
-
-    def _on_forward(self, module, args, kwargs):
-        """Before every training forward: follow freezing/unfreezing, take the previous
-        micro-batch, keep the first batch's inputs for the self-check."""
-        if self._in_check or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
-            return None
-        if self._trainable_changed():
-            if self.optimizer.hooks.step_ready:
-                self.optimizer.clip_and_accumulate()
-            # re-plan the hooks for the new trainable set; their root pre-hook missed this call
-            self._set_mode(self.mode, "keep")
-            self.hooks.begin_forward(module, args, kwargs)
-        self.optimizer.mark_forward()
-        if self._self_check and self.optimizer.on_first_step is not None and self.hooks.forward_calls == 0:
-            self._check_inputs = (args, kwargs)
-        # Nothing computed from the batch may be stored outside the DP update: buffers are compared by
-        # value (`.data` writes move no version counter) from here to the step, in any mode; every
-        # parameter by a checksum over the first step (a data-dependent init, a renormalisation).
-        if self._buffers_at_step is None:
-            self._buffers_at_step = {n: b.detach().clone() for n, b in module.named_buffers()}
-        if self._param_sums is None and self.steps == 0:
-            self._param_sums = _checksums(module)
-        return None
-
-    def _after_forward(self, module, args, output):
-        if self._in_check or not torch.is_grad_enabled():
-            return None
-        self._compare_buffers("a training forward pass")
-        return None
-
-    def _compare_buffers(self, when: str) -> None:
-        before = self._buffers_at_step
-        if before is None:
-            return
-        now = dict(self.module.named_buffers())
-        changed = [
-            n
-            for n, b in before.items()
-            if n not in now or now[n].shape != b.shape or not torch.equal(now[n].detach(), b)
-        ]
-        changed += [n for n in now if n not in before]
-        if changed:
-            self._buffers_at_step = None
-            raise PrivacyUsageError(
-                f"Buffer(s) {', '.join(changed[:6])} changed during {when}: values computed from private data would be "
-                "released without noise (and may mix samples). Stop what updates them (a running statistic, an EMA, "
-                "a hook) or replace it (dpzoo.make_dp_ready converts BatchNorm)."
-            )
-
-    def _check_state(self) -> None:
-        """At each step, before noise: buffers unchanged since the step's first forward (backward
-        hooks included); on the first step, every parameter unchanged since its first forward."""
-        self._compare_buffers("this step (forward, backward or a hook)")
-        self._buffers_at_step = None
-        if self._param_sums is not None:
-            now = _checksums(self.module)
-            moved = [n for n, v in self._param_sums.items() if now.get(n) != v]
-            self._param_sums = None
-            if moved:
-                raise PrivacyUsageError(
-                    f"Parameter(s) {', '.join(moved[:6])} changed between the first forward pass and optimizer.step(): "
-                    "something wrote batch data into them (a data-dependent initialisation, a renormalisation, a "
-                    "write through .data), which would be released without noise. Initialise on public data before "
-                    "make_private."
-                )
-
-    @staticmethod
-    def _prior_spending(module: nn.Module) -> list:
-        """The (σ, q, steps) history a model already spent: an earlier engine on it, or the privacy
-        metadata of a model loaded with dpzoo.load. [] for a model with no record."""
-        ref = getattr(module, "_dpzoo_engine", None)
-        earlier = ref() if callable(ref) else None
-        if earlier is not None and earlier.accountant.history:
-            return [list(h) for h in earlier.accountant.history]
-        meta = getattr(module, "dpzoo_privacy", None)
-        if not meta:
-            return []
-        if meta.get("noise_multiplier") is None or not meta.get("steps"):
-            raise PrivacyUsageError(
-                f"This model was trained with DP before (ε = {meta.get('epsilon')}) but its metadata lacks the noise "
-                "multiplier to compose with: pass accountant=Accountant(name, history) with the earlier steps, or "
-                "`del model.dpzoo_privacy` if the new data is disjoint from the data it was trained on."
-            )
-        return [[float(meta["noise_multiplier"]), float(meta["sample_rate"]), int(meta["steps"])]]
-
-    @staticmethod
-    def _same_on_every_rank(world: int, **settings) -> None:
-        mine = {k: repr(v) for k, v in settings.items()}
-        gathered: list = [None] * world
-        torch.distributed.all_gather_object(gathered, mine)
-        diff = sorted({k for other in gathered for k in mine if other.get(k) != mine[k]})
-        if diff:
-            raise PrivacyUsageError(
-                f"make_private got different settings on different ranks ({', '.join(diff)}): every rank must use the "
-                "same batch_size, noise, clipping bound, mode and accountant, or the reported ε holds for none."
-            )
-
-    def _noise_only_step(self) -> None:
-        """An empty Poisson batch: the mechanism still releases a (noise-only) update."""
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def _run_self_check(self) -> None:
-        capture = getattr(self.optimizer, "_first_capture", None)
-        if capture is None:
-            return
-        (args, kwargs), cotangents = capture
-        self.optimizer._first_capture = None
-        self._in_check = True
-        try:
-            with torch.enable_grad():
-                report = self_check(
-                    self.module, self.hooks, args, kwargs, cotangents=cotangents, samples=self._check_samples
-                )
-        except DPZooError as e:
-            self.self_check_result = f"failed: {e}"
-            raise
-        finally:
-            self._in_check = False
-        self.self_check_result = (
-            f"passed on the first step ({len(report.samples)} samples, largest relative "
-            f"difference {max(report.worst.values(), default=0.0):.1e})"
-        )
 
     def _notify_noise(self) -> None:
         """Tell every :class:`~dpzoo.privacy.protocols.NoiseAware` module (e.g. DPFormer's
@@ -594,9 +269,10 @@ class PrivacyEngine:
                 )
 
     def _set_mode(self, mode: str, train_head) -> None:
+        """Attach the norm hooks of ``mode`` (replacing any), freezing DP-BiTFiT's complement
+        first in ``"bitfit"`` mode unless ``train_head="keep"``; the optimizer follows them."""
         if mode == "bitfit" and train_head != "keep":
-            heads = _default_head(self.module) if train_head == "auto" else train_head
-            freeze_all_but_biases(self.module, heads)
+            freeze_all_but_biases(self.module, resolve_head(self.module, train_head))
         if self.hooks is not None:
             self.hooks.detach()
         self.hooks = attach_norm_hooks(self.module, MODES[mode], ghost_backward=True)
@@ -609,21 +285,22 @@ class PrivacyEngine:
         fine-tuning (two-phase X+BiTFiT, DP-BiTFiT App. A.2.2). Accounting continues."""
         if self.module is None:
             raise DPZooError("make_private first.")
+        if self.hooks is None:
+            raise PrivacyUsageError("This engine was detached; make the model private again with a new engine.")
         if mode not in MODES:
             raise DPZooError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         if self.optimizer.hooks.step_ready or self.optimizer.micro_batches_in_step or self.hooks.forward_calls:
             raise PrivacyUsageError("switch_mode in the middle of a logical step: call optimizer.step() first.")
         self._set_mode(mode, train_head)
-        self._check_step_parameters()
+        check_step_parameters(self.module, self.hooks, self.optimizer)
 
     def detach(self) -> None:
         """Remove the hooks (the model is an ordinary model again)."""
         if self.hooks is not None:
             self.hooks.detach()
             self.hooks = None
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        if self._watch is not None:
+            self._watch.remove()
 
     # -- accounting ----------------------------------------------------------------------------
     def get_epsilon(self, delta: float | None = None) -> float:
@@ -653,7 +330,7 @@ class PrivacyEngine:
         )
         if self.optimizer is not None and self.optimizer.refusal is not None:
             check = self.self_check_result or f"failed: {self.optimizer.refusal}"  # and no step was taken since
-        elif not self._self_check:
+        elif not self._watch.self_check:
             check = "skipped by the user (self_check=False)"
         else:
             check = self.self_check_result or "pending (no non-empty step yet)"

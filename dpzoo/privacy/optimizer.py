@@ -17,8 +17,9 @@ One logical step (BK paper Algorithm 1, lines 6–12):
 4. the wrapped optimizer steps; the accountant records (σ, q).
 
 Like Opacus' ``DPOptimizer`` this is a :class:`torch.optim.Optimizer` sharing the wrapped
-optimizer's ``param_groups`` and ``state`` (so ``torch.optim.lr_scheduler`` works on it), and
-its clip / noise / scale steps are methods a subclass can override.
+optimizer's ``param_groups`` and ``state`` (so ``torch.optim.lr_scheduler`` works on it; see
+:mod:`dpzoo.privacy.wrapped_optimizer`), and its clip / noise / scale steps are methods a
+subclass can override (clipping functions: :mod:`dpzoo.privacy.clipping`).
 
 Noise is secret: each logical step draws it from a generator seeded with 64 fresh bits of OS
 entropy (``os.urandom``). ``noise_seed`` makes it reproducible instead, for tests only: anyone
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections import OrderedDict
 from typing import Callable
 
 import torch
@@ -39,30 +39,17 @@ import torch.distributed as dist
 from ..errors import NoGradientWarning, PrivacyUsageError, UnsupportedModuleError
 from ..grad_norms.hooks import NormHooks
 from .accountant import Accountant
+from .budget import restore_history
+from .clipping import AUTOMATIC_GAMMA as AUTOMATIC_GAMMA  # re-exported: it was defined here
+from .clipping import CLIPPING, clip_factors
 from .data import StepSignal, secret_generator
+from .distributed import world_and_rank
+from .wrapped_optimizer import WrappedOptimizer
 
 __all__ = ["DPOptimizer", "clip_factors", "CLIPPING"]
 
-CLIPPING = ("abadi", "automatic")
-AUTOMATIC_GAMMA = 0.01  # stability constant of automatic clipping (Bu et al., AUTO-S)
 
-
-def clip_factors(norms: torch.Tensor, max_grad_norm: float, clipping: str) -> torch.Tensor:
-    """C_i with ‖C_i g_i‖ ≤ R: Abadi min(1, R/‖g‖) or automatic R/(‖g‖ + 0.01)."""
-    if clipping == "abadi":
-        return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
-    if clipping == "automatic":
-        return max_grad_norm / (norms + AUTOMATIC_GAMMA)
-    raise PrivacyUsageError(f"clipping must be one of {CLIPPING}, got {clipping!r}")
-
-
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size(), dist.get_rank()
-    return 1, 0
-
-
-class DPOptimizer(torch.optim.Optimizer):
+class DPOptimizer(WrappedOptimizer):
     """Wraps a torch optimizer; ``step()`` replaces ``.grad`` by the private gradient first."""
 
     def __init__(
@@ -88,14 +75,7 @@ class DPOptimizer(torch.optim.Optimizer):
             raise PrivacyUsageError(
                 f"need max_grad_norm > 0 and noise_multiplier >= 0, got {max_grad_norm}, {noise_multiplier}"
             )
-        # No Optimizer.__init__: param_groups and state are the wrapped optimizer's (properties below).
-        self.original_optimizer = optimizer
-        self._optimizer_step_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict = OrderedDict()
+        super().__init__(optimizer)
         self.hooks = hooks
         self.noise_multiplier, self.max_grad_norm = float(noise_multiplier), float(max_grad_norm)
         self.clipping, self.loss_reduction = clipping, loss_reduction
@@ -125,37 +105,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.check_state: Callable[[], None] | None = None  # the engine's watch on buffers / parameters
         self.refusal: Exception | None = None  # a failed self-check: every later step is refused too
 
-    # -- the wrapped optimizer -------------------------------------------------------------
-    @property
-    def param_groups(self):
-        return self.original_optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self.original_optimizer.param_groups = value
-
-    @property
-    def state(self):
-        return self.original_optimizer.state
-
-    @state.setter
-    def state(self, value):
-        self.original_optimizer.state = value
-
-    @property
-    def defaults(self):
-        return self.original_optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value):
-        self.original_optimizer.defaults = value
-
-    def add_param_group(self, param_group: dict) -> None:
-        self.original_optimizer.add_param_group(param_group)  # checked against the hooks at step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.original_optimizer.zero_grad(set_to_none=set_to_none)
-
+    # -- checkpoints ------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The wrapped optimizer's state and the step count; the noise generators' state only in
         reproducible mode (``noise_seed``): secret noise leaves nothing that predicts it."""
@@ -178,23 +128,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 "This is not a DPOptimizer state dict (no accountant in it): the steps it took would vanish from ε. "
                 "Save and load optimizer.state_dict() of the DPOptimizer, or engine.state_dict()."
             )
-        if state.get("steps", 0) and "accountant" not in state:
-            raise PrivacyUsageError(
-                f"This optimizer checkpoint took {state['steps']} private steps but records no accountant history "
-                "(saved by an older dpzoo): ε would restart from 0. Restore the history with "
-                "engine.accountant.load_state_dict(...) from the run's engine.state_dict()."
-            )
-        if "accountant" in state:
-            saved = [list(h) for h in state["accountant"]["history"]]
-            now = [list(h) for h in self.accountant.history]
-            if saved[: len(now)] != now:  # the checkpoint does not start with what is spent here: compose
-                saved = now + saved
-            if state["accountant"].get("name") != self.accountant.name:
-                raise PrivacyUsageError(
-                    f"The checkpoint was accounted with {state['accountant'].get('name')!r}, this engine uses "
-                    f"{self.accountant.name!r}: make the engine with the checkpoint's accountant."
-                )
-            self.accountant.load_state_dict({"name": self.accountant.name, "history": saved})
+        restore_history(self.accountant, state)
         self.original_optimizer.load_state_dict(state["optimizer"])
         self.steps = state["steps"]
         if self.noise_seed is not None and state.get("noise_seed") is not None:
@@ -212,6 +146,13 @@ class DPOptimizer(torch.optim.Optimizer):
         """``fn(optimizer)`` after every logical step, the engine's noise-only steps on empty
         batches included (e.g. to step an LR schedule once per logical step)."""
         self._step_hooks.append(fn)
+
+    def take_first_capture(self) -> tuple | None:
+        """What the engine's first-step self-check re-runs, handed over once: ``(inputs, output
+        cotangents)`` of the first micro-batch (kept when :attr:`on_first_step` and
+        :attr:`capture_inputs` are set); None before it is captured and after it is taken."""
+        capture, self._first_capture = self._first_capture, None
+        return capture
 
     # -- DP: overridable steps -------------------------------------------------------------
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -339,7 +280,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def add_noise(self) -> None:
         """Write ``p.grad`` = clipped sum (+ N(0, σ²R²) on rank 0), all-reduced across ranks."""
         params = self.hooks.trainable_parameters
-        world, rank = _world()
+        world, rank = world_and_rank()
         std = self.noise_multiplier * self.max_grad_norm
         if self.samples_in_step:
             self._warn_no_gradient([n for n in params if n not in self._reached])

@@ -39,6 +39,7 @@ __all__ = [
     "download",
     "default_cache_dir",
     "network_reachable",
+    "search_roots",
 ]
 
 
@@ -173,7 +174,9 @@ register_dataset(
     )
 )
 
-_urlopen = urllib.request.urlopen  # tests monkeypatch this; never the network in tests
+# What download() opens URLs with: replace it to go through a mirror or a proxy (tests replace it
+# so that they never touch the network).
+urlopen = urllib.request.urlopen
 
 
 def default_cache_dir() -> Path:
@@ -182,7 +185,9 @@ def default_cache_dir() -> Path:
     return base / "datasets"
 
 
-def _search_roots(cache_dir) -> list[Path]:
+def search_roots(cache_dir=None) -> list[Path]:
+    """Where :func:`load_dataset` looks for a dataset's files, in order: ``$DPZOO_DATA`` (if set),
+    then ``cache_dir`` (default :func:`default_cache_dir`), where downloads go."""
     roots = []
     if os.environ.get("DPZOO_DATA"):
         roots.append(Path(os.environ["DPZOO_DATA"]))
@@ -218,7 +223,7 @@ def download(url: str, dest, sha256: str | None = None, chunk: int = 1 << 20, md
     h, h5 = hashlib.sha256(), hashlib.md5()
     fd, tmp = tempfile.mkstemp(prefix=dest.name + ".", suffix=".part", dir=dest.parent)
     try:
-        with os.fdopen(fd, "wb") as out, _urlopen(url) as resp:
+        with os.fdopen(fd, "wb") as out, urlopen(url) as resp:
             while True:
                 block = resp.read(chunk)
                 if not block:
@@ -291,7 +296,7 @@ def load_dataset(
             + (f", whose files are {spec.columns!r}" if spec.columns else "")
             + "; give it only with a file path."
         )
-    roots = _search_roots(cache_dir)
+    roots = search_roots(cache_dir)
     for root in roots:
         for rel in spec.files:
             if (root / rel).is_file():

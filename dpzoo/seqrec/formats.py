@@ -73,7 +73,7 @@ def _strip_bom(text: str) -> str:
     return text
 
 
-def _fields(line: str, sep: str | None, n: int) -> list[str]:
+def _split_fields(line: str, sep: str | None, n: int) -> list[str]:
     parts = line.split(sep) if sep is not None else line.split()
     if len(parts) != n:
         raise ValueError(f"{len(parts)} fields")
@@ -87,19 +87,19 @@ def _int(s: str) -> int:
 
 
 def _parse_grouplens(line: str) -> tuple[int, int, int]:
-    u, i, r, t = _fields(line, "::", 4)
+    u, i, r, t = _split_fields(line, "::", 4)
     float(r)
     return _int(u), _int(i), _int(t)
 
 
 def _parse_ml100k(line: str) -> tuple[int, int, int]:
-    u, i, r, t = _fields(line, "\t", 4)
+    u, i, r, t = _split_fields(line, "\t", 4)
     float(r)
     return _int(u), _int(i), _int(t)
 
 
 def _parse_amazon(line: str, item_first: bool = False) -> tuple[str, str, int]:
-    a, b, r, t = _fields(line, ",", 4)
+    a, b, r, t = _split_fields(line, ",", 4)
     if not a or not b:
         raise ValueError("empty id")
     float(r)
@@ -209,7 +209,7 @@ def read_sasrec_text(path) -> list[tuple[int, int, int]]:
     counter = iter(range(1, 1 << 62))
 
     def parse(line):
-        u, i = _fields(line, None, 2)
+        u, i = _split_fields(line, None, 2)
         return _int(u), _int(i), next(counter)
 
     return _read_rows(path, parse, "'user item' (2 whitespace-separated integers)")

@@ -10,7 +10,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from .bias import add_missing_biases, missing_biases
 from .groupnorm import GroupSpec, convert_batchnorm
-from .inplace import _BLOCK_SWAPS, disable_inplace
+from .inplace import BLOCK_SWAPS, disable_inplace
 from .tied import TiedGroup, find_tied_parameters
 
 __all__ = ["make_dp_ready", "check_dp_ready", "PatchReport", "patch_report"]
@@ -144,7 +144,7 @@ def check_dp_ready(model: nn.Module, *, bias_exempt: Iterable[str] = (), require
         if isinstance(getattr(m, "inplace", None), bool) and m.inplace:
             problems.append(f"{name}: {type(m).__name__}(inplace=True) breaks backward hooks")
     for name, m in model.named_modules():
-        if type(m) in _BLOCK_SWAPS:
+        if type(m) in BLOCK_SWAPS:
             problems.append(f"{name}: {type(m).__name__} adds its shortcut in place")
     if require_bias:
         for name in missing_biases(model, bias_exempt):

@@ -30,7 +30,7 @@ class InplaceReport:
 
 
 # timm's ResNet blocks add the residual in place; the dpzoo subclasses do it out of place.
-_BLOCK_SWAPS: dict[type, type] = {BasicBlock: DPBasicBlock, Bottleneck: DPBottleneck}
+BLOCK_SWAPS: dict[type, type] = {BasicBlock: DPBasicBlock, Bottleneck: DPBottleneck}
 
 
 def disable_inplace(model: nn.Module) -> InplaceReport:
@@ -40,7 +40,7 @@ def disable_inplace(model: nn.Module) -> InplaceReport:
         if isinstance(getattr(m, "inplace", None), bool) and m.inplace:
             m.inplace = False
             report.switched_off.append(name)
-        new_cls = _BLOCK_SWAPS.get(type(m))
+        new_cls = BLOCK_SWAPS.get(type(m))
         if new_cls is not None:
             m.__class__ = new_cls
             report.swapped_blocks.append(name)

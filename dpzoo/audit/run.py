@@ -1,0 +1,194 @@
+"""The audit procedure: :func:`audit` inserts canaries, trains once, scores, guesses and bounds ε.
+
+The one-run audit of Steinke, Nasr & Jagielski (2023), Algorithm 1: each of m canaries is put in
+the training set independently with probability 1/2 (S ∈ {-1, +1}^m), one private training run
+(:mod:`dpzoo.audit.training`), a score per canary (:mod:`dpzoo.audit.task`), guesses and the
+bound (:mod:`dpzoo.audit.guesses`, :mod:`dpzoo.audit.bound`), reported as an
+:class:`~dpzoo.audit.AuditResult`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, TensorDataset
+
+from ..errors import DPZooError
+from .guesses import DEFAULT_GUESS_FRACTIONS, best_guesses
+from .report import AuditResult
+from .task import digits_canary_task, loss_score
+from .training import BROKEN, train_audited_model
+
+__all__ = ["audit"]
+
+
+def audit(
+    *,
+    epsilon: float = 2.0,
+    delta: float = 1e-5,
+    canaries: "int | tuple[torch.Tensor, torch.Tensor]" = 1000,
+    epochs: int = 10,
+    batch_size: int = 64,
+    lr: float = 2.0,
+    max_grad_norm: float = 1.0,
+    clipping: str = "abadi",
+    broken: str | None = None,
+    confidence: float = 0.95,
+    seed: int = 0,
+    accountant: str = "rdp",
+    canary_norm: float = 1000.0,
+    dataset: Dataset | None = None,
+    model_fn: Callable[[], nn.Module] | None = None,
+    score_fn: Callable | None = None,
+    loss_fn: Callable | None = None,
+    test_dataset: Dataset | None = None,
+    guess_fractions: Sequence[float] = DEFAULT_GUESS_FRACTIONS,
+    noise_seed: int | None = None,
+    sample_seed: int | None = None,
+    log: Callable[[str], None] | None = None,
+) -> AuditResult:
+    """Insert canaries, train once with dpzoo's engine, return the empirical lower bound on ε.
+
+    Built-in default (``dataset=None``): digits with ``canaries`` (an int, m) Dirac canaries of
+    norm ``canary_norm``, a linear classifier, :func:`logit_change_score`.
+
+    General path: ``dataset`` (items ``(x, y)``), ``model_fn()`` (a fresh model whose trainable
+    parameters dpzoo's engine covers), ``canaries=(canary_x, canary_y)`` (m canaries, each put
+    in the training set with probability 1/2), ``score_fn(model, canary_x, canary_y)`` (higher:
+    more likely in; default :func:`loss_score`), ``loss_fn(output, y)`` (a batch mean; default
+    cross-entropy; a custom loss needs a ``score_fn``), optional ``test_dataset`` for accuracy.
+
+    Training is the engine's public API: Poisson batches of expected size ``batch_size``, SGD
+    at ``lr``, ``target_epsilon=epsilon`` at ``delta`` over ``epochs``, Abadi clipping at
+    ``max_grad_norm``. ``broken="no-noise"`` / ``"unclipped"``: the positive controls
+    (:mod:`dpzoo.audit.training`). ``seed`` fixes the canaries, their inclusion, the model's
+    initialisation and the tie-breaking (through torch's generator, isolated by
+    ``torch.random.fork_rng``); the engine's noise and Poisson sampling are its own (secret)
+    unless ``noise_seed`` / ``sample_seed`` are passed on to ``make_private`` (tests only).
+    Returns an :class:`AuditResult`; ``result.exceeds`` is True when the bound is above the
+    claimed ε.
+
+    Which guess counts to use is chosen after scoring, among ``guess_fractions`` of m (total
+    guesses r, split evenly in / out), each tested at (1 - confidence) / len(guess_fractions).
+    """
+    _validate(epsilon, delta, epochs, batch_size, lr, max_grad_norm, broken, confidence, guess_fractions)
+    log = log or (lambda s: None)
+    t0 = time.time()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if dataset is None:
+            if not isinstance(canaries, int) or isinstance(canaries, bool) or canaries < 2:
+                raise DPZooError(f"canaries must be an integer >= 2 for the built-in audit, got {canaries!r}.")
+            if not canary_norm > 0:
+                raise DPZooError(f"canary_norm must be > 0, got {canary_norm}.")
+            train, test, cx, cy, default_model_fn, default_score = digits_canary_task(canaries, canary_norm, seed)
+            model_fn = model_fn or default_model_fn
+            score_fn = score_fn or default_score
+            test_dataset = test if test_dataset is None else test_dataset
+        else:
+            if model_fn is None:
+                raise DPZooError("audit(dataset=...) needs model_fn=: a function returning a fresh model.")
+            if not (isinstance(canaries, (tuple, list)) and len(canaries) == 2):
+                raise DPZooError(
+                    "audit(dataset=...) needs canaries=(canary_x, canary_y): the m canary inputs "
+                    "and labels (an integer count is only for the built-in digits audit)."
+                )
+            cx, cy = canaries
+            if len(cx) != len(cy) or len(cx) < 2:
+                raise DPZooError(
+                    f"canaries: need as many labels as inputs and at least 2 canaries, got "
+                    f"{len(cx)} inputs and {len(cy)} labels."
+                )
+            if loss_fn is not None and score_fn is None:
+                raise DPZooError(
+                    "a custom loss_fn needs a score_fn (the default score is minus the "
+                    "cross-entropy loss of each canary)."
+                )
+            score_fn = score_fn or loss_score
+            train = dataset
+        loss_fn = loss_fn or F.cross_entropy
+        m = len(cx)
+        g = torch.Generator().manual_seed(seed + 1)
+        included = torch.rand(m, generator=g) < 0.5  # Algorithm 1: each canary in w.p. 1/2
+        train_set = ConcatDataset([train, TensorDataset(cx[included], cy[included])])
+        model, claimed, mech = train_audited_model(
+            train_set,
+            model_fn,
+            loss_fn,
+            epsilon=epsilon,
+            delta=delta,
+            epochs=epochs,
+            batch_size=batch_size,
+            lr=lr,
+            max_grad_norm=max_grad_norm,
+            clipping=clipping,
+            broken=broken,
+            accountant=accountant,
+            noise_seed=noise_seed,
+            sample_seed=sample_seed,
+            log=log,
+        )
+        model.eval()
+        scores = score_fn(model, cx, cy).detach().float().flatten()
+        if scores.shape[0] != m or not torch.isfinite(scores).all():
+            raise DPZooError(
+                f"score_fn must return {m} finite scores (one per canary), got shape "
+                f"{tuple(scores.shape)}{'' if torch.isfinite(scores).all() else ' with non-finite values'}."
+            )
+        accuracy = _accuracy(model, test_dataset) if test_dataset is not None else None
+    tie = torch.Generator().manual_seed(seed + 2)
+    candidates, best, max_auditable = best_guesses(scores, included, delta, confidence, guess_fractions, tie)
+    return AuditResult(
+        claimed_epsilon=claimed,
+        delta=delta,
+        epsilon_lower_bound=best["epsilon_lower_bound"],
+        confidence=confidence,
+        canaries=m,
+        guesses=best["k_plus"] + best["k_minus"],
+        correct=best["correct"],
+        k_plus=best["k_plus"],
+        k_minus=best["k_minus"],
+        included=int(included.sum()),
+        broken=broken,
+        max_auditable_epsilon=max_auditable,
+        mechanism=mech,
+        candidates=candidates,
+        test_accuracy=accuracy,
+        seconds=time.time() - t0,
+        scores=scores.tolist(),
+        membership=included.tolist(),
+    )
+
+
+def _accuracy(model, dataset) -> float:
+    correct = 0
+    with torch.no_grad():
+        for x, y in DataLoader(dataset, batch_size=512):
+            correct += int((model(x).argmax(1) == y).sum())
+    return correct / len(dataset)
+
+
+def _validate(epsilon, delta, epochs, batch_size, lr, max_grad_norm, broken, confidence, guess_fractions):
+    if not (isinstance(epsilon, (int, float)) and 0 < epsilon < math.inf):
+        raise DPZooError(f"epsilon must be a finite number > 0 (the claimed ε), got {epsilon!r}.")
+    if not (isinstance(delta, (int, float)) and 0 < delta < 1):
+        raise DPZooError(f"delta must be in (0, 1), e.g. 1e-5, got {delta!r}.")
+    if not (isinstance(epochs, int) and epochs >= 1):
+        raise DPZooError(f"epochs must be an integer >= 1, got {epochs!r}.")
+    if not (isinstance(batch_size, int) and batch_size >= 1):
+        raise DPZooError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
+    if not lr > 0:
+        raise DPZooError(f"lr must be > 0, got {lr!r}.")
+    if not max_grad_norm > 0:
+        raise DPZooError(f"max_grad_norm must be > 0, got {max_grad_norm!r}.")
+    if broken is not None and broken not in BROKEN:
+        raise DPZooError(f"broken must be None, 'no-noise' or 'unclipped', got {broken!r}.")
+    if not 0 < confidence < 1:
+        raise DPZooError(f"confidence must be in (0, 1), e.g. 0.95, got {confidence!r}.")
+    if not guess_fractions or not all(0 < f <= 1 for f in guess_fractions):
+        raise DPZooError(f"guess_fractions must be fractions of the canaries in (0, 1], got {guess_fractions!r}.")

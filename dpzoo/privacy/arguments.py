@@ -1,0 +1,189 @@
+"""Refuse ``make_private``'s arguments when they are malformed or would make ε false: the model,
+optimizer and data loader passed, and the noise, clipping, batch and seed settings.
+
+Each check raises :class:`~dpzoo.errors.PrivacyUsageError` with the fix; ``make_private`` runs
+them in this module's order (model type, optimizer type, settings, loader, the model's layers).
+Seeds, which are allowed but make noise or sampling not secret, are warned about
+(:func:`warn_seeds`).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.data import DataLoader
+
+from ..errors import PrivacyUsageError, ReproducibleNoiseWarning
+from .clipping import CLIPPING
+from .modes import MODES
+from .optimizer import DPOptimizer
+
+__all__ = [
+    "sample_mixing_modules",
+    "check_module",
+    "check_optimizer",
+    "check_settings",
+    "check_loader",
+    "check_layers",
+    "warn_seeds",
+]
+
+
+def _number(name: str, value, *, positive: bool = False, integer: bool = False, fix: str = "") -> None:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and integer:
+        ok = float(value).is_integer()
+    if ok and positive:
+        ok = value > 0
+    elif ok:
+        ok = value >= 0
+    if not ok:
+        kind = ("a positive integer" if integer else "a finite number > 0") if positive else "a finite number >= 0"
+        raise PrivacyUsageError(f"{name} must be {kind}, got {value!r}" + (f": {fix}" if fix else "."))
+
+
+def sample_mixing_modules(model: nn.Module) -> list[str]:
+    """Modules that make one sample's output depend on others in train mode, or whose running
+    statistics update from the batch (released without noise): BatchNorm of any kind, with or
+    without affine parameters, and instance norms that track running statistics."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, _BatchNorm) and m.training:
+            out.append(f"{name or '<root>'} ({type(m).__name__})")
+        elif isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.track_running_stats and m.training:
+            out.append(f"{name or '<root>'} ({type(m).__name__}, track_running_stats=True)")
+    return out
+
+
+def check_module(module) -> None:
+    """A plain :class:`torch.nn.Module`, not one wrapped in DistributedDataParallel."""
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        raise PrivacyUsageError(
+            "Pass the model unwrapped, not in DistributedDataParallel: dpzoo sums the clipped gradients across "
+            "ranks itself (DDP would all-reduce non-private gradients). Initialise torch.distributed and call "
+            "make_private on each rank."
+        )
+    if not isinstance(module, nn.Module):
+        raise PrivacyUsageError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
+
+
+def check_optimizer(optimizer) -> None:
+    """A plain :class:`torch.optim.Optimizer`, not already a :class:`DPOptimizer`."""
+    if isinstance(optimizer, DPOptimizer):
+        raise PrivacyUsageError("optimizer is already a dpzoo DPOptimizer: pass the plain torch optimizer.")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise PrivacyUsageError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+
+
+def check_settings(
+    *,
+    mode: str,
+    clipping: str,
+    loss_reduction: str,
+    noise_multiplier,
+    target_epsilon,
+    target_delta,
+    epochs,
+    max_grad_norm,
+    max_physical_batch_size,
+    self_check_samples,
+    noise_seed,
+    sample_seed,
+    poisson_sampling: bool,
+) -> None:
+    """The settings ``make_private`` documents: known names, the noise given one way (σ, or a
+    target ε with δ and epochs), finite numbers in range, int seeds, Poisson sampling."""
+    if mode not in MODES:
+        raise PrivacyUsageError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if clipping not in CLIPPING:
+        raise PrivacyUsageError(f"clipping must be one of {', '.join(CLIPPING)}, got {clipping!r}")
+    if loss_reduction not in ("mean", "sum"):
+        raise PrivacyUsageError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+    if (noise_multiplier is None) == (target_epsilon is None):
+        raise PrivacyUsageError("Give either noise_multiplier or target_epsilon (with target_delta and epochs).")
+    if target_epsilon is not None:
+        if target_delta is None or epochs is None:
+            raise PrivacyUsageError("target_epsilon needs target_delta and epochs to calibrate the noise.")
+        _number("target_epsilon", target_epsilon, positive=True, fix="pass the privacy budget ε, e.g. 8")
+        _number("epochs", epochs, positive=True, integer=True, fix="pass how many epochs you will train")
+    else:
+        _number("noise_multiplier", noise_multiplier, fix="pass σ >= 0 (0 means no privacy)")
+    if target_delta is not None and not (isinstance(target_delta, numbers.Real) and 0 < target_delta < 1):
+        raise PrivacyUsageError(f"target_delta must be in (0, 1), got {target_delta!r}: use δ < 1/N, e.g. 1e-5.")
+    _number("max_grad_norm", max_grad_norm, positive=True, fix="pass the clipping bound R, e.g. 1.0")
+    if max_physical_batch_size is not None and not isinstance(max_physical_batch_size, numbers.Integral):
+        raise PrivacyUsageError(f"max_physical_batch_size must be a positive integer, got {max_physical_batch_size!r}.")
+    if max_physical_batch_size is not None:
+        _number(
+            "max_physical_batch_size",
+            max_physical_batch_size,
+            positive=True,
+            integer=True,
+            fix="pass the largest micro-batch that fits in memory, or None for no splitting",
+        )
+    _number("self_check_samples", self_check_samples, positive=True, integer=True)
+    for name, seed in (("noise_seed", noise_seed), ("sample_seed", sample_seed)):
+        if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)):
+            raise PrivacyUsageError(f"{name} must be an int or None (the default: secret), got {seed!r}.")
+    if not poisson_sampling:
+        raise PrivacyUsageError(
+            "poisson_sampling=False is refused: dpzoo accounts DP-SGD as Poisson-subsampled, and the ε of fixed or "
+            "shuffled batches is not that (nor simply bounded under add/remove adjacency). Keep "
+            "poisson_sampling=True; use max_physical_batch_size to bound memory."
+        )
+
+
+def check_loader(data_loader) -> int:
+    """A data loader with a dataset and a fixed ``batch_size``; returns that batch size (the
+    expected logical batch size of the Poisson-sampling loader that replaces it)."""
+    if not isinstance(data_loader, DataLoader) and not hasattr(data_loader, "dataset"):
+        raise PrivacyUsageError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}.")
+    batch_size = getattr(data_loader, "batch_size", None)
+    if batch_size is None:
+        raise PrivacyUsageError(
+            "The data loader needs a fixed batch_size (no batch_sampler): it sets the expected Poisson batch size."
+        )
+    return batch_size
+
+
+def check_layers(module: nn.Module) -> None:
+    """No layer dpzoo cannot clip or that leaks the batch: lazy (uninitialised) parameters,
+    embeddings with ``max_norm``, modules that mix samples (:func:`sample_mixing_modules`)."""
+    lazy = [n for n, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise PrivacyUsageError(
+            f"Parameter(s) {', '.join(lazy[:6])} are not initialised yet (lazy modules): run one forward pass on "
+            "a dummy (non-private) batch before make_private, so dpzoo can plan their per-sample gradients."
+        )
+    renorm = [n or "<root>" for n, m in module.named_modules() if isinstance(m, nn.Embedding) and m.max_norm]
+    if renorm:
+        raise PrivacyUsageError(
+            f"Embedding(s) {', '.join(renorm[:6])} have max_norm: forward renormalises the rows the batch looks "
+            "up, in place, which releases which ids the private batch holds. Set max_norm=None."
+        )
+    mixing = sample_mixing_modules(module)
+    if mixing:
+        raise PrivacyUsageError(
+            f"Module(s) {', '.join(mixing[:6])} mix samples in train mode (batch statistics) and update running "
+            "statistics from private data without noise. Convert them with dpzoo.make_dp_ready(model) "
+            "(BatchNorm -> GroupNorm), or put them in eval mode and freeze them."
+        )
+
+
+def warn_seeds(noise_seed: int | None, sample_seed: int | None) -> None:
+    """A :class:`~dpzoo.errors.ReproducibleNoiseWarning` for each seed given (they make noise or
+    sampling reproducible, hence not secret), pointed at the caller of ``make_private``."""
+    for name, seed in (("noise_seed", noise_seed), ("sample_seed", sample_seed)):
+        if seed is not None:
+            warnings.warn(
+                f"{name}={seed}: {'noise' if name == 'noise_seed' else 'Poisson membership'} is "
+                "reproducible, so it is not secret: the guarantee does not hold against anyone who "
+                "holds the seed. Leave it None outside tests.",
+                ReproducibleNoiseWarning,
+                stacklevel=3,
+            )

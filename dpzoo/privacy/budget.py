@@ -1,0 +1,100 @@
+"""The privacy a run spends, composed with what was spent before it: the sample rate q, the
+history a model or a checkpoint carries (composed first), and σ, given or calibrated to spend
+a target ε over the epochs (``make_private``, ``DPOptimizer.load_state_dict``)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..errors import DPZooError, PrivacyUsageError
+from .accountant import Accountant, get_noise_multiplier
+
+__all__ = ["compute_sample_rate", "prior_spending", "calibrate", "restore_history"]
+
+
+def compute_sample_rate(batch_size: int, world: int, n: int) -> float:
+    """q = batch_size · world / N: each rank Poisson-samples its shard at the one global rate."""
+    q = batch_size * world / n
+    if q > 1:
+        raise PrivacyUsageError(
+            f"batch_size {batch_size}{f' x {world} ranks' if world > 1 else ''} exceeds the dataset's "
+            f"{n} samples (sample rate q = {q:.3g} > 1): use a batch_size of at most "
+            f"{n // world}."
+        )
+    return q
+
+
+def prior_spending(module: nn.Module, earlier: list) -> list:
+    """The (σ, q, steps) history a model already spent: ``earlier``, the history of an earlier
+    engine on it, or else the privacy metadata of a model loaded with dpzoo.load. [] for a model
+    with no record."""
+    if earlier:
+        return [list(h) for h in earlier]
+    meta = getattr(module, "dpzoo_privacy", None)
+    if not meta:
+        return []
+    if meta.get("noise_multiplier") is None or not meta.get("steps"):
+        raise PrivacyUsageError(
+            f"This model was trained with DP before (ε = {meta.get('epsilon')}) but its metadata lacks the noise "
+            "multiplier to compose with: pass accountant=Accountant(name, history) with the earlier steps, or "
+            "`del model.dpzoo_privacy` if the new data is disjoint from the data it was trained on."
+        )
+    return [[float(meta["noise_multiplier"]), float(meta["sample_rate"]), int(meta["steps"])]]
+
+
+def calibrate(
+    accountant: Accountant,
+    prior: list,
+    *,
+    noise_multiplier,
+    target_epsilon,
+    target_delta,
+    epochs,
+    sample_rate: float,
+    steps_per_epoch: int,
+):
+    """σ: ``noise_multiplier``, or the one that spends ``target_epsilon`` over ``epochs`` after the
+    privacy the model already spent (``prior``, composed into ``accountant`` first). Refused if
+    ``accountant`` cannot compose its history with (σ, q)."""
+    if prior:  # the model already spent privacy on its data (dpzoo.load, an earlier engine): compose after it
+        accountant.load_state_dict({"name": accountant.name, "history": prior + accountant.history})
+    if target_epsilon is not None:
+        try:
+            noise_multiplier = get_noise_multiplier(
+                target_epsilon,
+                target_delta,
+                sample_rate,
+                int(epochs) * steps_per_epoch,
+                accountant.name,
+                history=accountant.history,
+            )
+        except ValueError as e:
+            if isinstance(e, DPZooError):
+                raise
+            raise PrivacyUsageError(f"Cannot calibrate the noise: {e}") from None
+    accountant.check(float(noise_multiplier), sample_rate)  # e.g. a history this accountant cannot compose
+    return noise_multiplier
+
+
+def restore_history(accountant: Accountant, state: dict) -> None:
+    """Load the accountant history of an optimizer checkpoint ``state`` into ``accountant``,
+    composed after any history it already has (e.g. a DP-FROST selection) unless that is the
+    checkpoint's own beginning. Refused for a checkpoint of another accountant, or one that
+    took steps but records no history."""
+    if state.get("steps", 0) and "accountant" not in state:
+        raise PrivacyUsageError(
+            f"This optimizer checkpoint took {state['steps']} private steps but records no accountant history "
+            "(saved by an older dpzoo): ε would restart from 0. Restore the history with "
+            "engine.accountant.load_state_dict(...) from the run's engine.state_dict()."
+        )
+    if "accountant" in state:
+        saved = [list(h) for h in state["accountant"]["history"]]
+        now = [list(h) for h in accountant.history]
+        if saved[: len(now)] != now:  # the checkpoint does not start with what is spent here: compose
+            saved = now + saved
+        if state["accountant"].get("name") != accountant.name:
+            raise PrivacyUsageError(
+                f"The checkpoint was accounted with {state['accountant'].get('name')!r}, this engine uses "
+                f"{accountant.name!r}: make the engine with the checkpoint's accountant."
+            )
+        accountant.load_state_dict({"name": accountant.name, "history": saved})

@@ -1,0 +1,25 @@
+"""Per-sample clipping functions: the factors C_i that bound each sample's gradient norm by R.
+
+Abadi et al. (DP-SGD) clip by min(1, R/‖g_i‖); automatic clipping (Bu et al., AUTO-S) scales by
+R/(‖g_i‖ + γ) with γ = :data:`AUTOMATIC_GAMMA`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import PrivacyUsageError
+
+__all__ = ["CLIPPING", "AUTOMATIC_GAMMA", "clip_factors"]
+
+CLIPPING = ("abadi", "automatic")
+AUTOMATIC_GAMMA = 0.01  # stability constant of automatic clipping (Bu et al., AUTO-S)
+
+
+def clip_factors(norms: torch.Tensor, max_grad_norm: float, clipping: str) -> torch.Tensor:
+    """C_i with ‖C_i g_i‖ ≤ R: Abadi min(1, R/‖g‖) or automatic R/(‖g‖ + 0.01)."""
+    if clipping == "abadi":
+        return (max_grad_norm / (norms + 1e-6)).clamp(max=1.0)
+    if clipping == "automatic":
+        return max_grad_norm / (norms + AUTOMATIC_GAMMA)
+    raise PrivacyUsageError(f"clipping must be one of {CLIPPING}, got {clipping!r}")

@@ -1,0 +1,52 @@
+"""What training on several ranks adds: this process's rank, its shard of the dataset, and the
+checks that every rank passed the same dataset and the same settings to ``make_private``."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
+
+from ..errors import PrivacyUsageError
+from .data import dataset_fingerprint
+
+__all__ = ["world_and_rank", "shard", "same_on_every_rank"]
+
+
+def world_and_rank() -> tuple[int, int]:
+    """``(world size, rank)`` of the initialised process group; ``(1, 0)`` without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def shard(data_loader, n: int, world: int, rank: int) -> range:
+    """This rank's shard of the one dataset every rank passes (a DistributedSampler's is
+    replaced: it pads shards by repeating samples, and dpzoo samples each shard by Poisson)."""
+    sampler = getattr(data_loader, "sampler", None)
+    if isinstance(sampler, DistributedSampler) and (sampler.num_replicas != world or sampler.rank != rank):
+        raise PrivacyUsageError(
+            f"The DistributedSampler is for rank {sampler.rank} of {sampler.num_replicas} but this process is "
+            f"rank {rank} of {world}: build it from the initialised process group (or pass none)."
+        )
+    fingerprints: list = [None] * world
+    dist.all_gather_object(fingerprints, dataset_fingerprint(data_loader.dataset))
+    if len(set(fingerprints)) > 1:
+        raise PrivacyUsageError(
+            "The ranks passed different datasets to make_private. Pass the same full dataset on every rank "
+            "(with or without a DistributedSampler): dpzoo gives each rank a disjoint shard and Poisson-samples "
+            "it, so each sample is counted once. Pre-sharded or overlapping datasets cannot be accounted."
+        )
+    return range(rank, n, world)
+
+
+def same_on_every_rank(world: int, **settings) -> None:
+    """Refuse ``make_private`` unless every rank passed the same ``settings`` (compared by repr)."""
+    mine = {k: repr(v) for k, v in settings.items()}
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, mine)
+    diff = sorted({k for other in gathered for k in mine if other.get(k) != mine[k]})
+    if diff:
+        raise PrivacyUsageError(
+            f"make_private got different settings on different ranks ({', '.join(diff)}): every rank must use the "
+            "same batch_size, noise, clipping bound, mode and accountant, or the reported ε holds for none."
+        )

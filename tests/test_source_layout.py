@@ -1,0 +1,166 @@
+"""The package's shape, checked by parsing its sources: modules of one job and a bounded size,
+no module reaching into another's private names, deliberate errors that are DPZooErrors, and
+nothing of the development machine in the library (docs/DESIGN.md, "Package map")."""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import collections
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LIBRARY = sorted((ROOT / "dpzoo").rglob("*.py"))
+EVERYTHING = LIBRARY + sorted(p for d in ("tests", "benchmarks", "examples") for p in (ROOT / d).rglob("*.py"))
+MAX_LINES = 400
+
+# Builtin exceptions raised inside a helper and caught by its caller, never reaching a user.
+INTERNAL_RAISES = {
+    ("dpzoo/seqrec/formats.py", "_split_fields"),  # a malformed line: the reader counts and reports it
+    ("dpzoo/seqrec/formats.py", "_int"),
+    ("dpzoo/seqrec/formats.py", "_parse_amazon"),
+}
+BUILTIN_EXCEPTIONS = {n for n in dir(builtins) if n.endswith(("Error", "Exception"))} - {"NotImplementedError"}
+
+
+def _rel(path: pathlib.Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _self_store(node: ast.Attribute) -> bool:
+    return isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+
+
+def _owners(files) -> tuple[dict[str, set[str]], dict[str, set[str]]]:
+    """Private names each file defines (functions, classes, module names, ``self._x``), and
+    attributes a file sets on objects it does not own (markers such as ``model._dpzoo_engine``)."""
+    owners: dict[str, set[str]] = collections.defaultdict(set)
+    markers: dict[str, set[str]] = collections.defaultdict(set)
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                owners[node.name].add(_rel(path))
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                owners[node.id].add(_rel(path))
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                (owners if _self_store(node) else markers)[node.attr].add(_rel(path))
+    return owners, markers
+
+
+def _by_string(node: ast.AST) -> bool:
+    if not isinstance(node, ast.Call) or len(node.args) < 2:
+        return False
+    f = node.func
+    name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+    arg = node.args[1]
+    return (
+        name in ("getattr", "setattr", "hasattr", "delattr")
+        and isinstance(arg, ast.Constant)
+        and isinstance(arg.value, str)
+    )
+
+
+def _cross_module_private_uses(files) -> list[str]:
+    owners, markers = _owners(files)
+    found = []
+    for path in files:
+        me = _rel(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                uses = [a.name for a in node.names]
+            elif isinstance(node, ast.Attribute):
+                uses = [node.attr]
+            elif _by_string(node):  # getattr(x, "_name"), monkeypatch.setattr(module, "_name", ...)
+                uses = [node.args[1].value]
+            else:
+                continue
+            for name in filter(_private, uses):
+                owned_by = owners.get(name) or markers.get(name) or {me}
+                if me not in owned_by:
+                    found.append(f"{me}:{node.lineno}: {name} (defined in {', '.join(sorted(owned_by))})")
+    return found
+
+
+def test_no_module_uses_another_modules_private_names():
+    # torch's own private names (e.g. _BatchNorm) are not defined here and are not checked.
+    assert _cross_module_private_uses(EVERYTHING) == []
+
+
+def test_the_check_finds_private_uses(tmp_path):
+    """The check above is not vacuous: an import of another module's private name, an attribute
+    read and an access by name string are reported; a module's own ``self._x`` is not."""
+    probe = ROOT / "tests" / "_layout_probe_tmp.py"  # inside the tree: names are relative to ROOT
+    probe.write_text(
+        "from dpzoo.registry import _REGISTRY\n"
+        "import dpzoo.privacy.data as d\n"
+        "d._batch_len\n"
+        "class Own:\n"
+        "    def __init__(self):\n"
+        "        self._mine = 1\n"
+        "Own()._mine\n"
+        "getattr(d, '_batch_len')\n"
+        "monkeypatch.setattr(d, '_batch_len', None)\n"
+    )
+    try:
+        found = _cross_module_private_uses(LIBRARY + [probe])
+    finally:
+        probe.unlink()
+    mine = [f.split(" (")[0] for f in found if f.startswith("tests/_layout_probe_tmp.py")]
+    assert mine == [
+        f"tests/_layout_probe_tmp.py:{i}: {n}"
+        for i, n in ((1, "_REGISTRY"), (3, "_batch_len"), (8, "_batch_len"), (9, "_batch_len"))
+    ]
+
+
+@pytest.mark.parametrize("path", LIBRARY, ids=_rel)
+def test_modules_are_small_and_say_their_job(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{_rel(path)} has {lines} lines (> {MAX_LINES}): split it by job"
+    doc = ast.get_docstring(ast.parse(path.read_text()))
+    assert doc and doc.strip(), f"{_rel(path)} has no module docstring saying its job"
+
+
+def _raises(path: pathlib.Path) -> list[tuple[str, str, int]]:
+    """(innermost enclosing function, exception name, line) of every ``raise Name(...)``."""
+    found = []
+
+    def visit(node: ast.AST, func: str) -> None:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            func = node.name
+        if isinstance(node, ast.Raise) and node.exc is not None:
+            exc = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+            if isinstance(exc, ast.Name):
+                found.append((func, exc.id, node.lineno))
+        for child in ast.iter_child_nodes(node):
+            visit(child, func)
+
+    visit(ast.parse(path.read_text()), "<module>")
+    return found
+
+
+@pytest.mark.parametrize("path", LIBRARY, ids=_rel)
+def test_deliberate_errors_are_dpzoo_errors(path):
+    """A builtin exception raised on purpose would bypass the command line's handler and the
+    ``except DPZooError`` of a user; only helpers whose caller catches it may raise one."""
+    bad = sorted(
+        {
+            f"{_rel(path)}:{line} raises {exc} (in {func})"
+            for func, exc, line in _raises(path)
+            if exc in BUILTIN_EXCEPTIONS and (_rel(path), func) not in INTERNAL_RAISES
+        }
+    )
+    assert bad == []
+
+
+@pytest.mark.parametrize("path", LIBRARY, ids=_rel)
+def test_nothing_of_the_development_machine_in_the_library(path):
+    text = path.read_text()
+    assert "shared/data" not in text, f"{_rel(path)}: pass data paths in ($DPZOO_DATA), never a machine's path"
+    assert not re.search(r"\bissues? #?\d+\b", text, re.I), f"{_rel(path)}: issue numbers belong in commit messages"
