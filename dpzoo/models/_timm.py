@@ -11,6 +11,7 @@ from torch import nn
 
 from ..checkpoint import load_state_dict_checked, read_state_dict
 from ..errors import CheckpointError, OverrideError
+from ..registry import ModelCard, register_model
 from ..surgery import make_dp_ready
 from ._common import Override, OverrideTable, library_kwargs, split_patch_options
 
@@ -113,6 +114,34 @@ def build_timm(
                 convert_state_dict=convert_state_dict,
             )
     return make_dp_ready(model, **patch_kw)
+
+
+def register_timm_entry(
+    card: ModelCard,
+    arch: str,
+    *,
+    default_tag: str | None,
+    overrides_table: OverrideTable,
+    convert_state_dict: Callable[[dict], dict] | None = None,
+) -> Callable[..., nn.Module]:
+    """Register the zoo entry ``card.name``: timm's ``arch`` built by :func:`build_timm` with the
+    entry's override table (the one build path of every timm entry). Returns the builder."""
+
+    def build(pretrained: bool = False, pretrained_tag: str | None = None, weights=None, **overrides) -> nn.Module:
+        return build_timm(
+            card.name,
+            arch,
+            pretrained=pretrained,
+            pretrained_tag=pretrained_tag or default_tag,
+            weights=weights,
+            overrides=overrides,
+            overrides_table=overrides_table,
+            convert_state_dict=convert_state_dict,
+        )
+
+    build.__name__ = build.__qualname__ = card.name.replace("-", "_")
+    build.__doc__ = card.summary
+    return register_model(card.name, card=card)(build)
 
 
 def _int(key: str, v: Any, minimum: int = 1) -> int:

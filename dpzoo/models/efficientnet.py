@@ -21,9 +21,9 @@ from typing import Mapping
 import torch
 
 from ..errors import CheckpointError
-from ..registry import ModelCard, register_model
+from ..registry import ModelCard
 from ._common import card_overrides
-from ._timm import build_timm, float_override, int_override
+from ._timm import float_override, int_override, register_timm_entry
 
 __all__ = [
     "lukemelas_to_timm",
@@ -233,16 +233,6 @@ CARD = ModelCard(
 )
 
 
-@register_model(NAME, card=CARD)
-def efficientnet_lite0_gn_bias(pretrained: bool = False, pretrained_tag: str | None = None, weights=None, **overrides):
-    """EfficientNet-Lite0, GroupNorm, a bias on every convolution."""
-    return build_timm(
-        NAME,
-        ARCH,
-        pretrained=pretrained,
-        pretrained_tag=pretrained_tag or "in1k",
-        weights=weights,
-        overrides=overrides,
-        overrides_table=OVERRIDES,
-        convert_state_dict=convert_state_dict,
-    )
+efficientnet_lite0_gn_bias = register_timm_entry(
+    CARD, ARCH, default_tag="in1k", overrides_table=OVERRIDES, convert_state_dict=convert_state_dict
+)

@@ -7,9 +7,9 @@ blocks run out of place so backward hooks (Opacus, dpzoo) work unchanged.
 
 from __future__ import annotations
 
-from ..registry import ModelCard, register_model
+from ..registry import ModelCard
 from ._common import card_overrides
-from ._timm import build_timm, float_override, int_list_override, int_override, stage_width_override
+from ._timm import float_override, int_list_override, int_override, register_timm_entry, stage_width_override
 
 _PAPERS = (
     "He et al., Deep Residual Learning for Image Recognition, CVPR 2016",
@@ -63,23 +63,12 @@ def _card(name: str, arch: str, depth: int, tag: str) -> ModelCard:
     )
 
 
-def _builder(name: str, arch: str, depth: int, tag: str):
-    @register_model(name, card=_card(name, arch, depth, tag))
-    def build(pretrained: bool = False, pretrained_tag: str | None = None, weights=None, **overrides):
-        return build_timm(
-            name,
-            arch,
-            pretrained=pretrained,
-            pretrained_tag=pretrained_tag or tag,
-            weights=weights,
-            overrides=overrides,
-            overrides_table=OVERRIDES,
-        )
-
-    build.__name__ = name.replace("-", "_")
-    return build
-
-
-resnet18_gn_bias = _builder("resnet18-gn-bias", "resnet18", 18, "a1_in1k")
-resnet34_gn_bias = _builder("resnet34-gn-bias", "resnet34", 34, "a1_in1k")
-resnet50_gn_bias = _builder("resnet50-gn-bias", "resnet50", 50, "a1_in1k")
+resnet18_gn_bias = register_timm_entry(
+    _card("resnet18-gn-bias", "resnet18", 18, "a1_in1k"), "resnet18", default_tag="a1_in1k", overrides_table=OVERRIDES
+)
+resnet34_gn_bias = register_timm_entry(
+    _card("resnet34-gn-bias", "resnet34", 34, "a1_in1k"), "resnet34", default_tag="a1_in1k", overrides_table=OVERRIDES
+)
+resnet50_gn_bias = register_timm_entry(
+    _card("resnet50-gn-bias", "resnet50", 50, "a1_in1k"), "resnet50", default_tag="a1_in1k", overrides_table=OVERRIDES
+)

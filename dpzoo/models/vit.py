@@ -4,9 +4,9 @@ owns directly: the per-sample-norm hooks cover them with their own rules."""
 
 from __future__ import annotations
 
-from ..registry import ModelCard, register_model
+from ..registry import ModelCard
 from ._common import card_overrides
-from ._timm import build_timm, float_override, int_override
+from ._timm import float_override, int_override, register_timm_entry
 
 OVERRIDES = {
     "num_classes": int_override("num_classes", "classifier outputs (default 1000)"),
@@ -52,20 +52,7 @@ def _builder(size: str):
         notes="`cls_token` and `pos_embed` are trainable tensors owned by the model itself, not by a layer.",
     )
 
-    @register_model(name, card=card)
-    def build(pretrained: bool = False, pretrained_tag: str | None = None, weights=None, **overrides):
-        return build_timm(
-            name,
-            arch,
-            pretrained=pretrained,
-            pretrained_tag=pretrained_tag or tag,
-            weights=weights,
-            overrides=overrides,
-            overrides_table=OVERRIDES,
-        )
-
-    build.__name__ = name.replace("-", "_")
-    return build
+    return register_timm_entry(card, arch, default_tag=tag, overrides_table=OVERRIDES)
 
 
 vit_tiny_patch16 = _builder("tiny")
