@@ -223,3 +223,11 @@ def test_every_parameter_gets_a_gradient_with_reattention_active():
     dpformer(ids).logsumexp(-1).sum().backward()
     for name, p in dpformer.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, f"{name} got no gradient"
+
+
+@pytest.mark.parametrize("name", ["dpformer", "transformer-seqrec"])
+def test_positions_start_at_the_items_scale(name):
+    """nn.Embedding's default N(0, 1) positions drowned the items (0.02·√d): init std 0.02."""
+    model = dpzoo.load(name, num_items=500, max_len=64, d_model=32)
+    assert 0.015 < model.pos_emb.weight.std().item() < 0.025
+    assert 0.015 < model.item_emb.weight.std().item() < 0.025
