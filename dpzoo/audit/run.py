@@ -115,7 +115,7 @@ def audit(
         m = len(cx)
         g = torch.Generator().manual_seed(seed + 1)
         included = torch.rand(m, generator=g) < 0.5  # Algorithm 1: each canary in w.p. 1/2
-        train_set = ConcatDataset([train, TensorDataset(cx[included], cy[included])])
+        train_set: ConcatDataset[tuple] = ConcatDataset([train, TensorDataset(cx[included], cy[included])])
         model, claimed, mech = train_audited_model(
             train_set,
             model_fn,

@@ -12,8 +12,11 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge
 
 from ..errors import PrivacyUsageError, UnsupportedModuleError
 from .capture import Recorder, Step, Use
@@ -56,7 +59,7 @@ def compare_uses(step: Step, params: dict[str, nn.Parameter]) -> None:
     for u in step.uses:
         if u.loose:
             continue
-        if u.edge is not None and id(u.edge.node) not in step.walked:
+        if u.edge is not None and id(cast(GradientEdge, u.edge).node) not in step.walked:
             continue  # this call's output does not reach the loss
         for n in u.params:
             pid = id(getattr(u.module, n))

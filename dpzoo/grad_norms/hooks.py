@@ -202,7 +202,7 @@ class NormHooks:
 
         ``row_sparse=True``: an embedding used only by lookups comes back as
         :class:`~dpzoo.grad_norms.reps.RowSparse` (the rows each sample touched), not B dense tables."""
-        out = {}
+        out: dict[str, torch.Tensor | R.RowSparse] = {}
         for name, g in self._grads().items():
             sparse = g.row_sparse() if row_sparse else None
             if sparse is not None:

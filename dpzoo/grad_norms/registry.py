@@ -117,7 +117,7 @@ def _guarded(fn: Callable, rule_ref: list) -> Callable:
             )
         return fn(module, activations, grad_output, params)
 
-    run.__wrapped_rule__ = fn
+    setattr(run, "__wrapped_rule__", fn)  # a function attribute, which mypy does not model
     return run
 
 

@@ -152,7 +152,8 @@ def self_check(
         tol = max(_TOL.get(p.dtype, 1e-2) for p in params.values())
         names, tensors = list(params), list(params.values())
         worst = {n: 0.0 for n in names}
-        mixing, bad = [], {}
+        mixing: list[str] = []
+        bad: dict[str, list[tuple[int, float, float]]] = {}  # name -> (sample, hooks norm, norm alone)
         with hooks.paused():
             # The sum of the per-sample gradients must be the batch gradient (plain autograd):
             # a layer whose gradient reaches the wrong tensor keeps its norms but not its sum.
@@ -163,7 +164,7 @@ def self_check(
                 w = weights.to(c.dtype).reshape(-1, *([1] * (c.dim() - 1)))
                 return c * w
 
-            ref_sum = torch.autograd.grad(
+            ref_grads = torch.autograd.grad(
                 outs_b,
                 tensors,
                 [_row_weighted(c) for c in cotangents],
@@ -172,7 +173,7 @@ def self_check(
             )
             ref_sum = {
                 n: (g.detach().double() if g is not None else torch.zeros_like(summed[n]))
-                for n, g in zip(names, ref_sum)
+                for n, g in zip(names, ref_grads)
             }
             if loss_fn is not None:
                 # a use of a parameter in the loss itself (outside the model) is in the loss's batch

@@ -15,7 +15,7 @@ Conventions: users and items are renumbered 1..N; item id 0 is the padding id.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Sequence, cast
 
 import torch
 
@@ -142,7 +142,7 @@ class SequenceDataset:
             if hist:
                 inputs[r, max_len - len(hist) :] = torch.tensor(hist)
             if part == "train":
-                tgt = tgt[-max_len:]
+                tgt = cast(list[int], tgt)[-max_len:]  # train: a list, the next item at every position
                 targets[r, max_len - len(tgt) :] = torch.tensor(tgt)
             else:
                 targets[r] = tgt

@@ -63,6 +63,10 @@ class ReAttention(nn.Module):
     pos_freq[t], and of every block weight noise_std (Claim 5.3).
     """
 
+    noise_std: torch.Tensor  # the three buffers registered in __init__
+    item_freq: torch.Tensor
+    pos_freq: torch.Tensor
+
     def __init__(self, num_items: int, max_len: int):
         super().__init__()
         self.register_buffer("noise_std", torch.zeros(()))

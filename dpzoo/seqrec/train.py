@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -20,7 +21,7 @@ from tqdm import tqdm
 from ..errors import DPZooError
 from ..hub import load, save
 from ..losses import SequenceCrossEntropy
-from ..privacy import PrivacyEngine
+from ..privacy import DPOptimizer, PrivacyEngine
 from .dataset import SequenceDataset, sasrec_preprocess
 from .downloads import DATASETS, load_dataset
 from .metrics import ndcg_hit_at_k, target_ranks
@@ -159,7 +160,7 @@ def train_seqrec(
     t0 = time.time()
     epoch_iter = tqdm(range(1, epochs + 1), desc=name, disable=None)
     if private:  # once per logical step, the engine's noise-only steps on empty batches included
-        opt.attach_step_hook(lambda _: sched.step())
+        cast(DPOptimizer, opt).attach_step_hook(lambda _: sched.step())
     for epoch in epoch_iter:
         for xb, yb in loader:
             crit(model(xb.to(device)), yb.to(device)).backward()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, cast
 
 import torch
 from torch import nn
@@ -65,11 +65,12 @@ def _is_rmsnorm(m: nn.Module) -> bool:
 
 def _rmsnorm_replacement(m: nn.Module) -> RMSNorm | None:
     """A dpzoo RMSNorm that provably computes what ``m`` computes, or None."""
-    w = m.weight
+    w = cast(torch.Tensor, m.weight)  # a Parameter: callers check _is_rmsnorm(m) first
     if isinstance(m, getattr(nn, "RMSNorm", ())):
-        if len(m.normalized_shape) != 1 or w is None:
+        shape = cast(tuple[int, ...], m.normalized_shape)
+        if len(shape) != 1 or w is None:
             return None
-        new = RMSNorm(m.normalized_shape[0], m.eps, style="torch", device="cpu")
+        new = RMSNorm(shape[0], m.eps, style="torch", device="cpu")
     else:
         eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
         if not isinstance(eps, float):

@@ -59,7 +59,8 @@ class InplaceOp:
 class _InplaceRecorder(TorchFunctionMode):
     def __init__(self, stack: list[str]):
         super().__init__()
-        self.stack, self.found = stack, []
+        self.stack = stack
+        self.found: list[InplaceOp] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -20,6 +20,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules.conv import _ConvNd
 
 from ...errors import UnsupportedModuleError
 from ..registry import register_rule
@@ -30,7 +31,7 @@ def _tuple(v, nd: int) -> tuple:
     return tuple(v) if isinstance(v, (tuple, list)) else (v,) * nd
 
 
-def _patches(x: torch.Tensor, module: nn.Module, pad: list[int] | None, mode: str) -> torch.Tensor:
+def _patches(x: torch.Tensor, module: _ConvNd, pad: list[int] | None, mode: str) -> torch.Tensor:
     """(B, C, *spatial) → (B, G, T, C/G · ∏k), patches in the order of the weight's dims."""
     nd = x.dim() - 2
     if pad is not None and any(pad):
@@ -56,7 +57,7 @@ def _grad_by_group(grad_output: torch.Tensor, groups: int) -> torch.Tensor:
     return grad_output.reshape(b, groups, o // groups, -1).transpose(2, 3)
 
 
-def _zeros_padding(module: nn.Module, nd: int) -> list[int]:
+def _zeros_padding(module: _ConvNd, nd: int) -> list[int]:
     """F.pad amounts (last dim first) equal to what ``F.conv*d(..., padding=module.padding)`` does."""
     padding = module.padding
     kernel, dilation = tuple(module.weight.shape[2:]), _tuple(module.dilation, nd)
@@ -74,7 +75,7 @@ def _zeros_padding(module: nn.Module, nd: int) -> list[int]:
     return [p for i in reversed(range(nd)) for p in (padding[i], padding[i])]
 
 
-def _module_padding(module: nn.Module, x: torch.Tensor) -> tuple[list[int], str]:
+def _module_padding(module: _ConvNd, x: torch.Tensor) -> tuple[list[int], str]:
     """As ``_ConvNd._conv_forward``: F.pad(_reversed_padding_repeated_twice) for non-zero modes,
     the convolution's own ``padding`` for zeros."""
     nd = x.dim() - 2

@@ -7,6 +7,8 @@ gradients are instantiated (Dense).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -79,7 +81,9 @@ if GroupNormAct is not None:
             )
         return None
 
-    @register_rule(GroupNormAct, check=_check_gn_act, activation_free={"bias"}, grad_from=lambda m: m.act)
+    @register_rule(
+        GroupNormAct, check=_check_gn_act, activation_free={"bias"}, grad_from=lambda m: cast(nn.Module, m.act)
+    )
     def groupnorm_act_rule(module, activations, grad_output, params):
         if activations is None:  # activation-free: grad_output is already ∂L/∂GN(x) (act's input)
             return groupnorm_rule(module, None, grad_output, params)
