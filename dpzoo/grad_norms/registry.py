@@ -37,6 +37,8 @@ from typing import Callable, Iterable
 
 from torch import nn
 
+from ..errors import UnsupportedModuleError
+
 __all__ = ["register_rule", "find_rule", "why_no_rule", "Rule", "RULES"]
 
 _MISSING = object()
@@ -109,15 +111,12 @@ def _guarded(fn: Callable, rule_ref: list) -> Callable:
     def run(module, activations, grad_output, params):
         why = _mismatch(module, rule_ref[0])
         if why:
-            from ..errors import UnsupportedModuleError
-
             raise UnsupportedModuleError(
                 f"{type(module).__name__}: {why}; its per-sample gradients cannot be computed by the rule "
                 "(the module changed after the hooks were attached)."
             )
         return fn(module, activations, grad_output, params)
 
-    setattr(run, "__wrapped_rule__", fn)  # a function attribute, which mypy does not model
     return run
 
 
