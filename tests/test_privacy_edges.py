@@ -528,3 +528,47 @@ def test_bare_linear_root_model_is_exact():
     expected = _dp_update(reference, x, y, R, sigma, seed)
     for n, p in model.named_parameters():
         assert_close(p.detach() - before[n], expected[n], 1e-9, n)
+
+
+class _WritesBatchIntoBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(5, 3).double()
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.lin.bias.data += 1e-3 * x.mean()  # batch data written into a parameter
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("earlier_spending", [False, True])
+def test_parameters_are_checked_over_the_first_step_even_after_earlier_spending(earlier_spending):
+    """Before: the check keyed on the accountant's step count, which includes a loaded model's
+    earlier spending, so a model with privacy history skipped it."""
+    model = _WritesBatchIntoBias()
+    if earlier_spending:
+        model.dpzoo_privacy = {"noise_multiplier": 2.0, "sample_rate": 0.1, "steps": 7, "epsilon": 1.0}
+    _, model, opt, loader = _private(model, _ds(), self_check=False)
+    with pytest.raises(PrivacyUsageError, match="lin.bias"):
+        for x, y in loader:
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+
+def test_load_state_dict_with_another_mode_on_a_detached_engine_is_refused():
+    """Before: it re-attached the norm hooks without the engine's per-step watch (buffers,
+    parameters, self-check), so a buffer fed from batch data trained unrefused."""
+    model = _mlp()
+    engine = dpzoo.PrivacyEngine()
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(_ds(), batch_size=4),
+        noise_multiplier=1.0,
+    )
+    state = copy.deepcopy(engine.state_dict())
+    state["mode"] = "instantiate"
+    engine.detach()
+    with pytest.raises(PrivacyUsageError, match="detached"):
+        engine.load_state_dict(state)

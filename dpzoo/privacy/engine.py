@@ -366,4 +366,4 @@ class PrivacyEngine:
         if self.optimizer is not None and state.get("optimizer"):
             self.optimizer.load_state_dict(state["optimizer"])
         if state.get("mode") and state["mode"] != self.mode and self.module is not None:
-            self._set_mode(state["mode"], "auto")
+            self.switch_mode(state["mode"], "auto")  # refused on a detached engine (its watch is gone)

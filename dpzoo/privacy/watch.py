@@ -84,7 +84,9 @@ class TrainingWatch:
         optimizer.mark_forward()
         if self.self_check and optimizer.on_first_step is not None and engine.hooks.forward_calls == 0:
             self._check_inputs = (args, kwargs)
-        self._state.start_forward(first_step=engine.steps == 0)
+        # this optimizer's first step, not the accountant's: a model with earlier spending
+        # (dpzoo.load, DP-FROST) still has its parameters checked over its first step here
+        self._state.start_forward(first_step=optimizer.steps == 0)
         return None
 
     def after_forward(self, module, args, output):
