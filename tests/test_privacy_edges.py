@@ -471,7 +471,7 @@ def test_unfreezing_after_make_private_trains_privately():
         ({"target_epsilon": 1.0, "target_delta": 1e-5, "epochs": 0, "noise_multiplier": None}, "epochs must be"),
         ({"noise_multiplier": -1.0}, "noise_multiplier must be"),
         ({"max_grad_norm": 0.0}, "max_grad_norm must be"),
-        ({"clipping": "flat"}, "clipping must be"),
+        ({"clipping": "l2"}, "clipping must be"),
         ({"loss_reduction": "none"}, "loss_reduction must be"),
         ({"noise_seed": "abc"}, "noise_seed must be"),
     ],

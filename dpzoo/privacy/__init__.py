@@ -10,6 +10,7 @@ from .accountant import (
     register_accountant,
     unregister_accountant,
 )
+from .batch_memory import BatchMemoryManager, PhysicalBatchLoader
 from .data import DPDataLoader, PoissonBatchSampler, StepSignal
 from .engine import PrivacyEngine, freeze_all_but_biases, sample_mixing_modules
 from .modes import MODES, TRAINING_MODES, TrainingMode
@@ -35,6 +36,8 @@ __all__ = [
     "DPDataLoader",
     "PoissonBatchSampler",
     "StepSignal",
+    "BatchMemoryManager",
+    "PhysicalBatchLoader",
     "freeze_all_but_biases",
     "sample_mixing_modules",
     "SelfCheckReport",

@@ -138,6 +138,17 @@ class DPDataLoader:
             **loader_kwargs,
         )
 
+    # What a torch DataLoader exposes and Opacus' BatchMemoryManager reads, so that it gets as far
+    # as the optimizer's signal_skip_step, which refuses it with a clear message.
+    num_workers = property(lambda self: self._loader.num_workers)
+    pin_memory = property(lambda self: self._loader.pin_memory)
+    timeout = property(lambda self: self._loader.timeout)
+    worker_init_fn = property(lambda self: self._loader.worker_init_fn)
+    multiprocessing_context = property(lambda self: self._loader.multiprocessing_context)
+    generator = property(lambda self: self._loader.generator)
+    prefetch_factor = property(lambda self: self._loader.prefetch_factor)
+    persistent_workers = property(lambda self: self._loader.persistent_workers)
+
     @property
     def expected_batch_size(self) -> float:
         """Expected size of this loader's logical batches (of this rank's shard, if sharded)."""

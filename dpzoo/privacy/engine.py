@@ -52,6 +52,7 @@ from .data import DPDataLoader, StepSignal
 from .distributed import same_on_every_rank, shard, world_and_rank
 from .guards import check_optimizer_parameters, check_step_parameters
 from .modes import MODES
+from .opacus_parity import OpacusParity, opacus_arguments
 from .optimizer import DPOptimizer
 from .watch import TrainingWatch
 
@@ -65,7 +66,7 @@ def engine_of(module: nn.Module) -> "PrivacyEngine | None":
     return ref() if callable(ref) else None
 
 
-class PrivacyEngine:
+class PrivacyEngine(OpacusParity):
     """Opacus-like entry point to dpzoo's DP training (see the module docstring)."""
 
     def __init__(self, accountant: "str | Accountant" = "rdp"):
@@ -88,6 +89,7 @@ class PrivacyEngine:
         self._watch: TrainingWatch | None = None  # the duties around each forward and step
 
     # -- set-up ------------------------------------------------------------------------------
+    @opacus_arguments  # Opacus' spellings too (dpzoo.privacy.opacus_parity)
     def make_private(
         self,
         *,

@@ -147,6 +147,14 @@ class DPOptimizer(WrappedOptimizer):
         batches included (e.g. to step an LR schedule once per logical step)."""
         self._step_hooks.append(fn)
 
+    def signal_skip_step(self, do_skip: bool = True) -> None:
+        """Opacus' BatchMemoryManager protocol, refused: it splits batches behind dpzoo's loader,
+        whose step signal then no longer matches the samples of a step."""
+        raise PrivacyUsageError(
+            "Opacus' BatchMemoryManager cannot split dpzoo's batches: use dpzoo.privacy.BatchMemoryManager "
+            "(the same arguments) or make_private(max_physical_batch_size=...)."
+        )
+
     def take_first_capture(self) -> tuple | None:
         """What the engine's first-step self-check re-runs, handed over once: ``(inputs, output
         cotangents)`` of the first micro-batch (kept when :attr:`on_first_step` and

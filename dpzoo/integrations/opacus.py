@@ -1,0 +1,176 @@
+"""A model trained with Opacus' ``PrivacyEngine``, saved by ``dpzoo.save``: the zoo model taken
+out of Opacus' wrapper, and the privacy that Opacus' accountant recorded for it.
+
+    model, optimizer, loader = opacus_engine.make_private(module=dpzoo.load(...), ...)
+    ...                                                        # train with Opacus
+    dpzoo.save(model, "runs/m", privacy=privacy_metadata(opacus_engine, delta=1e-5, optimizer=optimizer))
+    dpzoo.load("runs/m")                                       # the zoo model, Opacus' ε in its metadata
+
+:func:`unwrap` takes the model out of ``GradSampleModule`` / ``GradSampleModuleFastGradientClipping``
+(and Opacus' or torch's DDP wrapper inside it) without removing Opacus' hooks, so training can go
+on after saving. :func:`privacy_metadata` reads only what Opacus records: ε from the engine's own
+accountant at the ``delta`` the user names (Opacus keeps no δ), the (σ, q, steps) history, and the
+clipping bound if the optimizer is given. It refuses what would make the saved claim false or
+unusable: Opacus' ``"gdp"`` accountant (an approximation, not an upper bound), a history with
+several sample rates (the metadata holds one), an engine that took no step. ``dpzoo.save`` refuses
+an Opacus-wrapped model without ``privacy=``, so a DP-trained model never silently loses its spend
+(a later dpzoo engine composes after it); ``dpzoo.save(unwrap(model), dir)`` saves it without.
+
+Needs Opacus only for :func:`privacy_metadata`; importing this module does not import Opacus.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import sys
+from typing import Any, Mapping
+
+from torch import nn
+
+from ..errors import AccountingError, MissingDependencyError, PrivacyUsageError, SaveError
+from ..privacy.accountant import accountant_spec
+
+__all__ = ["unwrap", "unwrap_for_save", "privacy_metadata", "ACCOUNTANT_NAMES"]
+
+# Opacus' accountant mechanism -> dpzoo's name for the same accountant
+ACCOUNTANT_NAMES = {"rdp": "opacus-rdp", "prv": "prv", "gdp": "gdp"}
+
+
+def _wrapper_types() -> tuple[type, ...]:
+    """Opacus' model wrappers, if Opacus is imported (if it is not, no object can be one)."""
+    gsm = sys.modules.get("opacus.grad_sample.gsm_base")
+    return (gsm.AbstractGradSampleModule,) if gsm is not None else ()
+
+
+def _ddp_types() -> tuple[type, ...]:
+    dist = sys.modules.get("opacus.distributed")
+    extra = (dist.DifferentiallyPrivateDistributedDataParallel,) if dist is not None else ()
+    return (nn.parallel.DistributedDataParallel, *extra)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside Opacus' ``GradSampleModule`` (any of its kinds), and inside a DDP
+    wrapper under it; ``model`` itself if Opacus did not wrap it. Opacus' hooks stay on (unlike
+    ``to_standard_module()``, which removes them): the wrapper keeps training."""
+    wrappers = _wrapper_types()
+    if not wrappers or not isinstance(model, wrappers):
+        return model
+    children = list(model.children())
+    if len(children) != 1:
+        raise SaveError(
+            f"{type(model).__name__} holds {len(children)} modules, not the one Opacus wraps: pass the zoo model "
+            "itself (model.to_standard_module())."
+        )
+    inner = children[0]
+    while isinstance(inner, _ddp_types()):
+        inner = inner.module
+    return inner
+
+
+def unwrap_for_save(model: nn.Module, privacy: Mapping[str, Any] | None) -> nn.Module:
+    """What ``dpzoo.save`` writes for ``model``: :func:`unwrap`'s module. An Opacus-wrapped model
+    saved without ``privacy`` is refused: its spend would be lost (and not composed later)."""
+    inner = unwrap(model)
+    if inner is not model and privacy is None:
+        raise SaveError(
+            f"This model is wrapped by Opacus ({type(model).__name__}), so it was trained with DP: pass "
+            "privacy=dpzoo.integrations.opacus.privacy_metadata(opacus_engine, delta) to record its spend, or "
+            "save dpzoo.integrations.opacus.unwrap(model) to save it without privacy metadata."
+        )
+    return inner
+
+
+def _opacus_accountant_type() -> type:
+    try:
+        from opacus.accountants.accountant import IAccountant
+    except ImportError as e:  # pragma: no cover - exercised without the extra
+        raise MissingDependencyError(
+            "Reading an Opacus engine's privacy needs Opacus, which is not installed: pip install 'dpzoo[opacus]'."
+        ) from e
+    return IAccountant
+
+
+def _max_grad_norm(optimizer) -> float | None:
+    """The fixed clipping bound of an Opacus DPOptimizer (None for adaptive clipping, whose
+    bound moved during training)."""
+    from opacus.optimizers import AdaClipDPOptimizer, DPOptimizer
+
+    if not isinstance(optimizer, DPOptimizer):
+        raise PrivacyUsageError(
+            f"optimizer must be the Opacus DPOptimizer make_private returned, got {type(optimizer).__name__}."
+        )
+    value = getattr(optimizer, "max_grad_norm", None)
+    if isinstance(optimizer, AdaClipDPOptimizer) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
+
+
+def privacy_metadata(opacus_engine, delta: float, *, optimizer=None) -> dict[str, Any]:
+    """The privacy metadata ``dpzoo.save(..., privacy=...)`` records for a model that
+    ``opacus_engine`` (Opacus' ``PrivacyEngine``) trained: ε at ``delta`` from the engine's own
+    accountant (what ``opacus_engine.get_epsilon(delta)`` returns), its accountant under dpzoo's
+    name (``"opacus-rdp"``, ``"prv"``), the steps and the sample rate from its history, the noise
+    multiplier if it was one throughout, and the clipping bound if ``optimizer`` (Opacus'
+    DPOptimizer) is given. Opacus' noise is secret only with ``secure_mode=True``; the
+    metadata's ``noise`` says which. Refused (see the module docstring) where the record would
+    be false."""
+    accountant = getattr(opacus_engine, "accountant", None)
+    if not isinstance(accountant, _opacus_accountant_type()):
+        raise PrivacyUsageError(
+            f"opacus_engine must be Opacus' PrivacyEngine (with an Opacus accountant), got {type(opacus_engine).__name__}. "
+            "For dpzoo's engine dpzoo.save records the metadata itself."
+        )
+    if not isinstance(delta, numbers.Real) or isinstance(delta, bool) or not 0 < delta < 1:
+        raise AccountingError(f"delta must be in (0, 1), got {delta!r}: pass the δ of the guarantee, e.g. 1e-5.")
+    mechanism = accountant.mechanism()
+    name = ACCOUNTANT_NAMES.get(mechanism)
+    if name is None:
+        raise AccountingError(
+            f"Opacus accountant {mechanism!r} ({type(accountant).__name__}) has no dpzoo counterpart: pass "
+            f"privacy={{...}} to dpzoo.save yourself. Known: {', '.join(ACCOUNTANT_NAMES)}."
+        )
+    spec = accountant_spec(name)
+    if not spec.upper_bound:
+        raise AccountingError(
+            f"Opacus' {mechanism!r} accountant is refused: {spec.caveat or 'its ε is not an upper bound'}. Recompute "
+            "ε with an upper bound, e.g. dpzoo.privacy.Accountant('prv', opacus_engine.accountant.history), "
+            "and pass privacy={...} to dpzoo.save."
+        )
+    history = [(float(s), float(q), int(n)) for s, q, n in accountant.history]
+    steps = sum(n for _, _, n in history)
+    if steps == 0:
+        raise SaveError(
+            "The Opacus engine took no step: there is no privacy spend to record. Save without privacy "
+            "(dpzoo.save(dpzoo.integrations.opacus.unwrap(model), dir))."
+        )
+    rates = sorted({q for _, q, _ in history})
+    if len(rates) > 1:
+        raise SaveError(
+            f"The Opacus engine's history has {len(rates)} sample rates ({', '.join(f'{q:.4g}' for q in rates)}); "
+            "dpzoo's metadata records one. Pass privacy={...} to dpzoo.save yourself, with the largest rate."
+        )
+    bound = _max_grad_norm(optimizer) if optimizer is not None else None  # checks it is Opacus' first
+    sigmas = {s for s, _, _ in history}
+    meta: dict[str, Any] = {
+        "epsilon": float(accountant.get_epsilon(delta)),
+        "delta": float(delta),
+        "accountant": name,
+        "steps": steps,
+        "sample_rate": rates[0],
+    }
+    if len(sigmas) == 1:  # a noise schedule has no single σ: left out, so nothing composes a wrong one
+        meta["noise_multiplier"] = sigmas.pop()
+        if optimizer is not None and not math.isclose(optimizer.noise_multiplier, meta["noise_multiplier"]):
+            raise PrivacyUsageError(
+                f"The optimizer's noise multiplier {optimizer.noise_multiplier} is not the engine's "
+                f"{meta['noise_multiplier']}: pass the optimizer this engine's make_private returned."
+            )
+    if bound is not None:
+        meta["max_grad_norm"] = bound
+    secure = getattr(opacus_engine, "secure_mode", None)
+    if secure is True:
+        meta["noise"] = "secret (Opacus secure_mode=True: torchcsprng)"
+    elif secure is False:
+        meta["noise"] = "not secret: Opacus secure_mode=False draws noise from torch's pseudo-random generator"
+    return meta
