@@ -1,0 +1,117 @@
+"""Privacy metadata beside a Hugging Face model directory: written by ``DPTrainer.save_model`` (and
+every checkpoint), read back by :func:`read_privacy_metadata`.
+
+Any model: ``save_pretrained``'s files plus ``dpzoo_privacy.json`` (:data:`PRIVACY_FILE`), the
+fields of :data:`dpzoo.hub.PRIVACY_FIELDS` (ε, δ, accountant, steps, sample rate, σ, R, how noise
+and sampling were drawn, the self-check's outcome); an infinite ε (σ = 0) is the string ``"inf"``,
+as in ``dpzoo_config.json``. A model built by :func:`dpzoo.load` is also written with
+:func:`dpzoo.save`'s semantics: its ``model.safetensors`` (privacy in the header too, and still
+readable by ``from_pretrained``) and ``dpzoo_config.json``, so ``dpzoo.load(dir)`` restores it with
+its privacy spending and ``dpzoo.privacy_metadata(dir)`` reads it (the final ``save_model`` only:
+Trainer checkpoints keep ``save_pretrained``'s files, which the Trainer's resume reads).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+from torch import nn
+
+from ..errors import SaveError
+from ..hub import CONFIG_NAME, PRIVACY_FIELDS, WEIGHTS_NAME, privacy_metadata, save
+
+__all__ = ["PRIVACY_FILE", "write_privacy_files", "read_privacy_metadata", "is_zoo_model"]
+
+PRIVACY_FILE = "dpzoo_privacy.json"
+INFINITE = "inf"  # JSON has no infinity (dpzoo.save writes ε = inf the same way)
+
+
+def is_zoo_model(model: nn.Module) -> bool:
+    """Built by :func:`dpzoo.load` (and not wrapped, e.g. by PEFT, whose files are adapters)."""
+    if callable(getattr(model, "get_base_model", None)):
+        return False
+    config = vars(model).get("dpzoo_config")
+    return isinstance(config, dict) and "model_name" in config
+
+
+def _checked(privacy: Mapping[str, Any]) -> dict[str, Any]:
+    unknown = sorted(k for k in privacy if k not in PRIVACY_FIELDS)
+    if unknown:
+        raise SaveError(f"Unknown privacy field(s) {unknown}; allowed: {sorted(PRIVACY_FIELDS)}.")
+    missing = [k for k in ("epsilon", "delta", "accountant", "steps", "sample_rate") if k not in privacy]
+    if missing:
+        raise SaveError(f"privacy metadata lacks {missing}.")
+    out = dict(privacy)
+    if out["epsilon"] == math.inf:
+        out["epsilon"] = INFINITE
+    return out
+
+
+def write_privacy_files(
+    model: nn.Module, directory: str | os.PathLike, privacy: Mapping[str, Any] | None, *, zoo_files: bool = True
+) -> None:
+    """Add the privacy record to ``directory`` (already holding ``save_pretrained``'s files); a stale
+    ``dpzoo_privacy.json`` is removed when there is none (a claim must not outlive its model).
+    ``zoo_files``: for a dpzoo model, also write :func:`dpzoo.save`'s files (the final model;
+    Trainer checkpoints keep ``save_pretrained``'s weights, which the Trainer's resume reads)."""
+    directory = Path(directory)
+    target = directory / PRIVACY_FILE
+    if zoo_files and is_zoo_model(model):
+        _save_zoo_files(model, directory, privacy)
+    if privacy is None:
+        target.unlink(missing_ok=True)
+        return
+    text = json.dumps(_checked(privacy), indent=2, sort_keys=True, allow_nan=False) + "\n"
+    tmp = target.with_name(f".{PRIVACY_FILE}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, target)
+
+
+def _save_zoo_files(model: nn.Module, directory: Path, privacy: Mapping[str, Any] | None) -> None:
+    """dpzoo.save into a scratch directory, then its weights and config moved beside the others."""
+    scratch = Path(tempfile.mkdtemp(prefix=".dpzoo-save-", dir=directory))
+    try:
+        save(model, scratch / "model", privacy=privacy)
+        for name in (WEIGHTS_NAME, CONFIG_NAME):
+            os.replace(scratch / "model" / name, directory / name)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def read_privacy_metadata(directory: str | os.PathLike) -> dict[str, Any] | None:
+    """The privacy metadata saved with a model directory (``dpzoo_privacy.json``, else a dpzoo.save
+    directory's), or None when it has none. An infinite ε comes back as ``float("inf")``.
+
+    ``model.dpzoo_privacy = read_privacy_metadata(dir)`` after ``from_pretrained(dir)`` makes a new
+    private run on the same data compose after this spending (the engine reads it)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise SaveError(f"{directory} is not a directory.")
+    path = directory / PRIVACY_FILE
+    if path.exists():
+        try:
+            meta = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise SaveError(f"{path} is corrupt ({e}).") from None
+        if not isinstance(meta, dict):
+            raise SaveError(f"{path} does not hold a JSON object of privacy fields.")
+        if meta.get("epsilon") == INFINITE:
+            meta["epsilon"] = math.inf
+        return _checked_read(meta, path)
+    if (directory / CONFIG_NAME).exists():
+        return privacy_metadata(directory)
+    return None
+
+
+def _checked_read(meta: dict, path: Path) -> dict[str, Any]:
+    try:
+        _checked(meta)
+    except SaveError as e:
+        raise SaveError(f"{path}: {e}") from None
+    return meta
