@@ -1,4 +1,5 @@
-"""Read checkpoints safely and load them with errors that name every bad tensor."""
+"""Read checkpoints safely and load them with errors that name every bad tensor (also: the file
+permissions a written checkpoint gets)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,20 @@ from torch import nn
 from .errors import CheckpointError
 from .surgery.tied import find_tied_parameters
 
-__all__ = ["read_state_dict", "load_state_dict_checked", "sha256_file", "StateDictMismatch"]
+__all__ = [
+    "read_state_dict",
+    "load_state_dict_checked",
+    "sha256_file",
+    "StateDictMismatch",
+    "state_dict_mismatch",
+    "split_dp_ready_state_dict",
+    "load_added_biases",
+    "lacks_bias",
+    "give_default_permissions",
+]
+
+_BATCHNORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+_RUNNING_STATS = ("running_mean", "running_var", "num_batches_tracked")
 
 _WRAPPER_KEYS = ("state_dict", "model", "model_state_dict", "module", "state_dict_ema")
 
@@ -154,6 +168,84 @@ class StateDictMismatch:
         return "; ".join(parts)
 
 
+def _fill_tied(model: nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # A tied tensor is often stored under one of its names only (safetensors' save_model,
+    # HF checkpoints): fill the other names of its group from the stored one.
+    for group in find_tied_parameters(model):
+        present = [n for n in group.names if n in sd]
+        for n in group.names:
+            if present and n not in sd:
+                sd[n] = sd[present[0]]
+    return sd
+
+
+def state_dict_mismatch(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> StateDictMismatch:
+    """The missing, unexpected and mis-shaped keys of ``state_dict`` for ``model``, a tied tensor
+    stored under one of its names counting for all of them (as :func:`load_state_dict_checked` loads)."""
+    return StateDictMismatch(model, _fill_tied(model, dict(state_dict)))
+
+
+def lacks_bias(module: nn.Module) -> bool:
+    """A layer with a weight and no bias: one BiTFiT-Add gives a bias (not e.g. an ``nn.Identity``)."""
+    return isinstance(getattr(module, "weight", None), torch.Tensor) and getattr(module, "bias", None) is None
+
+
+def split_dp_ready_state_dict(
+    model: nn.Module, state_dict: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[str]]:
+    """Prepare a checkpoint written from a DP-ready model (``dpzoo.save``, or ``save_pretrained``
+    after dpzoo's surgery) for loading into ``model``, the architecture before the surgery.
+
+    Returns (the tensors ``model`` takes; the biases BiTFiT-Add adds, keyed ``<module>.bias`` for a
+    module of ``model`` that has no bias, to load after patching with :func:`load_added_biases`;
+    fnmatch patterns of BatchNorm running statistics the checkpoint lacks, which may be missing
+    because BatchNorm → GroupNorm drops them). A checkpoint of the unpatched architecture comes back
+    unchanged with nothing added.
+    """
+    modules = dict(model.named_modules())
+    expected = model.state_dict()
+    base: dict[str, torch.Tensor] = {}
+    added: dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        owner, _, leaf = key.rpartition(".")
+        if leaf == "bias" and key not in expected and owner in modules and lacks_bias(modules[owner]):
+            added[key] = value
+        else:
+            base[key] = value
+    allow_missing = [
+        f"{name}.{stat}"
+        for name, m in modules.items()
+        if isinstance(m, _BATCHNORMS) and name and f"{name}.running_mean" not in state_dict
+        for stat in _RUNNING_STATS
+    ]
+    return base, added, allow_missing
+
+
+def load_added_biases(model: nn.Module, biases: Mapping[str, torch.Tensor], *, source: str, prefix: str = "") -> None:
+    """Copy the biases :func:`split_dp_ready_state_dict` set aside into the patched ``model``
+    (a key not found as is is tried under ``prefix.``); raise :class:`CheckpointError` naming every
+    bias the patched model does not have or has with another shape."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    bad, pairs = [], []
+    for key, value in biases.items():
+        name = key if key in params or not prefix else f"{prefix}.{key}"
+        p = params.get(name)
+        if p is None or p.shape != value.shape:
+            got = "not in the patched model" if p is None else f"{list(value.shape)} vs {list(p.shape)}"
+            bad.append(f"{key} ({got})")
+        else:
+            pairs.append((p, value))
+    if bad:
+        raise CheckpointError(
+            f"The {source} has biases the DP-ready model cannot take: {', '.join(bad[:12])}"
+            + (f", ... ({len(bad) - 12} more)" if len(bad) > 12 else "")
+            + ". Was it saved from a model patched with other options (bias_exempt, add_bias)?"
+        )
+    with torch.no_grad():
+        for p, value in pairs:
+            p.copy_(value.to(dtype=p.dtype, device=p.device))
+
+
 def load_state_dict_checked(
     model: nn.Module,
     state_dict: Mapping[str, torch.Tensor],
@@ -170,13 +262,7 @@ def load_state_dict_checked(
     """
     allow_missing, ignore_unexpected = tuple(allow_missing), tuple(ignore_unexpected)
     sd = {k: v for k, v in state_dict.items() if not any(fnmatch.fnmatch(k, p) for p in ignore_unexpected)}
-    # A tied tensor is often stored under one of its names only (safetensors' save_model,
-    # HF checkpoints): fill the other names of its group from the stored one.
-    for group in find_tied_parameters(model):
-        present = [n for n in group.names if n in sd]
-        for n in group.names:
-            if present and n not in sd:
-                sd[n] = sd[present[0]]
+    sd = _fill_tied(model, sd)
     mm = StateDictMismatch(model, sd)
     bad_missing = [k for k in mm.missing if not any(fnmatch.fnmatch(k, p) for p in allow_missing)]
     if bad_missing or mm.unexpected or mm.mis_shaped:
@@ -187,3 +273,26 @@ def load_state_dict_checked(
         )
     model.load_state_dict(sd, strict=False)
     return mm
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux reports it (/proc/self/status)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: set and restore at once
+    os.umask(mask)
+    return mask
+
+
+def give_default_permissions(directory: str | os.PathLike) -> None:
+    """``directory`` 0777 and the files in it 0666, less the umask: what ``mkdir`` and ``open`` give
+    (tempfile makes its directories 0700, and the saved model is meant to be shared like any file)."""
+    mask = _umask()
+    for f in Path(directory).iterdir():
+        if f.is_file():
+            os.chmod(f, 0o666 & ~mask)
+    os.chmod(directory, 0o777 & ~mask)

@@ -1,13 +1,15 @@
 """``dpzoo.load`` and ``dpzoo.save``: build zoo entries, and write/read them exactly.
 
 A saved model is a directory with ``model.safetensors`` (weights, shared tensors stored
-once) and ``dpzoo_config.json`` (zoo name, overrides, patches, dtype and optional privacy
-metadata, which is also written into the safetensors header). ``dpzoo.load(dir)`` rebuilds
-the architecture from the zoo and restores every tensor bit for bit.
+once), ``dpzoo_config.json`` (zoo name, overrides, patches, dtype and optional privacy
+metadata, which is also written into the safetensors header) and, for a transformers model, its
+``config.json``. ``dpzoo.load(dir)`` rebuilds the architecture from the zoo and restores every
+tensor bit for bit. Files get the permissions ``open`` would give (0666 less the umask).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -22,10 +24,11 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from . import __version__
-from .checkpoint import load_state_dict_checked
+from .checkpoint import give_default_permissions, load_state_dict_checked, state_dict_mismatch
 from .errors import CheckpointError, OverrideError, SaveError
+from .integrations.opacus import unwrap_for_save
 from .privacy.engine import engine_of
-from .registry import get_entry, split_name
+from .registry import LOAD_KEYWORDS, OVERRIDE_SYNONYMS, get_entry, is_model, reject_unknown_overrides, split_name
 
 __all__ = [
     "load",
@@ -40,6 +43,7 @@ __all__ = [
 
 CONFIG_NAME = "dpzoo_config.json"
 WEIGHTS_NAME = "model.safetensors"
+HF_CONFIG_NAME = "config.json"  # a transformers model's config, beside dpzoo's
 FORMAT_VERSION = 1
 # Privacy metadata a DP-trained model carries (engine fills it; users may too).
 PRIVACY_FIELDS = {
@@ -78,35 +82,54 @@ def _jsonable(value: Any) -> Any:
 
 
 def load(
-    name_or_dir: str | os.PathLike, *, pretrained: bool = False, weights: str | os.PathLike | None = None, **overrides
+    name_or_dir: str | os.PathLike,
+    *,
+    pretrained: bool = False,
+    pretrained_tag: str | None = None,
+    weights: str | os.PathLike | None = None,
+    **overrides,
 ) -> nn.Module:
     """Build a zoo model, or restore one saved with :func:`save`.
 
     Args:
-        name_or_dir: a zoo name (``"resnet18-gn-bias"``, optionally ``".tag"`` for a
-            pretrained tag) or a directory written by :func:`dpzoo.save`.
+        name_or_dir: a zoo name (``"resnet18-gn-bias"``, optionally ``".tag"`` for a pretrained
+            tag, which may be a hub id: ``"bert-base.org/model-v1.5"``) or a directory written by :func:`save`.
         pretrained: load the entry's pretrained weights through timm's / transformers'
             own loading (needs their hub or cache), then patch them.
+        pretrained_tag: the tag (timm) or hub id (transformers), instead of ``".tag"`` in the name.
         weights: a local checkpoint (timm ``.pth`` / ``.safetensors``, or a Hugging Face
             directory) loaded into the unpatched architecture before patching, so a
-            pretrained BatchNorm model converts.
+            pretrained BatchNorm model converts. A checkpoint of the DP-ready model (a saved
+            directory's ``model.safetensors``, or ``save_pretrained`` after patching) loads too.
         **overrides: sizes and patch options; ``dpzoo.model_card(name).overrides`` lists them.
+            With a saved directory: overrides that keep every tensor's shape (dropout rates,
+            pooling, ...) are applied, the others refused (:class:`OverrideError`).
 
     The returned model carries ``model.dpzoo_config`` (how to rebuild it) and
     ``model.dpzoo_patch_report`` (what dpzoo changed).
     """
-    path = Path(name_or_dir)
-    if isinstance(name_or_dir, os.PathLike) or path.is_dir() or os.sep in str(name_or_dir):
-        if pretrained or weights is not None or overrides:
+    if _is_saved_directory(name_or_dir):
+        if pretrained or pretrained_tag is not None or weights is not None:
             raise OverrideError(
-                "dpzoo.load(dir) restores a saved model as it was; it takes no pretrained, weights or overrides."
+                "dpzoo.load(dir) restores a saved model with its own weights; it takes no pretrained, "
+                "pretrained_tag or weights. To start another model from them, load by name with "
+                f"weights='{Path(name_or_dir) / WEIGHTS_NAME}'."
             )
-        return _load_saved(path)
+        return _load_saved(Path(name_or_dir), overrides)
     name = str(name_or_dir)
     entry = get_entry(name)
     _, tag = split_name(name)
+    if pretrained_tag is not None:
+        if not isinstance(pretrained_tag, str) or not pretrained_tag:
+            raise OverrideError(f"pretrained_tag must be a non-empty string, got {pretrained_tag!r}.")
+        if tag is not None and tag != pretrained_tag:
+            raise OverrideError(f"{name!r} names the tag {tag!r} but pretrained_tag={pretrained_tag!r}; give one.")
+        tag = pretrained_tag
     if tag and not pretrained:
-        raise OverrideError(f"{name!r} names a pretrained tag; pass pretrained=True (or drop '.{tag}').")
+        raise OverrideError(f"{name!r} with tag {tag!r} loads pretrained weights; pass pretrained=True (or no tag).")
+    params = inspect.signature(entry.builder).parameters
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):  # a user's builder with fixed keywords
+        reject_unknown_overrides(entry.name, overrides, [n for n in params if n not in LOAD_KEYWORDS])
     if weights is not None:
         if not entry.accepts_weights:
             raise OverrideError(f"{entry.name}'s builder does not take weights=PATH.")
@@ -127,6 +150,14 @@ def load(
         "weights": str(weights) if weights is not None else None,
     }
     return model
+
+
+def _is_saved_directory(name_or_dir: str | os.PathLike) -> bool:
+    """A path (a directory written by save) rather than a zoo name, whose tag may be a hub id with "/"."""
+    text, path = str(name_or_dir), Path(name_or_dir)
+    if isinstance(name_or_dir, os.PathLike) or (path / CONFIG_NAME).is_file():
+        return True
+    return not is_model(text) and (path.is_dir() or os.sep in text or "/" in text)
 
 
 create_model = load  # timm's name for the same call
@@ -192,9 +223,11 @@ def save(
 
     ``privacy``: optional DP metadata (epsilon, delta, accountant, steps, sample_rate and
     optionally noise_multiplier, max_grad_norm, privacy_unit); it goes into the JSON and
-    into the safetensors header. A model trained by dpzoo's engine fills it in itself.
+    into the safetensors header. A model trained by dpzoo's engine fills it in itself; one Opacus
+    wrapped is unwrapped and needs ``privacy=dpzoo.integrations.opacus.privacy_metadata(engine, delta)``.
     Nothing is left half-written: files are written to a temporary directory first.
     """
+    model = unwrap_for_save(model, privacy)  # Opacus' GradSampleModule -> the zoo model
     config = getattr(model, "dpzoo_config", None)
     if not isinstance(config, dict) or "model_name" not in config:
         raise SaveError(
@@ -238,6 +271,8 @@ def save(
     try:
         safetensors.torch.save_model(model, str(tmp / WEIGHTS_NAME), metadata=st_meta)
         (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True, allow_nan=False) + "\n")
+        _write_library_config(model, tmp)
+        give_default_permissions(tmp)  # mkdtemp made it 0700: as mkdir/open would, under the umask
         if directory.exists():
             old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
             os.replace(directory, old)
@@ -251,6 +286,14 @@ def save(
     return directory
 
 
+def _write_library_config(model: nn.Module, directory: Path) -> None:
+    """A transformers model's own ``config.json``: its sizes came from the checkpoint it was loaded from
+    (not from dpzoo's overrides), and :func:`load` rebuilds it from that config."""
+    config = getattr(model, "config", None)
+    if callable(getattr(config, "to_json_file", None)) and callable(getattr(model, "save_pretrained", None)):
+        config.to_json_file(str(directory / HF_CONFIG_NAME))
+
+
 def read_config(directory: str | os.PathLike) -> dict[str, Any]:
     """The ``dpzoo_config.json`` of a saved model, checked."""
     directory = Path(directory)
@@ -260,7 +303,7 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
     if not cfg_path.exists():
         hint = (
             " It looks like a Hugging Face directory: pass it as weights=DIR to a transformers zoo entry."
-            if (directory / "config.json").exists()
+            if (directory / HF_CONFIG_NAME).exists()
             else ""
         )
         raise SaveError(f"{directory} has no {CONFIG_NAME}, so dpzoo.save did not write it.{hint}")
@@ -284,14 +327,51 @@ def privacy_metadata(directory: str | os.PathLike) -> dict[str, Any] | None:
     return read_config(directory).get("privacy")
 
 
-def _load_saved(directory: Path) -> nn.Module:
+def _merge_overrides(saved: dict[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
+    """The saved overrides updated with ``given``; a given synonym (num_labels) replaces the saved name."""
+    merged = dict(saved)
+    for key in given:
+        for synonym, canonical in OVERRIDE_SYNONYMS.items():
+            if key in (synonym, canonical):
+                merged.pop(synonym, None)
+                merged.pop(canonical, None)
+    return {**merged, **given}
+
+
+def _shape_change(directory: Path, name: str, given: Mapping[str, Any], merged: dict, why: str) -> OverrideError:
+    """The error for overrides of ``dpzoo.load(dir)`` that do not keep the saved tensors' shapes."""
+    source = directory if (directory / HF_CONFIG_NAME).is_file() else directory / WEIGHTS_NAME
+    call = ", ".join([repr(name), f"weights='{source}'"] + [f"{k}={v!r}" for k, v in merged.items()])
+    return OverrideError(
+        "dpzoo.load(dir) applies only overrides that keep every saved tensor's shape (dropout rates, pooling, "
+        f"...); {', '.join(f'{k}={v!r}' for k, v in given.items())} would change the weights saved in {directory} "
+        f"({why}). To start from them with a new head or other sizes, load by name: dpzoo.load({call}) (a "
+        "classifier of another size is initialised anew); or load the directory as it is and replace the head."
+    )
+
+
+def _rebuild(directory: Path, name: str, merged: dict[str, Any], given: Mapping[str, Any]) -> nn.Module:
+    """The saved model's architecture, built by the zoo: a transformers model from its saved config and
+    weights (the directory is a Hugging Face one too), any other from the recorded overrides."""
+    if not (directory / HF_CONFIG_NAME).is_file() or not get_entry(name).accepts_weights:
+        return load(name, **merged)
+    try:
+        return load(name, weights=directory, **merged)
+    except CheckpointError as e:
+        if not given:
+            raise
+        raise _shape_change(directory, name, given, merged, str(e)) from None
+
+
+def _load_saved(directory: Path, given: Mapping[str, Any] | None = None) -> nn.Module:
     cfg = read_config(directory)
     weights_path = directory / WEIGHTS_NAME
     if not weights_path.exists():
         raise SaveError(f"{directory} has no {WEIGHTS_NAME}.")
     patches = cfg.get("patches") or {}
-    overrides = dict(cfg.get("overrides") or {})
-    model = load(cfg["model_name"], **overrides)
+    given = dict(given or {})
+    overrides = _merge_overrides(dict(cfg.get("overrides") or {}), given)
+    model = _rebuild(directory, cfg["model_name"], overrides, given)
     if cfg.get("dtype"):
         model = model.to(getattr(torch, cfg["dtype"]))
     try:
@@ -299,6 +379,9 @@ def _load_saved(directory: Path) -> nn.Module:
             state = {k: f.get_tensor(k) for k in f.keys()}
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{weights_path} is corrupt or truncated ({e}).") from None
+    mismatch = state_dict_mismatch(model, state) if given else None
+    if mismatch:  # built from the overrides, but the saved tensors do not fit it
+        raise _shape_change(directory, cfg["model_name"], given, overrides, mismatch.describe(limit=4))
     # save_model stores a tied tensor once; load_state_dict_checked fills its other names.
     load_state_dict_checked(model, state, source=f"saved model {directory}")
     if patches and model.dpzoo_patch_report.to_dict().get("biases_added") != patches.get("biases_added"):
@@ -306,7 +389,8 @@ def _load_saved(directory: Path) -> nn.Module:
             f"{directory}: rebuilding {cfg['model_name']} patched different layers than the "
             "saved model had (different dpzoo version?)."
         )
-    model.dpzoo_config = {k: cfg.get(k) for k in ("model_name", "overrides", "pretrained", "pretrained_tag", "weights")}
+    config = {k: cfg.get(k) for k in ("model_name", "overrides", "pretrained", "pretrained_tag", "weights")}
+    model.dpzoo_config = {**config, "overrides": _jsonable(overrides)} if given else config  # what a re-save records
     if cfg.get("privacy"):
         model.dpzoo_privacy = cfg["privacy"]
     return model

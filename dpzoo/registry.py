@@ -8,12 +8,13 @@ model that is already DP-ready (see :mod:`dpzoo.surgery`). Each entry carries a
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import inspect
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
 
-from .errors import InvalidArgumentError, UnknownModelError
+from .errors import InvalidArgumentError, OverrideError, UnknownModelError
 
 __all__ = [
     "ModelCard",
@@ -24,7 +25,17 @@ __all__ = [
     "model_card",
     "get_entry",
     "is_model",
+    "split_name",
+    "reject_unknown_overrides",
+    "LOAD_KEYWORDS",
+    "OVERRIDE_SYNONYMS",
 ]
+
+# Keyword arguments of dpzoo.load itself: suggested when a misspelt one arrives as an override.
+LOAD_KEYWORDS = ("pretrained", "pretrained_tag", "weights")
+# Other libraries' names for an override (timm says num_classes, Hugging Face num_labels): an entry
+# that takes one takes the other. Synonym → the name the timm entries' tables use.
+OVERRIDE_SYNONYMS = {"num_labels": "num_classes"}
 
 
 @dataclass(frozen=True)
@@ -174,9 +185,40 @@ def list_models(pattern: str | Iterable[str] = "*", *, pretrained: bool = False)
 
 
 def split_name(name: str) -> tuple[str, str | None]:
-    """``"resnet18-gn-bias.a1_in1k"`` → ``("resnet18-gn-bias", "a1_in1k")``."""
-    base, _, tag = name.partition(".")
+    """Split a zoo name into its entry and its pretrained tag.
+
+    ``"resnet18-gn-bias.a1_in1k"`` → ``("resnet18-gn-bias", "a1_in1k")``. The tag is everything
+    after the entry's name and one dot, so a Hugging Face hub id with slashes and dots is a tag too:
+    ``"gpt2.openai-community/gpt2"`` → ``("gpt2", "openai-community/gpt2")``,
+    ``"bert-base.org/model-v1.5"`` → ``("bert-base", "org/model-v1.5")``. A registered entry whose
+    own name has a dot is matched whole (the longest registered name wins); an unknown name is
+    split at its first dot.
+    """
+    _ensure_builtin()
+    if name in _REGISTRY:
+        return name, None
+    base = max((n for n in _REGISTRY if name.startswith(n + ".")), key=len, default=None)
+    if base is None:
+        base = name.partition(".")[0]
+    tag = name[len(base) + 1 :]
     return base, (tag or None)
+
+
+def reject_unknown_overrides(entry: str, given: Iterable[str], accepted: Iterable[str]) -> None:
+    """Raise :class:`OverrideError` naming every override in ``given`` that is not in ``accepted``,
+    each with a did-you-mean (among the accepted overrides and dpzoo.load's own keywords)."""
+    accepted = sorted(set(accepted))
+    bad = [k for k in given if k not in accepted]
+    if not bad:
+        return
+    vocabulary = accepted + [k for k in LOAD_KEYWORDS if k not in accepted]
+    close = {k: difflib.get_close_matches(k, vocabulary, n=1, cutoff=0.6) for k in bad}
+    hint = "; ".join(f"did you mean {c[0]!r} for {k!r}?" for k, c in close.items() if c)
+    raise OverrideError(
+        f"{entry} does not accept override(s) {', '.join(map(repr, bad))}"
+        + (f" ({hint})" if hint else "")
+        + f". Accepted: {', '.join(accepted) or 'none'}. (`dpzoo.model_card({entry!r})` documents them.)"
+    )
 
 
 def get_entry(name: str) -> ModelEntry:

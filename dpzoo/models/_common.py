@@ -1,13 +1,13 @@
 """Shared pieces of the zoo builders: the override table (each override declared once, with its
-meaning and its conversion), override parsing and the patch options."""
+meaning and its conversion), override parsing (unknown names, synonyms) and the patch options."""
 
 from __future__ import annotations
 
-import difflib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 from ..errors import OverrideError
+from ..registry import OVERRIDE_SYNONYMS, reject_unknown_overrides
 
 # Options of dpzoo's surgery, accepted by every built-in entry (recorded on save).
 PATCH_OPTIONS = {
@@ -39,29 +39,46 @@ class Override:
 
 OverrideTable = Mapping[str, Override]
 
+SYNONYMS = OVERRIDE_SYNONYMS  # synonym → the name in a timm entry's table
+
 
 def card_overrides(table: OverrideTable) -> dict[str, str]:
-    """The card's override documentation: the table's, then the patch options every entry takes."""
-    return {**{k: o.doc for k, o in table.items()}, **PATCH_OPTIONS}
+    """The card's override documentation: the table's, its synonyms, then the patch options."""
+    docs: dict[str, str] = {}
+    for key, o in table.items():
+        docs[key] = o.doc
+        docs.update(
+            {s: f"Hugging Face's name for `{key}` (give one of the two)" for s, c in SYNONYMS.items() if c == key}
+        )
+    return {**docs, **PATCH_OPTIONS}
+
+
+def resolve_synonyms(entry: str, overrides: Mapping[str, Any], table: OverrideTable) -> dict[str, Any]:
+    """``overrides`` with each synonym (``num_labels``) renamed to the table's name (``num_classes``);
+    both given with different values is an :class:`OverrideError`."""
+    out = dict(overrides)
+    for synonym, canonical in SYNONYMS.items():
+        if synonym not in out or canonical not in table:
+            continue
+        value = out.pop(synonym)
+        if canonical in out and out[canonical] != value:
+            raise OverrideError(
+                f"{entry}: {canonical}={out[canonical]!r} and {synonym}={value!r} name the same setting "
+                f"with different values; pass only one of them."
+            )
+        out[canonical] = value
+    return out
 
 
 def library_kwargs(entry: str, table: OverrideTable, overrides: Mapping[str, Any]) -> dict[str, Any]:
     """Architecture ``overrides`` (patch options removed) → the library's keyword arguments."""
-    reject_unknown(entry, overrides, table)
+    reject_unknown(entry, overrides, list(table) + [s for s, c in SYNONYMS.items() if c in table])
     kwargs: dict[str, Any] = {}
-    for key, value in overrides.items():
+    for key, value in resolve_synonyms(entry, overrides, table).items():
         kwargs.update(table[key].to_kwargs(value))
     return kwargs
 
 
 def reject_unknown(entry: str, given: Iterable[str], accepted: Iterable[str]) -> None:
-    accepted = sorted(set(accepted) | set(PATCH_OPTIONS))
-    bad = [k for k in given if k not in accepted]
-    if bad:
-        close = {k: difflib.get_close_matches(k, accepted, n=1, cutoff=0.6) for k in bad}
-        hint = "; ".join(f"did you mean {c[0]!r} for {k!r}?" for k, c in close.items() if c)
-        raise OverrideError(
-            f"{entry} does not accept override(s) {', '.join(map(repr, bad))}"
-            + (f" ({hint})" if hint else "")
-            + f". Accepted: {', '.join(accepted)}. (`dpzoo.model_card({entry!r})` documents them.)"
-        )
+    """:func:`dpzoo.registry.reject_unknown_overrides` with the patch options every entry takes."""
+    reject_unknown_overrides(entry, given, set(accepted) | set(PATCH_OPTIONS))

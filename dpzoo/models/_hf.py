@@ -8,11 +8,19 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+from huggingface_hub import try_to_load_from_cache
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers.utils import logging as hf_logging
 
-from ..checkpoint import load_state_dict_checked, read_state_dict
+from ..checkpoint import (
+    lacks_bias,
+    load_added_biases,
+    load_state_dict_checked,
+    read_state_dict,
+    split_dp_ready_state_dict,
+)
 from ..errors import CheckpointError, OverrideError
 from ..nn.hf_position_ids import with_per_sample_position_ids
 from ..surgery import make_dp_ready
@@ -31,16 +39,80 @@ def _quiet_transformers():
 
 def _config_kwargs(entry: str, config_cls, aliases: dict[str, str], arch_over: dict[str, Any]) -> dict:
     defaults = config_cls()
-    accepted = set(aliases) | {k for k in vars(defaults) if not k.startswith("_")}
+    # the aliases, their targets (num_labels is a property of the config, not a stored field) and
+    # every stored config field
+    accepted = set(aliases) | set(aliases.values()) | {k for k in vars(defaults) if not k.startswith("_")}
     reject_unknown(entry, arch_over, accepted)
-    out = {}
+    out: dict[str, Any] = {}
+    given: dict[str, str] = {}  # config field -> the override that set it
     for key, value in arch_over.items():
         target = aliases.get(key, key)
         if target == "num_labels":
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise OverrideError(f"num_classes must be an integer >= 1, got {value!r}")
-        out[target] = value
+                raise OverrideError(f"{key} must be an integer >= 1, got {value!r}")
+        if target in out and out[target] != value:  # e.g. num_classes=3 and num_labels=5
+            raise OverrideError(
+                f"{entry}: {given[target]}={out[target]!r} and {key}={value!r} both set the config's "
+                f"{target} to different values; pass only one of them."
+            )
+        out[target], given[target] = value, key
     return out
+
+
+def _checkpoint_files(source: str) -> list[Path]:
+    """The weight files of a Hugging Face directory, or of a hub id already in the local cache."""
+    path = Path(source)
+    if path.is_dir():
+        return sorted(path.glob("*.safetensors")) or sorted(path.glob("pytorch_model*.bin"))
+    for index, single in (
+        ("model.safetensors.index.json", "model.safetensors"),
+        ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+    ):
+        found = try_to_load_from_cache(source, index)
+        if isinstance(found, str):
+            shards = sorted(set(json.loads(Path(found).read_text())["weight_map"].values()))
+            files = [try_to_load_from_cache(source, shard) for shard in shards]
+            return [Path(f) for f in files if isinstance(f, str)]
+        found = try_to_load_from_cache(source, single)
+        if isinstance(found, str):
+            return [Path(found)]
+    return []
+
+
+def _read_tensors(source: str, keys: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors named ``keys`` from the checkpoint files of ``source``."""
+    wanted, out = set(keys), {}
+    for f in _checkpoint_files(source):
+        if f.suffix == ".safetensors":
+            with safe_open(str(f), "pt") as h:
+                out.update({k: h.get_tensor(k) for k in h.keys() if k in wanted})
+        else:
+            out.update({k: v for k, v in read_state_dict(f).items() if k in wanted})
+    return out
+
+
+def _added_bias_keys(model: nn.Module, keys: list[str]) -> list[str]:
+    """Checkpoint keys ``<module>.bias`` for a module of the unpatched ``model`` without a bias: a
+    checkpoint saved after dpzoo's surgery (``save_pretrained`` of a zoo model) carries them."""
+    modules = dict(model.named_modules())
+    prefix = getattr(model, "base_model_prefix", "")
+    found = []
+    for key in keys:
+        owner, _, leaf = key.rpartition(".")
+        module = modules.get(owner, modules.get(f"{prefix}.{owner}"))
+        if leaf == "bias" and module is not None and lacks_bias(module):
+            found.append(key)
+    return found
+
+
+def _drop_new_head(model: nn.Module, sd: dict, head_keys: tuple[str, ...]) -> dict:
+    """``sd`` without the head tensors whose shape differs from ``model``'s (another num_labels)."""
+    expected = model.state_dict()
+    return {
+        k: v
+        for k, v in sd.items()
+        if not (any(fnmatch.fnmatch(k, p) for p in head_keys) and k in expected and expected[k].shape != v.shape)
+    }
 
 
 def _check_hf_dir(path: Path) -> None:
@@ -97,6 +169,7 @@ def build_hf(
     if pretrained and weights is not None:
         raise OverrideError("Pass either pretrained=True or weights=PATH, not both.")
     source = None
+    added: dict[str, torch.Tensor] = {}
     if pretrained:
         source = pretrained_tag or hub_id
         if source is None:
@@ -122,6 +195,10 @@ def build_hf(
         unexpected = sorted(
             k for k in info["unexpected_keys"] if not any(fnmatch.fnmatch(k, p) for p in ignorable_unexpected)
         )
+        # a checkpoint saved after dpzoo's surgery: its config does not know the added biases, so
+        # transformers built the model without them; they are loaded once the model is patched
+        added = _read_tensors(str(source), _added_bias_keys(model, unexpected))
+        unexpected = [k for k in unexpected if k not in added]
         mismatched = sorted(k[0] if isinstance(k, tuple) else str(k) for k in info["mismatched_keys"])
         if "num_labels" in cfg_kwargs:  # a new head for another number of classes is expected
             mismatched = [k for k in mismatched if not any(fnmatch.fnmatch(k, p) for p in head_keys)]
@@ -147,16 +224,23 @@ def build_hf(
             sd = read_state_dict(weights)
             if getattr(model.config, "tie_word_embeddings", False):
                 model.tie_weights()
+            if "num_labels" in cfg_kwargs:  # a new head for another number of classes is expected
+                sd = _drop_new_head(model, sd, head_keys)
+            sd, added, allow_bn = split_dp_ready_state_dict(model, sd)
             load_state_dict_checked(
                 model,
                 sd,
                 source=f"checkpoint {weights}",
-                allow_missing=head_keys,
+                allow_missing=head_keys + tuple(allow_bn),
                 ignore_unexpected=ignorable_unexpected,
                 hint="Size overrides must match the checkpoint's.",
             )
     model.eval()  # like from_pretrained; call .train() before training
     model = make_dp_ready(model, **patch_kw)
+    if added:
+        load_added_biases(
+            model, added, source=f"checkpoint {source or weights}", prefix=getattr(model, "base_model_prefix", "")
+        )
     if per_sample_positions:
         with_per_sample_position_ids(model)
         model.dpzoo_patch_report.position_ids_per_sample = True

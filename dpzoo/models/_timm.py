@@ -1,21 +1,26 @@
-"""Builders for zoo entries backed by timm models."""
+"""Builders for zoo entries backed by timm models, and the override kinds their tables use."""
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import timm
+import torch
 from torch import nn
 
-from ..checkpoint import load_state_dict_checked, read_state_dict
+from ..checkpoint import load_added_biases, load_state_dict_checked, read_state_dict, split_dp_ready_state_dict
 from ..errors import CheckpointError, OverrideError
 from ..registry import ModelCard, register_model
 from ..surgery import make_dp_ready
-from ._common import Override, OverrideTable, library_kwargs, split_patch_options
+from ._common import Override, OverrideTable, library_kwargs, resolve_synonyms, split_patch_options
 
 log = logging.getLogger("dpzoo")
+
+# timm's feature-extraction keywords: the model they build wraps the classifier network.
+FEATURE_KWARGS = ("features_only", "out_indices")
 
 
 def _create(arch: str, pretrained: bool, **kwargs) -> nn.Module:
@@ -34,13 +39,22 @@ def load_local_checkpoint(
     num_classes_overridden: bool,
     entry: str,
     convert_state_dict: Callable[[dict], dict] | None = None,
-) -> None:
-    """Load a local checkpoint file into a timm ``model``: the entry's own key mapping, then timm's
-    ``checkpoint_filter_fn``, then a strict load (a new head may be missing when
-    ``num_classes_overridden``)."""
+    ignore_unexpected: Iterable[str] = (),
+) -> dict[str, torch.Tensor]:
+    """Load a local checkpoint file into a timm ``model`` (before dpzoo's surgery): the entry's own
+    key mapping, then timm's ``checkpoint_filter_fn``, then a strict load (a new head may be missing
+    when ``num_classes_overridden``; ``ignore_unexpected``: fnmatch patterns of keys to skip).
+
+    A checkpoint of the DP-ready model (``dpzoo.save``'s ``model.safetensors``) loads too: its added
+    biases are returned, to load with :func:`dpzoo.checkpoint.load_added_biases` after patching, and
+    the BatchNorm running statistics GroupNorm dropped may be missing. Returns {} otherwise.
+    """
     sd = read_state_dict(path)
     if convert_state_dict is not None:  # the entry's own key mapping (e.g. another library's names)
         sd = convert_state_dict(sd)
+    ignore_unexpected = tuple(ignore_unexpected)
+    sd = {k: v for k, v in sd.items() if not any(fnmatch.fnmatch(k, p) for p in ignore_unexpected)}
+    sd, added, allow_missing = split_dp_ready_state_dict(model, sd)
     module = sys.modules.get(type(model).__module__)
     filter_fn: Callable | None = getattr(module, "checkpoint_filter_fn", None)
     if filter_fn is not None:  # timm's own conversions (e.g. ViT position-embedding resampling)
@@ -48,13 +62,12 @@ def load_local_checkpoint(
             sd = filter_fn(sd, model)
         except Exception as e:
             raise CheckpointError(f"{path}: timm could not adapt this checkpoint to {entry} ({e}).") from None
-    allow_missing = []
     classifier = (getattr(model, "pretrained_cfg", None) or {}).get("classifier")
     if classifier and num_classes_overridden:
         # timm's convention: asking for another num_classes re-initialises the head.
         expected = model.state_dict()
         head_keys = [k for k in sd if k.startswith(classifier + ".")]
-        if any(k in expected and sd[k].shape != expected[k].shape for k in head_keys):
+        if any(k not in expected or sd[k].shape != expected[k].shape for k in head_keys):  # 0: no classifier
             log.info("%s: classifier %s re-initialised for the new num_classes", entry, classifier)
             sd = {k: v for k, v in sd.items() if k not in head_keys}
             allow_missing.append(classifier + ".*")
@@ -66,6 +79,41 @@ def load_local_checkpoint(
         hint=f"Is it a checkpoint of timm's {type(model).__name__} with the same "
         f"sizes? Pass the matching overrides (dpzoo.model_card({entry!r})).",
     )
+    return added
+
+
+def load_into_feature_extractor(
+    model: nn.Module,
+    arch: str,
+    kwargs: dict[str, Any],
+    path,
+    *,
+    entry: str,
+    convert_state_dict: Callable[[dict], dict] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Load a classifier checkpoint into ``model``, timm's ``features_only`` wrapper of ``arch``
+    (before dpzoo's surgery), as timm does for pretrained weights: into the whole network first
+    (built without a classifier), then the layers the feature extractor keeps. Returns the added
+    biases of a DP-ready checkpoint that belong to those layers (see :func:`load_local_checkpoint`)."""
+    full = _create(arch, False, **{k: v for k, v in kwargs.items() if k not in FEATURE_KWARGS}, num_classes=0)
+    classifier = (getattr(full, "pretrained_cfg", None) or {}).get("classifier")
+    skip = [f"{classifier}.*"] if isinstance(classifier, str) else []
+    added = load_local_checkpoint(
+        full,
+        path,
+        num_classes_overridden=False,
+        entry=entry,
+        convert_state_dict=convert_state_dict,
+        ignore_unexpected=skip,
+    )
+    full_sd, keys = full.state_dict(), list(model.state_dict())
+    # timm's FeatureListNet keeps the network's names; FeatureGetterNet (ViT) nests it as `model.`
+    prefix = next((p for p in ("", "model.") if all(k.startswith(p) and k[len(p) :] in full_sd for k in keys)), None)
+    if prefix is None:
+        raise OverrideError(f"{entry}: weights=PATH cannot be mapped onto timm's feature extractor of {arch}.")
+    model.load_state_dict({k: full_sd[k[len(prefix) :]] for k in keys}, strict=True)
+    modules = dict(model.named_modules())
+    return {prefix + k: v for k, v in added.items() if prefix + k.rpartition(".")[0] in modules}
 
 
 def build_timm(
@@ -88,9 +136,20 @@ def build_timm(
     after the file is read, before timm's own ``checkpoint_filter_fn``.
     """
     arch_over, patch_kw = split_patch_options(overrides, patch_defaults)
+    arch_over = resolve_synonyms(entry, arch_over, overrides_table)
     kwargs = {**(base_kwargs or {}), **library_kwargs(entry, overrides_table, arch_over)}
+    features = bool(kwargs.pop("features_only", False))
+    if "out_indices" in kwargs and not features:
+        raise OverrideError(f"{entry}: out_indices selects the feature maps of features_only=True; pass both.")
+    if features:
+        if "num_classes" in arch_over:
+            raise OverrideError(
+                f"{entry}: features_only=True removes the classifier, so num_classes has no effect; drop one of them."
+            )
+        kwargs["features_only"] = True
     if pretrained and weights is not None:
         raise OverrideError("Pass either pretrained=True or weights=PATH, not both.")
+    added: dict[str, torch.Tensor] = {}
     if pretrained:
         name = f"{arch}.{pretrained_tag}" if pretrained_tag else arch
         try:
@@ -105,15 +164,22 @@ def build_timm(
             ) from None
     else:
         model = _create(arch, False, **kwargs)
-        if weights is not None:
-            load_local_checkpoint(
+        if weights is not None and features:
+            added = load_into_feature_extractor(
+                model, arch, kwargs, weights, entry=entry, convert_state_dict=convert_state_dict
+            )
+        elif weights is not None:
+            added = load_local_checkpoint(
                 model,
                 weights,
                 num_classes_overridden="num_classes" in arch_over,
                 entry=entry,
                 convert_state_dict=convert_state_dict,
             )
-    return make_dp_ready(model, **patch_kw)
+    model = make_dp_ready(model, **patch_kw)
+    if weights is not None and added:  # biases of a checkpoint saved from the DP-ready model
+        load_added_biases(model, added, source=f"checkpoint {weights}")
+    return model
 
 
 def register_timm_entry(
@@ -150,9 +216,9 @@ def _int(key: str, v: Any, minimum: int = 1) -> int:
     return v
 
 
-def int_override(key: str, doc: str, *, target: str | None = None) -> Override:
-    """An integer ≥ 1 passed to timm as ``target`` (default: the same name)."""
-    return Override(doc, lambda v: {target or key: _int(key, v)})
+def int_override(key: str, doc: str, *, target: str | None = None, minimum: int = 1) -> Override:
+    """An integer ≥ ``minimum`` passed to timm as ``target`` (default: the same name)."""
+    return Override(doc, lambda v: {target or key: _int(key, v, minimum)})
 
 
 def float_override(key: str, doc: str, *, lo: float = 0.0, hi: float = 1.0, target: str | None = None) -> Override:
@@ -184,3 +250,86 @@ def int_list_override(key: str, length: int, doc: str) -> Override:
 def stage_width_override(doc: str) -> Override:
     """``width`` w → timm's ``channels`` [w, 2w, 4w, 8w] (ResNet stages)."""
     return Override(doc, lambda v: {"channels": [_int("width", v) * m for m in (1, 2, 4, 8)]})
+
+
+def bool_override(key: str, doc: str) -> Override:
+    """True or False, passed to timm under the same name."""
+
+    def to_kwargs(v: Any) -> dict[str, Any]:
+        if not isinstance(v, bool):
+            raise OverrideError(f"{key} must be True or False, got {v!r}")
+        return {key: v}
+
+    return Override(doc, to_kwargs)
+
+
+def choice_override(key: str, doc: str, choices: tuple) -> Override:
+    """One of ``choices`` (compared by value and type), passed to timm under the same name."""
+
+    def to_kwargs(v: Any) -> dict[str, Any]:
+        if isinstance(v, bool) or not any(type(v) is type(c) and v == c for c in choices):
+            raise OverrideError(f"{key} must be one of {', '.join(map(repr, choices))}; got {v!r}")
+        return {key: v}
+
+    return Override(doc, to_kwargs)
+
+
+def out_indices_override(doc: str) -> Override:
+    """timm's ``out_indices``: distinct feature-map indices ≥ 0, or an integer n ≥ 1 (the last n)."""
+
+    def to_kwargs(v: Any) -> dict[str, Any]:
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
+            return {"out_indices": v}
+        if (
+            isinstance(v, (list, tuple))
+            and v
+            and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in v)
+            and len(set(v)) == len(v)
+        ):
+            return {"out_indices": tuple(v)}
+        raise OverrideError(f"out_indices must be distinct integers >= 0 (a list) or an integer n >= 1, got {v!r}")
+
+    return Override(doc, to_kwargs)
+
+
+def dict_override(key: str, doc: str) -> Override:
+    """A dict with string keys, passed to timm under the same name."""
+
+    def to_kwargs(v: Any) -> dict[str, Any]:
+        if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+            raise OverrideError(f"{key} must be a dict with string keys, got {v!r}")
+        return {key: dict(v)}
+
+    return Override(doc, to_kwargs)
+
+
+def str_override(key: str, doc: str) -> Override:
+    """A string passed to timm under the same name (timm checks its value)."""
+
+    def to_kwargs(v: Any) -> dict[str, Any]:
+        if not isinstance(v, str):
+            raise OverrideError(f"{key} must be a string, got {v!r}")
+        return {key: v}
+
+    return Override(doc, to_kwargs)
+
+
+def common_timm_overrides(pools: str, *, features: bool = True) -> dict[str, Override]:
+    """The overrides timm entries share: pooling, ``pretrained_cfg_overlay`` and, with ``features``,
+    timm's feature extraction (``pools``: the card's list of global_pool values)."""
+    table = {
+        "global_pool": str_override("global_pool", f"timm's pooling before the classifier: {pools}"),
+        "pretrained_cfg_overlay": dict_override(
+            "pretrained_cfg_overlay", "timm's overrides of the pretrained config (with pretrained=True)"
+        ),
+    }
+    if features:
+        table["features_only"] = bool_override(
+            "features_only",
+            "return timm's list of feature maps instead of logits (classifier removed; GroupNorm, biases and "
+            "out-of-place ops as usual; per-sample gradients exact for any loss on the maps)",
+        )
+        table["out_indices"] = out_indices_override(
+            "with features_only: which feature maps (indices, or n for the last n; default timm's)"
+        )
+    return table

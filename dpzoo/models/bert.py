@@ -22,6 +22,7 @@ ALIASES = {
 }
 _OVERRIDES = {
     "num_classes": "labels of the classification head (default 2)",
+    "num_labels": "Hugging Face's name for `num_classes` (give one of the two)",
     "vocab_size": "vocabulary size",
     "num_layers": "Transformer layers",
     "width": "hidden size",
@@ -49,7 +50,8 @@ def _card(name, cls, hub, summary, licence, paper, test):
         patches=_PATCHES,
         weight_source=(
             f"random initialisation; `pretrained=True`: hub `{hub}` with a new head; "
-            "`weights=DIR`: a Hugging Face directory (a base-model checkpoint gets a new head)"
+            "`weights=DIR`: a Hugging Face directory (a base-model checkpoint gets a new head); any hub id is a "
+            f'tag too: `dpzoo.load("{name}.org/model", pretrained=True)` or `pretrained_tag="org/model"`'
         ),
         pretrained_tags={hub: "Hugging Face hub"},
         license=licence,

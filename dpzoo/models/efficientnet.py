@@ -23,7 +23,7 @@ import torch
 from ..errors import CheckpointError
 from ..registry import ModelCard
 from ._common import card_overrides
-from ._timm import float_override, int_override, register_timm_entry
+from ._timm import choice_override, common_timm_overrides, float_override, int_override, register_timm_entry
 
 __all__ = [
     "lukemelas_to_timm",
@@ -164,11 +164,18 @@ _PAPERS = (
 
 OVERRIDES = {
     "num_classes": int_override(
-        "num_classes", "classifier outputs (default 1000); a new head when it differs from the checkpoint's"
+        "num_classes",
+        "classifier outputs (default 1000); a new head when it differs from the checkpoint's; 0: no classifier "
+        "(pooled features, timm's convention)",
+        minimum=0,
     ),
     "in_chans": int_override("in_chans", "input channels (default 3; the ImageNet checkpoints need 3)"),
     "drop_rate": float_override("drop_rate", "dropout before the classifier (the TF recipe uses 0.2 for training)"),
     "drop_path_rate": float_override("drop_path_rate", "stochastic depth rate (the TF recipe uses 0.2 for training)"),
+    "output_stride": choice_override(
+        "output_stride", "8, 16 or 32 (default): dilated last stages keep larger feature maps", (8, 16, 32)
+    ),
+    **common_timm_overrides("'avg' (default), 'max', 'avgmax', 'catavgmax' (doubles the classifier's inputs)"),
 }
 _PATCHES = (
     "BatchNorm → GroupNorm: timm's fused BatchNormAct2d (BatchNorm + ReLU6) becomes GroupNormAct "
@@ -228,7 +235,9 @@ CARD = ModelCard(
         "`Conv2dSame`, a Conv2d subclass with padding=0): per-sample gradient code that rebuilds a "
         "convolution from its input and `module.padding` must pad first. Opacus 1.6 has no grad "
         "sampler for `Conv2dSame` or `GroupNormAct`, falls back to functorch, and is exact (tested). "
-        "Any input size works (global average pooling)."
+        "Any input size works (global average pooling). `features_only=True` (with `out_indices`) gives "
+        "timm's `EfficientNetFeatures` backbone (five feature maps by default), patched like the classifier; "
+        "`weights=PATH` with it loads a classifier checkpoint's backbone."
     ),
 )
 

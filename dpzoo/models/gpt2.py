@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from ..registry import ModelCard, register_model
@@ -30,7 +32,10 @@ CARD = ModelCard(
         "in-place ops switched off where a module offers the switch",
     ),
     bias_exempt=("lm_head",),
-    weight_source="random initialisation; `pretrained=True`: hub `openai-community/gpt2`; `weights=DIR`: a Hugging Face directory",
+    weight_source=(
+        "random initialisation; `pretrained=True`: hub `openai-community/gpt2`; `weights=DIR`: a Hugging Face "
+        'directory; any hub id is a tag too: `dpzoo.load("gpt2.org/model", pretrained=True)` or `pretrained_tag=`'
+    ),
     pretrained_tags={"openai-community/gpt2": "Hugging Face hub (124M, MIT licence)"},
     license="MIT (OpenAI GPT-2 weights); Apache-2.0 (transformers code)",
     papers=(
@@ -55,7 +60,8 @@ CARD = ModelCard(
 @register_model("gpt2", card=CARD)
 def gpt2(pretrained: bool = False, pretrained_tag: str | None = None, weights=None, **overrides):
     vocab = overrides.get("vocab_size")
-    if isinstance(vocab, int) and vocab <= 50256 and not pretrained and weights is None:
+    config_from_overrides = not pretrained and (weights is None or not Path(weights).is_dir())
+    if isinstance(vocab, int) and vocab <= 50256 and config_from_overrides:
         # GPT-2's bos/eos id 50256 must stay inside a smaller vocabulary: use the last token.
         overrides.setdefault("bos_token_id", vocab - 1)
         overrides.setdefault("eos_token_id", vocab - 1)

@@ -65,7 +65,8 @@ def _card(name, summary, default, test):
         bias_exempt=("lm_head",),
         weight_source=(
             "random initialisation; `pretrained=True`: hub `meta-llama/Llama-2-7b-hf` (gated: "
-            "accept Meta's licence first); `weights=DIR`: a Hugging Face directory"
+            "accept Meta's licence first); `weights=DIR`: a Hugging Face directory; any hub id is a tag too: "
+            f'`dpzoo.load("{name}.org/model", pretrained=True)` or `pretrained_tag="org/model"`'
         ),
         pretrained_tags={"meta-llama/Llama-2-7b-hf": "Hugging Face hub (gated)"} if name == "llama-bias" else {},
         license="Llama 2 Community Licence (weights); Apache-2.0 (transformers code)",

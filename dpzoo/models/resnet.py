@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from ..registry import ModelCard
 from ._common import card_overrides
-from ._timm import float_override, int_list_override, int_override, register_timm_entry, stage_width_override
+from ._timm import (
+    choice_override,
+    common_timm_overrides,
+    float_override,
+    int_list_override,
+    int_override,
+    register_timm_entry,
+    stage_width_override,
+)
 
 _PAPERS = (
     "He et al., Deep Residual Learning for Image Recognition, CVPR 2016",
@@ -20,7 +28,10 @@ _PAPERS = (
 
 OVERRIDES = {
     "num_classes": int_override(
-        "num_classes", "classifier outputs (default 1000); a new head when it differs from the checkpoint's"
+        "num_classes",
+        "classifier outputs (default 1000); a new head when it differs from the checkpoint's; 0: no classifier "
+        "(pooled features, timm's convention)",
+        minimum=0,
     ),
     "in_chans": int_override("in_chans", "input channels (default 3)"),
     "layers": int_list_override("layers", 4, "blocks per stage, 4 integers (default the architecture's)"),
@@ -29,6 +40,11 @@ OVERRIDES = {
     ),
     "drop_rate": float_override("drop_rate", "dropout before the classifier"),
     "drop_path_rate": float_override("drop_path_rate", "stochastic depth rate"),
+    "drop_block_rate": float_override("drop_block_rate", "DropBlock rate (timm: stages 3 and 4)"),
+    "output_stride": choice_override(
+        "output_stride", "8, 16 or 32 (default): dilated stages 3-4 keep larger feature maps", (8, 16, 32)
+    ),
+    **common_timm_overrides("'avg' (default), 'max', 'avgmax', 'catavgmax' (doubles the classifier's inputs), 'fast'"),
 }
 _PATCHES = (
     "BatchNorm2d → GroupNorm (groups: largest divisor of C ≤ 32 with ≥ 2 channels per group; BN's γ, β copied)",
@@ -58,7 +74,12 @@ def _card(name: str, arch: str, depth: int, tag: str) -> ModelCard:
         example_input={"kind": "image", "shape": [3, 32, 32]},
         notes=(
             "Group counts follow the 'auto' rule unless `gn_groups` is given. Any input size "
-            "works (global average pooling)."
+            "works (global average pooling). `features_only=True` (with `out_indices`) gives timm's "
+            "`FeatureListNet` backbone, a list of feature maps (stem and the four stages by default), "
+            "patched like the classifier: GroupNorm, a bias on every convolution, out-of-place blocks; "
+            "per-sample gradient norms of any loss on the maps are exact (tested against per-sample "
+            "backward passes). `weights=PATH` with it loads a classifier checkpoint's backbone, as timm "
+            "does for pretrained weights; `num_classes` does not apply."
         ),
     )
 

@@ -4,12 +4,30 @@ owns directly: the per-sample-norm hooks cover them with their own rules."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from ..errors import OverrideError
 from ..registry import ModelCard
-from ._common import card_overrides
-from ._timm import float_override, int_override, register_timm_entry
+from ._common import Override, card_overrides
+from ._timm import common_timm_overrides, float_override, int_override, register_timm_entry
+
+
+def _no_feature_getter(value: Any) -> dict[str, Any]:
+    if value is False:
+        return {}
+    raise OverrideError(
+        "features_only=True is not offered for ViT: timm's FeatureGetterNet calls forward_intermediates, which "
+        "bypasses the forward that gives each sample its own cls_token and pos_embed, so their per-sample "
+        "gradients could not be accounted for. Use num_classes=0 (pooled features) or global_pool instead."
+    )
+
 
 OVERRIDES = {
-    "num_classes": int_override("num_classes", "classifier outputs (default 1000)"),
+    "num_classes": int_override(
+        "num_classes",
+        "classifier outputs (default 1000); 0: no classifier (pooled features, timm's convention)",
+        minimum=0,
+    ),
     "img_size": int_override(
         "img_size", "input resolution (default 224); position embeddings are resampled when loading weights"
     ),
@@ -21,6 +39,15 @@ OVERRIDES = {
     "mlp_ratio": float_override("mlp_ratio", "MLP hidden size / width (default 4)", lo=0.01, hi=64),
     "drop_rate": float_override("drop_rate", "dropout rate"),
     "drop_path_rate": float_override("drop_path_rate", "stochastic depth rate"),
+    "attn_drop_rate": float_override("attn_drop_rate", "dropout on attention weights"),
+    "proj_drop_rate": float_override("proj_drop_rate", "dropout after the attention and MLP projections"),
+    "pos_drop_rate": float_override("pos_drop_rate", "dropout after adding position embeddings"),
+    **common_timm_overrides(
+        "'token' (default), 'avg', 'max', 'avgmax', 'map' (attention pooling: adds a trainable `latent`, "
+        "handled), '' (none)",
+        features=False,
+    ),
+    "features_only": Override("not offered for ViT (see the notes); False is accepted", _no_feature_getter),
 }
 _SIZES = {"tiny": (192, 3), "small": (384, 6), "base": (768, 12)}
 
@@ -49,7 +76,13 @@ def _builder(size: str):
         overrides=card_overrides(OVERRIDES),
         test_overrides={"num_classes": 10, "img_size": 32, "patch_size": 8, "depth": 2, "width": 32, "num_heads": 2},
         example_input={"kind": "image", "shape": [3, 32, 32]},
-        notes="`cls_token` and `pos_embed` are trainable tensors owned by the model itself, not by a layer.",
+        notes=(
+            "`cls_token` and `pos_embed` are trainable tensors owned by the model itself, not by a layer. "
+            "timm's `features_only` is not offered: its `FeatureGetterNet` calls `forward_intermediates`, "
+            "not the forward through which dpzoo gives each sample its own copy of `cls_token` and "
+            "`pos_embed`, so their per-sample gradients would be unaccounted for (dpzoo's hooks refuse such "
+            "a model). Use the classifier with `global_pool` or `num_classes=0` for features instead."
+        ),
     )
 
     return register_timm_entry(card, arch, default_tag=tag, overrides_table=OVERRIDES)
