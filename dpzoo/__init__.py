@@ -2,12 +2,18 @@
 
 >>> import dpzoo
 >>> model = dpzoo.load("resnet18-gn-bias", num_classes=10)
+
+The public names are imported on first use (PEP 562), so that ``import dpzoo.cli`` (``dpzoo
+--help``) and the light modules (errors, registries) do not import torch, timm and transformers.
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
 
-from . import frost  # noqa: E402  (dpzoo.frost.select)
-from .audit import audit  # noqa: E402  (dpzoo.audit(...); the module's other names: from dpzoo.audit import ...)
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     AccountingError,
     CheckpointError,
@@ -25,13 +31,60 @@ from .errors import (
     UnsupportedBatchError,
     UnsupportedModuleError,
 )
-from .grad_norms import NormHooks, attach_norm_hooks, register_rule
-from .hub import create_model, load, privacy_metadata, read_config, save
-from .privacy import PrivacyEngine, register_accountant, unregister_accountant
-from .privacy.verify import verify
 from .registry import ModelCard, is_model, list_models, model_card, register_model, unregister_model
-from .summary import ModelSummary, summary
-from .surgery import check_dp_ready, find_inplace_ops, find_tied_parameters, make_dp_ready
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the names __getattr__ imports on first use
+    from . import frost
+    from .audit import audit
+    from .grad_norms import NormHooks, attach_norm_hooks, register_rule
+    from .hub import create_model, load, privacy_metadata, read_config, save
+    from .privacy import PrivacyEngine, register_accountant, unregister_accountant
+    from .privacy.verify import verify
+    from .summary import ModelSummary, summary
+    from .surgery import check_dp_ready, find_inplace_ops, find_tied_parameters, make_dp_ready
+
+__version__ = "0.1.0"
+
+# name -> (module, attribute; None: the module itself), imported when first used
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "frost": (".frost", None),
+    "audit": (".audit", "audit"),
+    **{n: (".grad_norms", n) for n in ("NormHooks", "attach_norm_hooks", "register_rule")},
+    **{n: (".hub", n) for n in ("create_model", "load", "privacy_metadata", "read_config", "save")},
+    **{n: (".privacy", n) for n in ("PrivacyEngine", "register_accountant", "unregister_accountant")},
+    "verify": (".privacy.verify", "verify"),
+    **{n: (".summary", n) for n in ("ModelSummary", "summary")},
+    **{n: (".surgery", n) for n in ("check_dp_ready", "find_inplace_ops", "find_tied_parameters", "make_dp_ready")},
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'dpzoo' has no attribute {name!r}")
+    module, attribute = _LAZY[name]
+    value: Any = importlib.import_module(module, __name__)
+    if attribute is not None:
+        value = getattr(value, attribute)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+class _Package(types.ModuleType):
+    """``dpzoo.audit`` is the function ``audit()``, not the subpackage of the same name: importing
+    ``dpzoo.audit.<anything>`` would set the package's attribute to the subpackage (the import
+    system does), so that one assignment is ignored (the subpackage stays in sys.modules)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "audit" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 __all__ = [
     "__version__",

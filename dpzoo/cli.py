@@ -1,4 +1,4 @@
-"""The ``dpzoo`` command line.
+"""The ``dpzoo`` command line: its parser, the commands other than ``train``, and one-line errors.
 
 dpzoo list [PATTERN]                 zoo entries
 dpzoo card NAME                      the model card
@@ -7,12 +7,18 @@ dpzoo prepare NAME [--set k=v ...] [--weights PATH] [--out DIR]
                                      build a DP-ready model, check it, run one
                                      forward/backward on a synthetic batch, save it
 dpzoo cards --write DIR              (re)write the markdown model cards
-dpzoo train NAME [--data digits] [--epsilon 8] [--epochs 5] [--mode bk-mixopt|bitfit|...]
-                                     private training on a built-in dataset
+dpzoo train NAME [--data digits] [--epsilon 8] [--epochs 10] [--out DIR] [--resume DIR] ...
+                                     private training on a built-in dataset (dpzoo.cli_train)
 dpzoo audit [--epsilon 2] [--delta 1e-5] [--canaries 1000] [--epochs 10]
             [--broken no-noise|unclipped | --with-controls] [--out DIR] [--seed 0]
                                      empirical lower bound on ε in one training run (exit 1
                                      when it exceeds the claimed ε)
+
+Every mistake is one line on stderr (``dpzoo: error: ...``) and exit code 2: argparse's errors
+(:class:`dpzoo.cli_args.Parser`), every :class:`~dpzoo.DPZooError` a command raises, and an
+operating-system error (a file that cannot be read or written). Ctrl-C during training saves
+a checkpoint and exits 130 with the command that resumes. torch, timm and transformers are
+imported inside the commands, so ``dpzoo --help`` answers at once.
 """
 
 from __future__ import annotations
@@ -20,20 +26,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from pathlib import Path
 
+from .cli_args import Parser, key_value, nonnegative_int, option, positive_float, positive_int, unit_interval
+from .cli_choices import usable_accountants
+from .cli_train import add_train_parser
+from .errors import DPZooError
 
-def _parse_sets(items: list[str]) -> dict:
-    out = {}
-    for item in items or []:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"dpzoo: --set expects KEY=VALUE, got {item!r}")
-        try:
-            out[key] = json.loads(raw)
-        except json.JSONDecodeError:
-            out[key] = raw  # plain strings need no quotes: --set gn_groups=auto
-    return out
+__all__ = ["build_parser", "main"]
 
 
 def _example_batch(card, batch_size=4):
@@ -49,57 +50,60 @@ def _example_batch(card, batch_size=4):
 
 
 def _cmd_list(args) -> int:
-    import dpzoo
+    from .registry import list_models, model_card
 
-    for name in dpzoo.list_models(args.pattern):
-        print(f"{name:<24} {dpzoo.model_card(name).summary}")
+    for name in list_models(args.pattern):
+        print(f"{name:<24} {model_card(name).summary}")
     return 0
 
 
 def _cmd_card(args) -> int:
-    import dpzoo
+    from .registry import model_card
 
-    print(dpzoo.model_card(args.name).to_markdown(), end="")
+    print(model_card(args.name).to_markdown(), end="")
     return 0
 
 
 def _build(args):
-    import dpzoo
+    from .hub import load
+    from .registry import model_card
 
-    overrides = _parse_sets(args.set)
+    overrides = dict(args.set or [])
     if getattr(args, "small", False):
-        overrides = {**dpzoo.model_card(args.name).test_overrides, **overrides}
+        overrides = {**model_card(args.name).test_overrides, **overrides}
     if getattr(args, "meta", False):
         import torch
 
         with torch.device("meta"):
-            return dpzoo.load(args.name, **overrides)
-    return dpzoo.load(args.name, weights=getattr(args, "weights", None), **overrides)
+            return load(args.name, **overrides)
+    return load(args.name, weights=getattr(args, "weights", None), **overrides)
 
 
 def _cmd_summary(args) -> int:
-    import dpzoo
+    from .summary import summary
 
-    model = _build(args)
-    print(dpzoo.summary(model))
+    print(summary(_build(args)))
     return 0
 
 
 def _cmd_prepare(args) -> int:
     import torch
 
-    import dpzoo
+    from .hub import save
+    from .registry import model_card
+    from .summary import summary
+    from .surgery import check_dp_ready
 
-    card = dpzoo.model_card(args.name)
+    card = model_card(args.name)
     model = _build(args)
     report = model.dpzoo_patch_report
     print(f"{args.name}: DP-ready")
     for line in report.lines() or ["no patches needed"]:
         print(f"  - {line}")
-    problems = dpzoo.check_dp_ready(model, bias_exempt=card.bias_exempt)
+    problems = check_dp_ready(model, bias_exempt=card.bias_exempt)
     for p in problems:
         print(f"  ! {p}")
-    print(dpzoo.summary(model))
+    print(summary(model))
     batch = _example_batch(card)
     if batch is not None and not args.small:
         print("(synthetic batch skipped: it matches the small configuration; pass --small)")
@@ -110,71 +114,19 @@ def _cmd_prepare(args) -> int:
         out.float().pow(2).mean().backward()
         print(f"forward/backward on a synthetic batch: output {list(out.shape)}, ok")
     if args.out:
-        path = dpzoo.save(model, args.out)
+        path = save(model, args.out)
         print(f"saved to {path}")
     return 1 if problems else 0
 
 
 def _cmd_cards(args) -> int:
-    import dpzoo
+    from .registry import list_models, model_card
 
     out = Path(args.write)
     out.mkdir(parents=True, exist_ok=True)
-    for name in dpzoo.list_models():
-        (out / f"{name}.md").write_text(dpzoo.model_card(name).to_markdown())
-    print(f"wrote {len(dpzoo.list_models())} cards to {out}")
-    return 0
-
-
-def _cmd_train(args) -> int:
-    import dpzoo
-
-    if dpzoo.model_card(args.name).task == "sequential-recommendation":
-        from .seqrec.train import train_seqrec
-
-        train_seqrec(
-            args.name,
-            data=args.data if args.data != "digits" else "synthetic",
-            epsilon=args.epsilon,
-            delta=args.delta,
-            epochs=args.epochs,
-            batch_size=args.batch_size,
-            lr=args.lr,
-            max_len=args.max_len,
-            max_grad_norm=args.max_grad_norm,
-            clipping=args.clipping,
-            eval_every=args.eval_every,
-            accountant=args.accountant,
-            seed=args.seed,
-            out=args.out,
-            overrides=_parse_sets(args.set),
-            max_physical_batch_size=args.max_physical_batch_size,
-            device=args.device,
-            private=not args.non_private,
-            amazon_columns=args.amazon_columns,
-        )
-        return 0
-    if args.non_private:
-        raise dpzoo.DPZooError("--non-private is for sequence models; image models train privately only.")
-    from .train import train_image_classifier
-
-    train_image_classifier(
-        args.name,
-        data=args.data,
-        epsilon=args.epsilon,
-        delta=args.delta if args.delta is not None else 1e-5,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        mode=args.mode,
-        clipping=args.clipping,
-        max_grad_norm=args.max_grad_norm,
-        out=args.out,
-        small=not args.full_size,
-        accountant=args.accountant,
-        overrides=_parse_sets(args.set),
-        seed=args.seed,
-    )
+    for name in list_models():
+        (out / f"{name}.md").write_text(model_card(name).to_markdown())
+    print(f"wrote {len(list_models())} cards to {out}")
     return 0
 
 
@@ -185,14 +137,17 @@ def _cmd_audit(args) -> int:
     import torch
 
     from .audit import audit, plot_scores
+    from .run_io import writable_dir
 
+    out = writable_dir(args.out) if args.out else None  # before the audit's training, not after
     torch.set_num_threads(1)  # a linear model on 64 + m inputs: threads only add overhead (and stall on a busy CPU)
     runs = [None, "no-noise", "unclipped"] if args.with_controls else [args.broken]
     results = []
     for broken in runs:
         print(
             f"== audit of {broken or 'dpzoo engine'}: {args.canaries} canaries, {args.epochs} epochs, "
-            f"claimed ε = {args.epsilon} at δ = {args.delta}"
+            f"claimed ε = {args.epsilon} at δ = {args.delta}",
+            flush=True,
         )
         r = audit(
             epsilon=args.epsilon,
@@ -210,16 +165,14 @@ def _cmd_audit(args) -> int:
         )
         for line in r.lines():
             print(f"  {line}")
-        print(f"  ({r.seconds:.0f} s, test accuracy {r.test_accuracy:.3f})")
+        print(f"  ({r.seconds:.0f} s, test accuracy {r.test_accuracy:.3f})", flush=True)
         results.append(r)
     if any(r.claimed_epsilon >= r.max_auditable_epsilon for r in results):
         print(
             f"note: with {args.canaries} canaries this audit cannot show ε above "
             f"{results[0].max_auditable_epsilon:.2f}; use more canaries to audit a larger claim."
         )
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+    if out is not None:
         payload = [r.to_dict() for r in results] if args.with_controls else results[0].to_dict()
         (out / "audit.json").write_text(json.dumps(payload, indent=1))
         written = ["audit.json"]
@@ -243,150 +196,121 @@ def _cmd_audit(args) -> int:
     return 1 if results[0].exceeds else 0
 
 
-def _registries():
-    """Choices of ``--accountant``, ``--mode`` and ``--data``, read from the registries when the
-    parser is built (so what a user registered before calling :func:`main` is offered)."""
-    from .privacy.accountant import ACCOUNTANTS, accountant_spec
-    from .privacy.modes import TRAINING_MODES
-    from .seqrec.downloads import DATASETS
-
-    # the engine refuses accountants that are not upper bounds (e.g. "gdp"): not offered
-    usable = [name for name in ACCOUNTANTS if accountant_spec(name).upper_bound]
-    modes = "; ".join(f"{m.name}: {m.description}" for m in TRAINING_MODES.values())
-    data = ", ".join(f"{d.name} ({d.description})" if d.description else d.name for d in DATASETS.values())
-    max_len = ", ".join(f"{d.name}: {d.max_len}" for d in DATASETS.values() if d.max_len != 50)  # the specs' defaults
-    return usable, list(TRAINING_MODES), modes, data, max_len
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from .privacy.modes import DEFAULT_CLI_MODE
-
-    accountants, mode_names, modes_help, data_help, max_len_help = _registries()
-    p = argparse.ArgumentParser(prog="dpzoo", description="A zoo of differentially-private-ready models.")
-    sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("list", help="list zoo entries")
-    s.add_argument("pattern", nargs="?", default="*")
+def _add_model_commands(sub) -> None:
+    s = sub.add_parser("list", help="list zoo entries", description="List the zoo's entries with a one-line summary.")
+    s.add_argument("pattern", nargs="?", default="*", help="an fnmatch pattern of names, e.g. 'vit*' (default: *)")
     s.set_defaults(fn=_cmd_list)
-    s = sub.add_parser("card", help="print a model card")
-    s.add_argument("name")
+    s = sub.add_parser("card", help="print a model card", description="Print a zoo entry's model card (markdown).")
+    s.add_argument("name", help="a zoo entry (`dpzoo list` lists them)")
     s.set_defaults(fn=_cmd_card)
     for cmd, fn, hlp in (
         ("summary", _cmd_summary, "parameter counts, bias share, norms, ties"),
         ("prepare", _cmd_prepare, "build, check, smoke-test and save a DP-ready model"),
     ):
-        s = sub.add_parser(cmd, help=hlp)
-        s.add_argument("name")
-        s.add_argument("--set", action="append", metavar="KEY=VALUE", help="an override (JSON value)")
-        s.add_argument("--small", action="store_true", help="start from the card's small test configuration")
+        s = sub.add_parser(cmd, help=hlp, description=hlp[0].upper() + hlp[1:] + ".")
+        s.add_argument("name", help="a zoo entry (`dpzoo list` lists them)")
+        option(
+            s,
+            "--set",
+            kind="append",
+            type=key_value,
+            metavar="KEY=VALUE",
+            help="a model override, repeatable, VALUE read as JSON (e.g. --set width=16); none by default",
+        )
+        option(s, "--small", kind="flag", help="start from the card's small test configuration (default: full size)")
         if cmd == "summary":
-            s.add_argument("--meta", action="store_true", help="build on the meta device (no memory, full size)")
+            option(s, "--meta", kind="flag", help="build on the meta device: full size, no memory")
         else:
-            s.add_argument("--weights", help="a local checkpoint to convert")
-            s.add_argument("--out", help="directory to save the DP-ready model to")
+            option(s, "--weights", default=None, help="a local checkpoint to convert; default: random initialisation")
+            option(s, "--out", default=None, help="directory to save the DP-ready model to; default: not saved")
         s.set_defaults(fn=fn)
-    s = sub.add_parser("train", help="private training of a zoo model on a built-in dataset")
-    s.add_argument("name")
-    s.add_argument(
-        "--data",
-        default="digits",
-        help="image models: digits (bundled with scikit-learn); sequence models: synthetic (default), "
-        f"{data_help} or a file path (dpzoo.seqrec.register_dataset adds names)",
+    s = sub.add_parser("cards", help="write the markdown model cards", description="(Re)write the model cards.")
+    option(s, "--write", required=True, metavar="DIR", help="directory for one NAME.md per zoo entry (required)")
+    s.set_defaults(fn=_cmd_cards)
+
+
+def _add_audit_command(sub) -> None:
+    s = sub.add_parser(
+        "audit",
+        help="empirical privacy audit in one training run (Steinke et al. 2023)",
+        description="Train once with canaries and report an empirical lower bound on ε beside the claimed ε.",
     )
-    s.add_argument(
-        "--amazon-columns",
-        default=None,
-        choices=["user,item,rating,timestamp", "item,user,rating,timestamp"],
-        help="column order of an Amazon CSV given as a path (2014 release: user first; "
-        "2018: item first); default: told from the ids' shape",
-    )
-    s.add_argument("--epsilon", type=float, default=8.0)
-    s.add_argument(
-        "--delta",
-        type=float,
-        default=None,
-        help="delta (default: 1e-5 for images, N^-1.1 for N users of sequence data)",
-    )
-    s.add_argument(
-        "--max-len",
-        type=int,
-        default=None,
-        help=f"sequence models: input length ({max_len_help + ', ' if max_len_help else ''}else 50)",
-    )
-    s.add_argument("--eval-every", type=int, default=5, help="sequence models: evaluate every k epochs")
-    s.add_argument("--max-physical-batch-size", type=int, default=None)
-    s.add_argument("--epochs", type=int, default=10)
-    s.add_argument("--batch-size", type=int, default=64)
-    s.add_argument("--lr", type=float, default=2e-3)
-    s.add_argument("--mode", default=DEFAULT_CLI_MODE, choices=mode_names, help=modes_help)
-    s.add_argument("--clipping", default="automatic", choices=["automatic", "abadi"])
-    s.add_argument("--max-grad-norm", type=float, default=1.0)
-    s.add_argument(
-        "--accountant",
-        default="rdp",
-        choices=accountants,
-        help="a registered accountant whose ε is an upper bound (dpzoo.register_accountant adds one)",
-    )
-    s.add_argument("--full-size", action="store_true", help="the entry's full size instead of its small configuration")
-    s.add_argument("--set", action="append", metavar="KEY=VALUE", help="a model override (JSON value)")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--device", default="cpu", help="sequence models: where to train (cpu, cuda, cuda:1, ...)")
-    s.add_argument(
-        "--non-private",
-        action="store_true",
-        help="sequence models: the same training without clipping or noise (a reference, no guarantee)",
-    )
-    s.add_argument("--out", help="directory for the trained model and metrics.json")
-    s.set_defaults(fn=_cmd_train)
-    s = sub.add_parser("audit", help="empirical privacy audit in one training run (Steinke et al. 2023)")
-    s.add_argument("--epsilon", type=float, default=2.0, help="the claimed ε the engine is calibrated to")
-    s.add_argument("--delta", type=float, default=1e-5)
-    s.add_argument("--canaries", type=int, default=1000, help="m: each is in the training set with probability 1/2")
-    s.add_argument("--epochs", type=int, default=10)
+    option(s, "--epsilon", type=positive_float, default=2.0, help="the claimed ε the engine is calibrated to")
+    option(s, "--delta", type=unit_interval, default=1e-5, help="δ of the claim")
+    option(s, "--canaries", type=positive_int, default=1000, help="m: each is in the training set with probability 1/2")
+    option(s, "--epochs", type=positive_int, default=10, help="passes over the data")
     g = s.add_mutually_exclusive_group()
-    g.add_argument(
+    option(
+        g,
         "--broken",
         choices=["no-noise", "unclipped"],
         default=None,
-        help="audit a deliberately broken mechanism instead (a positive control)",
+        help="audit a deliberately broken mechanism instead (a positive control); default: dpzoo's engine",
     )
-    g.add_argument(
+    option(
+        g,
         "--with-controls",
-        action="store_true",
+        kind="flag",
         help="audit dpzoo's engine and both positive controls (exit 3 if a control does not fire)",
     )
-    s.add_argument("--batch-size", type=int, default=64)
-    s.add_argument("--lr", type=float, default=2.0)
-    s.add_argument("--max-grad-norm", type=float, default=1.0)
-    s.add_argument("--confidence", type=float, default=0.95)
-    s.add_argument(
+    option(s, "--batch-size", type=positive_int, default=64, help="expected Poisson batch size")
+    option(s, "--lr", type=positive_float, default=2.0, help="SGD's learning rate")
+    option(s, "--max-grad-norm", type=positive_float, default=1.0, help="the clipping bound R")
+    option(s, "--confidence", type=unit_interval, default=0.95, help="confidence of the lower bound")
+    option(
+        s,
         "--accountant",
         default="rdp",
-        choices=accountants,
+        choices=usable_accountants(),
         help="a registered accountant whose ε is an upper bound (dpzoo.register_accountant adds one)",
     )
-    s.add_argument(
+    option(
+        s,
         "--seed",
-        type=int,
+        type=nonnegative_int,
         default=0,
         help="fixes the canaries, their inclusion and the initialisation (the engine's noise stays secret)",
     )
-    s.add_argument("--out", help="directory for audit.json (and score histograms with matplotlib)")
+    option(
+        s,
+        "--out",
+        default=None,
+        help="directory for audit.json (and score histograms with matplotlib); default: nothing written",
+    )
     s.set_defaults(fn=_cmd_audit)
-    s = sub.add_parser("cards", help="write the markdown model cards")
-    s.add_argument("--write", required=True, metavar="DIR")
-    s.set_defaults(fn=_cmd_cards)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every command; registries are read now (what a user registered before
+    calling :func:`main` is offered), torch is not imported."""
+    p = Parser(prog="dpzoo", description="A zoo of differentially-private-ready models.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_model_commands(sub)
+    add_train_parser(sub)
+    _add_audit_command(sub)
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    import dpzoo
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"dpzoo: warning: {message}", file=sys.stderr if file is None else file)
 
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one command; returns its exit code (argparse's errors exit with 2 themselves)."""
     args = build_parser().parse_args(argv)
-    try:
-        return args.fn(args)
-    except dpzoo.DPZooError as e:
-        print(f"dpzoo: error: {e}", file=sys.stderr)
-        return 2
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warning
+        try:
+            return args.fn(args)
+        except DPZooError as e:
+            print(f"dpzoo: error: {e}", file=sys.stderr)
+            return 2
+        except OSError as e:  # a file that cannot be read or written: the user's environment, not a bug
+            print(f"dpzoo: error: {e}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt as e:
+            print(f"dpzoo: {str(e) or 'interrupted'}", file=sys.stderr)
+            return 130
 
 
 if __name__ == "__main__":

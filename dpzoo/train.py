@@ -1,35 +1,48 @@
-"""``dpzoo train``: private training of a zoo model on a built-in dataset, from one command.
+"""``dpzoo train`` for image classifiers: private training of a zoo model on a built-in dataset.
 
 Image classifiers (ResNet-GN, ViT, EfficientNet-GN) train on scikit-learn's digits (bundled,
-no download), privately, with dpzoo's engine; the run prints accuracy and ε per epoch,
-writes the metrics as JSON and saves the model with its privacy metadata.
+no download), privately, with dpzoo's engine. The run (:class:`dpzoo.run_loop.TrainingLoop`)
+shows a progress bar with the loss and the ε spent, evaluates the test accuracy every
+``eval_every`` epochs into ``metrics.csv`` (and TensorBoard when installed), saves checkpoints
+it can resume from with the same ε bookkeeping, and at the end writes metrics.json, a plot
+and the model with its privacy metadata.
 """
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from .datasets import digits_dataset
-from .errors import DPZooError
+from .errors import DPZooError, InvalidArgumentError
 from .hub import load, save
 from .privacy import PrivacyEngine
 from .registry import model_card
+from .run_io import open_run, write_json
+from .run_loop import TrainingLoop, check_loop_arguments, resolve_device
+from .run_plots import plot_metrics
 
-__all__ = ["train_image_classifier"]
+__all__ = ["train_image_classifier", "IMAGE_DATASETS"]
+
+IMAGE_DATASETS = ("digits",)
+# overrides the data fixes (10 classes of 16×16 images): --set cannot change them
+_DATA_OVERRIDES = {
+    "num_classes": "the digits have 10 classes",
+    "num_labels": "the digits have 10 classes",
+    "img_size": "the images are image_size pixels",
+}
 
 
-def _evaluate(model, dataset, batch_size=256) -> float:
+def _evaluate(model, dataset, device, batch_size=256) -> float:
     model.eval()
     correct = 0
     with torch.no_grad():
         for x, y in DataLoader(dataset, batch_size=batch_size):
-            correct += (model(x).argmax(1) == y).sum().item()
+            correct += (model(x.to(device)).argmax(1).cpu() == y).sum().item()
     model.train()
     return correct / len(dataset)
 
@@ -52,52 +65,140 @@ def train_image_classifier(
     seed: int = 0,
     accountant: str = "rdp",
     overrides: dict | None = None,
-    log=print,
+    log: Callable[[str], None] = print,
+    device: str | torch.device = "cpu",
+    max_physical_batch_size: int | None = None,
+    eval_every: int = 1,
+    noise_seed: int | None = None,
+    sample_seed: int | None = None,
+    checkpoint_every: int | str = "epoch",
+    resume: str | Path | None = None,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    step_callback: Callable[[int], None] | None = None,
+    handle_sigint: bool = False,
 ) -> dict:
-    """Train ``name`` with DP on ``data``; returns the metrics (also written to ``out``)."""
+    """Train ``name`` with DP on ``data``; returns the metrics (also written to ``out``).
+
+    ``seed`` fixes the initialisation and the data split; Poisson membership and noise are
+    secret unless ``sample_seed`` / ``noise_seed`` are given (tests only: recorded in the
+    privacy metadata). ``out``: a new or empty directory (``overwrite=True`` replaces an earlier
+    run's results in it), checked before training; it receives metrics.csv per evaluation,
+    TensorBoard events (with the ``tensorboard`` package), ``checkpoint.pt`` after every epoch
+    (``checkpoint_every``: "epoch", "off" or every N steps; also on Ctrl-C), then
+    metrics.json, metrics.png (with matplotlib) and the model with its privacy metadata.
+    ``resume``: a run directory (or its checkpoint.pt), continued with the same settings,
+    which must be the ones given here; the accountant's history continues, so the final ε is the
+    one of an uninterrupted run. ``step_callback(step)`` runs after every logical step;
+    ``progress`` shows a progress bar (None: when stderr is a terminal)."""
+    settings: dict[str, Any] = {
+        "kind": "image",
+        "name": name,
+        "data": data,
+        "epsilon": epsilon,
+        "delta": delta,
+        "epochs": epochs,
+        "batch_size": batch_size,
+        "lr": lr,
+        "mode": mode,
+        "clipping": clipping,
+        "max_grad_norm": max_grad_norm,
+        "image_size": image_size,
+        "small": small,
+        "seed": seed,
+        "accountant": accountant,
+        "overrides": dict(overrides or {}),
+        "max_physical_batch_size": max_physical_batch_size,
+        "eval_every": eval_every,
+        "noise_seed": noise_seed,
+        "sample_seed": sample_seed,
+    }
+    check_loop_arguments(epochs=epochs, eval_every=eval_every, checkpoint_every=checkpoint_every)
     card = model_card(name)
     if card.task != "image-classification":
         raise DPZooError(
             f"dpzoo train {name}: only image classifiers train on built-in data for now ({name} is {card.task})."
         )
-    if data != "digits":
-        raise DPZooError(f"Unknown dataset {data!r}: the built-in one is 'digits'.")
+    if data not in IMAGE_DATASETS:
+        raise InvalidArgumentError(f"Unknown dataset {data!r} for an image classifier: the built-in one is 'digits'.")
+    fixed = sorted(set(settings["overrides"]) & set(_DATA_OVERRIDES))
+    if fixed:
+        raise InvalidArgumentError(f"override {fixed[0]!r} is set by the data ({_DATA_OVERRIDES[fixed[0]]}): drop it.")
+    dev = resolve_device(device)
+    run_dir, checkpoint = open_run(out, settings, resume=resume, overwrite=overwrite)
     torch.manual_seed(seed)
     train, test = digits_dataset(size=image_size)
+    if batch_size > len(train):
+        raise InvalidArgumentError(
+            f"batch_size {batch_size} is larger than the {len(train)} training images (the sample rate would "
+            f"exceed 1): use at most {len(train)}."
+        )
     kwargs = dict(card.test_overrides) if small else {}
-    kwargs.update(num_classes=10, **(overrides or {}))
+    kwargs.update(num_classes=10, **settings["overrides"])
     if "img_size" in card.overrides:
         kwargs["img_size"] = image_size
-    model = load(name, **kwargs).train()
+    model = load(name, **kwargs).train().to(dev)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     engine = PrivacyEngine(accountant=accountant)
+    # a resumed run keeps the checkpoint's σ (calibrated once, for the whole run)
+    noise = (
+        {"target_epsilon": epsilon}
+        if checkpoint is None
+        else {"noise_multiplier": checkpoint["engine"]["noise_multiplier"]}
+    )
     model, opt, loader = engine.make_private(
         module=model,
         optimizer=opt,
         data_loader=DataLoader(train, batch_size=batch_size),
-        target_epsilon=epsilon,
         target_delta=delta,
         epochs=epochs,
         max_grad_norm=max_grad_norm,
         clipping=clipping,
         mode=mode,
+        max_physical_batch_size=max_physical_batch_size,
+        noise_seed=noise_seed,
+        sample_seed=sample_seed,
+        **noise,
     )
-    # `seed` fixes the initialisation and the data split; Poisson membership and noise are secret
+    loop = TrainingLoop(
+        name=name,
+        model=model,
+        optimizer=opt,
+        loader=loader,
+        epochs=epochs,
+        settings=settings,
+        engine=engine,
+        delta=delta,
+        out=run_dir,
+        checkpoint_every=checkpoint_every,
+        progress=progress,
+        step_callback=step_callback,
+        log=log,
+        handle_sigint=handle_sigint,
+    )
+    if checkpoint is not None:
+        loop.load_state_dict(checkpoint)
     log(
         f"{name} on {data}: {len(train)} train / {len(test)} test images, mode {mode}, "
-        f"σ = {engine.noise_multiplier:.3f}, q = {engine.sample_rate:.4f}, target ε = {epsilon} at δ = {delta}"
+        f"σ = {engine.noise_multiplier:.3f}, q = {engine.sample_rate:.4f}, {loop.total_steps} steps, "
+        f"target ε = {epsilon} at δ = {delta}"
+        + (f" (resumed after step {loop.step}, ε = {loop.epsilon():.3g} so far)" if checkpoint is not None else "")
     )
-    history = []
-    t = time.time()
-    for epoch in range(1, epochs + 1):
-        for x, y in loader:  # empty Poisson batches are taken by the engine (noise-only steps)
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-        acc = _evaluate(model, test)
-        eps = engine.get_epsilon(delta)
-        history.append({"epoch": epoch, "test_accuracy": acc, "epsilon": eps, "seconds": time.time() - t})
-        log(f"epoch {epoch}: test accuracy {acc:.3f}  ε = {eps:.2f}  ({time.time() - t:.0f}s)")
+
+    def train_step(batch):
+        x, y = batch
+        loss = F.cross_entropy(model(x.to(dev)), y.to(dev))
+        loss.backward()
+        return loss
+
+    history = loop.run(
+        train_step,
+        lambda: {"test_accuracy": _evaluate(model, test, dev)},
+        eval_every=eval_every,
+        describe=lambda r: (
+            f"epoch {r['epoch']}: test accuracy {r['test_accuracy']:.3f}  ε = {r['epsilon']:.2f}  ({r['seconds']:.0f}s)"
+        ),
+    )
     result = {
         "model": name,
         "data": data,
@@ -107,15 +208,25 @@ def train_image_classifier(
         "batch_size": batch_size,
         "lr": lr,
         "delta": delta,
+        "epsilon_target": epsilon,
+        "epsilon": loop.epsilon(),
+        "steps": loop.step,
         "noise_multiplier": engine.noise_multiplier,
         "sample_rate": engine.sample_rate,
         "accountant": accountant,
+        "seed": seed,
+        "device": str(dev),
         "history": history,
     }
-    if out is not None:
-        out = Path(out)
+    if run_dir is not None:
         engine.detach()
-        save(model, out / "model", privacy=engine.privacy_metadata(delta))
-        (out / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
-        log(f"saved the model (with its privacy metadata) and metrics.json to {out}")
+        write_json(run_dir / "metrics.json", result)  # before the model: a failed save keeps the metrics
+        written = ["metrics.csv", "metrics.json"]
+        title = f"{name} on {data}, target ε = {epsilon} at δ = {delta}"
+        if plot_metrics(history, run_dir / "metrics.png", title, [("test_accuracy", "test accuracy")]):
+            written.append("metrics.png")
+        if (run_dir / "tensorboard").is_dir():
+            written.append("tensorboard/")
+        save(model, run_dir / "model", privacy=engine.privacy_metadata(delta))
+        log(f"saved the model (with its privacy metadata), {', '.join(written)} to {run_dir}")
     return result

@@ -3,31 +3,37 @@
 One sequence per user is one sample of Poisson sampling and per-sample clipping, so the
 guarantee is user-level. Automatic clipping with C = 1, learning rate with 20% linear
 warm-up then linear decay (App. E.3), evaluation of NDCG@10 / HIT@10 on the validation and
-test items every ``eval_every`` epochs (:mod:`dpzoo.seqrec.metrics`), results as JSON and a
-plot of the metrics over epochs, and the model saved with its privacy metadata.
+test items every ``eval_every`` epochs (:mod:`dpzoo.seqrec.metrics`), beside the popularity
+ranking as a reference. The run (:class:`dpzoo.run_loop.TrainingLoop`) shows a progress bar,
+appends each evaluation to metrics.csv (and TensorBoard), saves checkpoints it can resume from
+with the same ε bookkeeping, and at the end writes metrics.json, a plot and the model with
+its privacy metadata.
 """
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
-from typing import cast
+from typing import Any, Callable
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
-from tqdm import tqdm
 
-from ..errors import DPZooError
+from ..errors import DPZooError, InvalidArgumentError
 from ..hub import load, save
 from ..losses import SequenceCrossEntropy
-from ..privacy import DPOptimizer, PrivacyEngine
+from ..privacy import PrivacyEngine
+from ..run_io import open_run, write_json
+from ..run_loop import TrainingLoop, check_loop_arguments, resolve_device
+from ..run_plots import plot_metrics
 from .dataset import SequenceDataset, sasrec_preprocess
 from .downloads import DATASETS, load_dataset
 from .metrics import ndcg_hit_at_k, target_ranks
 from .synthetic import zipf_interactions
 
-__all__ = ["train_seqrec", "evaluate", "get_dataset"]
+__all__ = ["train_seqrec", "evaluate", "get_dataset", "popularity_baseline"]
+
+# overrides the data fixes: --set cannot change them
+_DATA_OVERRIDES = {"num_items": "the data's item count", "max_len": "max_len (--max-len)"}
 
 
 def get_dataset(data: str, seed: int = 0, amazon_columns: str | None = None) -> SequenceDataset:
@@ -56,23 +62,28 @@ def evaluate(
     return {f"ndcg@{k}": ndcg, f"hit@{k}": hit}
 
 
-def _plot(history: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    epochs = [h["epoch"] for h in history]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key in ("test_ndcg@10", "test_hit@10"):
-        ax.plot(epochs, [100 * h[key] for h in history], marker="o", label=key.replace("test_", ""))
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("%")
-    ax.set_title(title, fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def popularity_baseline(
+    dataset: SequenceDataset, max_len: int, k: int = 10, batch_size: int = 512
+) -> dict[str, dict[str, float]]:
+    """NDCG@k / HIT@k of ranking every item by the number of training sequences holding it (the
+    frequencies Re-Attention treats as public), history excluded as in :func:`evaluate`; for
+    the "valid" and "test" parts. The level a model must beat to have learned anything."""
+    x, _ = dataset.to_padded(max_len, "train")
+    s = x.sort(dim=1).values
+    first = torch.ones_like(s, dtype=torch.bool)
+    first[:, 1:] = s[:, 1:] != s[:, :-1]  # each item once per sequence
+    counts = torch.bincount(s[first], minlength=dataset.num_items + 1).float()
+    counts[0] = 0
+    out = {}
+    for part in ("valid", "test"):
+        inputs, targets = dataset.to_padded(max_len, part)
+        ranks = []
+        for i in range(0, len(targets), batch_size):
+            t = targets[i : i + batch_size]
+            ranks.append(target_ranks(counts.expand(len(t), -1), t, inputs[i : i + batch_size]))
+        ndcg, hit = ndcg_hit_at_k(torch.cat(ranks), k)
+        out[part] = {f"ndcg@{k}": ndcg, f"hit@{k}": hit}
+    return out
 
 
 def train_seqrec(
@@ -96,8 +107,17 @@ def train_seqrec(
     private: bool = True,
     out: str | Path | None = None,
     overrides: dict | None = None,
-    log=print,
+    log: Callable[[str], None] = print,
     amazon_columns: str | None = None,
+    mode: str = "bk-mixopt",
+    noise_seed: int | None = None,
+    sample_seed: int | None = None,
+    checkpoint_every: int | str = "epoch",
+    resume: str | Path | None = None,
+    overwrite: bool = False,
+    progress: bool | None = None,
+    step_callback: Callable[[int], None] | None = None,
+    handle_sigint: bool = False,
 ) -> dict:
     """Train ``name`` (a sequential-recommendation zoo entry) privately on ``data``.
 
@@ -106,112 +126,185 @@ def train_seqrec(
     batch size, schedule and evaluation but no clipping, noise or accounting (shuffled batches):
     the non-private reference (its ε is reported as ``None``; no privacy metadata is saved).
     ``amazon_columns`` gives the column order of an Amazon CSV passed as a path (see
-    :func:`dpzoo.seqrec.downloads.load_dataset`)."""
+    :func:`dpzoo.seqrec.downloads.load_dataset`). ``mode``: the engine's training mode
+    ("bitfit": DP-BiTFiT, biases only). ``seed`` fixes the initialisation, the synthetic data
+    and the non-private shuffling; Poisson membership and noise are secret unless
+    ``sample_seed`` / ``noise_seed`` are given (tests only: recorded in the metadata).
+    ``out``, ``overwrite``, ``checkpoint_every``, ``resume``, ``progress`` and
+    ``step_callback``: as in :func:`dpzoo.train.train_image_classifier`."""
+    settings: dict[str, Any] = {
+        "kind": "seqrec",
+        "name": name,
+        "data": data,
+        "epsilon": epsilon,
+        "delta": delta,
+        "epochs": epochs,
+        "batch_size": batch_size,
+        "lr": lr,
+        "max_len": max_len,
+        "max_grad_norm": max_grad_norm,
+        "clipping": clipping,
+        "eval_every": eval_every,
+        "max_physical_batch_size": max_physical_batch_size,
+        "accountant": accountant,
+        "seed": seed,
+        "weight_decay": weight_decay,
+        "private": private,
+        "overrides": dict(overrides or {}),
+        "amazon_columns": amazon_columns,
+        "mode": mode,
+        "noise_seed": noise_seed,
+        "sample_seed": sample_seed,
+    }
+    check_loop_arguments(epochs=epochs, eval_every=eval_every, checkpoint_every=checkpoint_every)
+    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
+        raise InvalidArgumentError(f"max_len must be a whole number >= 1 (items per input sequence), got {max_len!r}.")
+    fixed = sorted(set(settings["overrides"]) & set(_DATA_OVERRIDES))
+    if fixed:
+        raise InvalidArgumentError(f"override {fixed[0]!r} is set by {_DATA_OVERRIDES[fixed[0]]}: drop it.")
+    dev = resolve_device(device)
+    run_dir, checkpoint = open_run(out, settings, resume=resume, overwrite=overwrite)
     torch.manual_seed(seed)
     ds = get_dataset(data, seed, amazon_columns)
     n_users = len(ds.train_sequences())
     delta = delta if delta is not None else 1.0 / n_users**1.1  # delta < 1/N, the usual choice
     max_len = max_len or (DATASETS[data].max_len if data in DATASETS else 50)  # the spec's default
-    model = load(name, num_items=ds.num_items, max_len=max_len, **(overrides or {})).train().to(device)
+    model = load(name, num_items=ds.num_items, max_len=max_len, **settings["overrides"]).train().to(dev)
     x, y = ds.to_padded(max_len, "train")
-    if len(x) == 0:
-        raise DPZooError(f"{data}: no user has 2 or more training items.")
+    if len(x) < 2:
+        raise DPZooError(
+            f"{data}: {len(x)} user(s) with 2 or more training items; training (and user-level DP) needs many users."
+        )
+    if batch_size > len(x):
+        raise InvalidArgumentError(
+            f"batch_size {batch_size} is larger than the {len(x)} users of {data} (the sample rate would exceed 1): "
+            f"use at most {len(x)}."
+        )
     if hasattr(model, "set_token_frequencies"):  # Re-Attention's p_i (Claim 5.4)
         model.set_token_frequencies(x)
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
-    train_set, batch = TensorDataset(x, y), min(batch_size, len(x))
+    train_set = TensorDataset(x, y)
     engine = None
     if private:  # the engine replaces the loader by Poisson sampling at rate batch / N
         engine = PrivacyEngine(accountant=accountant)
+        noise = (
+            {"target_epsilon": epsilon}
+            if checkpoint is None
+            else {"noise_multiplier": checkpoint["engine"]["noise_multiplier"]}  # σ of the whole run, kept
+        )
         model, opt, loader = engine.make_private(
             module=model,
             optimizer=opt,
-            data_loader=DataLoader(train_set, batch_size=batch),
-            target_epsilon=epsilon,
+            data_loader=DataLoader(train_set, batch_size=batch_size),
             target_delta=delta,
             epochs=epochs,
             max_grad_norm=max_grad_norm,
             clipping=clipping,
-            mode="bk-mixopt",
+            mode=mode,
             max_physical_batch_size=max_physical_batch_size,
+            noise_seed=noise_seed,
+            sample_seed=sample_seed,
+            **noise,
         )
-        # Poisson membership and noise are secret (OS entropy): `seed` sets the initialisation only
         base_opt = opt.original_optimizer
     else:
-        loader = DataLoader(train_set, batch_size=batch, shuffle=True, generator=torch.Generator().manual_seed(seed))
+        loader = DataLoader(
+            train_set, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed)
+        )
         base_opt = opt
     total = epochs * len(loader)
     warm = max(1, int(0.2 * total))
     sched = torch.optim.lr_scheduler.LambdaLR(  # App. E.3: 20% warm-up, then linear decay
-        base_opt, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / (total - warm))
+        base_opt, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm))
     )
-    crit = SequenceCrossEntropy(ignore_index=0, token_reduction="mean")
-    if private:
+    loop = TrainingLoop(
+        name=name,
+        model=model,
+        optimizer=opt,
+        loader=loader,
+        epochs=epochs,
+        settings=settings,
+        engine=engine,
+        delta=delta,
+        scheduler=sched,
+        out=run_dir,
+        checkpoint_every=checkpoint_every,
+        progress=progress,
+        step_callback=step_callback,
+        log=log,
+        handle_sigint=handle_sigint,
+    )
+    if checkpoint is not None:
+        loop.load_state_dict(checkpoint)
+    resumed = f" (resumed after step {loop.step})" if checkpoint is not None else ""
+    if engine is not None:
         log(
             f"{name} on {data}: {n_users} users (one sequence each = the privacy unit), {ds.num_items} items; "
-            f"σ = {engine.noise_multiplier:.3f}, q = {engine.sample_rate:.4f}, {total} steps, target ε = {epsilon} at δ = {delta:.2e}"
+            f"σ = {engine.noise_multiplier:.3f}, q = {engine.sample_rate:.4f}, {total} steps, "
+            f"target ε = {epsilon} at δ = {delta:.2e}{resumed}"
         )
     else:
         log(
             f"{name} on {data}: NON-PRIVATE reference (no clipping, no noise), {n_users} users, "
-            f"{ds.num_items} items, {total} steps"
+            f"{ds.num_items} items, {total} steps{resumed}"
         )
-    history = []
-    t0 = time.time()
-    epoch_iter = tqdm(range(1, epochs + 1), desc=name, disable=None)
-    if private:  # once per logical step, the engine's noise-only steps on empty batches included
-        cast(DPOptimizer, opt).attach_step_hook(lambda _: sched.step())
-    for epoch in epoch_iter:
-        for xb, yb in loader:
-            crit(model(xb.to(device)), yb.to(device)).backward()
-            opt.step()  # with physical batches only the last one of a logical batch steps
-            opt.zero_grad()
-            if not private:
-                sched.step()
-        if epoch % eval_every == 0 or epoch == epochs:
-            val, test = evaluate(model, ds, max_len, "valid"), evaluate(model, ds, max_len, "test")
-            row = {
-                "epoch": epoch,
-                "epsilon": engine.get_epsilon(delta) if private else None,
-                "seconds": time.time() - t0,
-                **{f"valid_{k}": v for k, v in val.items()},
-                **{f"test_{k}": v for k, v in test.items()},
-            }
-            history.append(row)
-            eps_text = f"ε = {row['epsilon']:.2f}" if private else "non-private"
-            log(
-                f"epoch {epoch}: test NDCG@10 {100 * test['ndcg@10']:.2f}%  HIT@10 {100 * test['hit@10']:.2f}%  "
-                f"{eps_text}  ({row['seconds']:.0f}s)"
-            )
+    crit = SequenceCrossEntropy(ignore_index=0, token_reduction="mean")
+
+    def train_step(batch):
+        xb, yb = batch
+        loss = crit(model(xb.to(dev)), yb.to(dev))
+        loss.backward()
+        return loss
+
+    def evaluate_both() -> dict:
+        val, test = evaluate(model, ds, max_len, "valid"), evaluate(model, ds, max_len, "test")
+        return {**{f"valid_{k}": v for k, v in val.items()}, **{f"test_{k}": v for k, v in test.items()}}
+
+    def describe(r: dict) -> str:
+        eps_text = f"ε = {r['epsilon']:.2f}" if engine is not None else "non-private"
+        return (
+            f"epoch {r['epoch']}: test NDCG@10 {100 * r['test_ndcg@10']:.2f}%  HIT@10 {100 * r['test_hit@10']:.2f}%  "
+            f"{eps_text}  ({r['seconds']:.0f}s)"
+        )
+
+    history = loop.run(train_step, evaluate_both, eval_every=eval_every, describe=describe)
+    popularity = popularity_baseline(ds, max_len)
     result = {
         "model": name,
         "data": data,
         "private": private,
         "epsilon_target": epsilon if private else None,
+        "epsilon": loop.epsilon(),
         "delta": delta if private else None,
         "epochs": epochs,
+        "steps": loop.step,
         "batch_size": batch_size,
         "lr": lr,
         "max_len": max_len,
-        "noise_multiplier": engine.noise_multiplier if private else 0.0,
-        "sample_rate": engine.sample_rate if private else None,
+        "mode": mode if private else None,
+        "noise_multiplier": engine.noise_multiplier if engine is not None else 0.0,
+        "sample_rate": engine.sample_rate if engine is not None else None,
         "accountant": accountant if private else None,
         "seed": seed,
-        "device": str(device),
+        "device": str(dev),
         "history": history,
+        "popularity": popularity,
         "dataset": ds.summary(),
     }
-    if out is not None:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
+    if run_dir is not None:
         privacy = None
-        if private:
+        if engine is not None:
             engine.detach()
             privacy = {**engine.privacy_metadata(delta), "privacy_unit": "user"}
-        save(model, out / "model", privacy=privacy)
-        (out / "metrics.json").write_text(json.dumps(result, indent=2) + "\n")
-        _plot(history, out / "metrics.png", f"{name} on {data}, " + (f"ε = {epsilon}" if private else "non-private"))
-        log(
-            f"saved the model{' (with its privacy metadata)' if private else ''}, metrics.json and metrics.png to {out}"
-        )
+        write_json(run_dir / "metrics.json", result)  # before the model: a failed save keeps the metrics
+        written = ["metrics.csv", "metrics.json"]
+        title = f"{name} on {data}, " + (f"target ε = {epsilon}" if private else "non-private")
+        series = [(f"{p}_{m}@10", f"{p} {m.upper()}@10") for m in ("ndcg", "hit") for p in ("test", "valid")]
+        refs = {f"popularity, test {m.upper()}@10": popularity["test"][f"{m}@10"] for m in ("ndcg", "hit")}
+        if plot_metrics(history, run_dir / "metrics.png", title, series, percent=True, references=refs):
+            written.append("metrics.png")
+        if (run_dir / "tensorboard").is_dir():
+            written.append("tensorboard/")
+        save(model, run_dir / "model", privacy=privacy)
+        log(f"saved the model{' (with its privacy metadata)' if privacy else ''}, {', '.join(written)} to {run_dir}")
     return result

@@ -1,0 +1,363 @@
+"""``dpzoo train``: its options, their checks against the model, and the run (or its resumption).
+
+Values are checked when parsed (:mod:`dpzoo.cli_args`); what depends on the model is checked
+here before anything is loaded: an option that does not apply to the model's kind (``--max-len``
+for an image classifier, ``--full-size`` for a sequence model, privacy options with
+``--non-private``) is refused, never ignored, and ``--out`` must be new or empty
+(``--overwrite``) and writable. ``--resume DIR`` continues an interrupted run with the settings
+saved in its checkpoint, so its ε is the one the uninterrupted run would report. torch is
+imported only when a command runs, not when the parser is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .cli_args import (
+    checkpoint_every,
+    given,
+    key_value,
+    nonnegative_int,
+    option,
+    positive_float,
+    positive_int,
+    unit_interval,
+)
+from .cli_choices import (
+    DEFAULT_CLI_MODE,
+    datasets_help,
+    max_len_help,
+    mode_names,
+    modes_help,
+    trainable_models_help,
+    usable_accountants,
+)
+from .errors import DPZooError, InvalidArgumentError
+
+__all__ = ["add_train_parser", "cmd_train"]
+
+KINDS = {"image-classification": "image", "sequential-recommendation": "seqrec"}
+KIND_WORDS = {"image": "an image classifier", "seqrec": "a sequence model"}
+# options of one kind only: dest -> (flag, the kind it is for)
+KIND_ONLY = {
+    "full_size": ("--full-size", "image"),
+    "max_len": ("--max-len", "seqrec"),
+    "non_private": ("--non-private", "seqrec"),
+    "amazon_columns": ("--amazon-columns", "seqrec"),
+}
+PRIVACY_OPTIONS = {
+    "epsilon": "--epsilon",
+    "delta": "--delta",
+    "accountant": "--accountant",
+    "clipping": "--clipping",
+    "max_grad_norm": "--max-grad-norm",
+    "mode": "--mode",
+    "max_physical_batch_size": "--max-physical-batch-size",
+    "noise_seed": "--noise-seed",
+    "sample_seed": "--sample-seed",
+}
+# what --resume may be given with (the rest is the checkpoint's)
+RESUME_OPTIONS = {"resume", "name", "quiet", "checkpoint_every", "device"}
+# modes for models `dpzoo train` does not build: LoRA needs a PEFT model (dpzoo.integrations.peft)
+PEFT_MODES = {"lora"}
+DEFAULT_DATA = {"image": "digits", "seqrec": "synthetic"}
+DEFAULT_EVAL_EVERY = {"image": 1, "seqrec": 5}
+
+
+def add_train_parser(sub) -> None:
+    """The ``train`` subcommand and its options (registries read now, torch not imported)."""
+    max_len = max_len_help()
+    s = sub.add_parser(
+        "train",
+        help="private training of a zoo model on a built-in dataset",
+        description="Train a zoo model with DP-SGD (dpzoo's engine) and save it with its privacy metadata.",
+    )
+    s.add_argument("name", nargs="?", metavar="NAME", help=f"the zoo model to train: {trainable_models_help()}")
+    option(
+        s,
+        "--data",
+        default=None,
+        help="image models: digits (bundled with scikit-learn; the default); sequence models: synthetic (the "
+        f"default), {datasets_help()} or a file path (dpzoo.seqrec.register_dataset adds names)",
+    )
+    option(
+        s,
+        "--amazon-columns",
+        default=None,
+        metavar="ORDER",
+        choices=["user,item,rating,timestamp", "item,user,rating,timestamp"],
+        help="sequence models: column order of an Amazon CSV given as a path, user,item,rating,timestamp (2014 "
+        "release) or item,user,rating,timestamp (2018); default: told from the ids' shape",
+    )
+    option(s, "--epsilon", type=positive_float, default=8.0, help="the privacy budget ε the noise is calibrated to")
+    option(
+        s,
+        "--delta",
+        type=unit_interval,
+        default=None,
+        help="δ of the (ε, δ) guarantee (default: 1e-5 for images, N^-1.1 for N users of sequence data)",
+    )
+    option(
+        s,
+        "--max-len",
+        type=positive_int,
+        default=None,
+        help=f"sequence models: items per input sequence (default: {max_len + ', ' if max_len else ''}else 50)",
+    )
+    option(
+        s,
+        "--eval-every",
+        type=positive_int,
+        default=None,
+        help="evaluate every k epochs and after the last (default: 1 for images, 5 for sequence models)",
+    )
+    option(
+        s,
+        "--max-physical-batch-size",
+        type=positive_int,
+        default=None,
+        help="split each Poisson batch into micro-batches of at most this many samples (memory only: one DP "
+        "step per batch); default: whole batches",
+    )
+    option(s, "--epochs", type=positive_int, default=10, help="passes over the data (each len(data)/batch steps)")
+    option(
+        s, "--batch-size", type=positive_int, default=64, help="expected batch size: Poisson sampling at rate batch/N"
+    )
+    option(s, "--lr", type=positive_float, default=2e-3, help="Adam's learning rate")
+    option(s, "--mode", default=DEFAULT_CLI_MODE, choices=mode_names(), help=f"training mode: {modes_help()}")
+    option(
+        s,
+        "--clipping",
+        default="automatic",
+        choices=["automatic", "abadi"],
+        help="per-sample clipping: automatic (normalise each gradient) or abadi (clip to --max-grad-norm)",
+    )
+    option(s, "--max-grad-norm", type=positive_float, default=1.0, help="the clipping bound R of each sample")
+    option(
+        s,
+        "--accountant",
+        default="rdp",
+        choices=usable_accountants(),
+        help="a registered accountant whose ε is an upper bound (dpzoo.register_accountant adds one)",
+    )
+    option(
+        s,
+        "--full-size",
+        kind="flag",
+        help="image models: the entry's full size instead of its small configuration (default: small)",
+    )
+    option(
+        s,
+        "--set",
+        kind="append",
+        type=key_value,
+        metavar="KEY=VALUE",
+        help="a model override, repeatable, VALUE read as JSON (e.g. --set width=16); none by default",
+    )
+    option(
+        s,
+        "--seed",
+        type=nonnegative_int,
+        default=0,
+        help="fixes the initialisation, the data split and the synthetic data (sampling and noise stay secret)",
+    )
+    for what in ("noise", "sample"):
+        option(
+            s,
+            f"--{what}-seed",
+            type=nonnegative_int,
+            default=None,
+            help=f"tests only: makes the {'noise' if what == 'noise' else 'Poisson sampling'} reproducible, so "
+            "anyone with the seed can undo the privacy (recorded in the metadata); default: secret (OS entropy)",
+        )
+    option(s, "--device", default="cpu", help="where the model trains: cpu, cuda, cuda:1, mps")
+    option(
+        s,
+        "--non-private",
+        kind="flag",
+        help="sequence models: the same training without clipping or noise (a reference, no guarantee)",
+    )
+    option(
+        s,
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="a new or empty directory for the run: metrics.csv (each evaluation), checkpoint.pt, tensorboard/ "
+        "(with tensorboard installed), then metrics.json, metrics.png and model/; default: nothing saved",
+    )
+    option(s, "--overwrite", kind="flag", help="replace an earlier run's results in --out (default: refuse)")
+    option(
+        s,
+        "--checkpoint-every",
+        type=checkpoint_every,
+        default="epoch",
+        metavar="N|epoch|off",
+        help="save checkpoint.pt in --out every N steps, after every epoch, or not at all (Ctrl-C saves one too)",
+    )
+    option(
+        s,
+        "--resume",
+        default=None,
+        metavar="DIR",
+        help="continue the interrupted run whose --out is DIR, with its saved settings and ε bookkeeping; "
+        "default: a new run",
+    )
+    option(
+        s,
+        "--quiet",
+        kind="flag",
+        help="no progress bar and no per-evaluation lines, only the final line (default: both, on a terminal)",
+    )
+    s.set_defaults(fn=cmd_train)
+
+
+def model_kind(name: str) -> str:
+    """The kind of a zoo entry ``dpzoo train`` trains ("image" or "seqrec"); others are refused."""
+    from .registry import model_card
+
+    task = model_card(name).task
+    if task not in KINDS:
+        raise DPZooError(
+            f"dpzoo train {name}: only image classifiers and sequence models train on built-in data for now "
+            f"({name} is {task}); `dpzoo train --help` lists them."
+        )
+    return KINDS[task]
+
+
+def _check_options(kind: str, args: argparse.Namespace, opts: set[str]) -> None:
+    for dest, (flag, for_kind) in KIND_ONLY.items():
+        if dest in opts and for_kind != kind:
+            raise InvalidArgumentError(
+                f"{flag} is for {'sequence models' if for_kind == 'seqrec' else 'image classifiers'}; "
+                f"{args.name} is {KIND_WORDS[kind]}."
+            )
+    if args.mode in PEFT_MODES:
+        raise InvalidArgumentError(
+            f"--mode {args.mode} trains the adapters of a PEFT model, and dpzoo train builds {args.name} without "
+            "any: choose another mode (or train a PEFT model from Python, dpzoo.integrations.peft)."
+        )
+    if args.non_private:
+        private = sorted(PRIVACY_OPTIONS[d] for d in opts & set(PRIVACY_OPTIONS))
+        if private:
+            verb = "does" if len(private) == 1 else "do"
+            raise InvalidArgumentError(f"{', '.join(private)} {verb} not apply with --non-private (no DP at all).")
+    if args.out is None:
+        needs_out = sorted(
+            {"overwrite": "--overwrite", "checkpoint_every": "--checkpoint-every"}[d]
+            for d in opts & {"overwrite", "checkpoint_every"}
+        )
+        if needs_out:
+            verb = "needs" if len(needs_out) == 1 else "need"
+            raise InvalidArgumentError(f"{', '.join(needs_out)} {verb} --out DIR (where the run is saved).")
+    data = args.data or DEFAULT_DATA[kind]
+    if kind == "image":
+        from .train import IMAGE_DATASETS
+
+        if data not in IMAGE_DATASETS:
+            raise InvalidArgumentError(f"--data {data}: image classifiers train on {', '.join(IMAGE_DATASETS)}.")
+        return
+    from .seqrec.downloads import DATASETS
+
+    if data in DATASETS or data == "synthetic":
+        return
+    if data == "digits":
+        raise InvalidArgumentError(f"--data digits is for image classifiers; {args.name} is a sequence model.")
+    if not os.path.isfile(data):
+        raise InvalidArgumentError(
+            f"--data {data!r} is neither a dataset ({', '.join(['synthetic', *DATASETS])}) nor an existing file."
+        )
+    if not os.access(data, os.R_OK):
+        raise InvalidArgumentError(f"--data {data!r} cannot be read (permissions).")
+
+
+def _train_kwargs(kind: str, args: argparse.Namespace) -> dict:
+    common = {
+        "data": args.data or DEFAULT_DATA[kind],
+        "epsilon": args.epsilon,
+        "epochs": args.epochs,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "mode": args.mode,
+        "clipping": args.clipping,
+        "max_grad_norm": args.max_grad_norm,
+        "accountant": args.accountant,
+        "overrides": dict(args.set or []),
+        "seed": args.seed,
+        "max_physical_batch_size": args.max_physical_batch_size,
+        "eval_every": args.eval_every or DEFAULT_EVAL_EVERY[kind],
+        "noise_seed": args.noise_seed,
+        "sample_seed": args.sample_seed,
+    }
+    if kind == "image":
+        return {**common, "delta": args.delta if args.delta is not None else 1e-5, "small": not args.full_size}
+    return {
+        **common,
+        "delta": args.delta,
+        "max_len": args.max_len,
+        "private": not args.non_private,
+        "amazon_columns": args.amazon_columns,
+    }
+
+
+def _resume_kwargs(args: argparse.Namespace, opts: set[str]) -> tuple[str, dict]:
+    from .run_io import load_checkpoint
+
+    extra = sorted(opts - RESUME_OPTIONS)
+    if extra:
+        flags = ", ".join("--" + d.replace("_", "-") for d in extra)
+        raise InvalidArgumentError(
+            f"--resume continues the run with the settings it started with: drop {flags} "
+            "(start a new run in another --out to change them)."
+        )
+    checkpoint = load_checkpoint(args.resume, mmap=True)
+    settings = dict(checkpoint["settings"])
+    kind = settings.pop("kind")
+    if args.name is not None and args.name != settings["name"]:
+        raise InvalidArgumentError(f"--resume {args.resume} is a run of {settings['name']}, not {args.name}.")
+    device = args.device if "device" in opts else checkpoint.get("device", "cpu")
+    return kind, {**settings, "device": device, "resume": args.resume}
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    """Check the options against the model, then train (or resume); 0 when the run completes."""
+    opts = given(args)
+    if args.resume is not None:
+        kind, kwargs = _resume_kwargs(args, opts)
+    else:
+        if args.name is None:
+            raise InvalidArgumentError("dpzoo train needs a model NAME (or --resume DIR); `dpzoo list` lists the zoo.")
+        kind = model_kind(args.name)
+        _check_options(kind, args, opts)
+        kwargs = {
+            "name": args.name,
+            **_train_kwargs(kind, args),
+            "device": args.device,
+            "out": args.out,
+            "overwrite": args.overwrite,
+        }
+    kwargs.update(
+        checkpoint_every=args.checkpoint_every,
+        progress=False if args.quiet else None,
+        log=(lambda message: None) if args.quiet else (lambda message: print(message, flush=True)),
+        handle_sigint=True,
+    )
+    if kind == "image":
+        from .train import train_image_classifier
+
+        result = train_image_classifier(**kwargs)
+    else:
+        from .seqrec.train import train_seqrec
+
+        result = train_seqrec(**kwargs)
+    if args.quiet:
+        last = result["history"][-1] if result["history"] else {}
+        metric = {k: v for k, v in last.items() if k.startswith("test_")}
+        eps = (
+            f"ε = {result['epsilon']:.3g} at δ = {result['delta']:.3g}"
+            if result.get("epsilon") is not None
+            else "non-private"
+        )
+        shown = ", ".join(f"{k} {v:.4g}" for k, v in metric.items())
+        print(f"{result['model']}: {result['steps']} steps, {eps}, {shown}")
+    return 0
