@@ -55,7 +55,6 @@ def _one_line_error(capsys, argv) -> str:
         (["--checkpoint-every", "0"], "--checkpoint-every"),
         (["--mode", "fast"], "--mode"),
         (["--accountant", "gdp"], "--accountant"),
-        (["--mode", "lora"], "--mode lora trains the adapters of a PEFT model"),
         (["--set", "colour=red"], "does not accept override(s) 'colour'"),
         (["--set", "num_classes=3"], "num_classes"),
         (["--batch-size", "5000"], "larger than the 1438 training images"),
