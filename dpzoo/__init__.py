@@ -74,12 +74,13 @@ def __dir__() -> list[str]:
 
 
 class _Package(types.ModuleType):
-    """``dpzoo.audit`` is the function ``audit()``, not the subpackage of the same name: importing
-    ``dpzoo.audit.<anything>`` would set the package's attribute to the subpackage (the import
-    system does), so that one assignment is ignored (the subpackage stays in sys.modules)."""
+    """``dpzoo.audit`` and ``dpzoo.summary`` are functions, not the submodules of the same names:
+    importing ``dpzoo.audit.<anything>`` or ``dpzoo.summary`` would set the package's attribute to
+    the submodule (the import system does), so such assignments are ignored (the submodules stay
+    in sys.modules)."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "audit" and isinstance(value, types.ModuleType):
+        if isinstance(value, types.ModuleType) and _LAZY.get(name, ("", None))[1] is not None:
             return
         super().__setattr__(name, value)
 

@@ -323,7 +323,7 @@ def test_bad_arguments_are_explained():
         dpzoo.PrivacyEngine(accountant="moments")
     with pytest.raises(ValueError, match="clipping"):
         dpzoo.PrivacyEngine().make_private(
-            module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0, clipping="flat"
+            module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0, clipping="l2"
         )
 
 

@@ -9,6 +9,8 @@ import builtins
 import collections
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -165,3 +167,14 @@ def test_nothing_of_the_development_machine_in_the_library(path):
     text = path.read_text()
     assert "shared/data" not in text, f"{_rel(path)}: pass data paths in ($DPZOO_DATA), never a machine's path"
     assert not re.search(r"\bissues? #?\d+\b", text, re.I), f"{_rel(path)}: issue numbers belong in commit messages"
+
+
+def test_lazy_public_names_stay_functions_after_their_submodules_are_imported():
+    """``dpzoo.summary`` and ``dpzoo.audit`` are functions although submodules share their names
+    (importing a submodule makes Python set the package attribute to it)."""
+    code = (
+        "import dpzoo.summary, dpzoo.audit.run, dpzoo, types\n"
+        "assert callable(dpzoo.summary) and callable(dpzoo.audit), (dpzoo.summary, dpzoo.audit)\n"
+        "assert not isinstance(dpzoo.summary, types.ModuleType)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
