@@ -100,7 +100,7 @@ def _cmd_prepare(args) -> int:
     print(f"{args.name}: DP-ready")
     for line in report.lines() or ["no patches needed"]:
         print(f"  - {line}")
-    problems = check_dp_ready(model, bias_exempt=card.bias_exempt)
+    problems = check_dp_ready(model, bias_exempt=card.bias_exempt, require_bias=True)
     for p in problems:
         print(f"  ! {p}")
     print(summary(model))

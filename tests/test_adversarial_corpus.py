@@ -1679,7 +1679,7 @@ CASES: dict[str, tuple[str, Callable[[], Case]]] = {
     "hf/t5-relative-bias-T-eq-B": (REFUSED, hf_t5_T_eq_B),  # caught by the self-check only
     "hf/t5-decoder-length-1": (REFUSED, hf_t5_decoder_length_1),
     "hf/bart-learned-positions": (REFUSED, hf_bart_learned_positions),
-    "hf/vit-cls-token": (REFUSED, hf_vit),
+    "hf/vit-cls-token": (EXACT, hf_vit),  # cls_token, position_embeddings: loose tensors
     "hf/clip-text-position-embeddings": (EXACT, hf_clip_text_position_embeddings),
     "hf/albert-shared-layers": (EXACT, hf_albert_shared_layers),
     "hf/convnext-layerscale": (REFUSED, hf_convnext),
@@ -1724,12 +1724,12 @@ CASES: dict[str, tuple[str, Callable[[], Case]]] = {
     "custom/batchnorm-non-affine-train": (REFUSED, custom_batchnorm_non_affine_train),
     "custom/batchnorm-non-affine-eval": (EXACT, custom_batchnorm_non_affine_eval),
     "custom/instancenorm-running-stats": (EXACT, custom_instancenorm_running_stats),
-    "custom/instancenorm-affine": (REFUSED, custom_instancenorm_affine),
+    "custom/instancenorm-affine": (EXACT, custom_instancenorm_affine),
     "custom/groupnorm-one-group": (EXACT, custom_groupnorm_one_group),
     "custom/layernorm-no-bias": (EXACT, custom_layernorm_without_bias),
     "custom/conv-groups-dilation-circular": (EXACT, custom_conv_groups_dilation_circular),
     "custom/conv3d": (EXACT, custom_conv3d),
-    "custom/conv-transpose2d": (REFUSED, custom_conv_transpose2d),
+    "custom/conv-transpose2d": (EXACT, custom_conv_transpose2d),
     "custom/linear-on-4d": (EXACT, custom_linear_on_4d_inputs),
     "custom/bias-only": (EXACT, custom_bias_only_training),
     # dpzoo's layer hook runs first (prepend), so a user's hook that edits the output is part of

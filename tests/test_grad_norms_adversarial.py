@@ -746,12 +746,16 @@ def test_bias_only_parameter_used_outside_its_module(backward):
 @pytest.mark.parametrize("backward", ["hooks", "loss"])
 def test_transformer_encoder_layer_bias_only_out_proj(backward):
     """nn.MultiheadAttention uses out_proj.weight/bias functionally (F.multi_head_attention_forward):
-    out_proj is a Linear that is never called, so its bias would get a zero per-sample gradient."""
+    out_proj is a Linear that is never called, so its bias would get a zero per-sample gradient.
+    Refused when the hooks attach, before any forward (the graph count is the run-time backstop)."""
     torch.manual_seed(0)
     t = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).double()
     for n, p in t.named_parameters():  # all biases but MHA's own in_proj_bias (no rule: attach would raise)
         p.requires_grad_(n.endswith("bias") and "in_proj" not in n)
-    _raises(Head(t), {"x": _x(B, 4, 8)}, backward=backward, match=r"out_proj\.bias is used 1 time\(s\).*recorded 0")
+    match = r"out_proj\.bias are read directly by layer\.self_attn"
+    with pytest.raises(dpzoo.UnsupportedModuleError, match=match):
+        attach_norm_hooks(Head(t))
+    _raises(Head(t), {"x": _x(B, 4, 8)}, backward=backward, match=match)
 
 
 class UnusedCallMasksFunctionalUse(nn.Module):

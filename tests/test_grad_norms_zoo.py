@@ -83,17 +83,18 @@ class WithUnsupported(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(4, 4)
-        self.prelu = nn.PReLU(4)  # no per-sample rule in dpzoo
+        self.bi = nn.Bilinear(4, 4, 4)  # no per-sample rule in dpzoo
 
     def forward(self, x):
-        return self.prelu(self.lin(x))
+        h = self.lin(x)
+        return self.bi(h, h)
 
 
 def test_unsupported_trainable_module_raises_naming_it():
-    with pytest.raises(dpzoo.UnsupportedModuleError, match=r"Module prelu \(PReLU\).*prelu\.weight"):
+    with pytest.raises(dpzoo.UnsupportedModuleError, match=r"Module bi \(Bilinear\).*bi\.weight"):
         attach_norm_hooks(WithUnsupported())
     m = WithUnsupported()
-    m.prelu.weight.requires_grad_(False)  # frozen: nothing to account for
+    m.bi.requires_grad_(False)  # frozen: nothing to account for
     attach_norm_hooks(m).detach()
 
 
@@ -101,8 +102,8 @@ def test_unsupported_options_raise():
     m = nn.Sequential(nn.Embedding(10, 3, max_norm=1.0))
     with pytest.raises(dpzoo.UnsupportedModuleError, match="0 \\(Embedding\\): max_norm"):
         attach_norm_hooks(m)
-    with pytest.raises(dpzoo.UnsupportedModuleError, match=r"Module 0 \(ConvTranspose2d\).*0\.weight"):
-        attach_norm_hooks(nn.Sequential(nn.ConvTranspose2d(2, 2, 3)))
+    with pytest.raises(dpzoo.UnsupportedModuleError, match=r"Module 0 \(Bilinear\).*0\.weight"):
+        attach_norm_hooks(nn.Sequential(nn.Bilinear(2, 2, 3)))
     with pytest.raises(dpzoo.UnsupportedModuleError, match="lstm"):
         attach_norm_hooks(nn.ModuleDict({"lstm": nn.LSTM(3, 3)}))
 

@@ -25,8 +25,15 @@ def test_same_outputs_and_gradients_as_torch(kind):
 
 
 def test_from_torch_rejects_what_it_cannot_copy():
-    with pytest.raises(InvalidArgumentError, match="one layer"):
-        DPGRU.from_torch(nn.GRU(4, 6, num_layers=2, batch_first=True))
+    with pytest.raises(InvalidArgumentError, match="copies a torch GRU"):
+        DPGRU.from_torch(nn.LSTM(4, 6))
+    with pytest.raises(InvalidArgumentError, match="copies a torch LSTM"):
+        DPLSTM.from_torch(nn.GRU(4, 6))
+    # stacked layers are copied now (they used to be refused)
+    torch.manual_seed(0)
+    ref = nn.GRU(4, 6, num_layers=2, batch_first=True).double()
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    torch.testing.assert_close(DPGRU.from_torch(ref)(x)[0], ref(x)[0], atol=1e-12, rtol=0)
 
 
 class Seq(nn.Module):

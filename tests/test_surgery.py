@@ -442,19 +442,23 @@ def test_layernorm_without_bias_gets_one_with_identical_outputs(shape):
 
 
 def test_affine_false_norms_reported_not_patched():
-    model = nn.Sequential(
+    norms = (
         nn.LayerNorm(4, elementwise_affine=False),
         nn.GroupNorm(2, 4, affine=False),
         nn.RMSNorm(4, elementwise_affine=False),
     )
+    # a model with nothing trainable is refused (the engine would train nothing)
+    assert any("no trainable parameters" in p for p in check_dp_ready(nn.Sequential(*norms)))
+    model = nn.Sequential(*norms, nn.Linear(4, 2))
     report = add_missing_biases(model)
     assert report.added == []
     assert set(report.not_patched) == {"0", "1", "2"}
-    assert list(model.parameters()) == []
+    assert [n for n, _ in model.named_parameters()] == ["3.weight", "3.bias"]
     assert model[0].bias is None and model[1].bias is None
     assert type(model[2]) is nn.RMSNorm
     # and these parameter-free layers are not "problems" either
     assert check_dp_ready(model) == []
+    assert check_dp_ready(model, require_bias=True) == []
     patched = make_dp_ready(model)
     assert set(patched.dpzoo_patch_report.not_patched) == {"0", "1", "2"}
 
@@ -499,7 +503,9 @@ def test_multihead_attention_with_kdim_gets_in_proj_bias():
     k = torch.randn(2, 4, 6, generator=_gen(22))
     v = torch.randn(2, 4, 5, generator=_gen(23))
     assert torch.equal(mha(q, k, v)[0], ref(q, k, v)[0])
-    assert check_dp_ready(nn.Sequential(mha)) == []
+    # a raw MultiheadAttention has no per-sample rule: refused, with the fix named
+    assert any("DPMultiheadAttention" in p for p in check_dp_ready(nn.Sequential(mha)))
+    assert check_dp_ready(make_dp_ready(nn.Sequential(mha)), require_bias=True) == []
 
 
 def _llama_rmsnorm(dim, eps=1e-6):
@@ -598,14 +604,24 @@ def test_meta_device_models_can_be_patched(patch_inside_meta_block):
     if not patch_inside_meta_block:
         make_dp_ready(model)
     rep = model.dpzoo_patch_report
-    assert set(rep.biases_added) == {"conv", "lin", "ln", "rms", "trms", "mha", "mha.out_proj"}
+    assert set(rep.biases_added) == {
+        "conv",
+        "lin",
+        "ln",
+        "rms",
+        "trms",
+        "mha.q_proj",
+        "mha.k_proj",
+        "mha.v_proj",
+        "mha.out_proj",
+    }
     assert set(rep.norms_replaced) == {"rms", "trms"}
     assert type(model.rms) is RMSNorm and model.rms.style == "llama"
     assert type(model.trms) is RMSNorm and model.trms.style == "torch"
     assert isinstance(model.bn, nn.GroupNorm)
     assert all(p.is_meta for p in model.parameters())
-    assert model.conv.bias.shape == (8,) and model.mha.in_proj_bias.shape == (48,)
-    assert check_dp_ready(model) == []
+    assert model.conv.bias.shape == (8,) and model.mha.q_proj.bias.shape == (16,)
+    assert check_dp_ready(model, require_bias=True) == []
 
 
 # --------------------------------------------------------------------------- 4. in-place ops
@@ -828,34 +844,42 @@ def _named(problems):
 def test_check_dp_ready_on_plain_cnn():
     model = _plain_cnn()
     problems = check_dp_ready(model)
-    assert _named(problems) == {"0", "1", "2", "3", "4", "5", "8", "9"}
-    assert sum("BatchNorm2d" in p for p in problems) == 2
+    assert _named(problems) == {"1", "2", "4", "5", "8"}
+    assert sum("would mix samples" in p and "BatchNorm2d" in p for p in problems) == 2
     assert sum("inplace=True" in p for p in problems) == 3
-    assert sum("no bias" in p for p in problems) == 3
+    assert not any("no bias" in p for p in problems)  # advice, not a refusal
 
-    assert _named(check_dp_ready(model, bias_exempt=["9", "0"])) == {"1", "2", "3", "4", "5", "8"}
-    assert not any("no bias" in p for p in check_dp_ready(model, require_bias=False))
+    with_bias = check_dp_ready(model, require_bias=True)
+    assert _named(with_bias) == {"0", "1", "2", "3", "4", "5", "8", "9"}
+    assert sum("no bias" in p for p in with_bias) == 3
+    assert _named(check_dp_ready(model, bias_exempt=["9", "0"], require_bias=True)) == {"1", "2", "3", "4", "5", "8"}
 
     make_dp_ready(model)
-    assert check_dp_ready(model) == []
+    assert check_dp_ready(model, require_bias=True) == []
     x = torch.randn(2, 3, 8, 8, generator=_gen(32))
     assert model(x).shape == (2, 4)
 
 
 def test_check_dp_ready_with_bias_exempt_after_make_dp_ready():
     model = make_dp_ready(_plain_cnn(), bias_exempt=["9"])
-    assert [p.split(":")[0] for p in check_dp_ready(model)] == ["9"]
-    assert check_dp_ready(model, bias_exempt=["9"]) == []
+    assert check_dp_ready(model) == []
+    assert [p.split(":")[0] for p in check_dp_ready(model, require_bias=True)] == ["9"]
+    assert check_dp_ready(model, bias_exempt=["9"], require_bias=True) == []
 
 
 def test_check_dp_ready_on_timm_resnet18(resnet18):
-    problems = check_dp_ready(resnet18)
+    problems = check_dp_ready(resnet18, require_bias=True)
     assert any(p.startswith("bn1:") and "BatchNorm2d" in p for p in problems)
     assert any(p.startswith("act1:") and "inplace=True" in p for p in problems)
-    assert any(p.startswith("layer1.0:") and "BasicBlock" in p for p in problems)
     assert any(p.startswith("conv1:") and "no bias" in p for p in problems)
+    # `x += shortcut` only breaks layers hooked for their bias alone (auto mode stores activations)
+    assert not any(p.startswith("layer1.0:") for p in problems)
+    bias_only = make_dp_ready(copy.deepcopy(resnet18), fix_inplace=False)
+    for n, p in bias_only.named_parameters():
+        p.requires_grad_(n.endswith("bias"))
+    assert any(p.startswith("layer1.0:") and "BasicBlock" in p for p in check_dp_ready(bias_only))
     make_dp_ready(resnet18)
-    assert check_dp_ready(resnet18) == []
+    assert check_dp_ready(resnet18, require_bias=True) == []
 
 
 def test_make_dp_ready_twice_changes_nothing_more():

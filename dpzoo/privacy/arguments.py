@@ -17,10 +17,11 @@ import warnings
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.utils.data import DataLoader
 
 from ..errors import PrivacyUsageError, ReproducibleNoiseWarning
+from ..grad_norms.plan import find_problems, refusal
 from .clipping import CLIPPING
 from .modes import MODES
 from .optimizer import DPOptimizer
@@ -52,13 +53,14 @@ def _number(name: str, value, *, positive: bool = False, integer: bool = False, 
 def sample_mixing_modules(model: nn.Module) -> list[str]:
     """Modules that make one sample's output depend on others in train mode, or whose running
     statistics update from the batch (released without noise): BatchNorm of any kind, with or
-    without affine parameters, and instance norms that track running statistics."""
+    without affine parameters, and instance norms that track running statistics. The
+    ``"sample-mixing"`` problems of :func:`dpzoo.grad_norms.find_problems`, as ``"name (Type)"``."""
     out = []
-    for name, m in model.named_modules():
-        if isinstance(m, _BatchNorm) and m.training:
-            out.append(f"{name or '<root>'} ({type(m).__name__})")
-        elif isinstance(m, nn.modules.instancenorm._InstanceNorm) and m.track_running_stats and m.training:
-            out.append(f"{name or '<root>'} ({type(m).__name__}, track_running_stats=True)")
+    for problem in find_problems(model, stages=("setup",)):
+        if problem.kind == "sample-mixing":
+            m = model if problem.module == "<root>" else model.get_submodule(problem.module)
+            tracked = ", track_running_stats=True" if isinstance(m, _InstanceNorm) else ""
+            out.append(f"{problem.module} ({type(m).__name__}{tracked})")
     return out
 
 
@@ -154,27 +156,13 @@ def check_loader(data_loader) -> int:
 
 
 def check_layers(module: nn.Module) -> None:
-    """No layer dpzoo cannot clip or that leaks the batch: lazy (uninitialised) parameters,
-    embeddings with ``max_norm``, modules that mix samples (:func:`sample_mixing_modules`)."""
-    lazy = [n for n, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
-    if lazy:
-        raise PrivacyUsageError(
-            f"Parameter(s) {', '.join(lazy[:6])} are not initialised yet (lazy modules): run one forward pass on "
-            "a dummy (non-private) batch before make_private, so dpzoo can plan their per-sample gradients."
-        )
-    renorm = [n or "<root>" for n, m in module.named_modules() if isinstance(m, nn.Embedding) and m.max_norm]
-    if renorm:
-        raise PrivacyUsageError(
-            f"Embedding(s) {', '.join(renorm[:6])} have max_norm: forward renormalises the rows the batch looks "
-            "up, in place, which releases which ids the private batch holds. Set max_norm=None."
-        )
-    mixing = sample_mixing_modules(module)
-    if mixing:
-        raise PrivacyUsageError(
-            f"Module(s) {', '.join(mixing[:6])} mix samples in train mode (batch statistics) and update running "
-            "statistics from private data without noise. Convert them with dpzoo.make_dp_ready(model) "
-            "(BatchNorm -> GroupNorm), or put them in eval mode and freeze them."
-        )
+    """No layer dpzoo cannot clip or that leaks the batch: the ``"setup"`` problems of
+    :func:`dpzoo.grad_norms.find_problems` (lazy, uninitialised parameters; embeddings with any
+    ``max_norm``, 0 included; modules that mix samples, :func:`sample_mixing_modules`), the same
+    list ``dpzoo.check_dp_ready`` prints."""
+    problems = find_problems(module, stages=("setup",))
+    if problems:
+        raise PrivacyUsageError(refusal(problems))
 
 
 def warn_seeds(noise_seed: int | None, sample_seed: int | None) -> None:

@@ -4,6 +4,7 @@ from .bias import BiasReport, add_missing_biases, missing_biases
 from .dp_ready import PatchReport, check_dp_ready, make_dp_ready, patch_report
 from .groupnorm import choose_num_groups, convert_batchnorm
 from .inplace import InplaceOp, disable_inplace, find_inplace_ops
+from .layers import LayerReport, replace_layers
 from .tied import TiedGroup, find_tied_parameters
 
 __all__ = [
@@ -16,6 +17,8 @@ __all__ = [
     "BiasReport",
     "convert_batchnorm",
     "choose_num_groups",
+    "replace_layers",
+    "LayerReport",
     "disable_inplace",
     "find_inplace_ops",
     "InplaceOp",

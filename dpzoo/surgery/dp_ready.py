@@ -6,11 +6,12 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from ..grad_norms.plan import find_problems
 from .bias import add_missing_biases, missing_biases
 from .groupnorm import GroupSpec, convert_batchnorm
-from .inplace import BLOCK_SWAPS, disable_inplace
+from .inplace import disable_inplace
+from .layers import replace_layers
 from .tied import TiedGroup, find_tied_parameters
 
 __all__ = ["make_dp_ready", "check_dp_ready", "PatchReport", "patch_report"]
@@ -21,6 +22,7 @@ class PatchReport:
     """What :func:`make_dp_ready` changed. Stored on the model as ``model.dpzoo_patch_report``."""
 
     groupnorm: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (channels, groups)
+    layers_replaced: dict[str, str] = field(default_factory=dict)  # name -> "LSTM -> DPLSTM"
     biases_added: list[str] = field(default_factory=list)
     norms_replaced: list[str] = field(default_factory=list)
     inplace_switched_off: list[str] = field(default_factory=list)
@@ -34,6 +36,7 @@ class PatchReport:
         return {
             "options": dict(self.options),
             "groupnorm": {k: list(v) for k, v in self.groupnorm.items()},
+            "layers_replaced": dict(self.layers_replaced),
             "biases_added": list(self.biases_added),
             "norms_replaced": list(self.norms_replaced),
             "inplace_switched_off": list(self.inplace_switched_off),
@@ -47,6 +50,8 @@ class PatchReport:
         out = []
         if self.groupnorm:
             out.append(f"BatchNorm -> GroupNorm: {len(self.groupnorm)} layers (affine γ, β copied)")
+        for name, what in self.layers_replaced.items():
+            out.append(f"{what} (weights copied, same outputs): {name}")
         if self.biases_added:
             out.append(
                 f"zero biases added (BiTFiT-Add): {len(self.biases_added)} layers"
@@ -81,16 +86,19 @@ def make_dp_ready(
     bias_seed: int | None = None,
     norm_bias: bool = True,
     fix_inplace: bool = True,
+    swap_layers: bool = True,
 ) -> nn.Module:
     """Patch ``model`` for DP training; works on any ``nn.Module``, not only zoo entries.
 
     1. BatchNorm → GroupNorm with γ, β copied (:func:`dpzoo.surgery.convert_batchnorm`).
-    2. BiTFiT-Add: zero biases where missing (:func:`dpzoo.surgery.add_missing_biases`).
-    3. No in-place ops that break backward hooks (:func:`dpzoo.surgery.disable_inplace`).
-    4. Tied parameters recorded (:func:`dpzoo.surgery.find_tied_parameters`).
+    2. ``nn.MultiheadAttention`` / ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` → dpzoo's DP-ready equivalents
+       built from ``nn.Linear``, weights copied (:func:`dpzoo.surgery.replace_layers`).
+    3. BiTFiT-Add: zero biases where missing (:func:`dpzoo.surgery.add_missing_biases`).
+    4. No in-place ops that break backward hooks (:func:`dpzoo.surgery.disable_inplace`).
+    5. Tied parameters recorded (:func:`dpzoo.surgery.find_tied_parameters`).
 
-    Returns the patched model (the same object, unless the model is itself a BatchNorm)
-    with ``model.dpzoo_patch_report`` describing every change.
+    Returns the patched model (the same object, unless the model is itself a BatchNorm or one of
+    the replaced layers) with ``model.dpzoo_patch_report`` describing every change.
     """
     bias_exempt = tuple(bias_exempt)
     report = PatchReport(
@@ -103,11 +111,16 @@ def make_dp_ready(
             "bias_std": bias_std,
             "norm_bias": norm_bias,
             "fix_inplace": fix_inplace,
+            "swap_layers": swap_layers,
         }
     )
     if groupnorm:
         model, nr = convert_batchnorm(model, gn_groups)
         report.groupnorm = nr.converted
+    if swap_layers:
+        model, lr = replace_layers(model)
+        report.layers_replaced = lr.replaced
+        report.not_patched.update(lr.not_patched)
     if add_bias:
         br = add_missing_biases(
             model, exclude=bias_exempt, init=bias_init, std=bias_std, norms=norm_bias, seed=bias_seed
@@ -121,6 +134,7 @@ def make_dp_ready(
     prev = getattr(model, "dpzoo_patch_report", None)
     if isinstance(prev, PatchReport):  # patching twice: keep the history of both passes
         report.groupnorm = {**prev.groupnorm, **report.groupnorm}
+        report.layers_replaced = {**prev.layers_replaced, **report.layers_replaced}
         report.biases_added = prev.biases_added + report.biases_added
         report.norms_replaced = prev.norms_replaced + report.norms_replaced
         report.inplace_switched_off = prev.inplace_switched_off + report.inplace_switched_off
@@ -133,19 +147,16 @@ def patch_report(model: nn.Module) -> PatchReport | None:
     return getattr(model, "dpzoo_patch_report", None)
 
 
-def check_dp_ready(model: nn.Module, *, bias_exempt: Iterable[str] = (), require_bias: bool = True) -> list[str]:
-    """Problems that stop ``model`` from being trained with DP-SGD / DP-BiTFiT; [] if none."""
-    problems = []
-    for name, m in model.named_modules():
-        if isinstance(m, _BatchNorm):
-            problems.append(
-                f"{name or '<root>'}: {type(m).__name__} mixes samples; convert with dpzoo.make_dp_ready(model)"
-            )
-        if isinstance(getattr(m, "inplace", None), bool) and m.inplace:
-            problems.append(f"{name}: {type(m).__name__}(inplace=True) breaks backward hooks")
-    for name, m in model.named_modules():
-        if type(m) in BLOCK_SWAPS:
-            problems.append(f"{name}: {type(m).__name__} adds its shortcut in place")
+def check_dp_ready(model: nn.Module, *, bias_exempt: Iterable[str] = (), require_bias: bool = False) -> list[str]:
+    """Why dpzoo's engine would refuse ``model`` as it is, one line per problem
+    (``"name: what is wrong and how to fix it"``); [] iff ``dpzoo.PrivacyEngine().make_private`` and
+    the hooks' first forward accept it (with its current ``requires_grad`` flags and train/eval modes).
+
+    The problems are :func:`dpzoo.grad_norms.plan.find_problems`, the list the hooks and the engine
+    refuse from. ``require_bias=True`` also lists Conv/Linear/MultiheadAttention layers and affine
+    norms without a bias (outside ``bias_exempt`` patterns): DP-BiTFiT advice, not a refusal
+    (``make_dp_ready`` adds zero biases)."""
+    problems = [str(p) for p in find_problems(model)]
     if require_bias:
         for name in missing_biases(model, bias_exempt):
             problems.append(f"{name}: no bias (DP-BiTFiT would not train it); dpzoo.make_dp_ready adds a zero one")

@@ -31,8 +31,13 @@ def _tuple(v, nd: int) -> tuple:
     return tuple(v) if isinstance(v, (tuple, list)) else (v,) * nd
 
 
-def _patches(x: torch.Tensor, module: _ConvNd, pad: list[int] | None, mode: str) -> torch.Tensor:
-    """(B, C, *spatial) → (B, G, T, C/G · ∏k), patches in the order of the weight's dims."""
+def unfold_patches(
+    x: torch.Tensor, module, pad: list[int] | None, mode: str, positions: tuple[int, ...] | None = None
+) -> torch.Tensor:
+    """(B, C, *spatial) → (B, G, T, C/G · ∏k): the patches a convolution with ``module``'s kernel
+    (its weight's trailing dims), stride, dilation and groups sees, in the order of the weight's
+    dims. ``positions``: keep only the first n windows along each spatial dim (transposed
+    convolutions with ``output_padding``)."""
     nd = x.dim() - 2
     if pad is not None and any(pad):
         x = F.pad(x, pad, mode=mode) if mode != "constant" else F.pad(x, pad)
@@ -43,6 +48,8 @@ def _patches(x: torch.Tensor, module: _ConvNd, pad: list[int] | None, mode: str)
         x = x.unfold(2 + i, (k - 1) * d + 1, s)  # window dims appended at the end
         if d > 1:
             x = x[..., ::d]
+        if positions is not None:
+            x = x.narrow(2 + i, 0, min(positions[i], x.shape[2 + i]))
     b, c = x.shape[:2]
     t = math.prod(x.shape[2 : 2 + nd])
     k = math.prod(kernel)
@@ -51,7 +58,7 @@ def _patches(x: torch.Tensor, module: _ConvNd, pad: list[int] | None, mode: str)
     return x.reshape(b, g, t, (c // g) * k)
 
 
-def _grad_by_group(grad_output: torch.Tensor, groups: int) -> torch.Tensor:
+def grad_by_group(grad_output: torch.Tensor, groups: int) -> torch.Tensor:
     """(B, out, *spatial) → (B, G, T, out/G)."""
     b, o = grad_output.shape[:2]
     return grad_output.reshape(b, groups, o // groups, -1).transpose(2, 3)
@@ -95,8 +102,8 @@ def _conv_rule(module, activations, grad_output, params, pad_fn=_module_padding)
                 f"convolution's {module.weight.dim() - 2}-d inputs: per-sample gradients need batch-first inputs."
             )
         pad, mode = pad_fn(module, x)
-        patches = _patches(x, module, pad, mode)
-        g = _grad_by_group(grad_output, module.groups)
+        patches = unfold_patches(x, module, pad, mode)
+        g = grad_by_group(grad_output, module.groups)
         if patches.shape[:3] != g.shape[:3] or patches.shape[3] * g.shape[3] * module.groups != module.weight.numel():
             raise UnsupportedModuleError(
                 f"{type(module).__name__}: the convolution dpzoo reconstructs from the module's attributes "

@@ -9,7 +9,9 @@ from ..registry import register_rule
 from ..reps import OneHot
 
 
-def _check(module: nn.Embedding) -> str | None:
+def embedding_check(module: nn.Embedding) -> str | None:
+    """Why an Embedding cannot get exact per-sample gradients (renormalised rows, batch-wide
+    gradient scaling, sparse gradients), or None."""
     if module.max_norm is not None:
         return "max_norm renormalises rows in place during forward"
     if module.scale_grad_by_freq:
@@ -19,11 +21,15 @@ def _check(module: nn.Embedding) -> str | None:
     return None
 
 
-@register_rule(nn.Embedding, params=("weight",), check=_check)
-def embedding_rule(module: nn.Embedding, activations, grad_output, params):
-    ids = activations[0]
+def lookup_rep(ids, grad_output, num_rows: int, padding_idx: int | None) -> OneHot:
+    """The per-sample gradient of a (num_rows, d) table looked up with ``ids`` (B, ...)."""
     ids = ids.reshape(ids.shape[0], -1)
     g = grad_output.reshape(grad_output.shape[0], -1, grad_output.shape[-1])
-    if module.padding_idx is not None:
-        g = g * (ids != module.padding_idx).unsqueeze(-1).to(g.dtype)
-    return {"weight": OneHot(ids, g, module.num_embeddings)}
+    if padding_idx is not None:
+        g = g * (ids != padding_idx).unsqueeze(-1).to(g.dtype)
+    return OneHot(ids, g, num_rows)
+
+
+@register_rule(nn.Embedding, params=("weight",), check=embedding_check)
+def embedding_rule(module: nn.Embedding, activations, grad_output, params):
+    return {"weight": lookup_rep(activations[0], grad_output, module.num_embeddings, module.padding_idx)}

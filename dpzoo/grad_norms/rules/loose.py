@@ -7,8 +7,12 @@
   (``cls_token.expand(B, -1, -1)``, ``x + pos_embed``), which dpzoo cannot check.
 * Broadcast lookups: Embeddings whose owner looks them up with ids of batch 1 (position ids)
   and adds the result to a (B, ...) tensor (:data:`BROADCAST_LOOKUPS`).
+* Functional uses: submodules whose parameters their owner reads directly instead of calling
+  the submodule (``nn.MultiheadAttention.out_proj``), so no rule of theirs ever runs
+  (:data:`FUNCTIONAL_SUBMODULES`): trainable, they are refused at attach.
 
-The timm registrations (ViT tokens, attention-pool latent) live here too.
+The timm registrations (ViT tokens, attention-pool latent) and Hugging Face ViT's embeddings
+(``cls_token``, ``position_embeddings``, ``mask_token``) live here too.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ __all__ = [
     "BROADCAST_LOOKUPS",
     "register_broadcast_lookup",
     "is_broadcast_lookup",
+    "loose_refusal",
+    "FUNCTIONAL_SUBMODULES",
+    "functional_submodules",
 ]
 
 
@@ -46,17 +53,32 @@ def register_loose_tensors(
         LOOSE_CHECKS[module_type] = check
 
 
+def _declared(module: nn.Module) -> type | None:
+    for cls in type(module).__mro__:
+        if cls in LOOSE_TENSORS:
+            return cls
+    return None
+
+
+def loose_refusal(module: nn.Module) -> str | None:
+    """Why the module's declared loose tensors cannot be swapped for this instance (its declaration's
+    check), or None (none declared, or the check passes)."""
+    cls = _declared(module)
+    check = LOOSE_CHECKS.get(cls) if cls is not None else None
+    why = check(module) if check is not None else None
+    return f"{type(module).__name__}: {why}." if why else None
+
+
 def loose_names(module: nn.Module) -> tuple[str, ...]:
     """The loose tensors declared for the module's nearest registered class (raises if its check
     refuses this instance); () if none is declared."""
-    for cls in type(module).__mro__:
-        if cls in LOOSE_TENSORS:
-            check = LOOSE_CHECKS.get(cls)
-            why = check(module) if check is not None else None
-            if why:
-                raise UnsupportedModuleError(f"{type(module).__name__}: {why}.")
-            return LOOSE_TENSORS[cls]
-    return ()
+    cls = _declared(module)
+    if cls is None:
+        return ()
+    why = loose_refusal(module)
+    if why:
+        raise UnsupportedModuleError(why)
+    return LOOSE_TENSORS[cls]
 
 
 def _timm_vit_check(module: nn.Module) -> str | None:
@@ -81,6 +103,29 @@ try:  # timm's attention pooling (global_pool="map"): latent.expand(B, -1, -1)
     register_loose_tensors(_TimmAttnPool, ("latent",))
 except ImportError:  # pragma: no cover
     pass
+
+
+try:  # Hugging Face ViT: cls_token.expand(B, -1, -1), mask_token.expand(B, T, -1), x + position_embeddings
+    from transformers.models.vit.modeling_vit import ViTEmbeddings as _HFViTEmbeddings
+
+    # forward(interpolate_pos_encoding=True) at another image size reshapes position_embeddings as
+    # (1, ...): with per-sample copies (B > 1) torch then raises (a shape error), nothing silent
+    register_loose_tensors(_HFViTEmbeddings, ("cls_token", "mask_token", "position_embeddings"))
+except ImportError:  # pragma: no cover
+    pass
+
+
+# Owners that read a submodule's parameters directly (F.multi_head_attention_forward takes
+# out_proj.weight and out_proj.bias; out_proj is never called): no rule of the submodule runs.
+FUNCTIONAL_SUBMODULES: dict[type, tuple[str, ...]] = {nn.MultiheadAttention: ("out_proj",)}
+
+
+def functional_submodules(module: nn.Module) -> tuple[str, ...]:
+    """Names of the submodules whose parameters ``module`` uses without calling them."""
+    for cls in type(module).__mro__:
+        if cls in FUNCTIONAL_SUBMODULES:
+            return FUNCTIONAL_SUBMODULES[cls]
+    return ()
 
 
 # Embeddings whose owner looks them up with ids of batch 1 (position ids) and adds the result

@@ -1,4 +1,4 @@
-"""LayerNorm, GroupNorm (and timm's GroupNormAct), RMSNorm (dpzoo's, torch's, LLaMA's).
+"""LayerNorm, GroupNorm (and timm's GroupNormAct), RMSNorm (dpzoo's, torch's, LLaMA's, T5's).
 
 Weight: Σ_t g_t ⊙ x̂_t with x̂ the normalised input (recomputed from the stored input);
 bias: Σ_t g_t, activation-free (DP-BiTFiT Algorithm 1). Both are small: per-sample
@@ -135,3 +135,19 @@ except ImportError:  # pragma: no cover
     LlamaRMSNorm = None
 if LlamaRMSNorm is not None:
     register_rule(LlamaRMSNorm, params=("weight",))(_rms_rule(_llama_normalize))
+
+
+def _t5_normalize(module, x):
+    # T5LayerNorm.forward: the variance in float32, x itself (not its float32 copy) scaled, then
+    # cast to a half-precision weight's dtype
+    variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
+    h = x * torch.rsqrt(variance + module.variance_epsilon)
+    return h.to(module.weight.dtype) if module.weight.dtype in (torch.float16, torch.bfloat16) else h
+
+
+try:
+    from transformers.models.t5.modeling_t5 import T5LayerNorm
+except ImportError:  # pragma: no cover
+    T5LayerNorm = None
+if T5LayerNorm is not None:  # RMS norm, weight only (no bias, no mean subtracted)
+    register_rule(T5LayerNorm, params=("weight",))(_rms_rule(_t5_normalize))
