@@ -59,6 +59,8 @@ BUILTIN_MODES: dict[str, str] = {
     "bk": "ghost norm on every generalised linear layer (BK paper §2–3)",
     "instantiate": "per-sample gradients everywhere (Opacus-style)",
     "bitfit": "only biases (plus train_head) are trained, activation-free (DP-BiTFiT Alg. 1)",
+    "lora": "only the LoRA adapters of a PEFT model are trained (plus its modules_to_save, the biases "
+    "its bias= config names, and train_head); DP-LoRA",
 }
 DEFAULT_CLI_MODE = "bk-mixopt"
 # name -> (description, default input length) of the named sequence datasets (dpzoo.seqrec.downloads)

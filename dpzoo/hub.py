@@ -27,6 +27,7 @@ from . import __version__
 from .checkpoint import give_default_permissions, load_state_dict_checked, state_dict_mismatch
 from .errors import CheckpointError, OverrideError, SaveError
 from .integrations.opacus import unwrap_for_save
+from .integrations.peft_layers import refuse_save as refuse_peft_save
 from .privacy.engine import engine_of
 from .registry import LOAD_KEYWORDS, OVERRIDE_SYNONYMS, get_entry, is_model, reject_unknown_overrides, split_name
 
@@ -227,6 +228,7 @@ def save(
     wrapped is unwrapped and needs ``privacy=dpzoo.integrations.opacus.privacy_metadata(engine, delta)``.
     Nothing is left half-written: files are written to a temporary directory first.
     """
+    refuse_peft_save(model)
     model = unwrap_for_save(model, privacy)  # Opacus' GradSampleModule -> the zoo model
     config = getattr(model, "dpzoo_config", None)
     if not isinstance(config, dict) or "model_name" not in config:

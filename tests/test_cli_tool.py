@@ -54,6 +54,7 @@ def _one_line_error(capsys, argv) -> str:
         (["--set", "width"], "KEY=VALUE"),
         (["--checkpoint-every", "0"], "--checkpoint-every"),
         (["--mode", "fast"], "--mode"),
+        (["--mode", "lora"], "--mode lora trains the adapters of a PEFT model"),
         (["--accountant", "gdp"], "--accountant"),
         (["--set", "colour=red"], "does not accept override(s) 'colour'"),
         (["--set", "num_classes=3"], "num_classes"),

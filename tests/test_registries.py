@@ -237,6 +237,7 @@ def test_the_modes_table_drives_the_engine_and_the_cli():
         "bk": "ghost",
         "instantiate": "instantiate",
         "bitfit": "auto",
+        "lora": "auto",
     }
     assert [n for n, m in M.TRAINING_MODES.items() if m.bias_only] == ["bitfit"]
     mode = next(a for a in _train_parser()._actions if a.dest == "mode")

@@ -11,10 +11,18 @@ from typing import Iterable
 
 from torch import nn
 
-__all__ = ["freeze_all_but_biases", "default_head", "resolve_head", "bitfit_trainable"]
+__all__ = [
+    "freeze_all_but_biases",
+    "default_head",
+    "resolve_head",
+    "bitfit_trainable",
+    "is_bias_name",
+    "head_parameters",
+]
 
 
-def _is_bias(name: str) -> bool:
+def is_bias_name(name: str) -> bool:
+    """Whether a parameter name (``"encoder.0.bias"``, ``"in_proj_bias"``) is a bias DP-BiTFiT trains."""
     return name.rsplit(".", 1)[-1].endswith("bias")
 
 
@@ -50,12 +58,19 @@ def resolve_head(model: nn.Module, train_head: Iterable[str] | str | None) -> It
     return default_head(model) if train_head == "auto" else train_head
 
 
-def bitfit_trainable(model: nn.Module, train_head) -> set[int]:
-    """ids of the parameters DP-BiTFiT trains: biases and ``train_head`` patterns (no mutation)."""
+def head_parameters(model: nn.Module, train_head: Iterable[str] | str | None) -> set[int]:
+    """ids of the parameters whose module name or own name matches a ``train_head`` pattern
+    (``fnmatch``: ``"classifier"``, ``"head.*"``, ``"*.lm_head.weight"``); no mutation."""
     heads = [train_head] if isinstance(train_head, str) else list(train_head or [])
     keep = set()
     for name, p in model.named_parameters():
         module = name.rpartition(".")[0]
-        if _is_bias(name) or any(fnmatch.fnmatch(module, h) or fnmatch.fnmatch(name, h) for h in heads):
+        if any(fnmatch.fnmatch(module, h) or fnmatch.fnmatch(name, h) for h in heads):
             keep.add(id(p))
     return keep
+
+
+def bitfit_trainable(model: nn.Module, train_head) -> set[int]:
+    """ids of the parameters DP-BiTFiT trains: biases and ``train_head`` patterns (no mutation)."""
+    biases = {id(p) for name, p in model.named_parameters() if is_bias_name(name)}
+    return biases | head_parameters(model, train_head)

@@ -14,7 +14,8 @@
 Modes (BK paper §2–3; DP-BiTFiT): ``"bk"`` ghost norm on every generalised linear layer;
 ``"bk-mixopt"`` (= ``"auto"``) ghost norm or per-sample instantiation per layer, whichever is
 cheaper (2T² < p·d); ``"instantiate"`` per-sample gradients everywhere (Opacus-style);
-``"bitfit"`` trains only biases (plus ``train_head``), activation-free (DP-BiTFiT Alg. 1).
+``"bitfit"`` trains only biases (plus ``train_head``), activation-free (DP-BiTFiT Alg. 1);
+``"lora"`` trains only the LoRA adapters of a PEFT model (:mod:`dpzoo.integrations.peft`).
 
 This module's job is the engine's set-up and what it answers for (mode switches, ε, metadata,
 checkpoints); each part it wires has its own module: the argument refusals
@@ -46,12 +47,12 @@ from .arguments import (
     sample_mixing_modules,
     warn_seeds,
 )
-from .bitfit import bitfit_trainable, freeze_all_but_biases, resolve_head
+from .bitfit import freeze_all_but_biases
 from .budget import calibrate, compute_sample_rate, prior_spending
 from .data import DPDataLoader, StepSignal
 from .distributed import same_on_every_rank, shard, world_and_rank
 from .guards import check_optimizer_parameters, check_step_parameters
-from .modes import MODES
+from .modes import MODES, apply_mode, mode_trainable
 from .opacus_parity import OpacusParity, opacus_arguments
 from .optimizer import DPOptimizer
 from .watch import TrainingWatch
@@ -203,11 +204,7 @@ class PrivacyEngine(OpacusParity):
         )
         self.prior_spending = prior
         # 4. the optimizer must train exactly the parameters dpzoo will clip
-        trainable = (
-            bitfit_trainable(module, resolve_head(module, train_head))
-            if mode == "bitfit"
-            else {id(p) for p in module.parameters() if p.requires_grad}
-        )
+        trainable = mode_trainable(mode, module, train_head)
         check_optimizer_parameters(module, optimizer, trainable)
         warn_seeds(noise_seed, sample_seed)
         # 5. record the mechanism, attach the hooks and the DP optimizer, watch every step
@@ -225,7 +222,10 @@ class PrivacyEngine(OpacusParity):
             self_check=self_check,
             self_check_samples=self_check_samples,
         )
-        module._dpzoo_engine = weakref.ref(self)
+        from ..integrations.peft_layers import wrapped_model  # peft_layers imports privacy
+
+        for m in (module, wrapped_model(module)[1]):  # a PEFT model's merge_and_unload() keeps the record
+            m._dpzoo_engine = weakref.ref(self)
         return module, self.optimizer, loader
 
     def _attach(self, module: nn.Module, optimizer: torch.optim.Optimizer, mode: str, train_head, signal) -> None:
@@ -271,10 +271,11 @@ class PrivacyEngine(OpacusParity):
                 )
 
     def _set_mode(self, mode: str, train_head) -> None:
-        """Attach the norm hooks of ``mode`` (replacing any), freezing DP-BiTFiT's complement
-        first in ``"bitfit"`` mode unless ``train_head="keep"``; the optimizer follows them."""
-        if mode == "bitfit" and train_head != "keep":
-            freeze_all_but_biases(self.module, resolve_head(self.module, train_head))
+        """Attach the norm hooks of ``mode`` (replacing any), first freezing everything outside the
+        mode's trainable set (``"bitfit"``, ``"lora"``) unless ``train_head="keep"``; the optimizer
+        follows them."""
+        if train_head != "keep":
+            apply_mode(mode, self.module, train_head)
         if self.hooks is not None:
             self.hooks.detach()
         self.hooks = attach_norm_hooks(self.module, MODES[mode], ghost_backward=True)
