@@ -162,6 +162,7 @@ def _cmd_audit(args) -> int:
             seed=args.seed,
             accountant=args.accountant,
             log=print,
+            progress=False if args.quiet else None,
         )
         for line in r.lines():
             print(f"  {line}")
@@ -277,6 +278,7 @@ def _add_audit_command(sub) -> None:
         default=None,
         help="directory for audit.json (and score histograms with matplotlib); default: nothing written",
     )
+    option(s, "--quiet", kind="flag", help="no progress bar (default: one, on a terminal)")
     s.set_defaults(fn=_cmd_audit)
 
 

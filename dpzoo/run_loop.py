@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from tqdm import tqdm
 
 from .errors import CheckpointError, InvalidArgumentError
+from .progress import StepBar
 from .run_io import CHECKPOINT_NAME, MetricsLog, save_checkpoint
 
 __all__ = ["TrainingLoop", "check_loop_arguments", "resolve_device"]
@@ -118,11 +118,8 @@ class TrainingLoop:
         self.resumed_at: int | None = None
         self.pending_rng: torch.Tensor | None = None
         self._epsilon: tuple[int, float] | None = None
-        self.bar: Any = None
+        self.bar: StepBar | None = None
         self._started = time.time()
-        self._shown = self._eps_shown = -math.inf
-        self._eps_cost = 0.0
-        self._eps_text = ""
         if self.private:  # after every logical step, the noise-only ones on empty batches included
             if scheduler is not None:
                 optimizer.attach_step_hook(lambda _: scheduler.step())
@@ -228,43 +225,22 @@ class TrainingLoop:
         return self.seconds_before + time.time() - self._started
 
     def say(self, message: str) -> None:
-        if self.bar is not None and not self.bar.disable:
-            with tqdm.external_write_mode():
-                self.log(message)
+        if self.bar is not None:
+            self.bar.say(message, self.log)
         else:
             self.log(message)
 
     def after_step(self) -> None:
         """After each logical step: progress, the user's callback, periodic checkpoints, a
         pending Ctrl-C."""
-        if self.bar is not None and not self.bar.disable:
-            self.bar.update(1)
-            self._show_postfix()
+        if self.bar is not None:
+            self.bar.step(self.last_loss)
         if self.step_callback is not None:
             self.step_callback(self.step)
         if isinstance(self.checkpoint_every, int) and self.step % self.checkpoint_every == 0:
             self.save()
         if self.stop_requested:
             raise KeyboardInterrupt
-
-    def _show_postfix(self) -> None:
-        """The last loss (at most once a second) and ε (at most once a second and at most 10% of
-        the time: an accountant can take a while)."""
-        now = time.monotonic()
-        last = self.step == self.total_steps
-        if now - self._shown < 1.0 and not last:
-            return
-        self._shown = now
-        shown = {}
-        if self.last_loss is not None:
-            shown["loss"] = f"{self.last_loss.item():.4g}"
-        if self.private:
-            if last or now - self._eps_shown >= max(1.0, 10 * self._eps_cost):
-                started = time.monotonic()
-                self._eps_text = f"{self.epsilon():.3g}"
-                self._eps_shown, self._eps_cost = now, time.monotonic() - started
-            shown["ε"] = self._eps_text
-        self.bar.set_postfix(shown, refresh=False)
 
     def _batches(self, remaining: int):
         """The ``remaining`` steps of the current epoch (Poisson batches: the sampler is told how many)."""
@@ -312,10 +288,7 @@ class TrainingLoop:
         """Train to the end (or from the checkpoint loaded); returns the evaluation history."""
         metrics = MetricsLog(self.out, self.history, self.resumed_at)
         self._started = time.time()
-        disable = None if self.progress is None else not self.progress
-        self.bar = tqdm(
-            total=self.total_steps, initial=self.step, desc=self.name, unit="step", disable=disable, dynamic_ncols=True
-        )
+        self.bar = StepBar(self.total_steps, self.name, enabled=self.progress, epsilon=self.epsilon, initial=self.step)
         try:
             with self._interrupts():
                 for epoch in range(self.epochs_done + 1, self.epochs + 1):

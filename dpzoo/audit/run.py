@@ -51,6 +51,7 @@ def audit(
     noise_seed: int | None = None,
     sample_seed: int | None = None,
     log: Callable[[str], None] | None = None,
+    progress: bool | None = None,
 ) -> AuditResult:
     """Insert canaries, train once with dpzoo's engine, return the empirical lower bound on ε.
 
@@ -70,6 +71,7 @@ def audit(
     initialisation and the tie-breaking (through torch's generator, isolated by
     ``torch.random.fork_rng``); the engine's noise and Poisson sampling are its own (secret)
     unless ``noise_seed`` / ``sample_seed`` are passed on to ``make_private`` (tests only).
+    ``progress``: a per-step bar with the loss and the ε spent (None: when stderr is a terminal).
     Returns an :class:`AuditResult`; ``result.exceeds`` is True when the bound is above the
     claimed ε.
 
@@ -132,6 +134,7 @@ def audit(
             noise_seed=noise_seed,
             sample_seed=sample_seed,
             log=log,
+            progress=progress,
         )
         model.eval()
         scores = score_fn(model, cx, cy).detach().float().flatten()

@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ..progress import StepBar
+
 __all__ = ["BROKEN", "train_audited_model"]
 
 BROKEN = ("no-noise", "unclipped")
@@ -55,6 +57,7 @@ def train_audited_model(
     noise_seed,
     sample_seed,
     log,
+    progress=None,
 ):
     """One private training run with dpzoo's engine (or a deliberately broken variant).
 
@@ -95,15 +98,20 @@ def train_audited_model(
         f"{', plus a copy trained outside the engine' if side is not None else ''}"
     )
     steps = 0
-    for _ in range(epochs):
-        for x, y in loader:
-            if len(y):  # an empty Poisson batch: no backward, the optimizer still adds noise and counts the step
-                loss_fn(released(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            if side_opt is not None:
-                _noisy_unclipped_step(side, side_opt, len(y), engine.noise_multiplier * max_grad_norm, batch_size)
-            steps += 1
+    desc = f"audit ({broken})" if broken else "audit"
+    with StepBar(epochs * len(loader), desc, enabled=progress, epsilon=lambda: engine.get_epsilon(delta)) as bar:
+        for _ in range(epochs):
+            for x, y in loader:
+                loss = None
+                if len(y):  # an empty Poisson batch: no backward, the optimizer still adds noise and counts the step
+                    loss = loss_fn(released(x), y)
+                    loss.backward()
+                opt.step()
+                opt.zero_grad()
+                if side_opt is not None:
+                    _noisy_unclipped_step(side, side_opt, len(y), engine.noise_multiplier * max_grad_norm, batch_size)
+                steps += 1
+                bar.step(None if loss is None else loss.detach())
     engine.detach()
     steps = int(getattr(engine, "steps", steps))  # the accountant's count (it includes any step the engine took itself)
     if broken == "no-noise":

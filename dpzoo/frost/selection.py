@@ -21,23 +21,21 @@ Decisions where the paper leaves a choice open (docs/DESIGN.md):
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader
 
 from ..errors import AccountingError, DPZooError, InvalidArgumentError
-from ..grad_norms import attach_norm_hooks
 from ..privacy.accountant import Accountant, accountant_spec, get_noise_multiplier
 from ..privacy.bitfit import default_head
 from ..privacy.engine import PrivacyEngine
+from ..progress import StepBar
 from . import magnitudes as MG
-from .estimation import pgm_est, pgm_variance
 from .partitions import Partition, resolve_partitions
+from .psel import PartitionGradientMeasure, default_loss, psel
 
 __all__ = ["FrostSelection", "select", "compute_sigma", "psel", "default_loss"]
 
@@ -143,144 +141,6 @@ def compute_sigma(
     return sigma_sgd, sigma_ps
 
 
-def default_loss(model: nn.Module, batch) -> torch.Tensor:
-    """Summed cross-entropy for (inputs…, labels) tuples or dicts with "labels"; HF outputs OK."""
-    if isinstance(batch, dict):
-        labels = batch["labels"]
-        out = model(**{k: v for k, v in batch.items() if k != "labels"})
-    else:
-        *inputs, labels = batch
-        out = model(*inputs)
-    logits = getattr(out, "logits", out)
-    return F.cross_entropy(logits, labels, reduction="sum")
-
-
-def _batch_len(batch) -> int:
-    if isinstance(batch, dict):
-        return len(next(iter(batch.values())))
-    return len(batch[0])
-
-
-class PartitionGradientMeasure:
-    """Noise-free PGMs of chosen partitions on a set of examples, from dpzoo's per-sample hooks."""
-
-    def __init__(self, model, dataset, collate_fn, loss_fn, method, alpha, clip, physical):
-        self.model, self.dataset, self.collate_fn, self.loss_fn = model, dataset, collate_fn, loss_fn
-        self.method, self.alpha, self.clip, self.physical = method, alpha, clip, physical
-        self.samples = 0
-
-    def __call__(self, parts: list[Partition], indices: list[int]) -> torch.Tensor:
-        sizes = [p.size for p in parts]
-        wanted = {n for p in parts for n in p.params}
-        params = dict(self.model.named_parameters())
-        flags = {n: p.requires_grad for n, p in params.items()}
-        was_training = self.model.training
-        sums = None
-        try:
-            for n, p in params.items():  # Lemma 1: clip over the measured partitions only
-                p.requires_grad_(n in wanted)
-            self.model.eval()
-            hooks = attach_norm_hooks(self.model, mode="instantiate", ghost_backward=True)
-            try:
-                if indices:
-                    loader = DataLoader(
-                        Subset(self.dataset, indices), batch_size=self.physical, collate_fn=self.collate_fn
-                    )
-                    for batch in loader:
-                        hooks.backward(self.loss_fn(self.model, batch))
-                        grads = MG.partition_grads(hooks.per_sample_grads(row_sparse=True), parts)
-                        part = MG.clipped_partition_sums(grads, self.method, self.alpha, self.clip, sizes)
-                        sums = part if sums is None else [a + b for a, b in zip(sums, part)]
-                        self.samples += _batch_len(batch)
-                        hooks.clear()
-            finally:
-                hooks.detach()
-        finally:
-            for n, p in params.items():
-                p.requires_grad_(flags[n])
-                p.grad = None
-            self.model.train(was_training)
-        if sums is None:  # an empty Poisson sample: every PGM is 0, only noise is released
-            return torch.zeros(len(parts), dtype=torch.float64)
-        return MG.pgms(sums, self.method, self.alpha, sizes).double()
-
-
-def psel(
-    measure,
-    partitions: list[Partition],
-    num_examples: int,
-    noise_multiplier: float,
-    sample_rate: float,
-    iterations: int,
-    ratio: float,
-    gap: float,
-    method: str,
-    alpha: int,
-    clip: float,
-    generator: torch.Generator,
-    pgm_iterations: int = 1000,
-):
-    """PSEL (Algorithm 4). ``measure(parts, indices)`` returns noise-free PGMs of ``parts`` on
-    the examples ``indices``. Returns (selected partitions, ν estimates, per-iteration log)."""
-    m = len(partitions)
-    total = sum(p.size for p in partitions)
-    index = {p.name: i for i, p in enumerate(partitions)}
-    remaining = list(partitions)
-    selected: list[Partition] = []
-    obs = torch.zeros(iterations, m, dtype=torch.float64)
-    mask = torch.zeros(iterations, m, dtype=torch.bool)
-    noise_std = torch.zeros(iterations, dtype=torch.float64)
-    nu = torch.zeros(m, dtype=torch.float64)
-    log = []
-    for t in range(1, iterations + 1):
-        if not remaining:
-            # nothing left to measure; the step is still run and accounted (noise only)
-            log.append({"iteration": t, "sample": 0, "selected": []})
-            continue
-        chosen = (torch.rand(num_examples, generator=generator) < sample_rate).nonzero().flatten().tolist()
-        sizes = [p.size for p in remaining]
-        delta_t = MG.sensitivity(method, alpha, clip, sizes)
-        clean = measure(remaining, chosen)
-        noisy = clean + noise_multiplier * delta_t * torch.randn(
-            len(remaining), generator=generator, dtype=torch.float64
-        )
-        cols = [index[p.name] for p in remaining]
-        obs[t - 1, cols], mask[t - 1, cols] = noisy, True
-        noise_std[t - 1] = noise_multiplier * delta_t
-        nu, lam = pgm_est(obs[:t], mask[:t], sample_rate, noise_std[:t], iterations=pgm_iterations)
-        var = pgm_variance(lam, mask[:t], noise_std[:t])
-        # threshold: ν of the partition where the smallest reach (1 - γ)|Θ| (lines 11-18)
-        order = sorted(remaining, key=lambda p: float(nu[index[p.name]]))
-        acc, thres = 0, float(nu[index[order[-1].name]])
-        for p in order:
-            acc += p.size
-            if acc >= (1 - ratio) * total:
-                thres = float(nu[index[p.name]])
-                break
-        budget = t * ratio * total / iterations * (1 + 1e-9)  # γ|Θ| in floating point (0.3·360 < 108)
-        used = sum(p.size for p in selected)
-        new = []
-        for p in reversed(order):  # largest ν first (lines 19-23)
-            if used + p.size > budget:
-                continue  # does not fit: try the next largest (see the module docstring)
-            i = index[p.name]
-            if t == iterations or float(nu[i]) > thres + gap * math.sqrt(float(var[i])):
-                new.append(p)
-                used += p.size
-        selected += new
-        remaining = [p for p in remaining if p not in new]
-        log.append(
-            {
-                "iteration": t,
-                "sample": len(chosen),
-                "sensitivity": delta_t,
-                "threshold": thres,
-                "selected": [p.name for p in new],
-            }
-        )
-    return selected, {p.name: float(nu[index[p.name]]) for p in partitions}, log
-
-
 def _head_params(model: nn.Module, always_train) -> list[str]:
     if always_train == "auto":
         heads = default_head(model)
@@ -322,6 +182,7 @@ def select(
     seed: int | None = None,
     pgm_iterations: int = 1000,
     freeze: bool = True,
+    progress: bool | None = None,
 ) -> FrostSelection:
     """Select privately which partitions to fine-tune, freeze the rest (DP-FROST, Algorithm 1).
 
@@ -332,7 +193,8 @@ def select(
     ``gap`` (v) are PSEL's; ``single=True`` selects at once (T = 1, the paper's SINGLE).
     ``loss_fn(model, batch)`` must return the *sum* of the batch's per-example losses (default:
     cross-entropy on (inputs…, labels) or dicts with "labels"). ``selection_noise_multiplier``
-    overrides σ_ps (0 = no noise, ε = ∞: for tests only).
+    overrides σ_ps (0 = no noise, ε = ∞: for tests only). ``progress``: a bar over the
+    iterations with the selection's ε so far (None: when stderr is a terminal).
     """
     if not 0 < ratio <= 1:
         raise DPZooError(f"ratio (γ, the fraction of parameters to unfreeze) must be in (0, 1], got {ratio}")
@@ -366,11 +228,34 @@ def select(
     measure = PartitionGradientMeasure(
         model, dataset, data_loader.collate_fn, loss_fn or default_loss, method, alpha, clip, max_physical_batch_size
     )
-    chosen, estimates, log = psel(
-        measure, parts, n, sigma_ps, sample_rate, iterations, ratio, gap, method, alpha, clip, gen, pgm_iterations
-    )
-    acc = Accountant(accountant)
-    acc.step(sigma_ps, sample_rate, iterations)
+    acc = Accountant(accountant)  # one step per noisy release, as psel makes them
+
+    def released(t: int) -> None:
+        acc.step(sigma_ps, sample_rate)
+        bar.step()
+
+    # no loss to show: the selection has none of its own; ε is the selection's spend so far
+    with StepBar(
+        iterations, "DP-FROST selection", enabled=progress, epsilon=lambda: acc.get_epsilon(target_delta)
+    ) as bar:
+        chosen, estimates, log = psel(
+            measure,
+            parts,
+            n,
+            sigma_ps,
+            sample_rate,
+            iterations,
+            ratio,
+            gap,
+            method,
+            alpha,
+            clip,
+            gen,
+            pgm_iterations,
+            on_iteration=released,
+        )
+    if acc.steps != iterations:  # psel releases once per iteration; anything else would misstate ε
+        raise AccountingError(f"DP-FROST selection made {acc.steps} releases for {iterations} iterations.")
     keep = {n for p in chosen for n in p.params} | set(head)
     if freeze:
         for name, p in model.named_parameters():
