@@ -54,7 +54,7 @@ BUILTIN_MODELS: dict[str, str] = {
 BUILTIN_ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp", "prv", "opacus-rdp")
 # name -> description of the engine's training modes (dpzoo.privacy.modes.TRAINING_MODES)
 BUILTIN_MODES: dict[str, str] = {
-    "auto": "ghost norm or per-sample instantiation per layer, whichever is cheaper (2T² < p·d)",
+    "auto": "ghost norm or per-sample instantiation per layer, whichever is faster within a memory budget (cost model)",
     "bk-mixopt": "= auto (BK paper's name)",
     "bk": "ghost norm on every generalised linear layer (BK paper §2–3)",
     "instantiate": "per-sample gradients everywhere (Opacus-style)",

@@ -8,12 +8,15 @@ itself; the shapes and batch sizes are checked, and parameters no gradient reach
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..errors import UnsupportedModuleError
 from . import reps as R
 from .audit import check_versions
 from .capture import Step
+from .cost import plan_uses
 from .plan import ModelPlan
 
 __all__ = ["assemble", "rep_shape"]
@@ -23,9 +26,13 @@ def rep_shape(rep) -> tuple:
     return tuple(rep.grad.shape[1:]) if isinstance(rep, R.Dense) else tuple(rep.shape)
 
 
-def assemble(step: Step, plan: ModelPlan, ghost: bool | None) -> dict[str, R.ParamGrad]:
+def assemble(
+    step: Step, plan: ModelPlan, ghost: bool | None, memory_budget: float | None = None
+) -> dict[str, R.ParamGrad]:
     """{parameter name: its per-sample gradients} from the records of ``step`` (audited before:
-    :func:`dpzoo.grad_norms.audit.check_step`). Sets ``step.unreached``; drops the activations."""
+    :func:`dpzoo.grad_norms.audit.check_step`). Sets ``step.unreached`` and ``step.costs`` (the
+    planner's choice per use, :mod:`dpzoo.grad_norms.cost`, when ``ghost`` is None: ghost norm or
+    instantiation by time within ``memory_budget`` bytes); drops the activations."""
     by_param: dict[str, list] = {n: [] for n in plan.params}
     sizes = set()
     for use in step.uses:
@@ -73,4 +80,10 @@ def assemble(step: Step, plan: ModelPlan, ghost: bool | None) -> dict[str, R.Par
         p = plan.params[n]
         b = next(iter(batch)) if batch else 0
         by_param[n] = [R.Dense(torch.zeros(b, *p.shape, dtype=p.dtype, device=p.device))]
-    return {n: R.ParamGrad(rs, ghost) for n, rs in by_param.items()}
+    if ghost is not None:  # forced: every use on one path
+        step.costs = {
+            n: [replace(c, ghost=ghost, why="forced") for c in cs] for n, cs in plan_uses(by_param, 0.0).items()
+        }
+        return {n: R.ParamGrad(rs, ghost) for n, rs in by_param.items()}
+    step.costs = plan_uses(by_param, memory_budget)
+    return {n: R.ParamGrad(rs, None, [c.ghost for c in step.costs[n]]) for n, rs in by_param.items()}

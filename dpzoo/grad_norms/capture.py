@@ -62,6 +62,7 @@ class Step:
     graph_checked: bool = False
     stray: list = field(default_factory=list)  # ghost_backward: parameters that got a weight gradient
     unreached: list = field(default_factory=list)  # parameters no gradient reached this step (zeros)
+    costs: dict = field(default_factory=dict)  # the planner's choice per use of each parameter (cost.UseCost)
     calls: list = field(default_factory=list)  # per root forward call: its output tensors (real ones)
     cotangents: dict = field(default_factory=dict)  # id(real output) -> its gradient (ghost_backward)
 

@@ -7,7 +7,8 @@ parameter of a model, in one backward pass. This module is the public handle
 * :mod:`.ghost`: ghost differentiation (``hooks.backward``, ``ghost_backward=True``);
 * :mod:`.audit`: the graph audit (edge counts, stray gradients, version checks);
 * :mod:`.assembly`: records → one :class:`~dpzoo.grad_norms.reps.ParamGrad` per parameter;
-* :mod:`.reps`: the representations, and ghost-or-instantiate, multi-use cross terms.
+* :mod:`.cost`: ghost norm or instantiation per use, by estimated time within a memory budget;
+* :mod:`.reps`: the representations, both paths, multi-use cross terms.
 
 How it works (BK paper, Algorithm 1):
 
@@ -18,8 +19,8 @@ How it works (BK paper, Algorithm 1):
    autograd only for these output gradients (ghost differentiation), so no weight gradient
    is computed; ``loss.backward()`` works too;
 3. the layer rules (``dpzoo.grad_norms.rules``) turn (activation, output gradient) into
-   exact per-sample gradient representations, whose norms (ghost or instantiated, by the BK
-   rule) and clipped sums Σ_i C_i g_i are computed on request.
+   exact per-sample gradient representations, whose norms (ghost or instantiated, by the
+   planner of :mod:`.cost`) and clipped sums Σ_i C_i g_i are computed on request.
 
 Parameters used several times (tied embeddings, modules called twice) get exact norms from
 all cross terms (:mod:`dpzoo.grad_norms.reps`, Phantom Clipping). Trainable "loose"
@@ -48,6 +49,7 @@ from . import reps as R
 from .assembly import assemble
 from .audit import check_step, count_edges, stray_grad_hook
 from .capture import Capture, Recorder, Use, output_tensors
+from .cost import check_budget
 from .ghost import ghost_differentiate, wrap_outputs
 from .plan import plan_model
 from .rules.loose import (
@@ -77,9 +79,13 @@ MODES = ("auto", "ghost", "instantiate")
 class NormHooks:
     """Handle returned by :func:`attach_norm_hooks`. See the module docstring."""
 
-    def __init__(self, model: nn.Module, mode: str = "auto", ghost_backward: bool = False):
+    def __init__(
+        self, model: nn.Module, mode: str = "auto", ghost_backward: bool = False, memory_budget: float | None = None
+    ):
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
+        self.memory_budget = check_budget(memory_budget)
+        self._last_costs: dict | None = None
         if attached_norm_hooks(model) is not None:
             raise UnsupportedModuleError(
                 "This model already has dpzoo norm hooks attached; call "
@@ -139,8 +145,21 @@ class NormHooks:
         st = self._rec.step
         if st.grads is None:
             check_step(st, self._plan.params)
-            st.grads = assemble(st, self._plan, self._ghost_flag())
+            st.grads = assemble(st, self._plan, self._ghost_flag(), self.memory_budget)
+            self._last_costs = st.costs
         return st.grads
+
+    def plan(self) -> list[dict]:
+        """Per use of each trainable parameter in the current step: ghost norm or instantiation,
+        why, and both paths' estimated GFLOP and MB (:mod:`dpzoo.grad_norms.cost`). Made from the
+        shapes of the step after its backward pass (or of the last step assembled)."""
+        if self._rec.step.uses and self._rec.step.backward_done:
+            self._grads()
+        if self._last_costs is None:
+            raise PrivacyUsageError(
+                "The plan is made from the shapes of a step: run a forward and a backward pass of the hooked model first."
+            )
+        return [c.as_dict() for cs in self._last_costs.values() for c in cs]
 
     @staticmethod
     def _batch_size(grads) -> int:
@@ -306,15 +325,19 @@ def attached_norm_hooks(model: nn.Module) -> NormHooks | None:
     return hooks if hooks is not None and hooks.attached else None
 
 
-def attach_norm_hooks(model: nn.Module, mode: str = "auto", *, ghost_backward: bool = False) -> NormHooks:
+def attach_norm_hooks(
+    model: nn.Module, mode: str = "auto", *, ghost_backward: bool = False, memory_budget: float | None = None
+) -> NormHooks:
     """Hook every trainable parameter of ``model`` for per-sample norms and clipped sums.
 
-    ``mode``: ``"auto"`` chooses ghost norm or instantiation per layer by the BK rule
-    (ghost iff 2T² < p·d); ``"ghost"`` / ``"instantiate"`` force one. Raises
+    ``mode``: ``"auto"`` chooses ghost norm or instantiation per use of each layer by estimated
+    time, the instantiated per-sample gradients within ``memory_budget`` bytes (None: half of
+    the device's free memory; :mod:`dpzoo.grad_norms.cost`; ``hooks.plan()`` shows the choices);
+    ``"ghost"`` / ``"instantiate"`` force one. Raises
     :class:`~dpzoo.UnsupportedModuleError` naming any trainable parameter it cannot cover.
 
     ``ghost_backward=True``: the model's outputs are returned through a node whose backward
     differentiates only to the hooked layers, so a plain ``loss.backward()`` is BK's ghost
     differentiation (no weight gradient, ``.grad`` untouched). dpzoo's engine uses this.
     """
-    return NormHooks(model, mode, ghost_backward=ghost_backward)
+    return NormHooks(model, mode, ghost_backward=ghost_backward, memory_budget=memory_budget)

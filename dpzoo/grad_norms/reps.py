@@ -12,8 +12,9 @@ A layer's per-sample gradient is handed over in the cheapest exact form:
 
 The squared norm ``‖g_i‖²`` of a factored gradient is either the ghost norm
 ``⟨L_i L_iᵀ, R_i R_iᵀ⟩`` (BK paper, eq. 2; cost ∝ T²) or the instantiated gradient's
-squared sum (cost ∝ p·d); :func:`sq_norm` picks the cheaper one by the BK rule
-(ghost iff ``2T² < p·d``, BK paper §3.2) unless forced.
+squared sum (cost ∝ p·d). :class:`ParamGrad` takes the planner's choice per use
+(:mod:`dpzoo.grad_norms.cost`); the bare :func:`sq_norm` falls back to the BK rule (ghost iff
+``2T² < p·d``, BK paper §3.2) unless forced.
 
 A parameter used several times (a tied embedding, a module called twice) has
 ``g_i = Σ_u g_{u,i}``, so ``‖g_i‖² = Σ_u Σ_v ⟨g_{u,i}, g_{v,i}⟩``. Every pair of
@@ -238,33 +239,39 @@ class ParamGrad:
     """The per-sample gradients of one parameter in one step, ``g_i = Σ_u g_{u,i}`` over its
     uses ``u`` (one representation each), and how to compute with them.
 
-    ``ghost``: None chooses ghost norm or instantiation per use by the BK rule
+    ``ghost``: None chooses ghost norm or instantiation per use, by ``choices`` (one bool per use,
+    True: ghost; the planner's, :mod:`dpzoo.grad_norms.cost`) or else by the BK rule
     (:func:`prefers_ghost`); True / False force one. :meth:`sq_norm` settles the representations
     once (BK-MixOpt, BK paper §3.2): a use on the instantiation path is formed once, and the
     clipped sum reuses it (its factors are dropped); more than two uses, unless ghost is
     forced, are summed into one dense gradient (O(uses) instead of O(uses²) cross terms).
     """
 
-    def __init__(self, reps: list, ghost: bool | None = None):
+    def __init__(self, reps: list, ghost: bool | None = None, choices: list[bool] | None = None):
         if not reps:
             raise InvalidArgumentError("a ParamGrad needs at least one representation: build it from a rule's output")
+        if choices is not None and len(choices) != len(reps):
+            raise InvalidArgumentError(f"choices: one per use ({len(reps)}), got {len(choices)}")
         self.reps = list(reps)
         self.ghost = ghost
+        self.choices = choices
         self._sq: torch.Tensor | None = None
+
+    def _on_ghost(self, i: int, rep) -> bool:
+        if self.ghost is not None:
+            return self.ghost
+        return self.choices[i] if self.choices is not None else prefers_ghost(rep)
 
     @property
     def batch_size(self) -> int:
         return self.reps[0].batch_size
 
     def _settle(self) -> None:
-        ghost = self.ghost
         rs = [
-            Dense(instantiate(r))
-            if not isinstance(r, Dense) and not (prefers_ghost(r) if ghost is None else ghost)
-            else r
-            for r in self.reps
+            Dense(instantiate(r)) if not isinstance(r, Dense) and not self._on_ghost(i, r) else r
+            for i, r in enumerate(self.reps)
         ]
-        if len(rs) > 2 and ghost is not True:
+        if len(rs) > 2 and self.ghost is not True:
             dense = instantiate(rs[0])
             for r in rs[1:]:
                 dense = dense + instantiate(r)
@@ -275,7 +282,8 @@ class ParamGrad:
         """‖g_i‖² for every sample (Tensor[B]), every cross term of a multi-use parameter included."""
         if self._sq is None:
             self._settle()
-            rs, ghost = self.reps, self.ghost
+            rs = self.reps
+            ghost = self.ghost is not False  # what is not Dense after settling is on the ghost path
             total = sq_norm(rs[0], ghost=ghost)
             for i in range(len(rs)):
                 if i:

@@ -13,7 +13,8 @@
 
 Modes (BK paper §2–3; DP-BiTFiT): ``"bk"`` ghost norm on every generalised linear layer;
 ``"bk-mixopt"`` (= ``"auto"``) ghost norm or per-sample instantiation per layer, whichever is
-cheaper (2T² < p·d); ``"instantiate"`` per-sample gradients everywhere (Opacus-style);
+faster by a cost model within a memory budget (:mod:`dpzoo.grad_norms.cost`,
+``engine.plan()``); ``"instantiate"`` per-sample gradients everywhere (Opacus-style);
 ``"bitfit"`` trains only biases (plus ``train_head``), activation-free (DP-BiTFiT Alg. 1);
 ``"lora"`` trains only the LoRA adapters of a PEFT model (:mod:`dpzoo.integrations.peft`).
 
@@ -37,6 +38,7 @@ from torch.utils.data import DataLoader
 
 from ..errors import DPZooError, PrivacyUsageError
 from ..grad_norms import attach_norm_hooks
+from ..grad_norms.cost import check_budget
 from .accountant import Accountant, accountant_spec
 from .arguments import (
     check_layers,
@@ -86,6 +88,7 @@ class PrivacyEngine(OpacusParity):
         self.module: nn.Module | None = None
         self.target_delta: float | None = None
         self.mode: str | None = None
+        self.memory_budget: float | None = None
         self.self_check_result: str | None = None
         self._watch: TrainingWatch | None = None  # the duties around each forward and step
 
@@ -112,6 +115,7 @@ class PrivacyEngine(OpacusParity):
         sample_seed: int | None = None,
         self_check: bool = True,
         self_check_samples: int = 3,
+        memory_budget: float | None = None,
     ):
         """Make ``module``, ``optimizer`` and ``data_loader`` private. Returns all three, wrapped.
 
@@ -127,7 +131,9 @@ class PrivacyEngine(OpacusParity):
         On the first step, the self-check compares dpzoo's per-sample norms with single-sample
         backward passes (:mod:`dpzoo.privacy.verify`); ``self_check=False`` skips it (recorded
         in the privacy metadata). ``noise_seed`` / ``sample_seed`` make noise / sampling
-        reproducible and not secret (tests only; recorded in the metadata).
+        reproducible and not secret (tests only; recorded in the metadata). ``memory_budget``:
+        bytes the per-sample gradients that ``mode="auto"`` instantiates may take together (None:
+        half of the device's free memory; 0: ghost norm everywhere; :meth:`plan` shows the choices).
         """
         if self.module is not None:
             raise PrivacyUsageError("This PrivacyEngine already made a model private; use a new engine.")
@@ -212,6 +218,7 @@ class PrivacyEngine(OpacusParity):
         self.sample_rate, self.noise_multiplier = sample_rate, float(noise_multiplier)
         self.max_grad_norm, self.clipping, self.loss_reduction = float(max_grad_norm), clipping, loss_reduction
         self.noise_seed, self.sample_seed = noise_seed, sample_seed
+        self.memory_budget = check_budget(memory_budget)
         # each rank samples its shard of the one dataset at rate q: the expected global batch is q · N
         self.expected_batch_size = sample_rate * n
         self._attach(module, optimizer, mode, train_head, signal)
@@ -278,7 +285,7 @@ class PrivacyEngine(OpacusParity):
             apply_mode(mode, self.module, train_head)
         if self.hooks is not None:
             self.hooks.detach()
-        self.hooks = attach_norm_hooks(self.module, MODES[mode], ghost_backward=True)
+        self.hooks = attach_norm_hooks(self.module, MODES[mode], ghost_backward=True, memory_budget=self.memory_budget)
         self.mode = mode
         if self.optimizer is not None:
             self.optimizer.hooks = self.hooks
@@ -296,6 +303,14 @@ class PrivacyEngine(OpacusParity):
             raise PrivacyUsageError("switch_mode in the middle of a logical step: call optimizer.step() first.")
         self._set_mode(mode, train_head)
         check_step_parameters(self.module, self.hooks, self.optimizer)
+
+    def plan(self) -> list[dict]:
+        """The norm hooks' plan for the current step: per use of each trainable parameter, ghost
+        norm or instantiation, why, and both paths' estimated cost and memory
+        (:meth:`dpzoo.grad_norms.NormHooks.plan`)."""
+        if self.hooks is None:
+            raise PrivacyUsageError("No hooks: make_private first (or this engine was detached).")
+        return self.hooks.plan()
 
     def detach(self) -> None:
         """Remove the hooks (the model is an ordinary model again)."""

@@ -56,7 +56,7 @@ TRAINING_MODES: dict[str, TrainingMode] = {
         TrainingMode(
             "auto",
             "auto",
-            description="ghost norm or per-sample instantiation per layer, whichever is cheaper (2T² < p·d)",
+            description="ghost norm or per-sample instantiation per layer, whichever is faster within a memory budget (cost model)",
         ),
         TrainingMode("bk-mixopt", "auto", description="= auto (BK paper's name)"),
         TrainingMode("bk", "ghost", description="ghost norm on every generalised linear layer (BK paper §2–3)"),

@@ -1,0 +1,172 @@
+"""The per-layer planner: ghost norm or instantiation for each use of a layer in a step, chosen by
+estimated time under a memory budget.
+
+The BK paper (§3.2, BK-MixOpt) chooses by space: ghost norm iff 2T² < p·d. Its own cost table
+(BK paper Table 2) shows that time can point the other way: in BK the clipped sum is formed
+anyway, and a use on the instantiation path forms it from the per-sample gradients it already
+holds. Counting multiply-adds of one use with B samples, G groups, T positions, p inputs and d
+outputs per group (a Factored representation, :mod:`dpzoo.grad_norms.reps`):
+
+* ghost norm: the two Gram matrices and their product, 2·B·G·T²·(p + d) + B·G·T², then the
+  clipped sum Σ_i c_i L_iᵀ R_i, 2·B·G·T·p·d; it holds B·G·T² numbers;
+* instantiation: g_i = L_iᵀ R_i, 2·B·G·T·p·d, then its squared sum and Σ_i c_i g_i, 2·B·G·p·d;
+  it holds B·G·p·d numbers until the clip factors are known (after every layer's norm).
+
+So instantiation is faster whenever p·d < T²·(p + d) + T²/2, nearly always for sequences (GPT-2 at
+T = 128 on 256-wide layers: 1.1 against 1.7 GFLOP at B = 16), while ghost norm is faster for T = 1.
+An embedding lookup (OneHot) costs B·T²·(d + 1) by ghost norm and forms a B·V·d table by
+instantiation. Every instantiated use is held at once, so the planner shares one budget among
+them: the uses where instantiation saves time are taken in order of time saved per byte while
+their memory fits; every other use takes the ghost norm, except that a use whose ghost norm alone
+would not fit the budget is instantiated if that is smaller (the space rule as the fallback).
+
+The budget (``memory_budget``, bytes) defaults to half of the device's free memory when the
+step is assembled (:func:`default_budget`). The choice never changes what is computed, only how:
+both paths are exact (tests compare every choice with brute force).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InvalidArgumentError
+from . import reps as R
+
+__all__ = ["UseCost", "use_cost", "plan_uses", "default_budget", "check_budget", "BUDGET_FRACTION"]
+
+# the share of free device memory the instantiated per-sample gradients may take by default
+BUDGET_FRACTION = 0.5
+
+
+@dataclass(frozen=True)
+class UseCost:
+    """One use of a parameter in a step, its two costs and the planner's choice."""
+
+    param: str
+    use: int
+    kind: str  # "linear" (Factored), "embedding" (OneHot) or "dense" (no choice)
+    ghost_flops: float
+    instantiate_flops: float
+    ghost_bytes: float
+    instantiate_bytes: float
+    ghost: bool = True
+    why: str = ""
+
+    def as_dict(self) -> dict:
+        return {
+            "param": self.param,
+            "use": self.use,
+            "kind": self.kind,
+            "choice": "dense" if self.kind == "dense" else ("ghost" if self.ghost else "instantiate"),
+            "why": self.why,
+            "ghost_gflop": self.ghost_flops / 1e9,
+            "instantiate_gflop": self.instantiate_flops / 1e9,
+            "ghost_mb": self.ghost_bytes / 2**20,
+            "instantiate_mb": self.instantiate_bytes / 2**20,
+        }
+
+
+def use_cost(param: str, use: int, rep) -> UseCost:
+    """The estimated multiply-adds and memory of ``rep`` on each path (see the module docstring)."""
+    if isinstance(rep, R.Factored):
+        b, g, t, p = rep.left.shape
+        d = rep.right.shape[3]
+        size = rep.right.element_size()
+        ghost = 2 * b * g * t * t * (p + d) + b * g * t * t + 2 * b * g * t * p * d
+        inst = 2 * b * g * t * p * d + 2 * b * g * p * d
+        return UseCost(param, use, "linear", ghost, inst, b * g * t * t * size, b * g * p * d * size)
+    if isinstance(rep, R.OneHot):
+        b, t = rep.index.shape
+        d = rep.right.shape[-1]
+        size = rep.right.element_size()
+        ghost = b * t * t * (d + 1) + b * t * d
+        inst = 3 * b * rep.num_rows * d + b * t * d
+        return UseCost(param, use, "embedding", ghost, inst, b * t * t * size, b * rep.num_rows * d * size)
+    numel = rep.grad.numel()
+    return UseCost(param, use, "dense", 2 * numel, 2 * numel, 0, numel * rep.grad.element_size(), why="no choice")
+
+
+def check_budget(budget: float | None) -> float | None:
+    """``memory_budget`` as given, or an :class:`~dpzoo.errors.InvalidArgumentError` saying what it must be."""
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget >= 0:
+        raise InvalidArgumentError(
+            f"memory_budget must be a number of bytes >= 0 (0: ghost norm everywhere) or None (half of the "
+            f"device's free memory), got {budget!r}."
+        )
+    return float(budget)
+
+
+def default_budget(device: torch.device) -> float:
+    """:data:`BUDGET_FRACTION` of the free memory of ``device`` (CUDA: the driver's count; CPU:
+    the available physical memory), or 1 GiB where it cannot be read."""
+    free: float | None = None
+    if device.type == "cuda" and torch.cuda.is_available():
+        free = float(torch.cuda.mem_get_info(device)[0])
+    elif device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            free = float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError):
+            free = None
+    return BUDGET_FRACTION * free if free else float(2**30)
+
+
+def plan_uses(by_param: dict[str, list], budget: float | None = None) -> dict[str, list[UseCost]]:
+    """{parameter: one :class:`UseCost` per use, with the choice made} for a step's
+    representations (``by_param``: parameter name → its uses' representations). ``budget``:
+    bytes the instantiated uses may hold together (None: :func:`default_budget` of their device).
+    A parameter with more than two uses is summed densely by :class:`~dpzoo.grad_norms.reps.ParamGrad`
+    (O(uses) instead of O(uses²) cross terms): its uses are reported, not planned."""
+    costs = {n: [use_cost(n, i, r) for i, r in enumerate(rs)] for n, rs in by_param.items()}
+    if budget is None:
+        device = next((_device(r) for rs in by_param.values() for r in rs), torch.device("cpu"))
+        budget = default_budget(device)
+    plannable = [c for n, cs in costs.items() if len(cs) <= 2 for c in cs if c.kind != "dense"]
+    faster = sorted(
+        (c for c in plannable if c.instantiate_flops < c.ghost_flops),
+        key=lambda c: (c.ghost_flops - c.instantiate_flops) / max(c.instantiate_bytes, 1.0),
+        reverse=True,
+    )
+    chosen: dict[tuple[str, int], str] = {}
+    left = budget
+    for c in faster:
+        if c.instantiate_bytes <= left:
+            chosen[(c.param, c.use)] = "instantiate: faster, fits the budget"
+            left -= c.instantiate_bytes
+    for c in plannable:
+        key = (c.param, c.use)
+        if key in chosen:
+            continue
+        if c.ghost_bytes > budget and c.instantiate_bytes < c.ghost_bytes and c.instantiate_bytes <= left:
+            chosen[key] = "instantiate: the ghost norm alone exceeds the budget"
+            left -= c.instantiate_bytes
+    out: dict[str, list[UseCost]] = {}
+    for n, cs in costs.items():
+        rows = []
+        for c in cs:
+            if c.kind == "dense":
+                rows.append(c)
+            elif len(cs) > 2:
+                rows.append(_with(c, False, f"summed densely with the other {len(cs) - 1} uses"))
+            elif (c.param, c.use) in chosen:
+                rows.append(_with(c, False, chosen[(c.param, c.use)]))
+            elif c.instantiate_flops < c.ghost_flops:
+                rows.append(_with(c, True, "ghost: instantiating would exceed the budget"))
+            else:
+                rows.append(_with(c, True, "ghost: faster"))
+        out[n] = rows
+    return out
+
+
+def _with(c: UseCost, ghost: bool, why: str) -> UseCost:
+    return UseCost(
+        c.param, c.use, c.kind, c.ghost_flops, c.instantiate_flops, c.ghost_bytes, c.instantiate_bytes, ghost, why
+    )
+
+
+def _device(rep) -> torch.device:
+    return rep.grad.device if isinstance(rep, R.Dense) else rep.right.device

@@ -1,0 +1,133 @@
+"""The per-layer planner (dpzoo.grad_norms.cost): its cost model, its choices under a memory budget,
+the plan it shows, and that every choice it makes stays exact against brute force."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from grad_reference import assert_close, reference
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import dpzoo
+from dpzoo.errors import InvalidArgumentError, PrivacyUsageError
+from dpzoo.grad_norms import attach_norm_hooks
+from dpzoo.grad_norms import reps as R
+from dpzoo.grad_norms.cost import plan_uses, use_cost
+
+
+def _factored(b, t, p, d, g=1):
+    return R.Factored(torch.randn(b, g, t, p), torch.randn(b, g, t, d), (g * d, p) if g == 1 else (g, d, p))
+
+
+def test_cost_model_counts_both_paths():
+    b, t, p, d = 16, 128, 256, 256
+    c = use_cost("w", 0, _factored(b, t, p, d))
+    assert c.ghost_flops == 2 * b * t * t * (p + d) + b * t * t + 2 * b * t * p * d
+    assert c.instantiate_flops == 2 * b * t * p * d + 2 * b * p * d
+    assert c.instantiate_bytes == b * p * d * 4 and c.ghost_bytes == b * t * t * 4
+    e = use_cost("emb", 0, R.OneHot(torch.zeros(b, t, dtype=torch.long), torch.randn(b, t, d), 1000))
+    assert e.kind == "embedding" and e.instantiate_bytes == b * 1000 * d * 4
+
+
+def test_sequences_instantiate_and_single_positions_take_the_ghost_norm():
+    """GPT-2-like 256-wide layer at T = 128 (the BK space rule says ghost: 2T² < p·d) is
+    instantiated, being faster, when it fits; at T = 1 the ghost norm is faster."""
+    seq, single = _factored(16, 128, 256, 256), _factored(16, 1, 256, 256)
+    assert R.prefers_ghost(seq)  # the paper's space rule
+    plan = plan_uses({"seq": [seq], "single": [single]}, budget=2**30)
+    assert [c.ghost for c in plan["seq"]] == [False] and "faster" in plan["seq"][0].why
+    assert [c.ghost for c in plan["single"]] == [True]
+    assert [c.ghost for c in plan_uses({"seq": [seq]}, budget=0)["seq"]] == [True]
+
+
+def test_one_budget_is_shared_by_time_saved_per_byte():
+    small, big = _factored(4, 64, 32, 32), _factored(4, 64, 128, 128)
+    cs, cb = use_cost("s", 0, small), use_cost("b", 0, big)
+    assert cs.instantiate_flops < cs.ghost_flops and cb.instantiate_flops < cb.ghost_flops
+    per_byte = {n: (c.ghost_flops - c.instantiate_flops) / c.instantiate_bytes for n, c in (("s", cs), ("b", cb))}
+    first = max(per_byte, key=per_byte.get)
+    budget = max(cs.instantiate_bytes, cb.instantiate_bytes)  # room for one, not both
+    plan = plan_uses({"s": [small], "b": [big]}, budget=budget)
+    instantiated = [n for n, rows in plan.items() if not rows[0].ghost]
+    assert instantiated == [first]
+    assert sum(rows[0].instantiate_bytes for n, rows in plan.items() if not rows[0].ghost) <= budget
+    plan = plan_uses({"s": [small], "b": [big]}, budget=cs.instantiate_bytes + cb.instantiate_bytes)
+    assert all(not rows[0].ghost for rows in plan.values())
+
+
+class _TiedLM(nn.Module):
+    """Embedding tied to the output projection, a sequence Linear and a per-sample Linear."""
+
+    def __init__(self, vocab=40, d=12):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.mix = nn.Linear(d, d)
+        self.out = nn.Linear(d, vocab, bias=False)
+        self.out.weight = self.emb.weight
+        self.pooled = nn.Linear(d, 3)
+
+    def forward(self, ids):
+        h = torch.tanh(self.mix(self.emb(ids)))
+        return self.out(h), self.pooled(h.mean(1))
+
+
+def _loss(model, ids, y):
+    logits, pooled = model(ids)
+    lm = nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten(), reduction="sum")
+    return lm + nn.functional.cross_entropy(pooled, y, reduction="sum")
+
+
+@pytest.mark.parametrize("budget", [0, 5_000, None, 1e12])
+def test_every_plan_is_exact_against_brute_force(budget):
+    torch.manual_seed(0)
+    model = _TiedLM().double()
+    ids, y = torch.randint(0, 40, (5, 9)), torch.randint(0, 3, (5,))
+    scale = torch.rand(5, dtype=torch.float64) + 0.1
+    total, _, clipped = reference(model, _loss, {"ids": ids, "y": y}, 5, scale)
+    with attach_norm_hooks(model, memory_budget=budget) as hooks:
+        hooks.backward(_loss(model, ids, y))
+        assert_close(hooks.per_sample_norms(), total, 1e-9, "norms")
+        got = hooks.clipped_sum(scale)
+        for n in clipped:
+            assert_close(got[n], clipped[n], 1e-9, n)
+        plan = hooks.plan()
+    choices = {(r["param"], r["use"]): r["choice"] for r in plan}
+    assert set(choices) >= {("emb.weight", 0), ("emb.weight", 1), ("mix.weight", 0), ("pooled.weight", 0)}
+    inst = sum(r["instantiate_mb"] for r in plan if r["choice"] == "instantiate") * 2**20
+    if budget is not None:
+        assert inst <= budget
+    if budget == 0:
+        assert all(r["choice"] in ("ghost", "dense") for r in plan)
+    if budget == 1e12:  # the sequence layers are faster instantiated; the T = 1 head is not
+        assert choices[("mix.weight", 0)] == "instantiate" and choices[("pooled.weight", 0)] == "ghost"
+
+
+def test_plan_through_the_engine_and_bad_budgets():
+    torch.manual_seed(0)
+    model = _TiedLM()
+    ds = TensorDataset(torch.randint(0, 40, (20, 9)), torch.randint(0, 3, (20,)))
+    engine = dpzoo.PrivacyEngine()
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(ds, batch_size=5),
+        noise_multiplier=1.0,
+        memory_budget=0,
+    )
+    with pytest.raises(PrivacyUsageError, match="run a forward and a backward"):
+        engine.plan()
+    for ids, y in loader:
+        if len(y):
+            logits, pooled = model(ids)
+            nn.functional.cross_entropy(pooled, y).backward()  # the LM head is unused: zeros
+        opt.step()
+        opt.zero_grad()
+    plan = engine.plan()  # the last step assembled
+    assert plan and all(r["choice"] in ("ghost", "dense") for r in plan)
+    assert {"param", "use", "choice", "why", "ghost_gflop", "instantiate_gflop", "ghost_mb", "instantiate_mb"} <= set(
+        plan[0]
+    )
+    for bad in (-1, "1GB", True):
+        with pytest.raises(InvalidArgumentError, match="memory_budget"):
+            attach_norm_hooks(nn.Linear(2, 2), memory_budget=bad)
