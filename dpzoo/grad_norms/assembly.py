@@ -19,11 +19,29 @@ from .capture import Step
 from .cost import plan_uses
 from .plan import ModelPlan
 
-__all__ = ["assemble", "rep_shape"]
+__all__ = ["assemble", "rep_shape", "common_dtype"]
 
 
 def rep_shape(rep) -> tuple:
     return tuple(rep.grad.shape[1:]) if isinstance(rep, R.Dense) else tuple(rep.shape)
+
+
+def common_dtype(activations, grad):
+    """``(activations, grad)`` in one floating dtype. Under autocast a layer's input and its output
+    gradient differ (float32 and bfloat16 / float16), and half-precision sums lose the small
+    per-sample terms, so the per-sample representations are formed in float32 whenever a half
+    dtype or two dtypes meet (float64 if one is float64); the clipped sum is cast back to the
+    parameter's dtype. One full-precision dtype is left as it is."""
+    tensors = [t for t in (*(activations or ()), grad) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    found = {t.dtype for t in tensors}
+    if len(found) <= 1 and not found & {torch.float16, torch.bfloat16}:
+        return activations, grad
+    target = torch.float64 if torch.float64 in found else torch.float32
+
+    def cast(t):
+        return t.to(target) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    return (None if activations is None else tuple(cast(a) for a in activations)), cast(grad)
 
 
 def assemble(
@@ -41,18 +59,18 @@ def assemble(
         if use.loose:
             n = use.params[0]
             name = plan.param_names[id(use.module._parameters[n])]
-            by_param[name].append(R.Dense(use.grad.unsqueeze(1)))
+            by_param[name].append(R.Dense(common_dtype((), use.grad)[1].unsqueeze(1)))
             sizes.add((use.module_name, use.grad.shape[0]))
             continue
         rule = plan.rules[id(use.module)]
         check_versions(use)
+        activations, grad = common_dtype(use.activations, use.grad)
         try:
-            out = rule.fn(use.module, use.activations, use.grad, set(use.params))
-        except RuntimeError as e:  # e.g. mixed dtypes under autocast: refuse, naming the layer
+            out = rule.fn(use.module, activations, grad, set(use.params))
+        except RuntimeError as e:  # a rule that does not fit what the layer computed: refuse, naming it
             raise UnsupportedModuleError(
                 f"The per-sample rule for {use.module_name} ({type(use.module).__name__}) failed on what the layer "
-                f"recorded ({str(e).splitlines()[0][:160]}). Mixed precision by autocast is not supported: "
-                "convert the model to one dtype instead."
+                f"recorded ({str(e).splitlines()[0][:160]}): the module does not compute what its rule assumes."
             ) from e
         use.activations = None  # the representations hold what is needed from here on
         for local, rep in out.items():

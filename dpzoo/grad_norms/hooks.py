@@ -206,10 +206,10 @@ class NormHooks:
         for name, g in grads.items():
             try:
                 total = g.clipped_sum(scale)
-            except RuntimeError as e:  # mixed dtypes (autocast) between activations and gradients
+            except RuntimeError as e:  # representations that do not fit together: refuse, naming the parameter
                 raise UnsupportedModuleError(
-                    f"The clipped sum of {name} failed on what its layer recorded ({str(e).splitlines()[0][:160]}). "
-                    "Mixed precision by autocast is not supported: convert the model to one dtype instead."
+                    f"The clipped sum of {name} failed on what its layer recorded ({str(e).splitlines()[0][:160]}): "
+                    "the module does not compute what its rule assumes."
                 ) from e
             out[name] = total.to(self._plan.params[name].dtype)
         return out

@@ -377,7 +377,16 @@ class DPOptimizer(WrappedOptimizer):
         self._step_batch = None
         return True
 
+    # GradScaler then hands step() its scale as ``grad_scale``: a scaled loss is seen and refused
+    _step_supports_amp_scaling = True
+
     def step(self, closure=None):
+        if getattr(self, "grad_scale", None) is not None:
+            raise PrivacyUsageError(
+                "GradScaler (float16 loss scaling) is not supported: the per-sample gradients dpzoo clips would be "
+                "multiplied by the loss scale. Use bfloat16 autocast, which needs no scaler "
+                "(torch.autocast(device, dtype=torch.bfloat16)), or float32."
+            )
         if closure is not None:
             with torch.enable_grad():
                 closure()
