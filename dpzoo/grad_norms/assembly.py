@@ -15,6 +15,7 @@ from . import reps as R
 from .audit import check_versions
 from .capture import Step
 from .plan import ModelPlan
+from .sharded import planned
 
 __all__ = ["assemble", "rep_shape"]
 
@@ -26,6 +27,10 @@ def rep_shape(rep) -> tuple:
 def assemble(step: Step, plan: ModelPlan, ghost: bool | None) -> dict[str, R.ParamGrad]:
     """{parameter name: its per-sample gradients} from the records of ``step`` (audited before:
     :func:`dpzoo.grad_norms.audit.check_step`). Sets ``step.unreached``; drops the activations."""
+    if step.batch_size == 0:  # an empty batch (under FSDP2 every rank runs one): no sample, no rule to run
+        step.unreached = []
+        empty = {n: [R.Dense(torch.zeros(0, *p.shape, dtype=p.dtype, device=p.device))] for n, p in plan.params.items()}
+        return {n: R.ParamGrad(rs, ghost) for n, rs in empty.items()}
     by_param: dict[str, list] = {n: [] for n in plan.params}
     sizes = set()
     for use in step.uses:
@@ -33,7 +38,7 @@ def assemble(step: Step, plan: ModelPlan, ghost: bool | None) -> dict[str, R.Par
             continue  # output did not reach the loss
         if use.loose:
             n = use.params[0]
-            name = plan.param_names[id(use.module._parameters[n])]
+            name = plan.param_names[id(planned(step.aliases, use.module._parameters[n]))]
             by_param[name].append(R.Dense(use.grad.unsqueeze(1)))
             sizes.add((use.module_name, use.grad.shape[0]))
             continue
@@ -49,7 +54,7 @@ def assemble(step: Step, plan: ModelPlan, ghost: bool | None) -> dict[str, R.Par
             ) from e
         use.activations = None  # the representations hold what is needed from here on
         for local, rep in out.items():
-            p = getattr(use.module, local)
+            p = planned(step.aliases, getattr(use.module, local))  # FSDP2: the sharded parameter
             if tuple(rep_shape(rep)) != tuple(p.shape):
                 raise UnsupportedModuleError(
                     f"The rule for {use.module_name} ({type(use.module).__name__}) produced a per-sample "
