@@ -30,6 +30,7 @@ from .integrations.opacus import unwrap_for_save
 from .integrations.peft_layers import refuse_save as refuse_peft_save
 from .privacy.engine import engine_of
 from .registry import LOAD_KEYWORDS, OVERRIDE_SYNONYMS, get_entry, is_model, reject_unknown_overrides, split_name
+from .sharded_save import save_if_sharded
 
 __all__ = [
     "load",
@@ -220,14 +221,15 @@ def _model_dtype(model: nn.Module) -> str | None:
 def save(
     model: nn.Module, directory: str | os.PathLike, *, privacy: Mapping[str, Any] | None = None, overwrite: bool = True
 ) -> Path:
-    """Write ``model`` to ``directory`` (safetensors + JSON), atomically.
+    """Write ``model`` to ``directory`` (safetensors + JSON), atomically (through a temporary directory).
 
     ``privacy``: optional DP metadata (epsilon, delta, accountant, steps, sample_rate and
     optionally noise_multiplier, max_grad_norm, privacy_unit); it goes into the JSON and
     into the safetensors header. A model trained by dpzoo's engine fills it in itself; one Opacus
     wrapped is unwrapped and needs ``privacy=dpzoo.integrations.opacus.privacy_metadata(engine, delta)``.
-    Nothing is left half-written: files are written to a temporary directory first.
     """
+    if (sharded := save_if_sharded(model, directory, save, privacy, overwrite)) is not None:
+        return sharded  # FSDP2: every rank gathers, rank 0 writes (dpzoo.sharded_save)
     refuse_peft_save(model)
     model = unwrap_for_save(model, privacy)  # Opacus' GradSampleModule -> the zoo model
     config = getattr(model, "dpzoo_config", None)

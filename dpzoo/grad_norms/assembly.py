@@ -18,6 +18,7 @@ from .audit import check_versions
 from .capture import Step
 from .cost import plan_uses
 from .plan import ModelPlan
+from .sharded import planned
 
 __all__ = ["assemble", "rep_shape", "common_dtype"]
 
@@ -51,6 +52,11 @@ def assemble(
     :func:`dpzoo.grad_norms.audit.check_step`). Sets ``step.unreached`` and ``step.costs`` (the
     planner's choice per use, :mod:`dpzoo.grad_norms.cost`, when ``ghost`` is None: ghost norm or
     instantiation by time within ``memory_budget`` bytes); drops the activations."""
+    if step.batch_size == 0:  # an empty batch (under FSDP2 every rank runs one): no sample, no rule to run
+        step.unreached = []
+        empty = {n: [R.Dense(torch.zeros(0, *p.shape, dtype=p.dtype, device=p.device))] for n, p in plan.params.items()}
+        step.costs = plan_uses(empty, 0.0)
+        return {n: R.ParamGrad(rs, ghost) for n, rs in empty.items()}
     by_param: dict[str, list] = {n: [] for n in plan.params}
     sizes = set()
     for use in step.uses:
@@ -58,7 +64,7 @@ def assemble(
             continue  # output did not reach the loss
         if use.loose:
             n = use.params[0]
-            name = plan.param_names[id(use.module._parameters[n])]
+            name = plan.param_names[id(planned(step.aliases, use.module._parameters[n]))]
             by_param[name].append(R.Dense(common_dtype((), use.grad)[1].unsqueeze(1)))
             sizes.add((use.module_name, use.grad.shape[0]))
             continue
@@ -74,7 +80,7 @@ def assemble(
             ) from e
         use.activations = None  # the representations hold what is needed from here on
         for local, rep in out.items():
-            p = getattr(use.module, local)
+            p = planned(step.aliases, getattr(use.module, local))  # FSDP2: the sharded parameter
             if tuple(rep_shape(rep)) != tuple(p.shape):
                 raise UnsupportedModuleError(
                     f"The rule for {use.module_name} ({type(use.module).__name__}) produced a per-sample "

@@ -20,6 +20,7 @@ from torch.autograd.graph import GradientEdge
 
 from ..errors import PrivacyUsageError, UnsupportedModuleError
 from .capture import Recorder, Step, Use
+from .sharded import aliases_of, planned
 
 __all__ = ["count_edges", "compare_uses", "stray_grad_hook", "check_versions", "check_step"]
 
@@ -62,7 +63,7 @@ def compare_uses(step: Step, params: dict[str, nn.Parameter]) -> None:
         if u.edge is not None and id(cast(GradientEdge, u.edge).node) not in step.walked:
             continue  # this call's output does not reach the loss
         for n in u.params:
-            pid = id(getattr(u.module, n))
+            pid = id(planned(step.aliases, getattr(u.module, n)))  # FSDP2's stand-in counts as the parameter
             if u.edge is None:  # one use per module call per backward pass
                 per_task[pid, u.task] = per_task.get((pid, u.task), 0) + 1
             else:
@@ -73,9 +74,10 @@ def compare_uses(step: Step, params: dict[str, nn.Parameter]) -> None:
     for pid, k in calls.items():
         recorded[pid] = recorded.get(pid, 0) + k
     for name, p in params.items():
-        if step.edges.get(id(p), 0) > recorded.get(id(p), 0):
+        used = step.edges.get(id(p), 0) + sum(step.edges.get(id(a), 0) for a in aliases_of(step.aliases, p))
+        if used > recorded.get(id(p), 0):
             raise UnsupportedModuleError(
-                f"Parameter {name} is used {step.edges[id(p)]} time(s) in this step but dpzoo recorded "
+                f"Parameter {name} is used {used} time(s) in this step but dpzoo recorded "
                 f"{recorded.get(id(p), 0)}: it is used outside the module that owns it (e.g. `x @ "
                 "module.weight` in another module's forward, or in the loss). Its per-sample gradient "
                 "cannot be accounted for; route every use through a module, or freeze it."

@@ -11,7 +11,9 @@ the graph audit's counts) and the runtime flags shared with ghost differentiatio
 * on each layer whose rule needs activations: its input (detached, with version counters) and
   a gradient catcher on its output;
 * on activation-free layers (DP-BiTFiT): a backward hook storing the output gradient only;
-* on owners of loose tensors: per-sample copies swapped in for the module's forward.
+* on owners of loose tensors: per-sample copies swapped in for the module's forward;
+* under FSDP2, the unsharded tensors that stand in for sharded parameters during a pass
+  (:mod:`dpzoo.grad_norms.sharded`), noted so the audit and ghost differentiation see them.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 
 from ..errors import UnsupportedModuleError
 from .plan import ModelPlan, ModulePlan
+from .sharded import is_dtensor, note_alias, stands_in
 
 __all__ = ["Use", "Step", "Recorder", "Capture", "output_tensors", "first_tensor", "in_backward"]
 
@@ -65,6 +68,7 @@ class Step:
     costs: dict = field(default_factory=dict)  # the planner's choice per use of each parameter (cost.UseCost)
     calls: list = field(default_factory=list)  # per root forward call: its output tensors (real ones)
     cotangents: dict = field(default_factory=dict)  # id(real output) -> its gradient (ghost_backward)
+    aliases: dict = field(default_factory=dict)  # id(stand-in) -> (stand-in, planned parameter): FSDP2
 
 
 class Recorder:
@@ -123,9 +127,18 @@ class Capture:
     """Registers the recording hooks of ``plan`` on ``model``, recording into ``rec``.
     ``wrap(output, found)``: applied to the root's output (ghost differentiation), or None."""
 
-    def __init__(self, model: nn.Module, plan: ModelPlan, rec: Recorder, wrap: Callable | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: ModelPlan,
+        rec: Recorder,
+        wrap: Callable | None = None,
+        on_alias: Callable | None = None,
+    ):
         self.model, self.plan, self.rec, self.wrap = model, plan, rec, wrap
         self.bw_modules: list[nn.Module] = []
+        self.on_alias = on_alias  # (planned parameter, its stand-in) the first time one is seen
+        self.seen_aliases: set[int] = set()
 
     def register(self, root_pre_hook: Callable | None = None) -> None:
         """Register every hook; ``root_pre_hook`` (default :meth:`begin_forward`) replaces the
@@ -154,6 +167,8 @@ class Capture:
                     pre = self._backward_hook(plan)
                     handles.append(m.register_full_backward_pre_hook(lambda mod, go, f=pre: f(mod, None, go)))
                 self.bw_modules.append(target)
+                if any(is_dtensor(t) for t in plan.tensors):  # FSDP2: note the unsharded stand-ins
+                    handles.append(m.register_forward_pre_hook(self._alias_pre_hook(plan)))
         # The root's output hook last: when the root is itself a hooked layer (a bare nn.Linear),
         # the layer's hook must see the real output, not the one wrapped for ghost differentiation.
         handles.append(self.model.register_forward_hook(self._root_post_hook))
@@ -231,7 +246,7 @@ class Capture:
             x = first_tensor(args)
             if x is None or x.dim() == 0:
                 raise UnsupportedModuleError(f"{plan.name} ({type(module).__name__}) got no batched tensor input.")
-            if any(module._parameters.get(n) is not t for n, t in zip(plan.params, plan.tensors)):
+            if not self.note_aliases(plan, module):
                 raise UnsupportedModuleError(
                     f"The parameters of {plan.name} ({type(module).__name__}) were swapped for other tensors during "
                     "this forward (torch.func.functional_call, a parametrization or stateless call): dpzoo's rule "
@@ -271,6 +286,35 @@ class Capture:
             output.register_hook(self._grad_catcher(use))
             rec.step.uses.append(use)
             return expanded  # None (output unchanged) unless expanded
+
+        return hook
+
+    def note_aliases(self, plan: ModulePlan, module: nn.Module) -> bool:
+        """Note FSDP2's unsharded stand-ins for ``plan``'s parameters in this step; False if a
+        parameter slot holds any other tensor (a swap the rule cannot attribute)."""
+        for n, t in zip(plan.params, plan.tensors):
+            now = module._parameters.get(n)
+            if now is t:
+                continue
+            if not stands_in(t, now):
+                return False
+            note_alias(self.rec.step.aliases, t, now)
+            if id(now) not in self.seen_aliases:  # FSDP2 keeps one unsharded tensor per parameter
+                self.seen_aliases.add(id(now))
+                if self.on_alias is not None:
+                    self.on_alias(t, now)
+        return True
+
+    def _alias_pre_hook(self, plan: ModulePlan):
+        def hook(module, args):
+            if torch.is_grad_enabled() and not self.rec.paused and not in_backward():
+                self.rec.new_step_if_done()
+                if not self.note_aliases(plan, module):
+                    raise UnsupportedModuleError(
+                        f"The parameters of {plan.name} ({type(module).__name__}) were swapped for other tensors "
+                        "during this forward: dpzoo's rule would attribute the gradient to the wrong tensor."
+                    )
+            return None
 
         return hook
 

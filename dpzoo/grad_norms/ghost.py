@@ -19,6 +19,7 @@ from ..errors import PrivacyUsageError, UnsupportedModuleError
 from .audit import compare_uses, count_edges
 from .capture import Recorder
 from .plan import ModelPlan
+from .sharded import aliases_of, is_dtensor
 
 __all__ = ["GhostBackward", "wrap_outputs", "ghost_differentiate"]
 
@@ -93,7 +94,12 @@ def ghost_differentiate(rec: Recorder, plan: ModelPlan, roots: list, grads: list
     n_edges = len(targets)
     for mp in plan.modules:  # bias-only layers: their backward hooks fire on the way
         if not mp.needs_activations:
-            targets += [getattr(mp.module, n) for n in mp.params if getattr(mp.module, n).requires_grad]
+            for n in mp.params:
+                p = getattr(mp.module, n)
+                if is_dtensor(p):  # FSDP2: the graph holds the unsharded stand-ins seen in forward
+                    targets += [a for a in aliases_of(rec.step.aliases, p) if a.requires_grad]
+                elif p.requires_grad:
+                    targets.append(p)
     if not targets:
         raise PrivacyUsageError(
             "No hooked layer took part in this forward pass; nothing to differentiate: "

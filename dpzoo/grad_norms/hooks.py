@@ -95,7 +95,13 @@ class NormHooks:
         self.ghost_backward = ghost_backward
         self._rec = Recorder()
         self._plan = plan_model(model)
-        self._capture = Capture(model, self._plan, self._rec, wrap=self._wrap_outputs if ghost_backward else None)
+        self._capture = Capture(
+            model,
+            self._plan,
+            self._rec,
+            wrap=self._wrap_outputs if ghost_backward else None,
+            on_alias=self._watch_alias if ghost_backward else None,
+        )
         # the root pre-hook is this handle's own method: the model keeps the handle alive
         self._capture.register(root_pre_hook=self.begin_forward)
         if ghost_backward:
@@ -105,6 +111,12 @@ class NormHooks:
             for name, p in self._plan.params.items():
                 self._rec.handles.append(p.register_hook(stray_grad_hook(self._rec, name)))
         model._dpzoo_norm_hooks = weakref.ref(self)
+
+    def _watch_alias(self, planned: torch.Tensor, stand_in: torch.Tensor) -> None:
+        # FSDP2's unsharded parameter is what autograd accumulates into: watch it for stray
+        # gradients as the planned parameter is watched (dpzoo.grad_norms.sharded)
+        name = self._plan.param_names[id(planned)]
+        self._rec.handles.append(stand_in.register_hook(stray_grad_hook(self._rec, name)))
 
     # -- capture and ghost differentiation ----------------------------------------------------
     def begin_forward(self, module: nn.Module, args: tuple, kwargs: dict | None = None) -> None:

@@ -3,13 +3,16 @@ checks that every rank passed the same dataset and the same settings to ``make_p
 
 from __future__ import annotations
 
+from typing import Callable
+
+import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 from ..errors import PrivacyUsageError
 from .data import dataset_fingerprint
 
-__all__ = ["world_and_rank", "shard", "same_on_every_rank"]
+__all__ = ["world_and_rank", "shard", "same_on_every_rank", "noised_all_reduce"]
 
 
 def world_and_rank() -> tuple[int, int]:
@@ -50,3 +53,25 @@ def same_on_every_rank(world: int, **settings) -> None:
             f"make_private got different settings on different ranks ({', '.join(diff)}): every rank must use the "
             "same batch_size, noise, clipping bound, mode and accountant, or the reported ε holds for none."
         )
+
+
+def noised_all_reduce(
+    p: torch.Tensor,
+    summed: torch.Tensor | None,
+    std: float,
+    generator_for: Callable[[torch.device], torch.Generator],
+    every_rank_draws: bool = False,
+) -> torch.Tensor:
+    """A replicated parameter's private gradient: this rank's clipped sum (zeros if none), plus
+    N(0, std²) drawn on rank 0 alone, all-reduced, so the global sum holds the noise exactly once
+    per coordinate. ``every_rank_draws`` (reproducible noise) draws on every rank and keeps rank
+    0's, so seeded generators stay in step."""
+    world, rank = world_and_rank()
+    g = torch.zeros_like(p) if summed is None else summed.to(p.dtype)
+    if std > 0 and (rank == 0 or every_rank_draws):
+        noise = torch.normal(0.0, std, size=p.shape, generator=generator_for(p.device), device=p.device, dtype=p.dtype)
+        if rank == 0:
+            g = g + noise
+    if world > 1:
+        dist.all_reduce(g)
+    return g

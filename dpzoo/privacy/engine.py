@@ -53,6 +53,7 @@ from .bitfit import freeze_all_but_biases
 from .budget import calibrate, compute_sample_rate, prior_spending
 from .data import DPDataLoader, StepSignal
 from .distributed import same_on_every_rank, shard, world_and_rank
+from .fsdp import ShardedGrads, check_fsdp_settings, check_sharding
 from .guards import check_optimizer_parameters, check_step_parameters
 from .modes import MODES, apply_mode, mode_trainable
 from .opacus_parity import OpacusParity, opacus_arguments
@@ -139,6 +140,9 @@ class PrivacyEngine(OpacusParity):
             raise PrivacyUsageError("This PrivacyEngine already made a model private; use a new engine.")
         # 1. refuse what is malformed or would make ε false (dpzoo.privacy.arguments)
         check_module(module)
+        sharded = check_sharding(module)  # FSDP2 (dpzoo.privacy.fsdp); FSDP1, tensor parallel, HSDP refused
+        if sharded:
+            check_fsdp_settings(max_physical_batch_size=max_physical_batch_size, self_check=self_check)
         check_optimizer(optimizer)
         check_settings(
             mode=mode,
@@ -229,6 +233,9 @@ class PrivacyEngine(OpacusParity):
             self_check=self_check,
             self_check_samples=self_check_samples,
         )
+        if sharded:  # every rank runs the same collective passes: an empty batch is yielded, not skipped
+            self.optimizer.grad_writer = ShardedGrads(self.optimizer)  # reduce-scatter, noise per shard
+            signal.on_empty = None
         from ..integrations.peft_layers import wrapped_model  # peft_layers imports privacy
 
         for m in (module, wrapped_model(module)[1]):  # a PEFT model's merge_and_unload() keeps the record

@@ -34,7 +34,6 @@ import warnings
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from ..errors import NoGradientWarning, PrivacyUsageError, UnsupportedModuleError
 from ..grad_norms.hooks import NormHooks
@@ -43,7 +42,7 @@ from .budget import restore_history
 from .clipping import AUTOMATIC_GAMMA as AUTOMATIC_GAMMA  # re-exported: it was defined here
 from .clipping import CLIPPING, clip_factors
 from .data import StepSignal, secret_generator
-from .distributed import world_and_rank
+from .distributed import noised_all_reduce
 from .wrapped_optimizer import WrappedOptimizer
 
 __all__ = ["DPOptimizer", "clip_factors", "CLIPPING"]
@@ -84,6 +83,8 @@ class DPOptimizer(WrappedOptimizer):
         self.signal = signal or StepSignal()
         self.noise_seed = noise_seed
         self._generators: dict[torch.device, torch.Generator] = {}  # reproducible mode only
+        # p, clipped sum -> p's private .grad; set by the engine under FSDP2 (dpzoo.privacy.fsdp)
+        self.grad_writer: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
         self._summed: dict[str, torch.Tensor] = {}
         self._written: dict[str, torch.Tensor] = {}  # the private .grad tensors this optimizer set
         self._warned_no_grad: set[str] = set()
@@ -134,7 +135,7 @@ class DPOptimizer(WrappedOptimizer):
         if self.noise_seed is not None and state.get("noise_seed") is not None:
             self.noise_seed = state["noise_seed"]
             for dev, st in state.get("generators", {}).items():
-                self._generator(torch.device(dev)).set_state(st)
+                self.generator_for(torch.device(dev)).set_state(st)
 
     def __repr__(self) -> str:
         return (
@@ -163,7 +164,8 @@ class DPOptimizer(WrappedOptimizer):
         return capture
 
     # -- DP: overridable steps -------------------------------------------------------------
-    def _generator(self, device: torch.device) -> torch.Generator:
+    def generator_for(self, device: torch.device) -> torch.Generator:
+        """The generator of this step's noise on ``device`` (fresh OS entropy, or the seeded one)."""
         if self.noise_seed is None:
             return secret_generator(device)  # fresh OS entropy for every draw
         if device not in self._generators:
@@ -286,29 +288,23 @@ class DPOptimizer(WrappedOptimizer):
             )
 
     def add_noise(self) -> None:
-        """Write ``p.grad`` = clipped sum (+ N(0, σ²R²) on rank 0), all-reduced across ranks."""
+        """Write ``p.grad`` = clipped sum over all ranks + N(0, σ²R²) once per coordinate (by
+        :meth:`replicated_grad`, or the engine's :attr:`grad_writer` for sharded parameters)."""
         params = self.hooks.trainable_parameters
-        world, rank = world_and_rank()
-        std = self.noise_multiplier * self.max_grad_norm
         if self.samples_in_step:
             self._warn_no_gradient([n for n in params if n not in self._reached])
         self._reached = set()
+        write = self.grad_writer or self.replicated_grad
         for name, p in params.items():
-            g = self._summed.get(name)
-            g = torch.zeros_like(p) if g is None else g.to(p.dtype)
-            # rank 0 draws the noise once for everyone: the all-reduced sum holds N(0, σ²R²);
-            # reproducible mode draws on every rank so the generators stay in step
-            if std > 0 and (rank == 0 or self.noise_seed is not None):
-                noise = torch.normal(
-                    0.0, std, size=p.shape, generator=self._generator(p.device), device=p.device, dtype=p.dtype
-                )
-                if rank == 0:
-                    g = g + noise
-            if world > 1:
-                dist.all_reduce(g)
+            g = write(p, self._summed.get(name))
             p.grad = g
             self._written[name] = g
         self._summed = {}
+
+    def replicated_grad(self, p: torch.Tensor, summed: torch.Tensor | None) -> torch.Tensor:
+        """A replicated parameter's private gradient (:func:`~dpzoo.privacy.distributed.noised_all_reduce`)."""
+        std = self.noise_multiplier * self.max_grad_norm
+        return noised_all_reduce(p, summed, std, self.generator_for, every_rank_draws=self.noise_seed is not None)
 
     def scale_grad(self) -> None:
         """``loss_reduction="mean"``: divide the noisy sum by the expected logical batch size."""
