@@ -1,11 +1,28 @@
-"""Time and memory of one training step: non-private vs dpzoo vs Opacus, as ratios.
+"""Time and memory of one training step: non-private vs dpzoo vs Opacus, as ratios that survive a noisy machine.
 
-Each (model, mode) runs in its own process (so peak memory is its own): the median of
-``--steps`` steps after ``--warmup`` steps, and the process's peak RSS. Results are written
-as JSON and a PNG, each mode reported as a ratio to non-private full training of the same
-model in the same run. Not a test: timings depend on the machine.
+Time, per config, in ONE process: every mode's model and optimizer (and dpzoo engine / Opacus
+wrapper) is built once from the same seed (``bench_modes.py``), warmed up, then run in
+``--rounds`` rounds (≥ 5); in each round every mode runs ``--steps-per-round`` steps, the modes in an
+order rotated by one each round (A B C, then B C A, then C A B, …) so no mode always follows a pause.
+Within a round the modes take turns step by step (A B C A B C …), so each mode's steps
+span the same stretch of time as the baseline's. A mode's round time is the median of its steps
+in that round; its per-round ratio is that time
+over non-private full training's time in the same round, so noise common to a round cancels. The
+reported ratio is the median of the per-round ratios; the interval is their min–max over the
+rounds, which, read as a distribution-free confidence interval for that median, covers it with
+probability 1 − 2^(1 − rounds) (93.8% for 5 rounds, 98.4% for 7). DP-BiTFiT is also reported
+against non-private bias-only training, round by round in the same way.
 
-    python benchmarks/bench_training_step.py --out benchmarks/results
+Memory, per mode, in a separate process each (``--no-memory`` skips it), as a ratio to
+non-private full: on CPU the peak RSS during the training steps minus the RSS before them (the
+libraries, model and engine; their imports peak far above any step, which made every whole-process
+ratio 1.00; the high-water mark is reset via /proc/self/clear_refs), on a GPU
+``torch.cuda.max_memory_allocated``.
+
+Writes ``training_step.json`` and ``training_step.png`` to ``--out``; ``benchmarks/table.py``
+prints the README's markdown table from the JSON. Not a test: timings depend on the machine.
+
+    python benchmarks/bench_training_step.py --configs gpt2-4x256-v1024-tied --out benchmarks/results
 """
 
 from __future__ import annotations
@@ -14,235 +31,254 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
 import time
-import warnings
 from pathlib import Path
 
-MODES = ["nonprivate-full", "nonprivate-bias", "dpzoo-bk-mixopt", "dpzoo-bitfit", "opacus-hooks", "opacus-ghost"]
-CONFIGS = {
-    "resnet18-gn-bias@32": dict(kind="image", name="resnet18-gn-bias", size=32, batch=32),
-    "resnet18-gn-bias@128": dict(kind="image", name="resnet18-gn-bias", size=128, batch=32),
-    "gpt2-4x256-v1024-tied": dict(kind="lm", tied=True, batch=16, seq=128),
-    "gpt2-4x256-v1024-untied": dict(kind="lm", tied=False, batch=16, seq=128),
-    # MovieLens-1M sized next-item models (3,416 items, d = 64, 2 blocks), the DPFormer setting
-    "transformer-seqrec-ml1m": dict(kind="seqrec", name="transformer-seqrec", batch=128, seq=50, items=3416),
-    "dpformer-ml1m": dict(kind="seqrec", name="dpformer", batch=128, seq=50, items=3416),
-}
+from bench_modes import ALL_CONFIGS, BASELINE, CONFIGS, MODES, SECOND_BASELINE, Unsupported, make_runner, peak_memory
+
+MIN_ROUNDS = 5
+INTERVAL = "min-max of the per-round ratios; as a distribution-free CI for their median, coverage 1 - 2^(1 - rounds)"
 
 
-def _build(cfg):
-    import torch
-
-    import dpzoo
-
-    torch.manual_seed(0)
-    if cfg["kind"] == "image":
-        model = dpzoo.load(cfg["name"], num_classes=10)
-        x = torch.randn(cfg["batch"], 3, cfg["size"], cfg["size"])
-        y = torch.randint(0, 10, (cfg["batch"],))
-        crit = torch.nn.CrossEntropyLoss()
-        fwd = lambda m, x: m(x)  # noqa: E731
-    elif cfg["kind"] == "seqrec":
-        from dpzoo.losses import SequenceCrossEntropy
-
-        model = dpzoo.load(cfg["name"], num_items=cfg["items"], max_len=cfg["seq"])
-        x = torch.randint(1, cfg["items"] + 1, (cfg["batch"], cfg["seq"]))
-        y = torch.randint(1, cfg["items"] + 1, (cfg["batch"], cfg["seq"]))
-        if hasattr(model, "set_token_frequencies"):  # Re-Attention active in every mode, as in training
-            model.set_token_frequencies(x)
-            model.set_dp_noise(noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=cfg["batch"])
-        crit = SequenceCrossEntropy(ignore_index=0)
-        fwd = lambda m, x: m(x)  # noqa: E731
-    else:
-        from dpzoo.losses import SequenceCrossEntropy
-
-        model = dpzoo.load(
-            "gpt2",
-            vocab_size=1024,
-            num_layers=4,
-            width=256,
-            num_heads=4,
-            max_positions=cfg["seq"],
-            tie_word_embeddings=cfg["tied"],
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
-        x = torch.randint(0, 1024, (cfg["batch"], cfg["seq"]))
-        y = x.clone()
-        crit = SequenceCrossEntropy(shift=True)
-        fwd = lambda m, x: m(input_ids=x).logits  # noqa: E731
-    return model.train(), x, y, crit, fwd
+def round_order(modes: list[str], r: int) -> list[str]:
+    """The order of round ``r``: ``modes`` rotated left by ``r``."""
+    k = r % len(modes)
+    return modes[k:] + modes[:k]
 
 
-def worker(config: str, mode: str, warmup: int, steps: int) -> dict:
-    import torch
-    from torch.utils.data import DataLoader, TensorDataset
+def interleave(runners: dict, rounds: int, steps_per_round: int, warmup: int) -> tuple[list[list[str]], dict]:
+    """Warm every runner up, then run the rounds: (the order of each round, per mode a list per
+    round of its step times in seconds)."""
+    for run in runners.values():
+        for _ in range(warmup):
+            run.step()
+    orders, times = [], {m: [] for m in runners}
+    for r in range(rounds):
+        orders.append(round_order(list(runners), r))
+        for m in runners:
+            times[m].append([])
+        for _ in range(steps_per_round):  # A B C A B C …: each mode's steps spread over the round
+            for m in orders[-1]:
+                times[m][-1].append(runners[m].step())
+    return orders, times
 
-    import dpzoo
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(os.cpu_count() or 1)
-    cfg = CONFIGS[config]
-    model, x, y, crit, fwd = _build(cfg)
-    if mode in ("nonprivate-bias",):
-        for n, p in model.named_parameters():
-            p.requires_grad_(n.endswith("bias"))
-    opt = torch.optim.SGD([p for p in model.parameters()], lr=1e-4)
-    loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
-    if mode.startswith("dpzoo"):
-        engine = dpzoo.PrivacyEngine()
-        # batch_size = N: q = 1, so every Poisson batch is the whole (fixed) batch, as for the others
-        model, opt, loader = engine.make_private(
-            module=model,
-            optimizer=opt,
-            data_loader=loader,
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-            mode="bitfit" if mode == "dpzoo-bitfit" else "bk-mixopt",
-            train_head=None,
-        )
-    elif mode.startswith("opacus"):
-        from opacus import PrivacyEngine
-
-        from dpzoo.engines.opacus import make_private
-
-        try:
-            out = make_private(
-                PrivacyEngine(),
-                module=model,
-                optimizer=opt,
-                data_loader=loader,
-                noise_multiplier=1.0,
-                max_grad_norm=1.0,
-                poisson_sampling=False,
-                criterion=crit,
-                grad_sample_mode="ghost" if mode == "opacus-ghost" else "hooks",
-            )
-        except dpzoo.UnsupportedModuleError as e:
-            return {"config": config, "mode": mode, "error": str(e).split(":")[0]}
-        if mode == "opacus-ghost":
-            model, opt, crit, loader = out
-        else:
-            model, opt, loader = out
-    times = []
-    for i in range(warmup + steps):
-        if mode.startswith("dpzoo"):  # the engine steps only on batches from its loader
-            x, y = next(iter(loader))
-        t = time.perf_counter()
-        loss = crit(fwd(model, x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
+def ratio_summary(mode_rounds: list[list[float]], base_rounds: list[list[float]]) -> dict:
+    """Per-round ratios (median of the mode's steps in round i over the baseline's in round i),
+    their median and min–max interval."""
+    if len(mode_rounds) != len(base_rounds):
+        raise ValueError("mode and baseline must have the same rounds")
+    per_round = [statistics.median(m) / statistics.median(b) for m, b in zip(mode_rounds, base_rounds)]
     return {
-        "config": config,
-        "mode": mode,
-        "step_s": statistics.median(times),
-        "steps": steps,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "median": statistics.median(per_round),
+        "low": min(per_round),
+        "high": max(per_round),
+        "per_round": per_round,
     }
 
 
-def plot(results: list[dict], path: Path) -> None:
+def time_config(config: str, modes: list[str], device: str, rounds: int, steps_per_round: int, warmup: int) -> dict:
+    """Build every mode of ``config`` in this process and time them interleaved."""
+    runners, result = {}, {}
+    for m in modes:
+        try:
+            runners[m] = make_runner(config, m, device)
+        except Unsupported as e:
+            result[m] = {"status": "unsupported", "reason": str(e)}
+    if BASELINE not in runners:
+        raise SystemExit(f"{config}: the baseline {BASELINE} must be among the modes and supported")
+    orders, times = interleave(runners, rounds, steps_per_round, warmup)
+    for m, run in runners.items():
+        res = {
+            "status": "ok",
+            "median_ms": 1e3 * statistics.median(statistics.median(t) for t in times[m]),
+            "round_ms": [[1e3 * s for s in t] for t in times[m]],
+            "time_ratio": ratio_summary(times[m], times[BASELINE]),
+        }
+        second = SECOND_BASELINE.get(m)
+        if second in runners:
+            res["second_baseline"] = second
+            res["time_ratio_second"] = ratio_summary(times[m], times[second])
+        if run.dp_steps() is not None:
+            res["dp_steps"] = run.dp_steps()
+        result[m] = res
+    return {"modes": {m: result[m] for m in modes}, "orders": orders}
+
+
+def memory_config(config: str, modes: list[str], device: str, threads: int) -> dict:
+    """Each mode's peak memory from its own process."""
+    out = {}
+    for m in modes:
+        cmd = [sys.executable, __file__, "--worker", config, m, "--device", device, "--threads", str(threads)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]
+            out[m] = {"status": "error", "reason": tail}
+        else:
+            out[m] = json.loads(proc.stdout.strip().splitlines()[-1])
+    base = out.get(BASELINE, {})
+    for r in out.values():
+        if base.get("training_mb") and "training_mb" in r:
+            r["ratio"] = r["training_mb"] / base["training_mb"]
+            r["ratio_whole_process"] = r["peak_mb"] / base["peak_mb"]
+    return out
+
+
+def machine_info(device: str, threads: int) -> dict:
+    import torch
+
+    cpu = platform.processor()
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = {
+        "platform": platform.platform(),
+        "cpu_model": cpu,
+        "cpus": os.cpu_count(),
+        "threads": threads,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": device,
+        "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None,
+    }
+    try:
+        import opacus
+
+        info["opacus"] = opacus.__version__
+    except ImportError:  # pragma: no cover
+        info["opacus"] = None
+    try:
+        git = ["git", "-C", str(Path(__file__).parent), "rev-parse", "--short", "HEAD"]
+        info["git_commit"] = subprocess.run(git, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        info["git_commit"] = None
+    return info
+
+
+def plot(data: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    configs = list(dict.fromkeys(r["config"] for r in results))
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
-    width = 0.8 / len(MODES)
-    for j, mode in enumerate(MODES):
-        for ax, key in zip(axes, ("time_ratio", "memory_ratio")):
-            vals = [
-                next(
-                    (r.get(key, float("nan")) for r in results if r["config"] == c and r["mode"] == mode), float("nan")
-                )
-                for c in configs
-            ]
-            ax.bar([i + j * width for i in range(len(configs))], vals, width, label=mode)
-    for ax, title in zip(axes, ("step time / non-private full", "peak RSS / non-private full")):
+    configs = list(data["configs"])
+    modes = data["meta"]["modes"]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.8))
+    width = 0.8 / len(modes)
+    for j, mode in enumerate(modes):
+        xs, med, lo, hi, dots, mem = [], [], [], [], [], []
+        for i, c in enumerate(configs):
+            t = data["configs"][c]["time"]["modes"].get(mode, {})
+            xs.append(i + j * width)
+            r = t.get("time_ratio")
+            med.append(r["median"] if r else float("nan"))
+            lo.append(r["median"] - r["low"] if r else 0.0)
+            hi.append(r["high"] - r["median"] if r else 0.0)
+            dots.append(r["per_round"] if r else [])
+            mem.append(data["configs"][c].get("memory", {}).get(mode, {}).get("ratio", float("nan")))
+        bars = axes[0].bar(xs, med, width, yerr=[lo, hi], capsize=2, label=mode)
+        for x, d in zip(xs, dots):
+            axes[0].plot([x] * len(d), d, ".", ms=2, color="k", alpha=0.5)
+        axes[1].bar(xs, mem, width, label=mode, color=bars.patches[0].get_facecolor())
+    memory_title = (
+        "peak CUDA memory" if data["meta"]["machine"]["device"].startswith("cuda") else "peak RSS added by the steps"
+    )
+    titles = (
+        "step time / non-private full (median of per-round ratios, min–max bars, rounds as dots)",
+        f"{memory_title} / non-private full (separate processes)",
+    )
+    for ax, title in zip(axes, titles):
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(configs))])
-        ax.set_xticklabels(configs, rotation=15, fontsize=8)
+        ax.set_xticklabels(configs, rotation=10, fontsize=8)
         ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_title(title)
+        ax.set_title(title, fontsize=9)
     axes[0].set_yscale("log")
-    axes[0].legend(fontsize=7)
+    axes[0].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
-def main() -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results")
-    ap.add_argument("--configs", nargs="*", default=list(CONFIGS))
-    ap.add_argument("--modes", nargs="*", default=MODES)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(ALL_CONFIGS))
+    ap.add_argument("--modes", nargs="*", default=MODES, help=f"any of {', '.join(MODES)} (or dpzoo-<mode>)")
+    ap.add_argument("--rounds", type=int, default=7, help=f"interleaved rounds (at least {MIN_ROUNDS})")
+    ap.add_argument("--steps-per-round", "--steps", dest="steps_per_round", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2, help="steps per mode before the rounds")
+    ap.add_argument("--memory-steps", type=int, default=2, help="steps in each memory process")
+    ap.add_argument("--no-memory", action="store_true", help="skip the per-mode memory processes")
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
     ap.add_argument("--worker", nargs=2, metavar=("CONFIG", "MODE"), help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.rounds < MIN_ROUNDS:
+        ap.error(f"--rounds must be at least {MIN_ROUNDS}")
+    if BASELINE not in args.modes:
+        args.modes = [BASELINE] + list(args.modes)
+    for m, second in SECOND_BASELINE.items():  # a second baseline is timed whenever its mode is
+        if m in args.modes and second not in args.modes:
+            args.modes.insert(1, second)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.worker:
-        print(json.dumps(worker(*args.worker, args.warmup, args.steps)))
+        print(json.dumps(peak_memory(*args.worker, device, 0, args.memory_steps)))
         return 0
-    results = []
-    for config in args.configs:
-        for mode in args.modes:
-            cmd = [
-                sys.executable,
-                __file__,
-                "--worker",
-                config,
-                mode,
-                "--warmup",
-                str(args.warmup),
-                "--steps",
-                str(args.steps),
-            ]
-            t = time.time()
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            if proc.returncode != 0:
-                res = {"config": config, "mode": mode, "error": proc.stderr.strip().splitlines()[-1][:300]}
-            else:
-                res = json.loads(proc.stdout.strip().splitlines()[-1])
-            print(
-                f"{config:<26} {mode:<16} {res.get('step_s', float('nan')):8.3f} s  "
-                f"{res.get('peak_rss_mb', float('nan')):8.0f} MB  {res.get('error', '')}  ({time.time() - t:.0f}s)",
-                flush=True,
-            )
-            results.append(res)
-    for r in results:
-        base = next(
-            (b for b in results if b["config"] == r["config"] and b["mode"] == "nonprivate-full" and "step_s" in b),
-            None,
-        )
-        if base and "step_s" in r:
-            r["time_ratio"] = r["step_s"] / base["step_s"]
-            r["memory_ratio"] = r["peak_rss_mb"] / base["peak_rss_mb"]
+    data = {
+        "meta": {
+            "machine": machine_info(device, args.threads),
+            "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + (sys.argv[1:] if argv is None else argv)),
+            "modes": args.modes,
+            "baseline": BASELINE,
+            "rounds": args.rounds,
+            "steps_per_round": args.steps_per_round,
+            "warmup": args.warmup,
+            "round_time": "median of the mode's steps in the round",
+            "ratio": "median over rounds of (mode round time / baseline round time of the same round)",
+            "interval": INTERVAL,
+            "interval_coverage": 1 - 2.0 ** (1 - args.rounds),
+            "memory": None
+            if args.no_memory
+            else "separate process per mode; ratio of peak RSS during the steps "
+            "minus RSS before them (CPU) or of torch.cuda.max_memory_allocated (GPU)",
+        },
+        "configs": {},
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "machine": platform.platform(),
-        "processor": platform.processor(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "command": " ".join(sys.argv),
-        "warmup": args.warmup,
-        "steps": args.steps,
-    }
-    try:
-        import torch
-
-        meta["torch"] = torch.__version__
-    except ImportError:  # pragma: no cover
-        pass
-    (out / "training_step.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-    plot(results, out / "training_step.png")
+    for config in args.configs:
+        t0 = time.time()
+        entry = {"config": ALL_CONFIGS[config]}
+        entry["time"] = time_config(config, args.modes, device, args.rounds, args.steps_per_round, args.warmup)
+        t1 = time.time()
+        if not args.no_memory:  # a mode refused while timing is not run again
+            ok = [m for m, r in entry["time"]["modes"].items() if r["status"] == "ok"]
+            entry["memory"] = memory_config(config, ok, device, args.threads)
+        data["configs"][config] = entry
+        print(f"{config}: time {t1 - t0:.0f}s, memory {time.time() - t1:.0f}s", flush=True)
+        for m, r in entry["time"]["modes"].items():
+            mem = entry.get("memory", {}).get(m, {}).get("ratio", float("nan"))
+            if r["status"] != "ok":
+                print(f"  {m:<18} {r['status']}: {r['reason'][:100]}")
+                continue
+            q = r["time_ratio"]
+            print(
+                f"  {m:<18} {r['median_ms']:8.1f} ms  {q['median']:5.2f}x [{q['low']:.2f}-{q['high']:.2f}]  mem {mem:.2f}x"
+            )
+        (out / "training_step.json").write_text(json.dumps(data, indent=2) + "\n")  # after each config
+    plot(data, out / "training_step.png")
     print(f"wrote {out / 'training_step.json'} and {out / 'training_step.png'}")
     return 0
 

@@ -1,34 +1,82 @@
-"""Print the markdown table of a training_step.json (the README's benchmark table).
+"""Print the markdown tables of a training_step.json (the README's benchmark tables).
+
+Time: the median over interleaved rounds of each mode's per-round step-time ratio to non-private
+full training, with the interval the JSON names (min–max over rounds), e.g. ``1.39× [1.21–1.52]``;
+DP-BiTFiT also against non-private bias-only, in parentheses. Memory: peak memory of each mode's own
+process (CPU: the peak RSS the training steps add to the built model) as a ratio to non-private full. Every number comes from the JSON.
 
 python benchmarks/table.py benchmarks/results/training_step.json
 """
 
+from __future__ import annotations
+
 import json
 import sys
 
-MODES = ["nonprivate-full", "nonprivate-bias", "dpzoo-bk-mixopt", "dpzoo-bitfit", "opacus-hooks", "opacus-ghost"]
+
+def cell(q: dict) -> str:
+    """``1.39× [1.21–1.52]`` from a ratio summary (median, low, high)."""
+    return f"{q['median']:.2f}× [{q['low']:.2f}–{q['high']:.2f}]"
+
+
+def time_cell(r: dict | None) -> str:
+    if r is None:
+        return ""
+    if r["status"] != "ok":
+        return r["status"]
+    text = cell(r["time_ratio"])
+    if "time_ratio_second" in r:
+        text += f" ({cell(r['time_ratio_second'])} of {r['second_baseline']})"
+    return text
+
+
+def memory_cell(r: dict | None) -> str:
+    if r is None:
+        return ""
+    if r.get("status") != "ok" or "ratio" not in r:
+        return r.get("status", "")
+    return f"{r['ratio']:.2f}×"
+
+
+def tables(data: dict) -> str:
+    meta = data["meta"]
+    modes = meta["modes"]
+    lines = [f"| step time / {meta['baseline']} | " + " | ".join(modes) + " |"]
+    lines.append("| --- | " + " | ".join("---" for _ in modes) + " |")
+    for c, e in data["configs"].items():
+        lines.append(f"| {c} | " + " | ".join(time_cell(e["time"]["modes"].get(m)) for m in modes) + " |")
+    if any("memory" in e for e in data["configs"].values()):
+        what = "peak CUDA memory" if meta["machine"]["device"].startswith("cuda") else "peak RSS added by the steps"
+        lines += ["", f"| {what} / {meta['baseline']} | " + " | ".join(modes) + " |"]
+        lines.append("| --- | " + " | ".join("---" for _ in modes) + " |")
+        for c, e in data["configs"].items():
+            if "memory" in e:
+                lines.append(f"| {c} | " + " | ".join(memory_cell(e["memory"].get(m)) for m in modes) + " |")
+    reasons = {
+        (c, m): r["reason"]
+        for c, e in data["configs"].items()
+        for m, r in e["time"]["modes"].items()
+        if r["status"] != "ok"
+    }
+    lines.append("")
+    base = ", ".join(f"{c} {e['time']['modes'][meta['baseline']]['median_ms']:.0f}" for c, e in data["configs"].items())
+    lines.append(f"{meta['baseline']} step (ms, median over rounds): {base}.")
+    for (c, m), reason in reasons.items():
+        lines.append(f"{m} on {c}: {reason}")
+    mach = meta["machine"]
+    lines.append(
+        f"{meta['rounds']} rounds × {meta['steps_per_round']} steps, interval: {meta['interval']} "
+        f"({100 * meta['interval_coverage']:.1f}%); {mach['device']}"
+        + (f" {mach['gpu']}" if mach.get("gpu") else f", {mach['cpu_model']}, {mach['threads']} threads")
+        + f", torch {mach['torch']}, opacus {mach.get('opacus')}."
+    )
+    lines.append(f"Command: `{meta['command']}`")
+    return "\n".join(lines)
 
 
 def main(path: str) -> None:
-    data = json.load(open(path))
-    results = data["results"]
-    configs = list(dict.fromkeys(r["config"] for r in results))
-    print("| config | " + " | ".join(MODES) + " |")
-    print("| --- | " + " | ".join("---" for _ in MODES) + " |")
-    for c in configs:
-        cells = []
-        for m in MODES:
-            r = next((r for r in results if r["config"] == c and r["mode"] == m), None)
-            if r is None:
-                cells.append("")
-            elif "error" in r:
-                cells.append("unsupported")
-            else:
-                cells.append(f"{r['time_ratio']:.2f}× / {r['memory_ratio']:.2f}×")
-        print(f"| {c} | " + " | ".join(cells) + " |")
-    base = {r["config"]: r["step_s"] for r in results if r["mode"] == "nonprivate-full" and "step_s" in r}
-    print()
-    print("Non-private full step (s): " + ", ".join(f"{c} {s:.3f}" for c, s in base.items()))
+    with open(path) as f:
+        print(tables(json.load(f)))
 
 
 if __name__ == "__main__":
