@@ -102,8 +102,9 @@ def ghost_differentiate(rec: Recorder, plan: ModelPlan, roots: list, grads: list
                     targets.append(p)
     if not targets:
         raise PrivacyUsageError(
-            "No hooked layer took part in this forward pass; nothing to differentiate: "
-            "run the hooked model's forward before the backward."
+            "No hooked layer took part in this forward pass; nothing to differentiate: run the hooked model's "
+            "forward before the backward (under torch.compile: a graph compiled without dpzoo's hooks ran; call "
+            "torch._dynamo.reset() after make_private)."
         )
     outer = torch._C._current_graph_task_id()  # the user's loss.backward() (ghost_backward), or none
     rec.n_passes += 1

@@ -42,6 +42,7 @@ import contextlib
 import weakref
 
 import torch
+import torch._dynamo
 from torch import nn
 
 from ..errors import InvalidArgumentError, PrivacyUsageError, UnsupportedModuleError
@@ -111,6 +112,12 @@ class NormHooks:
             for name, p in self._plan.params.items():
                 self._rec.handles.append(p.register_hook(stray_grad_hook(self._rec, name)))
         model._dpzoo_norm_hooks = weakref.ref(self)
+        # torch.compile: dynamo skips guards on module hooks by default, so a graph traced from a
+        # model without these hooks (this one before, or another instance of its class) would run
+        # here without them: guard hooks from now on, and drop what a compiled model traced before
+        torch._dynamo.config.skip_nnmodule_hook_guards = False
+        if any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in model.modules()):
+            torch._dynamo.reset()
 
     def _watch_alias(self, planned: torch.Tensor, stand_in: torch.Tensor) -> None:
         # FSDP2's unsharded parameter is what autograd accumulates into: watch it for stray
