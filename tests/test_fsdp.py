@@ -177,15 +177,16 @@ def _brute_clipped_sum(model, ds):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_step_equals_single_process(tmp_path, world):
-    """The MLP (uneven row shards) and llama-tiny-bias in DP-BiTFiT, on 2 and 3 ranks: the clipped
+    """The MLP (uneven row shards), llama-tiny-bias and the tied GPT-2 in DP-BiTFiT, on 2 and 3 ranks: the clipped
     sum equals brute force exactly (σ = 0), and with the shared noise seed the update equals the
     single-process one, noise included: each coordinate got its noise once, from its owner."""
-    ranks = _run(_steps, world, tmp_path, [("llama-tiny-bias", "bitfit")])
+    ranks = _run(_steps, world, tmp_path, [("llama-tiny-bias", "bitfit"), ("gpt2", "bitfit")])
     brute = _brute_clipped_sum(_mlp(), _data("mlp", N))
     for r in ranks:
         _assert_updates(r["mlp-clip"], {n: -g for n, g in brute.items()}, "clipped sum vs brute force")
         _assert_updates(r["mlp"], _single(_mlp(), "mlp")[0], "MLP vs one process")
         _assert_updates(r["llama-tiny-bias-bitfit"], _single(_zoo("llama-tiny-bias"), "lm", "bitfit")[0], "bitfit")
+        _assert_updates(r["gpt2-bitfit"], _single(_zoo("gpt2"), "lm", "bitfit")[0], "tied GPT-2 bitfit")
     assert any(v.abs().sum() > 0 for v in ranks[0]["llama-tiny-bias-bitfit"].values())
     assert len({r["llama-tiny-bias-bitfit-eps"] for r in ranks}) == 1  # every rank reports the same ε
 
@@ -328,3 +329,30 @@ def test_secret_noise_once_per_coordinate_empty_batches_and_refusals(tmp_path):
         assert ranks[0][key] is not None and words in ranks[0][key], (key, ranks[0][key])
     assert ranks[0]["steps"] == ranks[1]["steps"] == len(ranks[0]["sizes"]) == len(ranks[1]["sizes"])
     assert 0 in ranks[0]["sizes"] + ranks[1]["sizes"]
+
+
+def _mixed_precision(rank, world, out_dir):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model = _zoo("llama-tiny-bias").float()
+    for b in _blocks(model):
+        fully_shard(b, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    update, engine = _dp_step(model, _data("lm", N), world, sigma=0.0)
+    return {"update": update, "dtypes": {str(p.dtype) for p in model.parameters()}, "steps": engine.steps}
+
+
+def test_fsdp2_mixed_precision_policy_bf16_compute_fp32_shards(tmp_path):
+    """FSDP2's MixedPrecisionPolicy (bfloat16 parameters for compute, float32 reduction): the
+    sharded parameters stay float32, and the clipped update (σ = 0) is the float64 single-process
+    one within bfloat16's tolerance (norms and sums formed in float32, tests/test_mixed_precision.py)."""
+    ranks = _run(_mixed_precision, 2, tmp_path)
+    want, _ = _dp_step(_zoo("llama-tiny-bias"), _data("lm", N), 1, sigma=0.0)
+    for r in ranks:
+        assert r["dtypes"] == {"torch.float32"} and r["steps"] == 1
+        biggest = max(w.abs().max() for w in want.values())
+        for n, w in want.items():
+            err = (r["update"][n].double() - w).abs().max() / biggest
+            assert err < 5e-2, f"{n}: {err:.3e}"
+    assert max(v.abs().max() for v in ranks[0]["update"].values()) > 0
