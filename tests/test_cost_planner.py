@@ -13,7 +13,7 @@ import dpzoo
 from dpzoo.errors import InvalidArgumentError, PrivacyUsageError
 from dpzoo.grad_norms import attach_norm_hooks
 from dpzoo.grad_norms import reps as R
-from dpzoo.grad_norms.cost import plan_uses, use_cost
+from dpzoo.grad_norms.cost import measure_paths, plan_uses, use_cost
 
 
 def _factored(b, t, p, d, g=1):
@@ -85,7 +85,7 @@ def test_every_plan_is_exact_against_brute_force(budget):
     ids, y = torch.randint(0, 40, (5, 9)), torch.randint(0, 3, (5,))
     scale = torch.rand(5, dtype=torch.float64) + 0.1
     total, _, clipped = reference(model, _loss, {"ids": ids, "y": y}, 5, scale)
-    with attach_norm_hooks(model, memory_budget=budget) as hooks:
+    with attach_norm_hooks(model, memory_budget=budget, autotune=False) as hooks:
         hooks.backward(_loss(model, ids, y))
         assert_close(hooks.per_sample_norms(), total, 1e-9, "norms")
         got = hooks.clipped_sum(scale)
@@ -131,3 +131,27 @@ def test_plan_through_the_engine_and_bad_budgets():
     for bad in (-1, "1GB", True):
         with pytest.raises(InvalidArgumentError, match="memory_budget"):
             attach_norm_hooks(nn.Linear(2, 2), memory_budget=bad)
+
+
+def test_autotune_times_both_paths_once_per_shape_and_keeps_the_faster():
+    torch.manual_seed(0)
+    model = _TiedLM().double()
+    ids, y = torch.randint(0, 40, (5, 9)), torch.randint(0, 3, (5,))
+    scale = torch.rand(5, dtype=torch.float64) + 0.1
+    total, _, clipped = reference(model, _loss, {"ids": ids, "y": y}, 5, scale)
+    with attach_norm_hooks(model, memory_budget=1e12) as hooks:  # autotune is the default
+        hooks.backward(_loss(model, ids, y))
+        assert_close(hooks.per_sample_norms(), total, 1e-9, "norms")
+        got = hooks.clipped_sum(scale)
+        for n in clipped:
+            assert_close(got[n], clipped[n], 1e-9, n)
+        plan = hooks.plan()
+    linear = [r for r in plan if r["kind"] == "linear"]
+    assert linear and all(r["ghost_ms"] > 0 and r["instantiate_ms"] > 0 for r in linear)
+    for r in linear:  # the budget is no constraint here: the measured faster path is taken
+        faster = "ghost" if r["ghost_ms"] <= r["instantiate_ms"] else "instantiate"
+        assert r["choice"] == faster, r
+    rep = _factored(4, 16, 8, 8)
+    first = measure_paths(rep)
+    bigger = R.Factored(torch.cat([rep.left] * 2), torch.cat([rep.right] * 2), rep.shape)
+    assert measure_paths(bigger) == (2 * first[0], 2 * first[1])  # measured once, scaled by the batch

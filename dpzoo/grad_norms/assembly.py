@@ -46,12 +46,12 @@ def common_dtype(activations, grad):
 
 
 def assemble(
-    step: Step, plan: ModelPlan, ghost: bool | None, memory_budget: float | None = None
+    step: Step, plan: ModelPlan, ghost: bool | None, memory_budget: float | None = None, autotune: bool = False
 ) -> dict[str, R.ParamGrad]:
     """{parameter name: its per-sample gradients} from the records of ``step`` (audited before:
     :func:`dpzoo.grad_norms.audit.check_step`). Sets ``step.unreached`` and ``step.costs`` (the
     planner's choice per use, :mod:`dpzoo.grad_norms.cost`, when ``ghost`` is None: ghost norm or
-    instantiation by time within ``memory_budget`` bytes); drops the activations."""
+    instantiation by time within ``memory_budget`` bytes, timed when ``autotune``); drops the activations."""
     if step.batch_size == 0:  # an empty batch (under FSDP2 every rank runs one): no sample, no rule to run
         step.unreached = []
         empty = {n: [R.Dense(torch.zeros(0, *p.shape, dtype=p.dtype, device=p.device))] for n, p in plan.params.items()}
@@ -109,5 +109,5 @@ def assemble(
             n: [replace(c, ghost=ghost, why="forced") for c in cs] for n, cs in plan_uses(by_param, 0.0).items()
         }
         return {n: R.ParamGrad(rs, ghost) for n, rs in by_param.items()}
-    step.costs = plan_uses(by_param, memory_budget)
+    step.costs = plan_uses(by_param, memory_budget, autotune)
     return {n: R.ParamGrad(rs, None, [c.ghost for c in step.costs[n]]) for n, rs in by_param.items()}

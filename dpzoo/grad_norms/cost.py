@@ -28,14 +28,15 @@ both paths are exact (tests compare every choice with brute force).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..errors import InvalidArgumentError
 from . import reps as R
 
-__all__ = ["UseCost", "use_cost", "plan_uses", "default_budget", "check_budget", "BUDGET_FRACTION"]
+__all__ = ["UseCost", "use_cost", "plan_uses", "measure_paths", "default_budget", "check_budget", "BUDGET_FRACTION"]
 
 # the share of free device memory the instantiated per-sample gradients may take by default
 BUDGET_FRACTION = 0.5
@@ -54,6 +55,14 @@ class UseCost:
     instantiate_bytes: float
     ghost: bool = True
     why: str = ""
+    ghost_ms: float | None = None  # measured (autotune), else None
+    instantiate_ms: float | None = None
+
+    def time(self, ghost: bool) -> float:
+        """The cost the planner compares: measured milliseconds when autotuned, else multiply-adds."""
+        if self.ghost_ms is not None and self.instantiate_ms is not None:
+            return self.ghost_ms if ghost else self.instantiate_ms
+        return self.ghost_flops if ghost else self.instantiate_flops
 
     def as_dict(self) -> dict:
         return {
@@ -66,6 +75,8 @@ class UseCost:
             "instantiate_gflop": self.instantiate_flops / 1e9,
             "ghost_mb": self.ghost_bytes / 2**20,
             "instantiate_mb": self.instantiate_bytes / 2**20,
+            "ghost_ms": self.ghost_ms,
+            "instantiate_ms": self.instantiate_ms,
         }
 
 
@@ -115,20 +126,72 @@ def default_budget(device: torch.device) -> float:
     return BUDGET_FRACTION * free if free else float(2**30)
 
 
-def plan_uses(by_param: dict[str, list], budget: float | None = None) -> dict[str, list[UseCost]]:
+# (G, T, p, d, dtype, device) -> per-sample milliseconds (ghost, instantiation), measured once
+_MEASURED: dict[tuple, tuple[float, float]] = {}
+
+
+def measure_paths(rep) -> tuple[float, float]:
+    """Milliseconds of the ghost path (norm and clipped sum) and of the instantiation path
+    (per-sample gradients, their squared sums and the clipped sum) on ``rep`` (a Factored
+    representation), each the faster of two timed runs after a warm-up; measured once per shape
+    without the batch size (both paths are linear in it) and scaled to this batch."""
+    b, g, t, p = rep.left.shape
+    key = (g, t, p, rep.right.shape[3], rep.right.dtype, str(rep.right.device))
+    if key not in _MEASURED:
+        scale = torch.rand(b, dtype=rep.right.dtype, device=rep.right.device)
+
+        def ghost():
+            R.sq_norm(rep, ghost=True)
+            R.clipped_sum(rep, scale)
+
+        def inst():
+            dense = R.Dense(R.instantiate(rep))
+            R.sq_norm(dense)
+            R.clipped_sum(dense, scale)
+
+        _MEASURED[key] = (_timed(ghost, rep.right.device) / b, _timed(inst, rep.right.device) / b)
+    per_sample = _MEASURED[key]
+    return per_sample[0] * b, per_sample[1] * b
+
+
+def _timed(fn, device: torch.device) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    runs = []
+    for _ in range(2):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        runs.append(1000 * (time.perf_counter() - start))
+    return min(runs)
+
+
+def plan_uses(
+    by_param: dict[str, list], budget: float | None = None, autotune: bool = False
+) -> dict[str, list[UseCost]]:
     """{parameter: one :class:`UseCost` per use, with the choice made} for a step's
     representations (``by_param``: parameter name → its uses' representations). ``budget``:
     bytes the instantiated uses may hold together (None: :func:`default_budget` of their device).
     A parameter with more than two uses is summed densely by :class:`~dpzoo.grad_norms.reps.ParamGrad`
-    (O(uses) instead of O(uses²) cross terms): its uses are reported, not planned."""
+    (O(uses) instead of O(uses²) cross terms): its uses are reported, not planned. ``autotune``:
+    the linear uses are timed on both paths (:func:`measure_paths`, once per shape) and compared
+    by time instead of multiply-adds."""
     costs = {n: [use_cost(n, i, r) for i, r in enumerate(rs)] for n, rs in by_param.items()}
+    if autotune:
+        for n, rs in by_param.items():
+            if len(rs) <= 2:
+                for i, r in enumerate(rs):
+                    if isinstance(r, R.Factored):
+                        ghost_ms, inst_ms = measure_paths(r)
+                        costs[n][i] = replace(costs[n][i], ghost_ms=ghost_ms, instantiate_ms=inst_ms)
     if budget is None:
         device = next((_device(r) for rs in by_param.values() for r in rs), torch.device("cpu"))
         budget = default_budget(device)
     plannable = [c for n, cs in costs.items() if len(cs) <= 2 for c in cs if c.kind != "dense"]
     faster = sorted(
-        (c for c in plannable if c.instantiate_flops < c.ghost_flops),
-        key=lambda c: (c.ghost_flops - c.instantiate_flops) / max(c.instantiate_bytes, 1.0),
+        (c for c in plannable if c.time(False) < c.time(True)),
+        key=lambda c: (c.time(True) - c.time(False)) / max(c.instantiate_bytes, 1.0),
         reverse=True,
     )
     chosen: dict[tuple[str, int], str] = {}
@@ -154,7 +217,7 @@ def plan_uses(by_param: dict[str, list], budget: float | None = None) -> dict[st
                 rows.append(_with(c, False, f"summed densely with the other {len(cs) - 1} uses"))
             elif (c.param, c.use) in chosen:
                 rows.append(_with(c, False, chosen[(c.param, c.use)]))
-            elif c.instantiate_flops < c.ghost_flops:
+            elif c.time(False) < c.time(True):
                 rows.append(_with(c, True, "ghost: instantiating would exceed the budget"))
             else:
                 rows.append(_with(c, True, "ghost: faster"))
@@ -163,9 +226,7 @@ def plan_uses(by_param: dict[str, list], budget: float | None = None) -> dict[st
 
 
 def _with(c: UseCost, ghost: bool, why: str) -> UseCost:
-    return UseCost(
-        c.param, c.use, c.kind, c.ghost_flops, c.instantiate_flops, c.ghost_bytes, c.instantiate_bytes, ghost, why
-    )
+    return replace(c, ghost=ghost, why=why)
 
 
 def _device(rep) -> torch.device:

@@ -81,11 +81,17 @@ class NormHooks:
     """Handle returned by :func:`attach_norm_hooks`. See the module docstring."""
 
     def __init__(
-        self, model: nn.Module, mode: str = "auto", ghost_backward: bool = False, memory_budget: float | None = None
+        self,
+        model: nn.Module,
+        mode: str = "auto",
+        ghost_backward: bool = False,
+        memory_budget: float | None = None,
+        autotune: bool = True,
     ):
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
         self.memory_budget = check_budget(memory_budget)
+        self.autotune = bool(autotune)
         self._last_costs: dict | None = None
         if attached_norm_hooks(model) is not None:
             raise UnsupportedModuleError(
@@ -164,7 +170,7 @@ class NormHooks:
         st = self._rec.step
         if st.grads is None:
             check_step(st, self._plan.params)
-            st.grads = assemble(st, self._plan, self._ghost_flag(), self.memory_budget)
+            st.grads = assemble(st, self._plan, self._ghost_flag(), self.memory_budget, self.autotune)
             self._last_costs = st.costs
         return st.grads
 
@@ -345,13 +351,20 @@ def attached_norm_hooks(model: nn.Module) -> NormHooks | None:
 
 
 def attach_norm_hooks(
-    model: nn.Module, mode: str = "auto", *, ghost_backward: bool = False, memory_budget: float | None = None
+    model: nn.Module,
+    mode: str = "auto",
+    *,
+    ghost_backward: bool = False,
+    memory_budget: float | None = None,
+    autotune: bool = True,
 ) -> NormHooks:
     """Hook every trainable parameter of ``model`` for per-sample norms and clipped sums.
 
     ``mode``: ``"auto"`` chooses ghost norm or instantiation per use of each layer by estimated
     time, the instantiated per-sample gradients within ``memory_budget`` bytes (None: half of
-    the device's free memory; :mod:`dpzoo.grad_norms.cost`; ``hooks.plan()`` shows the choices);
+    the device's free memory; :mod:`dpzoo.grad_norms.cost`; ``hooks.plan()`` shows the choices),
+    each linear layer's two paths timed once per shape on its first step (``autotune=False``: by
+    the multiply-add model alone);
     ``"ghost"`` / ``"instantiate"`` force one. Raises
     :class:`~dpzoo.UnsupportedModuleError` naming any trainable parameter it cannot cover.
 
@@ -359,4 +372,4 @@ def attach_norm_hooks(
     differentiates only to the hooked layers, so a plain ``loss.backward()`` is BK's ghost
     differentiation (no weight gradient, ``.grad`` untouched). dpzoo's engine uses this.
     """
-    return NormHooks(model, mode, ghost_backward=ghost_backward, memory_budget=memory_budget)
+    return NormHooks(model, mode, ghost_backward=ghost_backward, memory_budget=memory_budget, autotune=autotune)

@@ -210,10 +210,10 @@ def sq_norm(rep: Rep, *, ghost: bool | None = None) -> torch.Tensor:
     """‖g_i‖² for every sample: ghost norm or instantiation (``ghost=None``: the BK rule)."""
     rep = _acc_rep(rep)
     if isinstance(rep, Dense):
-        return rep.grad.flatten(1).pow(2).sum(1)
+        return torch.linalg.vector_norm(rep.grad.flatten(1), dim=1).square()  # fused: no squared copy
     use_ghost = prefers_ghost(rep) if ghost is None else ghost
     if not use_ghost:
-        return instantiate(rep).flatten(1).pow(2).sum(1)
+        return torch.linalg.vector_norm(instantiate(rep).flatten(1), dim=1).square()
     if isinstance(rep, Factored):  # BK paper eq. 2
         return (_gram(rep.left, rep.left) * _gram(rep.right, rep.right)).flatten(1).sum(1)
     return inner(rep, rep)
@@ -223,7 +223,7 @@ def clipped_sum(rep: Rep, scale: torch.Tensor) -> torch.Tensor:
     """Σ_i scale_i g_i, shape = the parameter's (book-keeping: BK paper Alg. 1 line 9)."""
     scale = scale.to(dtype=_dtype(rep))
     if isinstance(rep, Dense):
-        return torch.einsum("b...,b->...", rep.grad, scale)
+        return torch.tensordot(scale, rep.grad, dims=([0], [0]))  # a GEMV: faster than einsum on CPU
     if isinstance(rep, Factored):
         return rep.to_param(torch.einsum("bgtr,bgtc,b->grc", rep.left, rep.right, scale))
     weighted = (rep.right * scale.view(-1, 1, 1)).flatten(0, 1)
