@@ -9,11 +9,13 @@ outputs per group (a Factored representation, :mod:`dpzoo.grad_norms.reps`):
 
 * ghost norm: the two Gram matrices and their product, 2·B·G·T²·(p + d) + B·G·T², then the
   clipped sum Σ_i c_i L_iᵀ R_i, 2·B·G·T·p·d; it holds B·G·T² numbers;
-* instantiation: g_i = L_iᵀ R_i, 2·B·G·T·p·d, then its squared sum and Σ_i c_i g_i, 2·B·G·p·d;
-  it holds B·G·p·d numbers until the clip factors are known (after every layer's norm).
+* instantiation: g_i = L_iᵀ R_i, 2·B·G·T·p·d, then its squared sum and Σ_i c_i g_i, 2·B·G·p·d,
+  plus :data:`TRAFFIC` per element for moving the B·G·p·d numbers it holds until the clip
+  factors are known (after every layer's norm).
 
-So instantiation is faster whenever p·d < T²·(p + d) + T²/2, nearly always for sequences (GPT-2 at
-T = 128 on 256-wide layers: 1.1 against 1.7 GFLOP at B = 16), while ghost norm is faster for T = 1.
+Counting arithmetic alone, instantiation would win nearly always for sequences; the memory
+traffic term keeps it to narrow layers (GPT-2's 256×256 projection at T = 128), and ghost norm
+is faster for T = 1. ``autotune=True`` times both paths instead (:func:`measure_paths`).
 An embedding lookup (OneHot) costs B·T²·(d + 1) by ghost norm and forms a B·V·d table by
 instantiation. Every instantiated use is held at once, so the planner shares one budget among
 them: the uses where instantiation saves time are taken in order of time saved per byte while
@@ -36,10 +38,24 @@ import torch
 from ..errors import InvalidArgumentError
 from . import reps as R
 
-__all__ = ["UseCost", "use_cost", "plan_uses", "measure_paths", "default_budget", "check_budget", "BUDGET_FRACTION"]
+__all__ = [
+    "UseCost",
+    "use_cost",
+    "plan_uses",
+    "measure_paths",
+    "default_budget",
+    "check_budget",
+    "BUDGET_FRACTION",
+    "TRAFFIC",
+]
 
 # the share of free device memory the instantiated per-sample gradients may take by default
 BUDGET_FRACTION = 0.5
+# multiply-adds one instantiated element costs besides its arithmetic (writing the per-sample
+# tensor, reading it back for the norm and the sum), fitted on CPU: GPT-2's layers at B 16, T 128
+# measured ghost / instantiation 4.1 / 2.5 ms at 256x256, 9.4 / 19.1 at 256x768, 12.6 / 27.3 at
+# 256x1024 and 11.6 / 19.2 at 1024x256; any value in (170, 256) orders all four as measured
+TRAFFIC = 200
 
 
 @dataclass(frozen=True)
@@ -87,14 +103,14 @@ def use_cost(param: str, use: int, rep) -> UseCost:
         d = rep.right.shape[3]
         size = rep.right.element_size()
         ghost = 2 * b * g * t * t * (p + d) + b * g * t * t + 2 * b * g * t * p * d
-        inst = 2 * b * g * t * p * d + 2 * b * g * p * d
+        inst = 2 * b * g * t * p * d + (2 + TRAFFIC) * b * g * p * d
         return UseCost(param, use, "linear", ghost, inst, b * g * t * t * size, b * g * p * d * size)
     if isinstance(rep, R.OneHot):
         b, t = rep.index.shape
         d = rep.right.shape[-1]
         size = rep.right.element_size()
         ghost = b * t * t * (d + 1) + b * t * d
-        inst = 3 * b * rep.num_rows * d + b * t * d
+        inst = (3 + TRAFFIC) * b * rep.num_rows * d + b * t * d
         return UseCost(param, use, "embedding", ghost, inst, b * t * t * size, b * rep.num_rows * d * size)
     numel = rep.grad.numel()
     return UseCost(param, use, "dense", 2 * numel, 2 * numel, 0, numel * rep.grad.element_size(), why="no choice")

@@ -86,7 +86,7 @@ class NormHooks:
         mode: str = "auto",
         ghost_backward: bool = False,
         memory_budget: float | None = None,
-        autotune: bool = True,
+        autotune: bool = False,
     ):
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
@@ -356,15 +356,16 @@ def attach_norm_hooks(
     *,
     ghost_backward: bool = False,
     memory_budget: float | None = None,
-    autotune: bool = True,
+    autotune: bool = False,
 ) -> NormHooks:
     """Hook every trainable parameter of ``model`` for per-sample norms and clipped sums.
 
     ``mode``: ``"auto"`` chooses ghost norm or instantiation per use of each layer by estimated
     time, the instantiated per-sample gradients within ``memory_budget`` bytes (None: half of
     the device's free memory; :mod:`dpzoo.grad_norms.cost`; ``hooks.plan()`` shows the choices),
-    each linear layer's two paths timed once per shape on its first step (``autotune=False``: by
-    the multiply-add model alone);
+    by a multiply-add model with a memory-traffic term, or with ``autotune=True`` by timing each
+    linear layer's two paths once per shape (plans then depend on timings: not reproducible
+    bit for bit across runs, and ranks may differ; ``hooks.autotune`` can be set after attach);
     ``"ghost"`` / ``"instantiate"`` force one. Raises
     :class:`~dpzoo.UnsupportedModuleError` naming any trainable parameter it cannot cover.
 
