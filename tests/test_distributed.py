@@ -155,3 +155,23 @@ def _pre_sharded(rank, world):
 def test_different_datasets_on_ranks_are_refused(tmp_path):
     ranks = _run(_pre_sharded, 2, tmp_path)
     assert all(r["error"] and "same full dataset on every rank" in r["error"] for r in ranks)
+
+
+def _layouts(rank, world):
+    from dpzoo.privacy.distributed import noised_all_reduce
+
+    p = torch.zeros(3, 4, dtype=torch.float64)
+    values = torch.arange(12, dtype=torch.float64).reshape(3, 4)
+    # one rank's clipped sum is a transposed view (the ghost path's einsum), the other's a fresh tensor
+    summed = values.t().contiguous().t() if rank == 0 else values.clone()
+    assert summed.is_contiguous() == (rank == 1)
+    return {"g": noised_all_reduce(p, summed, 0.0, lambda d: torch.Generator())}
+
+
+def test_ranks_holding_clipped_sums_in_different_layouts_add_the_same_coordinates(tmp_path):
+    """Ranks may take different paths for one layer (the planner's memory budget depends on each
+    rank's batch and free memory): the all-reduce must add coordinates, not storage positions."""
+    ranks = _run(_layouts, 2, tmp_path)
+    want = 2 * torch.arange(12, dtype=torch.float64).reshape(3, 4)
+    for r in ranks:
+        assert torch.equal(r["g"], want)

@@ -67,7 +67,10 @@ def noised_all_reduce(
     per coordinate. ``every_rank_draws`` (reproducible noise) draws on every rank and keeps rank
     0's, so seeded generators stay in step."""
     world, rank = world_and_rank()
-    g = torch.zeros_like(p) if summed is None else summed.to(p.dtype)
+    # contiguous: a collective sums storage in memory order, so two ranks holding the same values
+    # in different layouts (a transposed view from one path, a fresh tensor from another) would
+    # add mismatched coordinates
+    g = torch.zeros_like(p) if summed is None else summed.to(p.dtype).contiguous()
     if std > 0 and (rank == 0 or every_rank_draws):
         noise = torch.normal(0.0, std, size=p.shape, generator=generator_for(p.device), device=p.device, dtype=p.dtype)
         if rank == 0:
