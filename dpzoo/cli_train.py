@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 from .cli_args import (
     checkpoint_every,
@@ -33,6 +34,7 @@ from .cli_choices import (
     trainable_models_help,
     usable_accountants,
 )
+from .cli_seqrec import add_seqrec_options
 from .errors import DPZooError, InvalidArgumentError
 
 __all__ = ["add_train_parser", "cmd_train"]
@@ -45,6 +47,8 @@ KIND_ONLY = {
     "max_len": ("--max-len", "seqrec"),
     "non_private": ("--non-private", "seqrec"),
     "amazon_columns": ("--amazon-columns", "seqrec"),
+    "item_prior": ("--item-prior", "seqrec"),
+    "item_prior_noise": ("--item-prior-noise", "seqrec"),
 }
 PRIVACY_OPTIONS = {
     "epsilon": "--epsilon",
@@ -63,6 +67,12 @@ RESUME_OPTIONS = {"resume", "name", "quiet", "checkpoint_every", "device"}
 PEFT_MODES = {"lora"}
 DEFAULT_DATA = {"image": "digits", "seqrec": "synthetic"}
 DEFAULT_EVAL_EVERY = {"image": 1, "seqrec": 5}
+# the recipes: images as before; sequence models the ε = 5 MovieLens-1M recipe (docs/RESULTS.md);
+# a sequence model's batch size is chosen by train_seqrec from the data (None)
+DEFAULT_STEPS: dict[str, dict[str, Any]] = {
+    "image": {"epochs": 10, "batch_size": 64, "lr": 2e-3},
+    "seqrec": {"epochs": 20, "batch_size": None, "lr": 1e-2},
+}
 
 
 def add_train_parser(sub) -> None:
@@ -81,15 +91,6 @@ def add_train_parser(sub) -> None:
         help="image models: digits (bundled with scikit-learn; the default); sequence models: synthetic (the "
         f"default), {datasets_help()} or a file path (dpzoo.seqrec.register_dataset adds names)",
     )
-    option(
-        s,
-        "--amazon-columns",
-        default=None,
-        metavar="ORDER",
-        choices=["user,item,rating,timestamp", "item,user,rating,timestamp"],
-        help="sequence models: column order of an Amazon CSV given as a path, user,item,rating,timestamp (2014 "
-        "release) or item,user,rating,timestamp (2018); default: told from the ids' shape",
-    )
     option(s, "--epsilon", type=positive_float, default=8.0, help="the privacy budget ε the noise is calibrated to")
     option(
         s,
@@ -97,13 +98,6 @@ def add_train_parser(sub) -> None:
         type=unit_interval,
         default=None,
         help="δ of the (ε, δ) guarantee (default: 1e-5 for images, N^-1.1 for N users of sequence data)",
-    )
-    option(
-        s,
-        "--max-len",
-        type=positive_int,
-        default=None,
-        help=f"sequence models: items per input sequence (default: {max_len + ', ' if max_len else ''}else 50)",
     )
     option(
         s,
@@ -120,11 +114,28 @@ def add_train_parser(sub) -> None:
         help="split each Poisson batch into micro-batches of at most this many samples (memory only: one DP "
         "step per batch); default: whole batches",
     )
-    option(s, "--epochs", type=positive_int, default=10, help="passes over the data (each len(data)/batch steps)")
     option(
-        s, "--batch-size", type=positive_int, default=64, help="expected batch size: Poisson sampling at rate batch/N"
+        s,
+        "--epochs",
+        type=positive_int,
+        default=None,
+        help="passes over the data (each len(data)/batch steps); default: 10 for images, 20 for sequence models",
     )
-    option(s, "--lr", type=positive_float, default=2e-3, help="Adam's learning rate")
+    option(
+        s,
+        "--batch-size",
+        type=positive_int,
+        default=None,
+        help="expected batch size: Poisson sampling at rate batch/N; default: 64 for images, for sequence models "
+        "1024 or a quarter of the users if fewer",
+    )
+    option(
+        s,
+        "--lr",
+        type=positive_float,
+        default=None,
+        help="Adam's learning rate; default: 2e-3 for images, 1e-2 for sequence models",
+    )
     option(s, "--mode", default=DEFAULT_CLI_MODE, choices=mode_names(), help=f"training mode: {modes_help()}")
     option(
         s,
@@ -172,12 +183,7 @@ def add_train_parser(sub) -> None:
             "anyone with the seed can undo the privacy (recorded in the metadata); default: secret (OS entropy)",
         )
     option(s, "--device", default="cpu", help="where the model trains: cpu, cuda, cuda:1, mps")
-    option(
-        s,
-        "--non-private",
-        kind="flag",
-        help="sequence models: the same training without clipping or noise (a reference, no guarantee)",
-    )
+    add_seqrec_options(s, max_len)
     option(
         s,
         "--out",
@@ -275,9 +281,7 @@ def _train_kwargs(kind: str, args: argparse.Namespace) -> dict:
     common = {
         "data": args.data or DEFAULT_DATA[kind],
         "epsilon": args.epsilon,
-        "epochs": args.epochs,
-        "batch_size": args.batch_size,
-        "lr": args.lr,
+        **{k: v if getattr(args, k) is None else getattr(args, k) for k, v in DEFAULT_STEPS[kind].items()},
         "mode": args.mode,
         "clipping": args.clipping,
         "max_grad_norm": args.max_grad_norm,
@@ -297,6 +301,8 @@ def _train_kwargs(kind: str, args: argparse.Namespace) -> dict:
         "max_len": args.max_len,
         "private": not args.non_private,
         "amazon_columns": args.amazon_columns,
+        **({"item_prior": args.item_prior} if args.item_prior is not None else {}),
+        **({"item_prior_noise": args.item_prior_noise} if args.item_prior_noise is not None else {}),
     }
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -29,6 +28,7 @@ from .errors import CheckpointError, OverrideError, SaveError
 from .integrations.opacus import unwrap_for_save
 from .integrations.peft_layers import refuse_save as refuse_peft_save
 from .privacy.engine import engine_of
+from .privacy_record import PRIVACY_FIELDS, check_privacy, privacy_from_json, privacy_to_json
 from .registry import LOAD_KEYWORDS, OVERRIDE_SYNONYMS, get_entry, is_model, reject_unknown_overrides, split_name
 from .sharded_save import save_if_sharded
 
@@ -47,25 +47,6 @@ CONFIG_NAME = "dpzoo_config.json"
 WEIGHTS_NAME = "model.safetensors"
 HF_CONFIG_NAME = "config.json"  # a transformers model's config, beside dpzoo's
 FORMAT_VERSION = 1
-# Privacy metadata a DP-trained model carries (engine fills it; users may too).
-PRIVACY_FIELDS = {
-    "epsilon": float,
-    "delta": float,
-    "accountant": str,
-    "steps": int,
-    "sample_rate": float,
-    "noise_multiplier": float,
-    "max_grad_norm": float,
-    "privacy_unit": str,
-    "noise": str,
-    "sampling": str,
-    "self_check": str,
-}
-_REQUIRED_PRIVACY = ("epsilon", "delta", "accountant", "steps", "sample_rate")
-# JSON has no infinity: an infinite ε (σ = 0, no guarantee) is written as this string and read
-# back as float("inf") by read_config / privacy_metadata. The safetensors header stores str(ε),
-# which is "inf" too.
-_INFINITE = "inf"
 
 
 def _jsonable(value: Any) -> Any:
@@ -165,54 +146,6 @@ def _is_saved_directory(name_or_dir: str | os.PathLike) -> bool:
 create_model = load  # timm's name for the same call
 
 
-def _check_privacy(privacy: Mapping[str, Any] | None) -> dict[str, Any] | None:
-    if privacy is None:
-        return None
-    if not isinstance(privacy, Mapping):
-        raise SaveError(f"privacy must be a dict, got {type(privacy).__name__}")
-    unknown = [k for k in privacy if k not in PRIVACY_FIELDS]
-    if unknown:
-        raise SaveError(f"Unknown privacy field(s) {unknown}; allowed: {sorted(PRIVACY_FIELDS)}.")
-    missing = [k for k in _REQUIRED_PRIVACY if k not in privacy]
-    if missing:
-        raise SaveError(f"privacy metadata lacks {missing}; a DP claim needs {', '.join(_REQUIRED_PRIVACY)}.")
-    out = {}
-    for key, value in privacy.items():
-        kind = PRIVACY_FIELDS[key]
-        if key == "epsilon" and value == _INFINITE:
-            value = math.inf
-        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = float(value)
-            if key == "epsilon" and value == math.inf:
-                pass  # σ = 0: no guarantee, recorded as such (never as a large finite number)
-            elif not math.isfinite(value) or value < 0:
-                raise SaveError(
-                    f"privacy {key} must be finite and >= 0, got {value}"
-                    + ("; ε may also be float('inf') (no guarantee)." if key == "epsilon" else ".")
-                )
-        elif not isinstance(value, kind) or isinstance(value, bool):
-            raise SaveError(f"privacy {key} must be {kind.__name__}, got {value!r}")
-        out[key] = value
-    if not 0 < out["delta"] < 1 or not 0 < out["sample_rate"] <= 1 or out["steps"] < 0:
-        raise SaveError(
-            "privacy needs 0 < delta < 1, 0 < sample_rate <= 1 and steps >= 0, "
-            f"got delta={out['delta']}, sample_rate={out['sample_rate']}, steps={out['steps']}"
-        )
-    return out
-
-
-def _privacy_to_json(privacy: dict[str, Any] | None) -> dict[str, Any] | None:
-    if privacy is None or privacy["epsilon"] != math.inf:
-        return privacy
-    return {**privacy, "epsilon": _INFINITE}
-
-
-def _privacy_from_json(privacy: Any) -> Any:
-    if isinstance(privacy, dict) and privacy.get("epsilon") == _INFINITE:
-        return {**privacy, "epsilon": math.inf}
-    return privacy
-
-
 def _model_dtype(model: nn.Module) -> str | None:
     dtypes = {p.dtype for p in model.parameters() if p.dtype.is_floating_point}
     return str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else None
@@ -245,7 +178,7 @@ def save(
             privacy = engine.privacy_metadata()
         else:
             privacy = getattr(model, "dpzoo_privacy", None)
-    privacy = _check_privacy(privacy)
+    privacy = check_privacy(privacy)
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise SaveError(f"{directory} exists and is not a directory.")
@@ -265,7 +198,7 @@ def save(
         **config,
         "dtype": _model_dtype(model),
         "patches": report.to_dict() if report is not None else None,
-        "privacy": _privacy_to_json(privacy),
+        "privacy": privacy_to_json(privacy),
     }
     st_meta = {"format": "pt", "dpzoo.model_name": config["model_name"]}
     if privacy:
@@ -320,7 +253,7 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
     if cfg.get("format_version", 0) > FORMAT_VERSION:
         raise SaveError(f"{directory} was written by a newer dpzoo (format {cfg['format_version']}); upgrade dpzoo.")
     if "privacy" in cfg:
-        cfg["privacy"] = _privacy_from_json(cfg["privacy"])
+        cfg["privacy"] = privacy_from_json(cfg["privacy"])
     return cfg
 
 

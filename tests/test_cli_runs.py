@@ -120,7 +120,9 @@ def test_metrics_csv_is_written_per_evaluation(runs):
         assert float(row["epsilon"]) == pytest.approx(kept["epsilon"], rel=1e-12)
         assert float(row["test_ndcg@10"]) == pytest.approx(kept["test_ndcg@10"], rel=1e-12)
     meta = dpzoo.privacy_metadata(root / "a" / "model")
-    assert meta["epsilon"] == pytest.approx(a["epsilon"]) and meta["steps"] == a["steps"] == 8
+    assert meta["epsilon"] == pytest.approx(a["epsilon"]) and a["steps"] == 8
+    # the metadata counts every release composed into ε: the private item prior, then 8 steps
+    assert meta["steps"] == 9 and meta["history"][0] == [5.0, 1.0, 1] and meta["history"][1][2] == 8
     assert (root / "a" / "metrics.png").stat().st_size > 0
     assert json.loads((root / "a" / "metrics.json").read_text())["popularity"]["test"]["ndcg@10"] >= 0
 
@@ -146,7 +148,10 @@ def test_ctrl_c_saves_a_checkpoint_and_says_how_to_resume(runs):
     assert f"dpzoo train --resume {root / 'b'}" in interrupted["message"]
     ckpt = interrupted["checkpoint"]
     assert ckpt["progress"]["step"] == 6 and ckpt["progress"]["epochs_done"] == 1
-    assert ckpt["engine"]["accountant"]["history"] == [[pytest.approx(ckpt["engine"]["noise_multiplier"]), 0.256, 6]]
+    assert ckpt["engine"]["accountant"]["history"] == [  # the item prior's release, then the steps
+        [5.0, 1.0, 1],
+        [pytest.approx(ckpt["engine"]["noise_multiplier"]), 0.256, 6],
+    ]
     assert len(interrupted["csv"].splitlines()) == 2  # header and epoch 1: nothing after the checkpoint
 
 
@@ -213,6 +218,7 @@ def test_sigint_in_a_real_process_then_resume_keeps_the_accounting(tmp_path):
     assert main(["train", "--resume", str(out), "--quiet"]) == 0
     resumed = json.loads((out / "metrics.json").read_text())
     reference = dpzoo.PrivacyEngine().accountant
+    reference.step(5.0, 1.0, 1)  # the private item prior, released once before the first run's steps
     reference.step(resumed["noise_multiplier"], resumed["sample_rate"], 12)
     assert resumed["steps"] == 12 and resumed["epsilon"] == reference.get_epsilon(resumed["delta"])
     assert dpzoo.privacy_metadata(out / "model")["noise"].startswith("secret")

@@ -26,13 +26,15 @@ def compute_sample_rate(batch_size: int, world: int, n: int) -> float:
 
 def prior_spending(module: nn.Module, earlier: list) -> list:
     """The (σ, q, steps) history a model already spent: ``earlier``, the history of an earlier
-    engine on it, or else the privacy metadata of a model loaded with dpzoo.load. [] for a model
-    with no record."""
+    engine on it, or else the privacy metadata of a model loaded with dpzoo.load (its whole
+    history when recorded, else its last σ, q and step count). [] for a model with no record."""
     if earlier:
         return [list(h) for h in earlier]
     meta = getattr(module, "dpzoo_privacy", None)
     if not meta:
         return []
+    if meta.get("history"):  # every release composed into the saved ε, not only the last (σ, q)
+        return [list(h) for h in meta["history"]]
     if meta.get("noise_multiplier") is None or not meta.get("steps"):
         raise PrivacyUsageError(
             f"This model was trained with DP before (ε = {meta.get('epsilon')}) but its metadata lacks the noise "

@@ -339,7 +339,8 @@ class PrivacyEngine(OpacusParity):
         return self.accountant.steps
 
     def privacy_metadata(self, delta: float | None = None) -> dict[str, Any]:
-        """What ``dpzoo.save`` records: ε, δ, accountant, steps, sample rate, σ, R."""
+        """What ``dpzoo.save`` records: ε, δ, accountant, steps, sample rate, σ, R, and the accountant's
+        whole (σ, q, steps) history (e.g. a release before training, composed into ε)."""
         delta = delta if delta is not None else self.target_delta
         if delta is None:
             raise DPZooError("privacy metadata needs delta: pass it, or target_delta to make_private.")
@@ -371,6 +372,8 @@ class PrivacyEngine(OpacusParity):
             "noise": noise,
             "sampling": sampling,
             "self_check": check,
+            # every (σ, q, steps) composed into ε, so a later run on the same data composes all of them
+            "history": [list(h) for h in self.accountant.history],
         }
 
     def state_dict(self) -> dict:

@@ -1,0 +1,101 @@
+"""What a saved model's privacy metadata may hold (:data:`PRIVACY_FIELDS`), how a record is
+checked before it is written (:func:`check_privacy`), and how an infinite ε crosses JSON."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+from .errors import SaveError
+
+__all__ = ["PRIVACY_FIELDS", "check_privacy", "privacy_to_json", "privacy_from_json"]
+
+# Privacy metadata a DP-trained model carries (the engine fills it; users may too).
+PRIVACY_FIELDS = {
+    "epsilon": float,
+    "delta": float,
+    "accountant": str,
+    "steps": int,
+    "sample_rate": float,
+    "noise_multiplier": float,
+    "max_grad_norm": float,
+    "privacy_unit": str,
+    "noise": str,
+    "sampling": str,
+    "self_check": str,
+    "history": list,  # the accountant's [σ, q, steps] entries, all composed into ε
+    "public_statistics": str,  # what the run used from its data outside ε (the user's stated assumption)
+}
+_REQUIRED_PRIVACY = ("epsilon", "delta", "accountant", "steps", "sample_rate")
+# JSON has no infinity: an infinite ε (σ = 0, no guarantee) is written as this string and read
+# back as float("inf") by read_config / privacy_metadata. The safetensors header stores str(ε),
+# which is "inf" too.
+_INFINITE = "inf"
+
+
+def check_privacy(privacy: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    if privacy is None:
+        return None
+    if not isinstance(privacy, Mapping):
+        raise SaveError(f"privacy must be a dict, got {type(privacy).__name__}")
+    unknown = [k for k in privacy if k not in PRIVACY_FIELDS]
+    if unknown:
+        raise SaveError(f"Unknown privacy field(s) {unknown}; allowed: {sorted(PRIVACY_FIELDS)}.")
+    missing = [k for k in _REQUIRED_PRIVACY if k not in privacy]
+    if missing:
+        raise SaveError(f"privacy metadata lacks {missing}; a DP claim needs {', '.join(_REQUIRED_PRIVACY)}.")
+    out = {}
+    for key, value in privacy.items():
+        kind = PRIVACY_FIELDS[key]
+        if key == "epsilon" and value == _INFINITE:
+            value = math.inf
+        if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = float(value)
+            if key == "epsilon" and value == math.inf:
+                pass  # σ = 0: no guarantee, recorded as such (never as a large finite number)
+            elif not math.isfinite(value) or value < 0:
+                raise SaveError(
+                    f"privacy {key} must be finite and >= 0, got {value}"
+                    + ("; ε may also be float('inf') (no guarantee)." if key == "epsilon" else ".")
+                )
+        elif not isinstance(value, kind) or isinstance(value, bool):
+            raise SaveError(f"privacy {key} must be {kind.__name__}, got {value!r}")
+        if key == "history":
+            value = _check_history(value)
+        out[key] = value
+    if not 0 < out["delta"] < 1 or not 0 < out["sample_rate"] <= 1 or out["steps"] < 0:
+        raise SaveError(
+            "privacy needs 0 < delta < 1, 0 < sample_rate <= 1 and steps >= 0, "
+            f"got delta={out['delta']}, sample_rate={out['sample_rate']}, steps={out['steps']}"
+        )
+    return out
+
+
+def _check_history(history: list) -> list:
+    rows = []
+    for row in history:
+        ok = isinstance(row, (list, tuple)) and len(row) == 3
+        if ok:
+            sigma, q, steps = row
+            ok = (
+                all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (sigma, q))
+                and isinstance(steps, int)
+                and not isinstance(steps, bool)
+            )
+            ok = ok and sigma >= 0 and 0 < q <= 1 and steps >= 0
+        if not ok:
+            raise SaveError(f"privacy history rows must be [σ >= 0, 0 < q <= 1, steps >= 0], got {row!r}.")
+        rows.append([float(row[0]), float(row[1]), int(row[2])])
+    return rows
+
+
+def privacy_to_json(privacy: dict[str, Any] | None) -> dict[str, Any] | None:
+    if privacy is None or privacy["epsilon"] != math.inf:
+        return privacy
+    return {**privacy, "epsilon": _INFINITE}
+
+
+def privacy_from_json(privacy: Any) -> Any:
+    if isinstance(privacy, dict) and privacy.get("epsilon") == _INFINITE:
+        return {**privacy, "epsilon": math.inf}
+    return privacy
