@@ -47,7 +47,13 @@ def use_data_dir(data_dir: str | None) -> None:
 def run_one(args, model, eps, lr, bs, seed, runs: Path) -> dict:
     path = runs / f"{model}_eps{eps:g}_lr{lr:g}_bs{bs}_seed{seed}.json"
     if path.exists():
-        return json.loads(path.read_text())
+        done = json.loads(path.read_text())
+        if done.get("item_prior", "none") != args.item_prior:  # runs before the prior existed had none
+            raise SystemExit(
+                f"{path} was trained with item_prior={done.get('item_prior', 'none')!r}, not {args.item_prior!r}: "
+                "give another --out for runs with another prior."
+            )
+        return done
     if args.summary_only:
         print(f"missing (not trained, --summary-only): {path.name}", flush=True)
         return None
@@ -66,6 +72,7 @@ def run_one(args, model, eps, lr, bs, seed, runs: Path) -> dict:
         max_len=args.max_len,
         eval_every=args.eval_every,
         seed=seed,
+        item_prior=args.item_prior,
         max_physical_batch_size=args.max_physical_batch_size,
         device=args.device,
         log=log,
@@ -118,6 +125,12 @@ def main(argv=None) -> None:
         type=int,
         default=None,
         help="split logical batches into physical ones of this size (CPU memory)",
+    )
+    p.add_argument(
+        "--item-prior",
+        default="private",
+        choices=["private", "public", "none"],
+        help="the output bias's start (dpzoo.seqrec.item_prior): released inside ε, exact outside ε, or zero",
     )
     p.add_argument("--device", default="cpu")
     p.add_argument("--jobs", type=int, default=1, help="runs at a time (processes)")

@@ -320,6 +320,8 @@ def train_seqrec(
         "noise_multiplier": engine.noise_multiplier if engine is not None else 0.0,
         "sample_rate": engine.sample_rate if engine is not None else None,
         "accountant": accountant if private else None,
+        "item_prior": item_prior,
+        "item_prior_noise": item_prior_noise if item_prior == "private" and private else None,
         "seed": seed,
         "device": str(dev),
         "history": history,
