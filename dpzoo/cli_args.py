@@ -25,6 +25,7 @@ __all__ = [
     "nonnegative_int",
     "key_value",
     "checkpoint_every",
+    "physical_batch_size",
 ]
 
 
@@ -161,3 +162,15 @@ def checkpoint_every(text: str) -> int | str:
         return positive_int(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"expected 'epoch', 'off' or a number of steps >= 1, got {text!r}") from None
+
+
+def physical_batch_size(text: str) -> int | str:
+    """``auto`` (chosen from the available memory) or N >= 1 (samples per forward and backward pass)."""
+    if text == "auto":
+        return text
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"expected 'auto' (chosen from the available memory) or a whole number >= 1, got {text!r}"
+        ) from None

@@ -21,6 +21,7 @@ from .cli_args import (
     key_value,
     nonnegative_int,
     option,
+    physical_batch_size,
     positive_float,
     positive_int,
     unit_interval,
@@ -109,10 +110,12 @@ def add_train_parser(sub) -> None:
     option(
         s,
         "--max-physical-batch-size",
-        type=positive_int,
+        type=physical_batch_size,
         default=None,
-        help="split each Poisson batch into micro-batches of at most this many samples (memory only: one DP "
-        "step per batch); default: whole batches",
+        metavar="N|auto",
+        help="split each Poisson batch into micro-batches of at most N samples, or auto: the largest whose "
+        "estimated peak memory fits in half of the training device's available memory (memory and time only: "
+        "one DP step per batch); default: auto for sequence models, whole batches for image classifiers",
     )
     option(
         s,
@@ -256,6 +259,11 @@ def _check_options(kind: str, args: argparse.Namespace, opts: set[str]) -> None:
         if needs_out:
             verb = "needs" if len(needs_out) == 1 else "need"
             raise InvalidArgumentError(f"{', '.join(needs_out)} {verb} --out DIR (where the run is saved).")
+    if kind == "image" and args.max_physical_batch_size == "auto":
+        raise InvalidArgumentError(
+            "--max-physical-batch-size auto is for sequence models; give an image classifier a number of "
+            "samples (default: whole batches)."
+        )
     data = args.data or DEFAULT_DATA[kind]
     if kind == "image":
         from .train import IMAGE_DATASETS
@@ -301,6 +309,8 @@ def _train_kwargs(kind: str, args: argparse.Namespace) -> dict:
         "max_len": args.max_len,
         "private": not args.non_private,
         "amazon_columns": args.amazon_columns,
+        # "auto" by default: the largest micro-batch the memory holds (a full softmax over V items)
+        "max_physical_batch_size": "auto" if args.max_physical_batch_size is None else args.max_physical_batch_size,
         **({"item_prior": args.item_prior} if args.item_prior is not None else {}),
         **({"item_prior_noise": args.item_prior_noise} if args.item_prior_noise is not None else {}),
     }

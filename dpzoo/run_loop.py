@@ -3,7 +3,8 @@
 :class:`TrainingLoop` runs the epochs of ``dpzoo train`` (images and sequences alike) around a
 ``train_step(batch) -> loss`` (forward and backward) and an ``evaluate() -> dict``:
 
-* a per-step progress bar (tqdm) with the last batch's loss and the ε spent so far, hidden when
+* a per-step progress bar (tqdm) with the last batch's loss, the ε spent so far, the seconds per
+  step and the micro-batches per step when physical batching splits them, hidden when
   stderr is not a terminal (``progress=None``) or with ``progress=False``. The loss is that of
   private training data: it is shown on the terminal only, never written to a file;
 * an evaluation every ``eval_every`` epochs and after the last, appended at once to
@@ -114,6 +115,7 @@ class TrainingLoop:
         self.history: list[dict] = []
         self.seconds_before = 0.0
         self.last_loss: torch.Tensor | None = None
+        self.micro_batches = 0  # forward/backward passes of the step under way (physical batches)
         self.stop_requested = False
         self.resumed_at: int | None = None
         self.pending_rng: torch.Tensor | None = None
@@ -234,7 +236,8 @@ class TrainingLoop:
         """After each logical step: progress, the user's callback, periodic checkpoints, a
         pending Ctrl-C."""
         if self.bar is not None:
-            self.bar.step(self.last_loss)
+            self.bar.step(self.last_loss, self.micro_batches)
+        self.micro_batches = 0
         if self.step_callback is not None:
             self.step_callback(self.step)
         if isinstance(self.checkpoint_every, int) and self.step % self.checkpoint_every == 0:
@@ -297,6 +300,7 @@ class TrainingLoop:
                             torch.set_rng_state(self.pending_rng)
                             self.pending_rng = None
                         loss = train_step(batch)
+                        self.micro_batches += 1
                         self.last_loss = loss.detach() if loss is not None else None
                         self.optimizer.step()  # private: after a logical step the hooks above run
                         self.optimizer.zero_grad()
@@ -314,6 +318,7 @@ class TrainingLoop:
                     self.epochs_done = epoch
                     if self.checkpoint_every == "epoch":
                         self.save()
+                    self.bar.restart_timing()  # an evaluation's or a checkpoint's seconds are no step's
                     if self.stop_requested:
                         raise KeyboardInterrupt
         except KeyboardInterrupt:

@@ -15,6 +15,8 @@ One job per module:
   their lookup and download; :func:`load_dataset`.
 * :mod:`~dpzoo.seqrec.synthetic`: a long-tailed synthetic generator.
 * :mod:`~dpzoo.seqrec.metrics`: NDCG@k / HIT@k over the full item set.
+* :mod:`~dpzoo.seqrec.memory`: the physical batch size chosen from the available memory
+  (``max_physical_batch_size="auto"``).
 * :mod:`~dpzoo.seqrec.train`: private training and evaluation (``dpzoo train``).
 """
 

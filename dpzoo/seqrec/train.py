@@ -29,6 +29,7 @@ from ..run_plots import plot_metrics
 from .dataset import SequenceDataset, sasrec_preprocess
 from .downloads import DATASETS, load_dataset
 from .item_prior import ITEM_PRIORS, item_weights, log_prior, private_item_weights, set_output_prior
+from .memory import PhysicalBatch, check_physical_batch_size, choose_physical_batch
 from .metrics import ndcg_hit_at_k, target_ranks
 from .synthetic import zipf_interactions
 
@@ -110,7 +111,7 @@ def train_seqrec(
     max_grad_norm: float = 1.0,
     clipping: str = "automatic",
     eval_every: int = 5,
-    max_physical_batch_size: int | None = None,
+    max_physical_batch_size: int | str | None = "auto",
     accountant: str = "rdp",
     seed: int = 0,
     weight_decay: float = 1e-5,
@@ -144,7 +145,12 @@ def train_seqrec(
     and the non-private shuffling; Poisson membership and noise are secret unless
     ``sample_seed`` / ``noise_seed`` are given (tests only: recorded in the metadata).
     ``out``, ``overwrite``, ``checkpoint_every``, ``resume``, ``progress`` and
-    ``step_callback``: as in :func:`dpzoo.train.train_image_classifier`. ``item_prior`` sets the
+    ``step_callback``: as in :func:`dpzoo.train.train_image_classifier`. ``max_physical_batch_size``
+    bounds the users of one forward and backward pass (each Poisson batch is split into micro-batches;
+    memory and time only, the DP step is the same): a number, None (whole batches), or "auto" (the
+    default): the largest micro-batch whose estimated peak memory fits in half of the memory available
+    on ``device`` (:mod:`dpzoo.seqrec.memory`), logged in the first line and recorded in metrics.json
+    (``physical_batch``); without DP it does not apply. ``item_prior`` sets the
     output bias to the items' log-frequencies before training (:mod:`dpzoo.seqrec.item_prior`):
     "private" releases them with the Gaussian mechanism at noise multiplier ``item_prior_noise``,
     composed into ε; "public" uses the exact counts outside ε (the DPFormer paper's assumption,
@@ -180,6 +186,7 @@ def train_seqrec(
     if item_prior not in ITEM_PRIORS:
         raise InvalidArgumentError(f"item_prior must be one of {', '.join(ITEM_PRIORS)}, got {item_prior!r}.")
     check_loop_arguments(epochs=epochs, eval_every=eval_every, checkpoint_every=checkpoint_every)
+    check_physical_batch_size(max_physical_batch_size)
     if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
         raise InvalidArgumentError(f"max_len must be a whole number >= 1 (items per input sequence), got {max_len!r}.")
     fixed = sorted(set(settings["overrides"]) & set(_DATA_OVERRIDES))
@@ -219,9 +226,13 @@ def train_seqrec(
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
     train_set = TensorDataset(x, y)
     engine = None
+    physical = PhysicalBatch(size=None, batch_size=batch_size)  # without DP: plain batches
     if private:  # the engine replaces the loader by Poisson sampling at rate batch / N
         # the item prior's release is the first entry of the history σ is calibrated after
         engine = PrivacyEngine(Accountant(accountant, [[item_prior_noise, 1.0, 1]] if released else []))
+        physical = choose_physical_batch(
+            max_physical_batch_size, model, max_len=max_len, batch_size=batch_size, device=dev, mode=mode
+        )
         noise = (
             {"target_epsilon": epsilon}
             if checkpoint is None
@@ -236,7 +247,7 @@ def train_seqrec(
             max_grad_norm=max_grad_norm,
             clipping=clipping,
             mode=mode,
-            max_physical_batch_size=max_physical_batch_size,
+            max_physical_batch_size=physical.size,
             noise_seed=noise_seed,
             sample_seed=sample_seed,
             **noise,
@@ -276,7 +287,7 @@ def train_seqrec(
         log(
             f"{name} on {data}: {n_users} users (one sequence each = the privacy unit), {ds.num_items} items; "
             f"σ = {engine.noise_multiplier:.3f}, q = {engine.sample_rate:.4f}, {total} steps, "
-            f"target ε = {epsilon} at δ = {delta:.2e}{resumed}"
+            f"target ε = {epsilon} at δ = {delta:.2e}; {physical.describe()}{resumed}"
         )
     else:
         log(
@@ -317,6 +328,7 @@ def train_seqrec(
         "lr": lr,
         "max_len": max_len,
         "mode": mode if private else None,
+        "physical_batch": physical.as_dict() if private else None,
         "noise_multiplier": engine.noise_multiplier if engine is not None else 0.0,
         "sample_rate": engine.sample_rate if engine is not None else None,
         "accountant": accountant if private else None,
