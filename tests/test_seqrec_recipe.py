@@ -9,13 +9,13 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
+from grad_reference import check_against_brute_force
 
 import dpzoo
 from dpzoo.cli import main
 from dpzoo.privacy.accountant import Accountant
 from dpzoo.seqrec.item_prior import item_weights, log_prior, set_output_prior
 from dpzoo.seqrec.train import RECIPE_OVERRIDES, get_dataset, train_seqrec
-from grad_reference import check_against_brute_force
 
 
 def test_train_seqrec_defaults_are_the_recipe():

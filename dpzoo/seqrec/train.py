@@ -92,6 +92,14 @@ def popularity_baseline(
     return out
 
 
+def _prior_words(item_prior: str, noise: float) -> str:
+    return {
+        "private": f"released with σ_f = {noise:g}, inside ε",
+        "public": "exact frequencies, outside ε",
+        "none": "none",
+    }[item_prior]
+
+
 def _public_statistics(model, item_prior: str) -> list[tuple[str, bool]]:
     """What a run uses from its training data outside ε (the DPFormer paper's Remark C.1)."""
     reattention = getattr(model, "reattention", None) is not None
@@ -293,7 +301,8 @@ def train_seqrec(
         log(
             f"{name} on {data}: {n_users} users (one sequence each = the privacy unit), {ds.num_items} items; "
             f"σ = {engine.noise_multiplier:.3f}, q = {engine.sample_rate:.4f}, {total} steps, "
-            f"target ε = {epsilon} at δ = {delta:.2e}; {physical.describe()}{resumed}"
+            f"target ε = {epsilon} at δ = {delta:.2e} (item prior: {_prior_words(item_prior, item_prior_noise)}); "
+            f"{physical.describe()}{resumed}"
         )
     else:
         log(
