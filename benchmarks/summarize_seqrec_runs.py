@@ -6,7 +6,9 @@ whose JSON was lost, the evaluation lines they printed (test metrics only), tagg
 or ``[MODEL sSEED]`` (a ``train_seqrec(log=...)`` callback; settings from ``--log-settings``).
 A run given twice (file and log) is an error, not counted twice.
 Also writes the per-seed difference dpformer − transformer-seqrec where both ran with the same
-seed and settings (same seed: same initialisation, Poisson batches and noise draws).
+seed and settings (same seed: the same initialisation; the same Poisson batches and noise draws
+only for runs given noise and sample seeds, which are secret by default since the engine's
+privacy fixes).
 
     python benchmarks/summarize_seqrec_runs.py benchmarks/results/dpformer_ml1m/gpu100 \\
         --log-settings 20 0.01 1024 --log-epochs 100
