@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_errors import one_line_error
 
 import dpzoo
 from dpzoo.cli import build_parser, main
@@ -284,16 +285,6 @@ def test_an_amazon_csv_and_sasrec_text_train_one_epoch_with_auto(tmp_path, monke
 
 
 # -- the command line and the Python arguments -------------------------------------------------------------
-def _one_line_error(capsys, argv) -> str:
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("dpzoo: error: "), err
-    return lines[0]
 
 
 def test_the_option_takes_auto_or_a_number_and_refuses_junk(capsys):
@@ -304,9 +295,9 @@ def test_the_option_takes_auto_or_a_number_and_refuses_junk(capsys):
     )
     assert parser.parse_args(["train", "gru-seqrec", "--max-physical-batch-size", "16"]).max_physical_batch_size == 16
     for junk in ("atuo", "0", "-3", "1.5", "AUTO"):
-        line = _one_line_error(capsys, ["train", "gru-seqrec", "--max-physical-batch-size", junk])
+        line = one_line_error(capsys, ["train", "gru-seqrec", "--max-physical-batch-size", junk])
         assert "--max-physical-batch-size" in line and "expected 'auto'" in line and repr(junk) in line, line
-    line = _one_line_error(capsys, ["train", "resnet18-gn-bias", "--max-physical-batch-size", "auto"])
+    line = one_line_error(capsys, ["train", "resnet18-gn-bias", "--max-physical-batch-size", "auto"])
     assert "auto is for sequence models" in line
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_errors import one_line_error
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -28,18 +29,6 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ["gru-seqrec", "--set", "d_model=8", "--max-len", "8", "--batch-size", "128", "--epochs", "2"]
 TINY_KW = dict(epochs=2, batch_size=128, max_len=8, overrides={"d_model": 8}, eval_every=1)
 _quiet = lambda message: None  # noqa: E731
-
-
-def _one_line_error(capsys, argv) -> str:
-    try:
-        code = main(argv)
-    except SystemExit as e:
-        code = e.code
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("dpzoo: error: "), err
-    return lines[0]
 
 
 # -- progress bar ----------------------------------------------------------------------------------------
@@ -178,11 +167,11 @@ def test_resume_reproduces_the_uninterrupted_run(runs):
 @pytest.mark.slow
 def test_resume_refuses_other_settings_and_finished_runs(runs, capsys):
     root = runs[0]
-    says = _one_line_error(capsys, ["train", "--resume", str(root / "b"), "--epochs", "5"])
+    says = one_line_error(capsys, ["train", "--resume", str(root / "b"), "--epochs", "5"])
     assert "drop --epochs" in says
-    says = _one_line_error(capsys, ["train", "dpformer", "--resume", str(root / "b")])
+    says = one_line_error(capsys, ["train", "dpformer", "--resume", str(root / "b")])
     assert "is a run of gru-seqrec" in says
-    assert "is complete" in _one_line_error(capsys, ["train", "--resume", str(root / "b")])
+    assert "is complete" in one_line_error(capsys, ["train", "--resume", str(root / "b")])
 
 
 def test_checkpoint_every_n_steps(tmp_path):

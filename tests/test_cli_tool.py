@@ -12,27 +12,15 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_errors import one_line_error
 
-from dpzoo.cli import build_parser, main
+from dpzoo.cli import build_parser
 from dpzoo.cli_choices import BUILTIN_ACCOUNTANTS, BUILTIN_DATASETS, BUILTIN_MODELS, BUILTIN_MODES, DEFAULT_CLI_MODE
 from dpzoo.run_io import prepare_out_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 # a tiny sequence run: 500 synthetic users, q = 0.256, 4 steps an epoch
 TINY = ["gru-seqrec", "--set", "d_model=8", "--max-len", "8", "--batch-size", "128", "--epochs", "2"]
-
-
-def _one_line_error(capsys, argv) -> str:
-    """Run the CLI; it must fail with exit code 2 and exactly one line on stderr."""
-    try:
-        code = main(argv)
-    except SystemExit as e:  # argparse's errors exit by themselves
-        code = e.code
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("dpzoo: error: "), err
-    return lines[0]
 
 
 # -- every mistake: one line, exit code 2 ----------------------------------------------------------
@@ -69,7 +57,7 @@ def _one_line_error(capsys, argv) -> str:
     ],
 )
 def test_image_training_mistakes_are_one_line(capsys, argv, says):
-    assert says in _one_line_error(capsys, ["train", "resnet18-gn-bias", *argv])
+    assert says in one_line_error(capsys, ["train", "resnet18-gn-bias", *argv])
 
 
 @pytest.mark.parametrize(
@@ -85,26 +73,26 @@ def test_image_training_mistakes_are_one_line(capsys, argv, says):
     ],
 )
 def test_sequence_training_mistakes_are_one_line(capsys, argv, says):
-    assert says in _one_line_error(capsys, ["train", "dpformer", *argv])
+    assert says in one_line_error(capsys, ["train", "dpformer", *argv])
 
 
 def test_other_mistakes_are_one_line(capsys, tmp_path):
-    assert "only image classifiers and sequence models" in _one_line_error(capsys, ["train", "gpt2"])
-    assert "needs a model NAME" in _one_line_error(capsys, ["train"])
-    assert "Did you mean: resnet18-gn-bias" in _one_line_error(capsys, ["train", "resnet18-gnbias"])
-    assert "invalid choice" in _one_line_error(capsys, ["trian"])
-    assert "No training checkpoint" in _one_line_error(capsys, ["train", "--resume", str(tmp_path)])
+    assert "only image classifiers and sequence models" in one_line_error(capsys, ["train", "gpt2"])
+    assert "needs a model NAME" in one_line_error(capsys, ["train"])
+    assert "Did you mean: resnet18-gn-bias" in one_line_error(capsys, ["train", "resnet18-gnbias"])
+    assert "invalid choice" in one_line_error(capsys, ["trian"])
+    assert "No training checkpoint" in one_line_error(capsys, ["train", "--resume", str(tmp_path)])
     (tmp_path / "a-file").write_text("x")
-    assert "is a file" in _one_line_error(capsys, ["audit", "--out", str(tmp_path / "a-file")])
-    assert "--canaries: must be at least 1" in _one_line_error(capsys, ["audit", "--canaries", "0"])
-    assert "--confidence" in _one_line_error(capsys, ["audit", "--confidence", "1"])
+    assert "is a file" in one_line_error(capsys, ["audit", "--out", str(tmp_path / "a-file")])
+    assert "--canaries: must be at least 1" in one_line_error(capsys, ["audit", "--canaries", "0"])
+    assert "--confidence" in one_line_error(capsys, ["audit", "--confidence", "1"])
 
 
 def test_datasets_of_one_user_or_unreadable_are_one_line(capsys, tmp_path):
     one_user = tmp_path / "one.txt"
     one_user.write_text("".join(f"1 {i}\n" for i in range(1, 30)))
-    assert "1 user(s)" in _one_line_error(capsys, ["train", "gru-seqrec", "--data", str(one_user)])
-    assert "neither a dataset" in _one_line_error(capsys, ["train", "gru-seqrec", "--data", str(tmp_path)])
+    assert "1 user(s)" in one_line_error(capsys, ["train", "gru-seqrec", "--data", str(one_user)])
+    assert "neither a dataset" in one_line_error(capsys, ["train", "gru-seqrec", "--data", str(tmp_path)])
 
 
 @pytest.mark.slow
@@ -125,15 +113,15 @@ def test_out_is_checked_before_the_data_is_even_read(capsys, tmp_path, monkeypat
     monkeypatch.setattr("dpzoo.seqrec.train.get_dataset", never)
     (tmp_path / "notes.txt").write_text("mine")
     (tmp_path / "metrics.csv").write_text("epoch\n1\n")
-    says = _one_line_error(capsys, ["train", *TINY, "--out", str(tmp_path)])
+    says = one_line_error(capsys, ["train", *TINY, "--out", str(tmp_path)])
     assert "is not empty" in says and "--overwrite" in says
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.csv", "notes.txt"]  # untouched
     assert prepare_out_dir(tmp_path, overwrite=True) == tmp_path  # --overwrite removes dpzoo's results only
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
     (tmp_path / "checkpoint.pt").write_text("x")  # a checkpointed run is pointed to --resume
-    assert "--resume" in _one_line_error(capsys, ["train", *TINY, "--out", str(tmp_path)])
+    assert "--resume" in one_line_error(capsys, ["train", *TINY, "--out", str(tmp_path)])
     blocker = tmp_path / "notes.txt"
-    assert "cannot be written" in _one_line_error(capsys, ["train", *TINY, "--out", str(blocker / "run")])
+    assert "cannot be written" in one_line_error(capsys, ["train", *TINY, "--out", str(blocker / "run")])
 
 
 # -- --help: a sentence and a default for every option; no torch to build it --------------------------

@@ -78,20 +78,26 @@ def _loss(model, ids, y):
     return lm + nn.functional.cross_entropy(pooled, y, reduction="sum")
 
 
-@pytest.mark.parametrize("budget", [0, 5_000, None, 1e12])
-def test_every_plan_is_exact_against_brute_force(budget):
+def _exact_plan(**hook_kwargs) -> list[dict]:
+    """The plan of a tied LM's hooks built with ``hook_kwargs``, after checking its per-sample norms
+    and a weighted clipped sum against a loop of per-sample backward passes."""
     torch.manual_seed(0)
     model = _TiedLM().double()
     ids, y = torch.randint(0, 40, (5, 9)), torch.randint(0, 3, (5,))
     scale = torch.rand(5, dtype=torch.float64) + 0.1
     total, _, clipped = reference(model, _loss, {"ids": ids, "y": y}, 5, scale)
-    with attach_norm_hooks(model, memory_budget=budget) as hooks:
+    with attach_norm_hooks(model, **hook_kwargs) as hooks:
         hooks.backward(_loss(model, ids, y))
         assert_close(hooks.per_sample_norms(), total, 1e-9, "norms")
         got = hooks.clipped_sum(scale)
         for n in clipped:
             assert_close(got[n], clipped[n], 1e-9, n)
-        plan = hooks.plan()
+        return hooks.plan()
+
+
+@pytest.mark.parametrize("budget", [0, 5_000, None, 1e12])
+def test_every_plan_is_exact_against_brute_force(budget):
+    plan = _exact_plan(memory_budget=budget)
     choices = {(r["param"], r["use"]): r["choice"] for r in plan}
     assert set(choices) >= {("emb.weight", 0), ("emb.weight", 1), ("mix.weight", 0), ("pooled.weight", 0)}
     inst = sum(r["instantiate_mb"] for r in plan if r["choice"] == "instantiate") * 2**20
@@ -138,18 +144,7 @@ def test_plan_through_the_engine_and_bad_budgets():
 
 
 def test_autotune_times_both_paths_once_per_shape_and_keeps_the_faster():
-    torch.manual_seed(0)
-    model = _TiedLM().double()
-    ids, y = torch.randint(0, 40, (5, 9)), torch.randint(0, 3, (5,))
-    scale = torch.rand(5, dtype=torch.float64) + 0.1
-    total, _, clipped = reference(model, _loss, {"ids": ids, "y": y}, 5, scale)
-    with attach_norm_hooks(model, memory_budget=1e12, autotune=True) as hooks:
-        hooks.backward(_loss(model, ids, y))
-        assert_close(hooks.per_sample_norms(), total, 1e-9, "norms")
-        got = hooks.clipped_sum(scale)
-        for n in clipped:
-            assert_close(got[n], clipped[n], 1e-9, n)
-        plan = hooks.plan()
+    plan = _exact_plan(memory_budget=1e12, autotune=True)
     linear = [r for r in plan if r["kind"] == "linear"]
     assert linear and all(r["ghost_ms"] > 0 and r["instantiate_ms"] > 0 for r in linear)
     for r in linear:  # the budget is no constraint here: the measured faster path is taken
