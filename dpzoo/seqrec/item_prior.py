@@ -42,7 +42,7 @@ def user_item_sets(train_inputs: torch.Tensor, num_items: int) -> torch.Tensor:
         raise InvalidArgumentError(
             f"train_inputs must be (users, positions) item ids, got shape {tuple(train_inputs.shape)}."
         )
-    held = torch.zeros(train_inputs.shape[0], num_items + 1)
+    held = torch.zeros(train_inputs.shape[0], num_items + 1, device=train_inputs.device)
     held.scatter_(1, train_inputs.long(), 1.0)
     held[:, 0] = 0.0
     return held

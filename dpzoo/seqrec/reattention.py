@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from ..errors import InvalidArgumentError
+from .item_prior import user_item_sets
 
 __all__ = [
     "ReAttention",
@@ -108,10 +109,8 @@ class ReAttention(nn.Module):
                 "no training inputs to count item frequencies from; pass a non-empty (N, T) tensor."
             )
         ids = train_inputs.long().to(self.item_freq.device)
-        rows = torch.arange(n, device=ids.device).unsqueeze(1).expand_as(ids)
-        seen = torch.zeros(n, self.item_freq.numel(), dtype=torch.bool, device=ids.device)
-        seen[rows.reshape(-1), ids.reshape(-1)] = True  # each sequence counts an item once
-        freq = seen[:, 1:].sum(0).double() / n
+        held = user_item_sets(ids, self.item_freq.numel() - 1)  # each sequence counts an item once
+        freq = held[:, 1:].sum(0).double() / n
         self.item_freq[1:] = freq.clamp_min(1.0 / n).to(self.item_freq)  # never seen: as if once
         pos = (ids != 0).sum(0).double() / n
         self.pos_freq.fill_(1.0)

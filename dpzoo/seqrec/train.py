@@ -75,11 +75,7 @@ def popularity_baseline(
     frequencies Re-Attention treats as public), history excluded as in :func:`evaluate`; for
     the "valid" and "test" parts. The level a model must beat to have learned anything."""
     x, _ = dataset.to_padded(max_len, "train")
-    s = x.sort(dim=1).values
-    first = torch.ones_like(s, dtype=torch.bool)
-    first[:, 1:] = s[:, 1:] != s[:, :-1]  # each item once per sequence
-    counts = torch.bincount(s[first], minlength=dataset.num_items + 1).float()
-    counts[0] = 0
+    counts = item_weights(x, dataset.num_items, normalize=False)  # each item once per sequence
     out = {}
     for part in ("valid", "test"):
         inputs, targets = dataset.to_padded(max_len, part)
@@ -100,13 +96,14 @@ def _prior_words(item_prior: str, noise: float) -> str:
     }[item_prior]
 
 
-def _public_statistics(model, item_prior: str) -> list[tuple[str, bool]]:
+def _public_statistics(model, item_prior: str) -> list[str]:
     """What a run uses from its training data outside ε (the DPFormer paper's Remark C.1)."""
-    reattention = getattr(model, "reattention", None) is not None
-    return [
-        ("the items' exact frequencies in the output bias (item_prior='public')", item_prior == "public"),
-        ("item and position frequencies in Re-Attention", reattention),
-    ]
+    used = []
+    if item_prior == "public":
+        used.append("the items' exact frequencies in the output bias (item_prior='public')")
+    if getattr(model, "reattention", None) is not None:
+        used.append("item and position frequencies in Re-Attention")
+    return used
 
 
 def train_seqrec(
@@ -348,7 +345,7 @@ def train_seqrec(
         "sample_rate": engine.sample_rate if engine is not None else None,
         "accountant": accountant if private else None,
         "item_prior": item_prior,
-        "item_prior_noise": item_prior_noise if item_prior == "private" and private else None,
+        "item_prior_noise": item_prior_noise if released else None,
         "model_overrides": model_overrides,
         "seed": seed,
         "device": str(dev),
@@ -361,7 +358,7 @@ def train_seqrec(
         if engine is not None:
             engine.detach()
             privacy = {**engine.privacy_metadata(delta), "privacy_unit": "user"}
-            public = [s for s, used in _public_statistics(model, item_prior) if used]
+            public = _public_statistics(model, item_prior)
             if public:
                 privacy["public_statistics"] = "; ".join(public) + ": taken as public, outside ε"
         write_json(run_dir / "metrics.json", result)  # before the model: a failed save keeps the metrics
