@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import cast
 
 import torch
@@ -86,10 +87,18 @@ def compare_uses(step: Step, params: dict[str, nn.Parameter]) -> None:
 
 
 def stray_grad_hook(rec: Recorder, name: str):
-    """A tensor hook for parameter ``name``: notes a gradient computed outside ghost differentiation."""
+    """A tensor hook for parameter ``name``: notes a gradient computed outside ghost differentiation.
+
+    It holds the recorder weakly: a hook on a parameter is owned by the C++ tensor, which Python's
+    garbage collector cannot see through, so a strong reference would make parameter → hook →
+    recorder → step → stored activations → module → parameter an uncollectable cycle. Ordinarily the
+    step's end clears the activations; after a backward that failed (out of memory, say) they
+    stayed alive even once the model and engine were deleted."""
+    rec_ref = weakref.ref(rec)
 
     def hook(grad):
-        if not rec.by_edges and not rec.paused:
+        rec = rec_ref()
+        if rec is not None and not rec.by_edges and not rec.paused:
             rec.step.stray.append(name)
         return None
 
