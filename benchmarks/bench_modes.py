@@ -40,12 +40,46 @@ CONFIGS = {
     "transformer-seqrec-ml1m": dict(kind="seqrec", name="transformer-seqrec", batch=128, seq=50, items=3416),
     "dpformer-ml1m": dict(kind="seqrec", name="dpformer", batch=128, seq=50, items=3416),
 }
+# the GPU table (issue 16): real sizes; run with --configs on a GPU machine
+_GPT2_SMALL = dict(kind="lm", vocab=50257, layers=12, width=768, heads=12, tied=True, batch=32)
+# full DP on a ~1B model: the BK modes and DP-BiTFiT (Opacus' per-sample gradients, B × 1.1B floats, cannot fit)
+_LLAMA_MODES = ["nonprivate-full", "nonprivate-bias", "dpzoo-bk-mixopt", "dpzoo-bk", "dpzoo-bitfit"]
+GPU_CONFIGS = {
+    "gpt2-small-t128": dict(_GPT2_SMALL, seq=128),
+    "gpt2-small-t512": dict(_GPT2_SMALL, seq=512),
+    "gpt2-small-t1024": dict(_GPT2_SMALL, seq=1024),
+    "vit-base-patch16@224": dict(kind="image", name="vit-base-patch16", size=224, batch=64),
+    "resnet50-gn-bias@224": dict(kind="image", name="resnet50-gn-bias", size=224, batch=64),
+    # TinyLlama-1.1B's shape (22 layers, width 2048, grouped-query attention), random weights
+    "llama-bias-1b-t512": dict(
+        kind="llama",
+        vocab=32000,
+        layers=22,
+        width=2048,
+        heads=32,
+        kv_heads=4,
+        mlp=5632,
+        batch=8,
+        seq=512,
+        modes=_LLAMA_MODES,
+    ),
+}
 # tiny models for the script's own tests (not run by default)
 TINY_CONFIGS = {
     "gpt2-tiny-tied": dict(kind="lm", vocab=64, layers=1, width=16, heads=2, tied=True, batch=4, seq=8),
     "gpt2-tiny-untied": dict(kind="lm", vocab=64, layers=1, width=16, heads=2, tied=False, batch=4, seq=8),
+    "llama-tiny": dict(
+        kind="llama", vocab=64, layers=1, width=16, heads=2, kv_heads=1, mlp=32, batch=4, seq=8, modes=_LLAMA_MODES
+    ),
 }
-ALL_CONFIGS = {**CONFIGS, **TINY_CONFIGS}
+ALL_CONFIGS = {**CONFIGS, **GPU_CONFIGS, **TINY_CONFIGS}
+PRECISIONS = ("fp32", "bf16")  # bf16: the forward and loss under torch.autocast(bfloat16), weights fp32
+
+
+def config_modes(config: str | dict, modes: list[str]) -> list[str]:
+    """``modes`` restricted to those the config is benchmarked in (its ``modes`` key; default all)."""
+    cfg = ALL_CONFIGS[config] if isinstance(config, str) else config
+    return [m for m in modes if m in cfg.get("modes", MODES)]
 
 
 class Unsupported(Exception):
@@ -76,6 +110,24 @@ def build(cfg: dict, device: str = "cpu"):
             model.set_dp_noise(noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=cfg["batch"])
         crit = SequenceCrossEntropy(ignore_index=0)
         fwd = lambda m, x: m(x)  # noqa: E731
+    elif cfg["kind"] == "llama":
+        from dpzoo.losses import SequenceCrossEntropy
+
+        with torch.device(device):  # initialised where it trains: 1.1B weights take a while on a CPU
+            model = dpzoo.load(
+                "llama-bias",
+                vocab_size=cfg["vocab"],
+                num_layers=cfg["layers"],
+                width=cfg["width"],
+                num_heads=cfg["heads"],
+                num_kv_heads=cfg["kv_heads"],
+                intermediate_size=cfg["mlp"],
+                max_positions=cfg["seq"],
+            )
+        x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]))
+        y = x.clone()
+        crit = SequenceCrossEntropy(shift=True)
+        fwd = lambda m, x: m(input_ids=x).logits  # noqa: E731
     else:
         from dpzoo.losses import SequenceCrossEntropy
 
@@ -110,6 +162,7 @@ class Runner:
     x: Any
     y: Any
     device: str = "cpu"
+    precision: str = "fp32"
     loader: Any = None  # dpzoo: the engine's loader (the engine steps only on batches from it)
     engine: Any = None
     steps: int = field(default=0)
@@ -121,10 +174,13 @@ class Runner:
             torch.cuda.synchronize()
 
     def step(self) -> float:
+        import torch
+
         x, y = next(iter(self.loader)) if self.loader is not None else (self.x, self.y)
         self._sync()
         t = time.perf_counter()
-        loss = self.crit(self.fwd(self.model, x), y)
+        with torch.autocast(self.device.split(":")[0], dtype=torch.bfloat16, enabled=self.precision == "bf16"):
+            loss = self.crit(self.fwd(self.model, x), y)
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -141,7 +197,7 @@ class Runner:
         return sum(int(h[2]) for h in self.engine.accountant.history)
 
 
-def make_runner(config: str | dict, mode: str, device: str = "cpu") -> Runner:
+def make_runner(config: str | dict, mode: str, device: str = "cpu", precision: str = "fp32") -> Runner:
     """Build ``mode`` on ``config`` (a name of :data:`ALL_CONFIGS` or a config dict); raises
     :class:`Unsupported` when the library refuses the combination."""
     import torch
@@ -160,7 +216,9 @@ def make_runner(config: str | dict, mode: str, device: str = "cpu") -> Runner:
         raise ValueError(f"unknown mode {mode!r}")
     opt = torch.optim.SGD(list(model.parameters()), lr=1e-4)
     loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
-    run = Runner(mode, model, opt, crit, fwd, x, y, device)
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r} ({', '.join(PRECISIONS)})")
+    run = Runner(mode, model, opt, crit, fwd, x, y, device, precision)
     try:
         if mode.startswith("dpzoo-"):
             name = mode.removeprefix("dpzoo-")
@@ -213,32 +271,93 @@ def _status_mb(key: str) -> float:
         return int(next(ln for ln in f if ln.startswith(key)).split()[1]) / 1024
 
 
-def peak_memory(config: str, mode: str, device: str, warmup: int, steps: int) -> dict:
+def peak_memory(config: str, mode: str, device: str, warmup: int, steps: int, precision: str = "fp32") -> dict:
     """Run ``mode`` alone (call it in a fresh process): its peak memory in MB. CPU: the peak RSS
     during the training steps (``peak_mb``; the high-water mark is reset once the libraries, model
     and engine are built, whose imports peak far above any step) and that minus the RSS before the
-    first step (``training_mb``: what the steps add); GPU: ``torch.cuda.max_memory_allocated``."""
-    import torch
-
+    first step (``training_mb``: what the steps add); GPU: see :func:`cuda_peak_memory`."""
+    if device.startswith("cuda"):
+        return cuda_peak_memory(config, mode, device, steps, precision)
     try:
-        run = make_runner(config, mode, device)
+        run = make_runner(config, mode, device, precision)
     except Unsupported as e:
         return {"config": config, "mode": mode, "status": "unsupported", "reason": str(e)}
-    if not device.startswith("cuda"):
-        with open("/proc/self/clear_refs", "w") as f:  # Linux: reset VmHWM to the current RSS
-            f.write("5")
-        built_mb = _status_mb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:  # Linux: reset VmHWM to the current RSS
+        f.write("5")
+    built_mb = _status_mb("VmRSS")
     for _ in range(warmup + steps):
         run.step()
-    if device.startswith("cuda"):
-        peak = torch.cuda.max_memory_allocated() / 2**20
-        res = {"measure": "cuda_max_memory_allocated", "peak_mb": peak, "training_mb": peak}
-    else:
-        peak = _status_mb("VmHWM")
-        res = {
-            "measure": "peak_rss_during_steps",
-            "peak_mb": peak,
-            "built_mb": built_mb,
-            "training_mb": peak - built_mb,
-        }
+    peak = _status_mb("VmHWM")
+    res = {"measure": "peak_rss_during_steps", "peak_mb": peak, "built_mb": built_mb, "training_mb": peak - built_mb}
     return {"config": config, "mode": mode, "status": "ok", **res}
+
+
+def _free_cuda() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def cuda_peak_memory(config: str | dict, mode: str, device: str, steps: int, precision: str = "fp32") -> dict:
+    """``mode``'s peak CUDA memory in MB (``torch.cuda.max_memory_allocated``), counted from the
+    memory allocated before it is built, so modes can be measured one after another in one process:
+    ``first_step_mb`` covers the build and first step (dpzoo's engine checks its plan on the first
+    step), ``peak_mb`` = ``training_mb`` the ``steps`` later steps (steady state), each including the
+    weights. Out of memory gives status ``oom``; the memory is freed before returning."""
+    import torch
+
+    _free_cuda()
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run = None
+    try:
+        run = make_runner(config, mode, device, precision)
+        run.step()
+        first = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+        torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(max(1, steps)):
+            run.step()
+        peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
+    except Unsupported as e:
+        return {"mode": mode, "status": "unsupported", "reason": str(e)}
+    except torch.cuda.OutOfMemoryError as e:
+        return {"mode": mode, "status": "oom", "reason": " ".join(str(e).split())[:200]}
+    except Exception as e:  # a library failing at its first step (e.g. Opacus under autocast)
+        return {"mode": mode, "status": "error", "reason": f"{type(e).__name__}: {' '.join(str(e).split())}"[:300]}
+    finally:
+        del run
+        _free_cuda()
+    return {
+        "mode": mode,
+        "status": "ok",
+        "measure": "cuda_max_memory_allocated above the memory allocated before the build",
+        "first_step_mb": first,
+        "peak_mb": peak,
+        "training_mb": peak,
+    }
+
+
+def largest_batch(config: str, mode: str, device: str, precision: str, cap: int) -> dict:
+    """The largest batch, doubling from the config's, with which ``mode`` builds and runs two steps
+    without running out of CUDA memory (``None`` if even the config's does not), up to ``cap``."""
+
+    cfg = ALL_CONFIGS[config]
+    batch, fits = cfg["batch"], None
+    _free_cuda()
+    while batch <= cap:
+        run = None
+        try:
+            run = make_runner(dict(cfg, batch=batch), mode, device, precision)
+            run.step()
+            run.step()
+            fits = batch
+        except Exception:  # out of memory (or any failure): the previous batch is the largest
+            break
+        finally:
+            del run
+            _free_cuda()
+        batch *= 2
+    return {"largest_batch": fits, "capped": batch > cap, "cap": cap, "search": "doubling from the config's batch"}

@@ -37,7 +37,20 @@ import sys
 import time
 from pathlib import Path
 
-from bench_modes import ALL_CONFIGS, BASELINE, CONFIGS, MODES, SECOND_BASELINE, Unsupported, make_runner, peak_memory
+from bench_modes import (
+    ALL_CONFIGS,
+    BASELINE,
+    CONFIGS,
+    MODES,
+    PRECISIONS,
+    SECOND_BASELINE,
+    Unsupported,
+    config_modes,
+    cuda_peak_memory,
+    largest_batch,
+    make_runner,
+    peak_memory,
+)
 
 MIN_ROUNDS = 5
 INTERVAL = "min-max of the per-round ratios; as a distribution-free CI for their median, coverage 1 - 2^(1 - rounds)"
@@ -49,12 +62,38 @@ def round_order(modes: list[str], r: int) -> list[str]:
     return modes[k:] + modes[:k]
 
 
+def _failure(e: BaseException) -> dict:
+    """A mode that ran out of memory or broke while building or warming up: reported, not fatal."""
+    import torch
+
+    status = "oom" if isinstance(e, torch.cuda.OutOfMemoryError) else "error"
+    return {"status": status, "reason": f"{type(e).__name__}: {' '.join(str(e).split())}"[:300]}
+
+
+def warm_up(runners: dict, warmup: int) -> dict:
+    """Warm every runner up; one that fails is removed from ``runners``: {mode: its failure}."""
+    failed = {}
+    for m in list(runners):
+        try:
+            for _ in range(warmup):
+                runners[m].step()
+        except Exception as e:  # out of memory, or a library refusing at the first step
+            failed[m] = _failure(e)
+            del runners[m]
+    return failed
+
+
 def interleave(runners: dict, rounds: int, steps_per_round: int, warmup: int) -> tuple[list[list[str]], dict]:
     """Warm every runner up, then run the rounds: (the order of each round, per mode a list per
     round of its step times in seconds)."""
     for run in runners.values():
         for _ in range(warmup):
             run.step()
+    return rounds_of(runners, rounds, steps_per_round)
+
+
+def rounds_of(runners: dict, rounds: int, steps_per_round: int) -> tuple[list[list[str]], dict]:
+    """The interleaved rounds of warmed-up runners."""
     orders, times = [], {m: [] for m in runners}
     for r in range(rounds):
         orders.append(round_order(list(runners), r))
@@ -80,17 +119,22 @@ def ratio_summary(mode_rounds: list[list[float]], base_rounds: list[list[float]]
     }
 
 
-def time_config(config: str, modes: list[str], device: str, rounds: int, steps_per_round: int, warmup: int) -> dict:
+def time_config(
+    config: str, modes: list[str], device: str, rounds: int, steps_per_round: int, warmup: int, precision: str = "fp32"
+) -> dict:
     """Build every mode of ``config`` in this process and time them interleaved."""
     runners, result = {}, {}
     for m in modes:
         try:
-            runners[m] = make_runner(config, m, device)
+            runners[m] = make_runner(config, m, device, precision)
         except Unsupported as e:
             result[m] = {"status": "unsupported", "reason": str(e)}
+        except Exception as e:  # e.g. out of CUDA memory while building
+            result[m] = _failure(e)
+    result.update(warm_up(runners, warmup))
     if BASELINE not in runners:
-        raise SystemExit(f"{config}: the baseline {BASELINE} must be among the modes and supported")
-    orders, times = interleave(runners, rounds, steps_per_round, warmup)
+        raise SystemExit(f"{config}: the baseline {BASELINE} must be among the modes and run: {result.get(BASELINE)}")
+    orders, times = rounds_of(runners, rounds, steps_per_round)
     for m, run in runners.items():
         res = {
             "status": "ok",
@@ -108,11 +152,16 @@ def time_config(config: str, modes: list[str], device: str, rounds: int, steps_p
     return {"modes": {m: result[m] for m in modes}, "orders": orders}
 
 
-def memory_config(config: str, modes: list[str], device: str, threads: int) -> dict:
-    """Each mode's peak memory from its own process."""
+def memory_config(config: str, modes: list[str], device: str, threads: int, precision: str = "fp32") -> dict:
+    """Each mode's peak memory: on CPU from its own process; on a GPU one mode after another in this
+    process, counted from the memory allocated before each is built (:func:`cuda_peak_memory`)."""
     out = {}
     for m in modes:
+        if device.startswith("cuda"):
+            out[m] = cuda_peak_memory(config, m, device, 2, precision)
+            continue
         cmd = [sys.executable, __file__, "--worker", config, m, "--device", device, "--threads", str(threads)]
+        cmd += ["--precision", precision]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]
@@ -124,6 +173,8 @@ def memory_config(config: str, modes: list[str], device: str, threads: int) -> d
         if base.get("training_mb") and "training_mb" in r:
             r["ratio"] = r["training_mb"] / base["training_mb"]
             r["ratio_whole_process"] = r["peak_mb"] / base["peak_mb"]
+        if base.get("first_step_mb") and "first_step_mb" in r:
+            r["ratio_first_step"] = r["first_step_mb"] / base["first_step_mb"]
     return out
 
 
@@ -214,6 +265,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--memory-steps", type=int, default=2, help="steps in each memory process")
     ap.add_argument("--no-memory", action="store_true", help="skip the per-mode memory processes")
     ap.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    ap.add_argument(
+        "--precision", default="fp32", choices=PRECISIONS, help="bf16: forward and loss under bfloat16 autocast"
+    )
+    ap.add_argument(
+        "--max-batch",
+        type=int,
+        default=0,
+        metavar="CAP",
+        help="GPU: also find each mode's largest batch (doubling from the config's, up to CAP); 0: skip",
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
     ap.add_argument("--worker", nargs=2, metavar=("CONFIG", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -234,13 +295,18 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if args.worker:
-        print(json.dumps(peak_memory(*args.worker, device, 0, args.memory_steps)))
+        print(json.dumps(peak_memory(*args.worker, device, 0, args.memory_steps, args.precision)))
         return 0
+    if args.max_batch and not device.startswith("cuda"):
+        raise SystemExit(
+            "--max-batch searches for the largest batch that fits in CUDA memory: use it with --device cuda"
+        )
     data = {
         "meta": {
             "machine": machine_info(device, args.threads),
             "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + (sys.argv[1:] if argv is None else argv)),
             "modes": args.modes,
+            "precision": args.precision,
             "baseline": BASELINE,
             "rounds": args.rounds,
             "steps_per_round": args.steps_per_round,
@@ -251,35 +317,52 @@ def main(argv=None) -> int:
             "interval_coverage": 1 - 2.0 ** (1 - args.rounds),
             "memory": None
             if args.no_memory
-            else "separate process per mode; ratio of peak RSS during the steps "
-            "minus RSS before them (CPU) or of torch.cuda.max_memory_allocated (GPU)",
+            else "CPU: separate process per mode; ratio of peak RSS during the steps minus RSS before them. "
+            "GPU: modes one after another in one process before the timing; ratio of torch.cuda.max_memory_allocated "
+            "above the memory allocated before the mode was built (weights included), in the steps after the first "
+            "(the first step's own peak is kept as first_step_mb)",
         },
         "configs": {},
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    stem = "training_step" if args.precision == "fp32" else f"training_step_{args.precision}"
+    cuda = device.startswith("cuda")
     for config in args.configs:
         t0 = time.time()
-        entry = {"config": ALL_CONFIGS[config]}
-        entry["time"] = time_config(config, args.modes, device, args.rounds, args.steps_per_round, args.warmup)
-        t1 = time.time()
-        if not args.no_memory:  # a mode refused while timing is not run again
+        modes = config_modes(config, args.modes)
+        entry = {"config": ALL_CONFIGS[config], "modes": modes}
+        if cuda and not args.no_memory:  # in this process, before the timing's runners take memory
+            entry["memory"] = memory_config(config, modes, device, args.threads, args.precision)
+        try:
+            entry["time"] = time_config(
+                config, modes, device, args.rounds, args.steps_per_round, args.warmup, args.precision
+            )
+        except SystemExit as e:  # the baseline itself failed (e.g. out of memory): the other configs still run
+            entry["time"] = {"modes": {}, "error": str(e)}
+            print(e, flush=True)
+        if not cuda and not args.no_memory:  # a mode refused while timing is not run again
             ok = [m for m, r in entry["time"]["modes"].items() if r["status"] == "ok"]
-            entry["memory"] = memory_config(config, ok, device, args.threads)
+            entry["memory"] = memory_config(config, ok, device, args.threads, args.precision)
+        if args.max_batch:
+            ok = [m for m, r in entry["time"]["modes"].items() if r["status"] == "ok"]
+            entry["largest_batch"] = {m: largest_batch(config, m, device, args.precision, args.max_batch) for m in ok}
         data["configs"][config] = entry
-        print(f"{config}: time {t1 - t0:.0f}s, memory {time.time() - t1:.0f}s", flush=True)
+        print(f"{config}: {time.time() - t0:.0f}s", flush=True)
         for m, r in entry["time"]["modes"].items():
             mem = entry.get("memory", {}).get(m, {}).get("ratio", float("nan"))
             if r["status"] != "ok":
                 print(f"  {m:<18} {r['status']}: {r['reason'][:100]}")
                 continue
             q = r["time_ratio"]
+            big = entry.get("largest_batch", {}).get(m, {}).get("largest_batch", "")
             print(
-                f"  {m:<18} {r['median_ms']:8.1f} ms  {q['median']:5.2f}x [{q['low']:.2f}-{q['high']:.2f}]  mem {mem:.2f}x"
+                f"  {m:<18} {r['median_ms']:8.1f} ms  {q['median']:5.2f}x [{q['low']:.2f}-{q['high']:.2f}]  "
+                f"mem {mem:.2f}x  {f'max batch {big}' if big else ''}"
             )
-        (out / "training_step.json").write_text(json.dumps(data, indent=2) + "\n")  # after each config
-    plot(data, out / "training_step.png")
-    print(f"wrote {out / 'training_step.json'} and {out / 'training_step.png'}")
+        (out / f"{stem}.json").write_text(json.dumps(data, indent=2) + "\n")  # after each config
+    plot(data, out / f"{stem}.png")
+    print(f"wrote {out / stem}.json and .png")
     return 0
 
 

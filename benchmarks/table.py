@@ -38,6 +38,15 @@ def memory_cell(r: dict | None) -> str:
     return f"{r['ratio']:.2f}×"
 
 
+def batch_cell(r: dict | None) -> str:
+    """``512`` or ``≥ 512`` (the search stopped at its cap), ``none`` when not even the config's batch fits."""
+    if r is None:
+        return ""
+    if r["largest_batch"] is None:
+        return "none"
+    return f"≥ {r['largest_batch']}" if r["capped"] else str(r["largest_batch"])
+
+
 def tables(data: dict) -> str:
     meta = data["meta"]
     modes = meta["modes"]
@@ -52,6 +61,12 @@ def tables(data: dict) -> str:
         for c, e in data["configs"].items():
             if "memory" in e:
                 lines.append(f"| {c} | " + " | ".join(memory_cell(e["memory"].get(m)) for m in modes) + " |")
+    if any("largest_batch" in e for e in data["configs"].values()):
+        lines += ["", "| largest batch that fits | " + " | ".join(modes) + " |"]
+        lines.append("| --- | " + " | ".join("---" for _ in modes) + " |")
+        for c, e in data["configs"].items():
+            if "largest_batch" in e:
+                lines.append(f"| {c} | " + " | ".join(batch_cell(e["largest_batch"].get(m)) for m in modes) + " |")
     reasons = {
         (c, m): r["reason"]
         for c, e in data["configs"].items()
@@ -59,18 +74,24 @@ def tables(data: dict) -> str:
         if r["status"] != "ok"
     }
     lines.append("")
-    base = ", ".join(f"{c} {e['time']['modes'][meta['baseline']]['median_ms']:.0f}" for c, e in data["configs"].items())
+    base = ", ".join(
+        f"{c} {e['time']['modes'][meta['baseline']]['median_ms']:.0f}"
+        for c, e in data["configs"].items()
+        if meta["baseline"] in e["time"]["modes"]
+    )
     lines.append(f"{meta['baseline']} step (ms, median over rounds): {base}.")
     for (c, m), reason in reasons.items():
         lines.append(f"{m} on {c}: {reason}")
     mach = meta["machine"]
     lines.append(
         f"{meta['rounds']} rounds × {meta['steps_per_round']} steps, interval: {meta['interval']} "
-        f"({100 * meta['interval_coverage']:.1f}%); {mach['device']}"
+        f"({100 * meta['interval_coverage']:.1f}%); {meta.get('precision', 'fp32')}; {mach['device']}"
         + (f" {mach['gpu']}" if mach.get("gpu") else f", {mach['cpu_model']}, {mach['threads']} threads")
         + f", torch {mach['torch']}, opacus {mach.get('opacus')}."
     )
     lines.append(f"Command: `{meta['command']}`")
+    if meta.get("notes"):
+        lines.append(f"Note: {meta['notes']}")
     return "\n".join(lines)
 
 

@@ -145,3 +145,41 @@ def test_memory_of_one_mode_and_a_refusal():
     assert refused["status"] == "unsupported" and "tied" in refused["reason"]
     with pytest.raises(bench_modes.Unsupported, match="no mode"):
         bench_modes.make_runner("gpt2-tiny-tied", "dpzoo-nonsense")
+
+
+def test_bf16_run_of_a_config_with_its_own_modes(tmp_path):
+    """The GPU table's options on CPU: --precision bf16 (autocast) writes training_step_bf16.json, a
+    config's ``modes`` key limits what is built (llama: no Opacus), and a mode failing at its first
+    step is reported with its reason while the others are timed."""
+    argv = ["--configs", "llama-tiny", "--rounds", "5", "--steps-per-round", "1", "--warmup", "1", "--no-memory"]
+    argv += ["--modes", "dpzoo-bitfit", "opacus-hooks", "--precision", "bf16", "--device", "cpu", "--threads", "1"]
+    assert bench.main(argv + ["--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "training_step_bf16.json").read_text())
+    assert data["meta"]["precision"] == "bf16" and (tmp_path / "training_step_bf16.png").stat().st_size > 0
+    entry = data["configs"]["llama-tiny"]
+    assert entry["modes"] == ["nonprivate-full", "nonprivate-bias", "dpzoo-bitfit"]  # opacus-hooks not offered
+    assert entry["time"]["modes"]["dpzoo-bitfit"]["dp_steps"] == 6
+    assert "bf16" in table.tables(data)
+
+
+def test_a_mode_failing_in_its_warm_up_is_reported_and_dropped():
+    class Breaks:
+        def step(self):
+            raise RuntimeError("expected scalar type Float but found BFloat16")
+
+    class Fine:
+        def step(self):
+            return 0.001
+
+    runners = {"nonprivate-full": Fine(), "opacus-hooks": Breaks()}
+    failed = bench.warm_up(runners, 1)
+    assert list(runners) == ["nonprivate-full"]
+    assert failed["opacus-hooks"]["status"] == "error" and "BFloat16" in failed["opacus-hooks"]["reason"]
+
+
+def test_max_batch_needs_a_gpu_and_unknown_precision_is_refused():
+    with pytest.raises(SystemExit, match="CUDA"):
+        bench.main(["--configs", "gpt2-tiny-tied", "--device", "cpu", "--max-batch", "64", "--no-memory"])
+    with pytest.raises(ValueError, match="precision"):
+        bench_modes.make_runner("gpt2-tiny-tied", "nonprivate-full", precision="fp8")
+    assert bench_modes.config_modes("llama-bias-1b-t512", bench_modes.MODES) == bench_modes._LLAMA_MODES
