@@ -5,6 +5,7 @@ whose JSON was lost, the evaluation lines they printed (test metrics only), tagg
 ``[MODEL_epsE_lrLR_bsB_seedS]`` (``reproduce_dpformer_ml1m.py --verbose``; settings in the tag)
 or ``[MODEL sSEED]`` (a ``train_seqrec(log=...)`` callback; settings from ``--log-settings``).
 A run given twice (file and log) is an error, not counted twice.
+``--also DIR2`` adds DIR2/runs/*.json (each run's device is kept in the summary).
 Also writes the per-seed difference dpformer − transformer-seqrec where both ran with the same
 seed and settings (same seed: the same initialisation; the same Poisson batches and noise draws
 only for runs given noise and sample seeds, which are secret by default since the engine's
@@ -47,6 +48,7 @@ def from_json(path: Path) -> dict:
         "noise_multiplier": r.get("noise_multiplier"),
         "curve": [(h["epoch"], 100 * h["test_ndcg@10"]) for h in r["history"]],
         "source": path.name,
+        "device": r.get("device"),
     }
 
 
@@ -118,6 +120,7 @@ def summarise(runs: list[dict]) -> dict:
                 "hit@10_mean": statistics.mean(hit),
                 "hit@10_std": statistics.stdev(hit) if len(hit) > 1 else 0.0,
                 "sources": [r["source"] for r in rs],
+                "devices": [r.get("device") for r in rs],
             }
         )
     paired = []
@@ -176,6 +179,15 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dir", type=Path, help="reads DIR/runs/*.json, DIR/nonprivate/*.json and DIR/*.log")
     p.add_argument(
+        "--also",
+        type=Path,
+        nargs="*",
+        default=[],
+        metavar="DIR",
+        help="further folders whose runs/*.json count too (e.g. seed 0 run on another machine); "
+        "the summary is still written to the first DIR",
+    )
+    p.add_argument(
         "--log-settings",
         nargs=3,
         metavar=("EPSILON", "LR", "BATCH_SIZE"),
@@ -188,7 +200,7 @@ def main(argv=None) -> None:
         help="count a logged run only if it reached this epoch (else stop with an error)",
     )
     args = p.parse_args(argv)
-    runs = [from_json(f) for f in sorted((args.dir / "runs").glob("*.json"))]
+    runs = [from_json(f) for d in [args.dir, *args.also] for f in sorted((d / "runs").glob("*.json"))]
     runs += [from_json(f) for f in sorted((args.dir / "nonprivate").glob("*.json"))]
     settings = None
     if args.log_settings:
