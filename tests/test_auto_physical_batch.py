@@ -18,8 +18,10 @@ import torch
 from cli_errors import one_line_error
 
 import dpzoo
+from dpzoo import device_memory
 from dpzoo.cli import build_parser, main
 from dpzoo.errors import InvalidArgumentError
+from dpzoo.grad_norms.cost import BUDGET_FRACTION, default_budget
 from dpzoo.hub import load as hub_load
 from dpzoo.losses import SequenceCrossEntropy
 from dpzoo.progress import StepBar
@@ -184,8 +186,8 @@ def test_available_memory_reads_meminfo_then_a_cgroup_limit_then_psutil(tmp_path
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24000000 kB\nMemFree:  1000 kB\nMemAvailable:   20000000 kB\n")
     limit, usage = tmp_path / "memory.max", tmp_path / "memory.current"
-    monkeypatch.setattr(memory, "MEMINFO", meminfo)
-    monkeypatch.setattr(memory, "CGROUP_FILES", ((limit, usage),))
+    monkeypatch.setattr(device_memory, "MEMINFO", meminfo)
+    monkeypatch.setattr(device_memory, "CGROUP_FILES", ((limit, usage),))
     assert memory.available_memory("cpu") == (20000000 * 1024, "MemAvailable")  # no cgroup files
     limit.write_text("max\n")
     usage.write_text("123\n")
@@ -193,13 +195,16 @@ def test_available_memory_reads_meminfo_then_a_cgroup_limit_then_psutil(tmp_path
     limit.write_text(str(8 * 2**30))
     usage.write_text(str(3 * 2**30))
     assert memory.available_memory("cpu") == (5 * 2**30, "MemAvailable, cgroup limit")
-    monkeypatch.setattr(memory, "MEMINFO", tmp_path / "absent")
+    monkeypatch.setattr(device_memory, "MEMINFO", tmp_path / "absent")
     monkeypatch.setitem(
         sys.modules, "psutil", types.SimpleNamespace(virtual_memory=lambda: types.SimpleNamespace(available=7e9))
     )
     assert memory.available_memory("cpu") == (7e9, "psutil")
     monkeypatch.setitem(sys.modules, "psutil", None)  # not installed
     assert memory.available_memory("cpu") == (memory.ASSUMED_AVAILABLE, "assumed")
+    # the hook planner's default budget reads the same figure (it read MemFree before)
+    monkeypatch.setattr(device_memory, "MEMINFO", meminfo)
+    assert default_budget(torch.device("cpu")) == pytest.approx(BUDGET_FRACTION * 5 * 2**30)
 
 
 # -- runs --------------------------------------------------------------------------------------------------

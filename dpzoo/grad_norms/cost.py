@@ -29,12 +29,12 @@ both paths are exact (tests compare every choice with brute force).
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, replace
 
 import torch
 
+from ..device_memory import available_memory
 from ..errors import InvalidArgumentError
 from . import reps as R
 
@@ -129,17 +129,16 @@ def check_budget(budget: float | None) -> float | None:
 
 
 def default_budget(device: torch.device) -> float:
-    """:data:`BUDGET_FRACTION` of the free memory of ``device`` (CUDA: the driver's count; CPU:
-    the available physical memory), or 1 GiB where it cannot be read."""
-    free: float | None = None
-    if device.type == "cuda" and torch.cuda.is_available():
-        free = float(torch.cuda.mem_get_info(device)[0])
-    elif device.type == "cpu" and hasattr(os, "sysconf"):
-        try:
-            free = float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        except (ValueError, OSError):
-            free = None
-    return BUDGET_FRACTION * free if free else float(2**30)
+    """:data:`BUDGET_FRACTION` of the memory available on ``device``
+    (:func:`dpzoo.device_memory.available_memory`: CUDA's free memory; on CPU MemAvailable under
+    any cgroup limit, not MemFree, which misses the reclaimable page cache), or 1 GiB on other
+    devices and where it cannot be read."""
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return float(2**30)
+    if device.type not in ("cuda", "cpu", "mps"):
+        return float(2**30)
+    available, _ = available_memory(device)
+    return BUDGET_FRACTION * available if available > 0 else float(2**30)
 
 
 # (G, T, p, d, dtype, device) -> per-sample milliseconds (ghost, instantiation), measured once

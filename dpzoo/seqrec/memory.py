@@ -7,11 +7,8 @@ the training device, or whole batches when the expected logical batch fits. Phys
 the micro-batches' clipped sums and draws the noise once per logical (Poisson) batch, so the DP
 step and ε are those of the unsplit batch (:mod:`dpzoo.privacy.data`).
 
-Available memory (:func:`available_memory`): on CUDA the driver's free memory
-(``torch.cuda.mem_get_info``); elsewhere the system's (MPS shares it): ``MemAvailable`` of
-/proc/meminfo, lowered to the room left under a cgroup memory limit when one is set (a
-container), else psutil's ``available``, else a fixed :data:`ASSUMED_AVAILABLE` of 4 GB, said
-("assumed") in the run's first line.
+Available memory: :func:`dpzoo.device_memory.available_memory` (CUDA: the driver's free memory;
+elsewhere MemAvailable under any cgroup limit), its source said in the run's first line.
 
 The estimate (:func:`sample_bytes`) counts, per sample, the dominant tensors of dpzoo's next-item
 models, in elements of the model's dtype (T the input length, V the items, d the width):
@@ -55,11 +52,11 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..device_memory import ASSUMED_AVAILABLE, available_memory
 from ..errors import InvalidArgumentError
 from ..privacy.modes import MODES
 from .configuration import SeqRecConfig
@@ -79,14 +76,6 @@ __all__ = [
 
 # the share of the available memory one micro-batch's step may take (the rest: headroom, evaluation)
 BUDGET_FRACTION = 0.5
-# bytes assumed available where neither /proc/meminfo nor psutil can tell
-ASSUMED_AVAILABLE = 4e9
-# where the system's memory is read (tests point them elsewhere)
-MEMINFO = Path("/proc/meminfo")
-CGROUP_FILES = (  # (limit, usage): cgroup v2, then v1
-    (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),
-    (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"), Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")),
-)
 # per-sample elements (see the module docstring)
 LOGIT_COPIES = 4.0
 SELF_CHECK_LOGIT_COPIES = 3.5
@@ -161,52 +150,6 @@ def check_physical_batch_size(value) -> None:
         f"max_physical_batch_size must be 'auto' (the largest micro-batch that fits in half of the available "
         f"memory), None (whole batches) or a whole number >= 1, got {value!r}."
     )
-
-
-def _meminfo_available() -> float | None:
-    try:
-        for line in MEMINFO.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return float(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def _cgroup_room() -> float | None:
-    """Bytes left under this process's cgroup memory limit, None without a limit."""
-    for limit_file, usage_file in CGROUP_FILES:
-        try:
-            limit_text, usage_text = limit_file.read_text().strip(), usage_file.read_text().strip()
-        except OSError:
-            continue
-        if limit_text == "max":
-            return None
-        try:
-            limit, usage = float(limit_text), float(usage_text)
-        except ValueError:
-            continue
-        return max(0.0, limit - usage) if limit < 2**60 else None  # v1 writes "no limit" as ~2^63
-    return None
-
-
-def available_memory(device: torch.device | str) -> tuple[float, str]:
-    """(bytes available to training on ``device``, where the figure comes from: "cuda",
-    "MemAvailable", "MemAvailable, cgroup limit", "psutil" or "assumed"); see the module docstring."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        return float(torch.cuda.mem_get_info(dev)[0]), "cuda"
-    available = _meminfo_available()
-    if available is not None:
-        room = _cgroup_room()
-        if room is not None and room < available:
-            return room, "MemAvailable, cgroup limit"
-        return available, "MemAvailable"
-    try:
-        import psutil
-    except ImportError:
-        return ASSUMED_AVAILABLE, "assumed"
-    return float(psutil.virtual_memory().available), "psutil"
 
 
 def _trainable(model: nn.Module) -> int:
