@@ -43,7 +43,7 @@ CONFIGS = {
 # the GPU table (issue 16): real sizes; run with --configs on a GPU machine
 _GPT2_SMALL = dict(kind="lm", vocab=50257, layers=12, width=768, heads=12, tied=True, batch=32)
 # full DP on a ~1B model: the BK modes and DP-BiTFiT (Opacus' per-sample gradients, B × 1.1B floats, cannot fit)
-_LLAMA_MODES = ["nonprivate-full", "nonprivate-bias", "dpzoo-bk-mixopt", "dpzoo-bk", "dpzoo-bitfit"]
+LLAMA_MODES = ["nonprivate-full", "nonprivate-bias", "dpzoo-bk-mixopt", "dpzoo-bk", "dpzoo-bitfit"]
 GPU_CONFIGS = {
     "gpt2-small-t128": dict(_GPT2_SMALL, seq=128),
     "gpt2-small-t512": dict(_GPT2_SMALL, seq=512),
@@ -61,7 +61,7 @@ GPU_CONFIGS = {
         mlp=5632,
         batch=8,
         seq=512,
-        modes=_LLAMA_MODES,
+        modes=LLAMA_MODES,
     ),
 }
 # tiny models for the script's own tests (not run by default)
@@ -69,7 +69,7 @@ TINY_CONFIGS = {
     "gpt2-tiny-tied": dict(kind="lm", vocab=64, layers=1, width=16, heads=2, tied=True, batch=4, seq=8),
     "gpt2-tiny-untied": dict(kind="lm", vocab=64, layers=1, width=16, heads=2, tied=False, batch=4, seq=8),
     "llama-tiny": dict(
-        kind="llama", vocab=64, layers=1, width=16, heads=2, kv_heads=1, mlp=32, batch=4, seq=8, modes=_LLAMA_MODES
+        kind="llama", vocab=64, layers=1, width=16, heads=2, kv_heads=1, mlp=32, batch=4, seq=8, modes=LLAMA_MODES
     ),
 }
 ALL_CONFIGS = {**CONFIGS, **GPU_CONFIGS, **TINY_CONFIGS}

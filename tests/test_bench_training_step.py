@@ -182,4 +182,4 @@ def test_max_batch_needs_a_gpu_and_unknown_precision_is_refused():
         bench.main(["--configs", "gpt2-tiny-tied", "--device", "cpu", "--max-batch", "64", "--no-memory"])
     with pytest.raises(ValueError, match="precision"):
         bench_modes.make_runner("gpt2-tiny-tied", "nonprivate-full", precision="fp8")
-    assert bench_modes.config_modes("llama-bias-1b-t512", bench_modes.MODES) == bench_modes._LLAMA_MODES
+    assert bench_modes.config_modes("llama-bias-1b-t512", bench_modes.MODES) == bench_modes.LLAMA_MODES
