@@ -156,3 +156,52 @@ def test_float16_loss_scaling_is_refused_before_clipping():
     with pytest.raises(PrivacyUsageError, match="GradScaler"):
         scaler.step(opt)
     assert engine.steps == 0 and all(torch.equal(p, b0) for p, b0 in zip(model.parameters(), before))
+
+
+def _tf32_round(x: torch.Tensor) -> torch.Tensor:
+    """x (float32) rounded to TF32's 10 mantissa bits, nearest-even on the 13 dropped bits."""
+    bits = x.view(torch.int32)
+    keep = bits + 0x0FFF + ((bits >> 13) & 1)
+    return (keep & ~0x1FFF).view(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_upcast_half_values_are_exact_in_tf32(dtype):
+    """Why dpzoo may run the float32 products of upcast half-precision reps on TF32 tensor cores
+    (reps._exact_tf32): every such value survives TF32's rounding unchanged, so each product is the
+    float32 one. A float32 value with more mantissa bits does not (the check can fail)."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(100_000, generator=g) * 1e3).to(dtype).float()
+    assert torch.equal(_tf32_round(x), x)
+    full = torch.randn(1000, generator=g)
+    assert not torch.equal(_tf32_round(full), full)
+
+
+def test_tf32_is_switched_on_only_for_half_precision_on_cuda_and_restored():
+    from dpzoo.grad_norms import reps as R
+
+    before = torch.get_float32_matmul_precision()
+    rep = R.Factored(torch.randn(2, 1, 3, 4).bfloat16(), torch.randn(2, 1, 3, 5).bfloat16(), (5, 4))
+    assert not R._half_on_cuda(rep)  # CPU: "high" may mean bfloat16 arithmetic there
+    seen = []
+    with R._exact_tf32(False):
+        seen.append(torch.get_float32_matmul_precision())
+    with pytest.raises(RuntimeError, match="inside"):
+        with R._exact_tf32(True):
+            seen.append(torch.get_float32_matmul_precision())
+            raise RuntimeError("inside")
+    assert seen == [before, "high"] and torch.get_float32_matmul_precision() == before
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (TF32 tensor cores)")
+def test_bf16_ghost_norms_on_cuda_match_float64():
+    from dpzoo.grad_norms import reps as R
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    left = torch.randn(8, 1, 256, 512, device="cuda", generator=g).bfloat16()
+    right = torch.randn(8, 1, 256, 384, device="cuda", generator=g).bfloat16()
+    rep = R.Factored(left, right, (384, 512))
+    want = R.sq_norm(R.Factored(left.double(), right.double(), (384, 512)), ghost=True)
+    for ghost in (True, False):
+        got = R.sq_norm(rep, ghost=ghost).double()
+        assert torch.allclose(got, want, rtol=1e-4), (ghost, (got / want - 1).abs().max())
