@@ -28,7 +28,7 @@ from .errors import CheckpointError, OverrideError, SaveError
 from .integrations.opacus import unwrap_for_save
 from .integrations.peft_layers import refuse_save as refuse_peft_save
 from .privacy.engine import engine_of
-from .privacy_record import PRIVACY_FIELDS, check_privacy, privacy_from_json, privacy_to_json
+from .privacy_record import PRIVACY_FIELDS, check_privacy, privacy_from_header, privacy_from_json, privacy_to_json
 from .registry import LOAD_KEYWORDS, OVERRIDE_SYNONYMS, get_entry, is_model, reject_unknown_overrides, split_name
 from .sharded_save import save_if_sharded
 
@@ -83,7 +83,8 @@ def load(
         weights: a local checkpoint (timm ``.pth`` / ``.safetensors``, or a Hugging Face
             directory) loaded into the unpatched architecture before patching, so a
             pretrained BatchNorm model converts. A checkpoint of the DP-ready model (a saved
-            directory's ``model.safetensors``, or ``save_pretrained`` after patching) loads too.
+            directory's ``model.safetensors``, or ``save_pretrained`` after patching) loads too,
+            and keeps its privacy record (``model.dpzoo_privacy``), so training it again composes it.
         **overrides: sizes and patch options; ``dpzoo.model_card(name).overrides`` lists them.
             With a saved directory: overrides that keep every tensor's shape (dropout rates,
             pooling, ...) are applied, the others refused (:class:`OverrideError`).
@@ -125,6 +126,9 @@ def load(
     if weights is not None:
         kwargs["weights"] = weights
     model = entry.builder(**kwargs)
+    spent = _privacy_of_weights(Path(weights)) if weights is not None else None
+    if spent:  # a DP-trained checkpoint keeps its spending, so training it again composes it
+        model.dpzoo_privacy = spent
     model.dpzoo_config = {
         "model_name": entry.name,
         "overrides": recorded,
@@ -133,6 +137,23 @@ def load(
         "weights": str(weights) if weights is not None else None,
     }
     return model
+
+
+def _privacy_of_weights(path: Path) -> dict[str, Any] | None:
+    """The privacy record of a ``weights=`` checkpoint written by :func:`save`: from its directory's
+    config, else from the safetensors header (the file copied on its own), else None."""
+    directory = path if path.is_dir() else path.parent
+    if (directory / CONFIG_NAME).is_file() and (path.is_dir() or path.name == WEIGHTS_NAME):
+        return read_config(directory).get("privacy")
+    file = path / WEIGHTS_NAME if path.is_dir() else path
+    if file.suffix != ".safetensors" or not file.is_file():
+        return None
+    try:
+        with safe_open(str(file), "pt") as f:
+            header = f.metadata()
+    except (SafetensorError, OSError, ValueError):
+        return None  # the architecture's own loading reports a broken file
+    return privacy_from_header(header, f"weights={str(path)!r}")
 
 
 def _is_saved_directory(name_or_dir: str | os.PathLike) -> bool:

@@ -1,14 +1,17 @@
 """What a saved model's privacy metadata may hold (:data:`PRIVACY_FIELDS`), how a record is
-checked before it is written (:func:`check_privacy`), and how an infinite ε crosses JSON."""
+checked before it is written (:func:`check_privacy`), how an infinite ε crosses JSON, and how a
+record is read back from a checkpoint's safetensors header (:func:`privacy_from_header`)."""
 
 from __future__ import annotations
 
+import ast
 import math
 from typing import Any, Mapping
 
-from .errors import SaveError
+from .errors import CheckpointError, SaveError
 
-__all__ = ["PRIVACY_FIELDS", "check_privacy", "privacy_to_json", "privacy_from_json"]
+__all__ = ["PRIVACY_FIELDS", "check_privacy", "privacy_to_json", "privacy_from_json", "privacy_from_header"]
+HEADER_PREFIX = "dpzoo.privacy."
 
 # Privacy metadata a DP-trained model carries (the engine fills it; users may too).
 PRIVACY_FIELDS = {
@@ -99,3 +102,30 @@ def privacy_from_json(privacy: Any) -> Any:
     if isinstance(privacy, dict) and privacy.get("epsilon") == _INFINITE:
         return {**privacy, "epsilon": math.inf}
     return privacy
+
+
+def privacy_from_header(metadata: Mapping[str, str] | None, source: str) -> dict[str, Any] | None:
+    """The privacy record :func:`dpzoo.save` wrote into a safetensors header (``dpzoo.privacy.*``,
+    each value as ``str(value)``), or None when there is none. A record that cannot be read back is
+    refused (:class:`~dpzoo.errors.CheckpointError`), never dropped: a later run must compose it."""
+    found = {k[len(HEADER_PREFIX) :]: v for k, v in (metadata or {}).items() if k.startswith(HEADER_PREFIX)}
+    if not found:
+        return None
+    record: dict[str, Any] = {}
+    for key, text in found.items():
+        if PRIVACY_FIELDS.get(key) is str:
+            record[key] = text
+        elif text == _INFINITE:
+            record[key] = math.inf
+        else:
+            try:
+                record[key] = ast.literal_eval(text)
+            except (ValueError, SyntaxError):
+                record[key] = text  # check_privacy says what is wrong with it
+    try:
+        return check_privacy(record)
+    except SaveError as e:
+        raise CheckpointError(
+            f"{source} carries a dpzoo privacy record that cannot be read back ({e}); a model trained from it "
+            "would not compose that spending into its ε. Load it with dpzoo.load(<its saved directory>) instead."
+        ) from None
