@@ -12,8 +12,8 @@ accuracy with tiny privacy budget") and uses them in Re-Attention. dpzoo offers 
   Gaussian mechanism with noise multiplier σ_f, the accountant entry ``(σ_f, q = 1, 1 step)``,
   composed with DP-SGD by the same accountant (σ of the training is calibrated after it). At
   σ_f = 5 it costs ε ≈ 0.7 alone and raises DP-SGD's σ by about 1% at ε = 5 on MovieLens-1M.
-* ``"public"``: the exact counts of users holding each item, outside ε (the paper's assumption,
-  stated in the run's metadata).
+* ``"public"``: the same user-normalised weights without noise (exact, deterministic), outside ε
+  (the paper's assumption, stated in the run's metadata).
 * ``"none"``: the output bias starts at zero (the model learns popularity with noisy steps).
 
 The weighting by ``1/‖x_u‖`` (users with long histories count less per item) is the choice that

@@ -91,7 +91,7 @@ def popularity_baseline(
 def _prior_words(item_prior: str, noise: float) -> str:
     return {
         "private": f"released with σ_f = {noise:g}, inside ε",
-        "public": "exact frequencies, outside ε",
+        "public": "exact (noiseless) frequencies, outside ε",
         "none": "none",
     }[item_prior]
 
