@@ -35,6 +35,9 @@ ITEM_PRIORS = ("private", "public", "none")
 PRIOR_FLOOR = 0.5  # weights below this (rare or noise-negative items) are read as this: log stays finite
 
 
+_CHUNK_USERS = 4096  # users whose item sets are formed at once
+
+
 def user_item_sets(train_inputs: torch.Tensor, num_items: int) -> torch.Tensor:
     """(N, num_items + 1) float indicators: user n holds item i in its training inputs (id 0, padding,
     never set). Each item counts once per user however often it repeats."""
@@ -50,11 +53,20 @@ def user_item_sets(train_inputs: torch.Tensor, num_items: int) -> torch.Tensor:
 
 def item_weights(train_inputs: torch.Tensor, num_items: int, normalize: bool = True) -> torch.Tensor:
     """Σ_u x_u / ‖x_u‖₂ (``normalize``) or the plain number of users holding each item; shape
-    (num_items + 1,), entry 0 (padding) is 0."""
-    held = user_item_sets(train_inputs, num_items)
-    if normalize:
-        held = held / held.norm(dim=1, keepdim=True).clamp_min(1.0)
-    return held.sum(0)
+    (num_items + 1,), float64, entry 0 (padding) is 0. Formed in float64 over chunks of users
+    (a dense float32 user × item matrix is 5 GB on Amazon), each user's vector scaled to norm
+    1/(1 + 1e-12) so rounding can never carry it over the sensitivity of 1."""
+    if train_inputs.dim() != 2:
+        raise InvalidArgumentError(
+            f"train_inputs must be (users, positions) item ids, got shape {tuple(train_inputs.shape)}."
+        )
+    total = torch.zeros(num_items + 1, dtype=torch.float64, device=train_inputs.device)
+    for chunk in train_inputs.split(_CHUNK_USERS):
+        held = user_item_sets(chunk, num_items).double()
+        if normalize:
+            held = held / (held.norm(dim=1, keepdim=True).clamp_min(1.0) * (1 + 1e-12))
+        total += held.sum(0)
+    return total
 
 
 def private_item_weights(
