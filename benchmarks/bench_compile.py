@@ -10,6 +10,8 @@ The DP step is the engine's full step on a fixed batch (clip, noise, optimizer s
 every Poisson batch is the fixed batch; noise seeded: this measures time, not privacy. Not a test: timings depend on the machine.
 
     python benchmarks/bench_compile.py --out benchmarks/results
+    python benchmarks/bench_compile.py --device cuda --layers 12 --width 768 --vocab 50257 --batch 32 \
+        --out benchmarks/results/gpu          # GPT-2 small; --bf16: under bfloat16 autocast
 """
 
 from __future__ import annotations
@@ -33,17 +35,26 @@ RUNS = ["nonprivate-eager", "nonprivate-compiled", "dpzoo-eager", "dpzoo-compile
 
 def _gpt2(args):
     torch.manual_seed(0)
-    return dpzoo.load(
-        "gpt2",
-        vocab_size=args.vocab,
-        num_layers=args.layers,
-        width=args.width,
-        num_heads=max(1, args.width // 64),
-        max_positions=args.seq,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    ).train()
+    return (
+        dpzoo.load(
+            "gpt2",
+            vocab_size=args.vocab,
+            num_layers=args.layers,
+            width=args.width,
+            num_heads=max(1, args.width // 64),
+            max_positions=args.seq,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
+        .train()
+        .to(args.device)
+    )
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def _run(name: str, args, x: torch.Tensor):
@@ -69,9 +80,12 @@ def _run(name: str, args, x: torch.Tensor):
 
     def step():
         xb = x if batches is None else next(iter(batches))[0]
-        crit(model(input_ids=xb).logits, xb).backward()
+        with torch.autocast(args.device.split(":")[0], dtype=torch.bfloat16, enabled=args.bf16):
+            loss = crit(model(input_ids=xb).logits, xb)
+        loss.backward()
         opt.step()
         opt.zero_grad()
+        _sync(args.device)
 
     return step
 
@@ -79,6 +93,7 @@ def _run(name: str, args, x: torch.Tensor):
 def measure(args) -> dict:
     torch.set_num_threads(args.threads or torch.get_num_threads())
     x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
+    x = x.to(args.device)
     steps, compile_s = {}, {}
     for name in RUNS:
         steps[name] = _run(name, args, x)
@@ -123,19 +138,23 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--backend", default="inductor", help="torch.compile backend")
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--bf16", action="store_true", help="forward and loss under bfloat16 autocast")
     args = p.parse_args(argv)
     if args.rounds < 5:
         p.error("--rounds: at least 5, for a median and an interval that mean something")
     result = {
         "config": vars(args),
         "machine": {"platform": platform.platform(), "processor": platform.processor(), "torch": torch.__version__},
-        "device": "cpu",
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
         "interval": "min-max of per-round ratios",
         "runs": measure(args),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "compile_cpu.json").write_text(json.dumps(result, indent=2))
+    name = f"compile_{args.device.split(':')[0]}{'_bf16' if args.bf16 else ''}.json"
+    (out / name).write_text(json.dumps(result, indent=2))
     for name, r in result["runs"].items():
         print(
             f"{name:22s} {r['ratio_median']:.2f}x [{r['ratio_min']:.2f}-{r['ratio_max']:.2f}]  "
