@@ -292,7 +292,7 @@ def peak_memory(config: str, mode: str, device: str, warmup: int, steps: int, pr
     return {"config": config, "mode": mode, "status": "ok", **res}
 
 
-def _free_cuda() -> None:
+def free_cuda() -> None:
     import gc
 
     import torch
@@ -309,7 +309,7 @@ def cuda_peak_memory(config: str | dict, mode: str, device: str, steps: int, pre
     weights. Out of memory gives status ``oom``; the memory is freed before returning."""
     import torch
 
-    _free_cuda()
+    free_cuda()
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     run = None
@@ -329,7 +329,7 @@ def cuda_peak_memory(config: str | dict, mode: str, device: str, steps: int, pre
         return {"mode": mode, "status": "error", "reason": f"{type(e).__name__}: {' '.join(str(e).split())}"[:300]}
     finally:
         del run
-        _free_cuda()
+        free_cuda()
     return {
         "mode": mode,
         "status": "ok",
@@ -346,7 +346,7 @@ def largest_batch(config: str, mode: str, device: str, precision: str, cap: int)
 
     cfg = ALL_CONFIGS[config]
     batch, fits = cfg["batch"], None
-    _free_cuda()
+    free_cuda()
     while batch <= cap:
         run = None
         try:
@@ -358,6 +358,6 @@ def largest_batch(config: str, mode: str, device: str, precision: str, cap: int)
             break
         finally:
             del run
-            _free_cuda()
+            free_cuda()
         batch *= 2
     return {"largest_batch": fits, "capped": batch > cap, "cap": cap, "search": "doubling from the config's batch"}

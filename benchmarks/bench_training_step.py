@@ -47,6 +47,7 @@ from bench_modes import (
     Unsupported,
     config_modes,
     cuda_peak_memory,
+    free_cuda,
     largest_batch,
     make_runner,
     peak_memory,
@@ -150,6 +151,25 @@ def time_config(
             res["dp_steps"] = run.dp_steps()
         result[m] = res
     return {"modes": {m: result[m] for m in modes}, "orders": orders}
+
+
+def time_config_pairwise(
+    config: str, modes: list[str], device: str, rounds: int, steps_per_round: int, warmup: int, precision: str = "fp32"
+) -> dict:
+    """:func:`time_config` one mode at a time: each mode interleaved with the baseline (and its second
+    baseline) in a pass of its own, then freed, for models too large to hold every mode at once.
+    Ratios are still per round against the baseline's steps of the same pass."""
+    result, orders = {}, {}
+    for m in [x for x in modes if x != BASELINE] or [BASELINE]:
+        group = [x for x in modes if x in (BASELINE, m, SECOND_BASELINE.get(m))]
+        part = time_config(config, group, device, rounds, steps_per_round, warmup, precision)
+        orders[m] = part["orders"]
+        result[m] = part["modes"][m]
+        for x in group:  # the baseline as timed in the first pass
+            result.setdefault(x, part["modes"][x])
+        if device.startswith("cuda"):
+            free_cuda()
+    return {"modes": {m: result[m] for m in modes}, "orders": orders, "pairwise": True}
 
 
 def memory_config(config: str, modes: list[str], device: str, threads: int, precision: str = "fp32") -> dict:
@@ -269,6 +289,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--precision", default="fp32", choices=PRECISIONS, help="bf16: forward and loss under bfloat16 autocast"
     )
     ap.add_argument(
+        "--pairwise",
+        action="store_true",
+        help="time each mode against the baseline in a pass of its own (models too large to hold all modes at once)",
+    )
+    ap.add_argument(
         "--max-batch",
         type=int,
         default=0,
@@ -308,6 +333,7 @@ def main(argv=None) -> int:
             "modes": args.modes,
             "precision": args.precision,
             "baseline": BASELINE,
+            "pairwise": args.pairwise,
             "rounds": args.rounds,
             "steps_per_round": args.steps_per_round,
             "warmup": args.warmup,
@@ -334,10 +360,9 @@ def main(argv=None) -> int:
         entry = {"config": ALL_CONFIGS[config], "modes": modes}
         if cuda and not args.no_memory:  # in this process, before the timing's runners take memory
             entry["memory"] = memory_config(config, modes, device, args.threads, args.precision)
+        timer = time_config_pairwise if args.pairwise else time_config
         try:
-            entry["time"] = time_config(
-                config, modes, device, args.rounds, args.steps_per_round, args.warmup, args.precision
-            )
+            entry["time"] = timer(config, modes, device, args.rounds, args.steps_per_round, args.warmup, args.precision)
         except SystemExit as e:  # the baseline itself failed (e.g. out of memory): the other configs still run
             entry["time"] = {"modes": {}, "error": str(e)}
             print(e, flush=True)

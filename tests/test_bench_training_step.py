@@ -183,3 +183,21 @@ def test_max_batch_needs_a_gpu_and_unknown_precision_is_refused():
     with pytest.raises(ValueError, match="precision"):
         bench_modes.make_runner("gpt2-tiny-tied", "nonprivate-full", precision="fp8")
     assert bench_modes.config_modes("llama-bias-1b-t512", bench_modes.MODES) == bench_modes.LLAMA_MODES
+
+
+def test_pairwise_timing_gives_every_mode_its_own_pass_against_the_baseline(tmp_path):
+    argv = ["--configs", "gpt2-tiny-untied", "--rounds", "5", "--steps-per-round", "1", "--warmup", "1"]
+    argv += ["--modes", "dpzoo-bk", "dpzoo-bitfit", "--pairwise", "--no-memory", "--device", "cpu", "--threads", "1"]
+    assert bench.main(argv + ["--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "training_step.json").read_text())
+    run = data["configs"]["gpt2-tiny-untied"]["time"]
+    assert data["meta"]["pairwise"] and run["pairwise"]
+    # one pass per mode; bitfit's pass holds its second baseline too
+    assert {m: sorted(o[0]) for m, o in run["orders"].items()} == {
+        "nonprivate-bias": ["nonprivate-bias", "nonprivate-full"],
+        "dpzoo-bk": ["dpzoo-bk", "nonprivate-full"],
+        "dpzoo-bitfit": ["dpzoo-bitfit", "nonprivate-bias", "nonprivate-full"],
+    }
+    modes = run["modes"]
+    assert modes["dpzoo-bk"]["dp_steps"] == 6 and "time_ratio_second" in modes["dpzoo-bitfit"]
+    assert modes["nonprivate-full"]["time_ratio"]["per_round"] == [1.0] * 5
