@@ -111,13 +111,13 @@ def _acc(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
-def _half_on_cuda(*reps) -> bool:
+def half_on_cuda(*reps) -> bool:
     t = [r.grad if isinstance(r, Dense) else r.right for r in reps]
     return any(x.dtype in (torch.float16, torch.bfloat16) and x.device.type == "cuda" for x in t)
 
 
 @contextmanager
-def _exact_tf32(enabled: bool):
+def exact_tf32(enabled: bool):
     """Let CUDA run the float32 products of upcast half-precision values on TF32 tensor cores.
 
     Exact, not an approximation: TF32 keeps 10 mantissa bits and float32's exponent, and a value
@@ -200,7 +200,7 @@ def _onehot_left_gram(index: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
 
 def inner(u: Rep, v: Rep, *, ghost: bool | None = None) -> torch.Tensor:
     """⟨g_{u,i}, g_{v,i}⟩ for every sample i: Tensor[B]. Both must describe the same tensor."""
-    with _exact_tf32(_half_on_cuda(u, v)):
+    with exact_tf32(half_on_cuda(u, v)):
         return _inner(_acc_rep(u), _acc_rep(v), ghost)
 
 
@@ -238,7 +238,7 @@ def _inner(u: Rep, v: Rep, ghost: bool | None) -> torch.Tensor:
 
 def sq_norm(rep: Rep, *, ghost: bool | None = None) -> torch.Tensor:
     """‖g_i‖² for every sample: ghost norm or instantiation (``ghost=None``: the BK rule)."""
-    with _exact_tf32(_half_on_cuda(rep)):
+    with exact_tf32(half_on_cuda(rep)):
         return _sq_norm(_acc_rep(rep), ghost)
 
 
