@@ -86,6 +86,14 @@ class Unsupported(Exception):
     """The library refuses this (config, mode); ``str()`` is the reason."""
 
 
+def failure(e: BaseException) -> dict:
+    """A mode that ran out of memory or broke (building, warming up, measuring): reported, not fatal."""
+    import torch
+
+    status = "oom" if isinstance(e, torch.cuda.OutOfMemoryError) else "error"
+    return {"status": status, "reason": f"{type(e).__name__}: {' '.join(str(e).split())}"[:300]}
+
+
 def build(cfg: dict, device: str = "cpu"):
     """(model, x, y, criterion, forward) of a config, seeded: every call gives the same weights and batch."""
     import torch
@@ -110,39 +118,34 @@ def build(cfg: dict, device: str = "cpu"):
             model.set_dp_noise(noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=cfg["batch"])
         crit = SequenceCrossEntropy(ignore_index=0)
         fwd = lambda m, x: m(x)  # noqa: E731
-    elif cfg["kind"] == "llama":
+    else:  # causal LMs: GPT-2 ("lm") or llama-bias ("llama"), one token batch as input and target
         from dpzoo.losses import SequenceCrossEntropy
 
-        with torch.device(device):  # initialised where it trains: 1.1B weights take a while on a CPU
+        if cfg["kind"] == "llama":
+            with torch.device(device):  # initialised where it trains: 1.1B weights take a while on a CPU
+                model = dpzoo.load(
+                    "llama-bias",
+                    vocab_size=cfg["vocab"],
+                    num_layers=cfg["layers"],
+                    width=cfg["width"],
+                    num_heads=cfg["heads"],
+                    num_kv_heads=cfg["kv_heads"],
+                    intermediate_size=cfg["mlp"],
+                    max_positions=cfg["seq"],
+                )
+        else:
             model = dpzoo.load(
-                "llama-bias",
+                "gpt2",
                 vocab_size=cfg["vocab"],
                 num_layers=cfg["layers"],
                 width=cfg["width"],
                 num_heads=cfg["heads"],
-                num_kv_heads=cfg["kv_heads"],
-                intermediate_size=cfg["mlp"],
                 max_positions=cfg["seq"],
+                tie_word_embeddings=cfg["tied"],
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
             )
-        x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]))
-        y = x.clone()
-        crit = SequenceCrossEntropy(shift=True)
-        fwd = lambda m, x: m(input_ids=x).logits  # noqa: E731
-    else:
-        from dpzoo.losses import SequenceCrossEntropy
-
-        model = dpzoo.load(
-            "gpt2",
-            vocab_size=cfg["vocab"],
-            num_layers=cfg["layers"],
-            width=cfg["width"],
-            num_heads=cfg["heads"],
-            max_positions=cfg["seq"],
-            tie_word_embeddings=cfg["tied"],
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
         x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]))
         y = x.clone()
         crit = SequenceCrossEntropy(shift=True)
@@ -323,10 +326,8 @@ def cuda_peak_memory(config: str | dict, mode: str, device: str, steps: int, pre
         peak = (torch.cuda.max_memory_allocated(device) - base) / 2**20
     except Unsupported as e:
         return {"mode": mode, "status": "unsupported", "reason": str(e)}
-    except torch.cuda.OutOfMemoryError as e:
-        return {"mode": mode, "status": "oom", "reason": " ".join(str(e).split())[:200]}
-    except Exception as e:  # a library failing at its first step (e.g. Opacus under autocast)
-        return {"mode": mode, "status": "error", "reason": f"{type(e).__name__}: {' '.join(str(e).split())}"[:300]}
+    except Exception as e:  # out of memory, or a library failing at its first step (e.g. Opacus under autocast)
+        return {"mode": mode, **failure(e)}
     finally:
         del run
         free_cuda()

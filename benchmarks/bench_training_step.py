@@ -47,6 +47,7 @@ from bench_modes import (
     Unsupported,
     config_modes,
     cuda_peak_memory,
+    failure,
     free_cuda,
     largest_batch,
     make_runner,
@@ -63,14 +64,6 @@ def round_order(modes: list[str], r: int) -> list[str]:
     return modes[k:] + modes[:k]
 
 
-def _failure(e: BaseException) -> dict:
-    """A mode that ran out of memory or broke while building or warming up: reported, not fatal."""
-    import torch
-
-    status = "oom" if isinstance(e, torch.cuda.OutOfMemoryError) else "error"
-    return {"status": status, "reason": f"{type(e).__name__}: {' '.join(str(e).split())}"[:300]}
-
-
 def warm_up(runners: dict, warmup: int) -> dict:
     """Warm every runner up; one that fails is removed from ``runners``: {mode: its failure}."""
     failed = {}
@@ -79,7 +72,7 @@ def warm_up(runners: dict, warmup: int) -> dict:
             for _ in range(warmup):
                 runners[m].step()
         except Exception as e:  # out of memory, or a library refusing at the first step
-            failed[m] = _failure(e)
+            failed[m] = failure(e)
             del runners[m]
     return failed
 
@@ -131,7 +124,7 @@ def time_config(
         except Unsupported as e:
             result[m] = {"status": "unsupported", "reason": str(e)}
         except Exception as e:  # e.g. out of CUDA memory while building
-            result[m] = _failure(e)
+            result[m] = failure(e)
     result.update(warm_up(runners, warmup))
     if BASELINE not in runners:
         raise SystemExit(f"{config}: the baseline {BASELINE} must be among the modes and run: {result.get(BASELINE)}")
@@ -172,16 +165,18 @@ def time_config_pairwise(
     return {"modes": {m: result[m] for m in modes}, "orders": orders, "pairwise": True}
 
 
-def memory_config(config: str, modes: list[str], device: str, threads: int, precision: str = "fp32") -> dict:
+def memory_config(
+    config: str, modes: list[str], device: str, threads: int, precision: str = "fp32", steps: int = 2
+) -> dict:
     """Each mode's peak memory: on CPU from its own process; on a GPU one mode after another in this
     process, counted from the memory allocated before each is built (:func:`cuda_peak_memory`)."""
     out = {}
     for m in modes:
         if device.startswith("cuda"):
-            out[m] = cuda_peak_memory(config, m, device, 2, precision)
+            out[m] = cuda_peak_memory(config, m, device, steps, precision)
             continue
         cmd = [sys.executable, __file__, "--worker", config, m, "--device", device, "--threads", str(threads)]
-        cmd += ["--precision", precision]
+        cmd += ["--precision", precision, "--memory-steps", str(steps)]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]
@@ -359,7 +354,7 @@ def main(argv=None) -> int:
         modes = config_modes(config, args.modes)
         entry = {"config": ALL_CONFIGS[config], "modes": modes}
         if cuda and not args.no_memory:  # in this process, before the timing's runners take memory
-            entry["memory"] = memory_config(config, modes, device, args.threads, args.precision)
+            entry["memory"] = memory_config(config, modes, device, args.threads, args.precision, args.memory_steps)
         timer = time_config_pairwise if args.pairwise else time_config
         try:
             entry["time"] = timer(config, modes, device, args.rounds, args.steps_per_round, args.warmup, args.precision)
@@ -368,7 +363,7 @@ def main(argv=None) -> int:
             print(e, flush=True)
         if not cuda and not args.no_memory:  # a mode refused while timing is not run again
             ok = [m for m, r in entry["time"]["modes"].items() if r["status"] == "ok"]
-            entry["memory"] = memory_config(config, ok, device, args.threads, args.precision)
+            entry["memory"] = memory_config(config, ok, device, args.threads, args.precision, args.memory_steps)
         if args.max_batch:
             ok = [m for m, r in entry["time"]["modes"].items() if r["status"] == "ok"]
             entry["largest_batch"] = {m: largest_batch(config, m, device, args.precision, args.max_batch) for m in ok}

@@ -38,13 +38,17 @@ PRIOR_FLOOR = 0.5  # weights below this (rare or noise-negative items) are read 
 _CHUNK_USERS = 4096  # users whose item sets are formed at once
 
 
-def user_item_sets(train_inputs: torch.Tensor, num_items: int) -> torch.Tensor:
-    """(N, num_items + 1) float indicators: user n holds item i in its training inputs (id 0, padding,
-    never set). Each item counts once per user however often it repeats."""
+def _check_inputs(train_inputs: torch.Tensor) -> None:
     if train_inputs.dim() != 2:
         raise InvalidArgumentError(
             f"train_inputs must be (users, positions) item ids, got shape {tuple(train_inputs.shape)}."
         )
+
+
+def user_item_sets(train_inputs: torch.Tensor, num_items: int) -> torch.Tensor:
+    """(N, num_items + 1) float indicators: user n holds item i in its training inputs (id 0, padding,
+    never set). Each item counts once per user however often it repeats."""
+    _check_inputs(train_inputs)
     held = torch.zeros(train_inputs.shape[0], num_items + 1, device=train_inputs.device)
     held.scatter_(1, train_inputs.long(), 1.0)
     held[:, 0] = 0.0
@@ -56,10 +60,7 @@ def item_weights(train_inputs: torch.Tensor, num_items: int, normalize: bool = T
     (num_items + 1,), float64, entry 0 (padding) is 0. Formed in float64 over chunks of users
     (a dense float32 user × item matrix is 5 GB on Amazon), each user's vector scaled to norm
     1/(1 + 1e-12) so rounding can never carry it over the sensitivity of 1."""
-    if train_inputs.dim() != 2:
-        raise InvalidArgumentError(
-            f"train_inputs must be (users, positions) item ids, got shape {tuple(train_inputs.shape)}."
-        )
+    _check_inputs(train_inputs)
     total = torch.zeros(num_items + 1, dtype=torch.float64, device=train_inputs.device)
     for chunk in train_inputs.split(_CHUNK_USERS):
         held = user_item_sets(chunk, num_items).double()
