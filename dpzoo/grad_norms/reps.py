@@ -122,9 +122,9 @@ def exact_tf32(enabled: bool):
 
     Exact, not an approximation: TF32 keeps 10 mantissa bits and float32's exponent, and a value
     upcast from bfloat16 (7 bits) or float16 (10 bits) has no more, so every product is the same as
-    in float32, accumulated in float32; only the speed changes (plain float32 matmuls on an H100 ran
-    dpzoo's bf16 norms 2.5-3.4x slower than non-private bf16 steps). Never on CPU, where "high"
-    may mean bfloat16 arithmetic."""
+    in float32, accumulated in float32; only the speed changes (on an H100, with plain float32
+    matmuls here, dpzoo's bf16 steps took 1.4-3.4x non-private bf16 steps; these matmuls are the likely
+    cause, not yet profiled). Never on CPU, where "high" may mean bfloat16 arithmetic."""
     if not enabled:
         yield
         return
