@@ -1,0 +1,46 @@
+"""benchmarks/profile_step.py: the profile names the phases and dpzoo's own source lines."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))  # the scripts import their helper module by its bare name
+
+import profile_step  # noqa: E402
+
+
+def test_profile_attributes_dp_time_to_dpzoo_lines(tmp_path):
+    argv = ["--configs", "gpt2-tiny-tied", "--modes", "nonprivate-full", "dpzoo-bk-mixopt", "opacus-ghost"]
+    assert profile_step.main(argv + ["--steps", "1", "--warmup", "1", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "profile_gpt2-tiny-tied_fp32.json").read_text())
+    modes = {m["mode"]: m for m in data["modes"]}
+    assert modes["opacus-ghost"]["status"] != "ok"  # Opacus' ghost clipping refuses a tied embedding
+    for name in ("nonprivate-full", "dpzoo-bk-mixopt"):
+        m = modes[name]
+        assert m["status"] == "ok"
+        assert set(m["phases_ms"]) == set(profile_step.PHASES)
+        assert all(v > 0 for v in m["phases_ms"].values())
+        assert m["top_ops"] and all(o["self_ms_per_step"] > 0 for o in m["top_ops"])
+    dp_lines = [d["line"] for d in modes["dpzoo-bk-mixopt"]["dpzoo_lines"]]
+    assert any(line.startswith("dpzoo/grad_norms/") for line in dp_lines), dp_lines
+    # non-private training runs no per-sample code: nothing of grad_norms may show up there
+    assert not any("grad_norms" in d["line"] for d in modes["nonprivate-full"]["dpzoo_lines"])
+    text = (tmp_path / "profile_gpt2-tiny-tied_fp32.txt").read_text()
+    assert "## dpzoo-bk-mixopt" in text and "by dpzoo source line" in text
+
+
+def test_frames_outside_dpzoo_are_not_attributed():
+    assert profile_step.dpzoo_frame(["torch/nn/modules/linear.py(125): forward"]) is None
+    stack = ["<built-in method mm>", "/site-packages/dpzoo/grad_norms/reps.py(190): _gram", "dpzoo/x.py(1): f"]
+    assert profile_step.dpzoo_frame(stack) == "dpzoo/grad_norms/reps.py(190): _gram"
+
+
+def test_unknown_mode_is_refused(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        profile_step.main(["--modes", "dpzoo-nope"])
+    assert "unknown mode(s) dpzoo-nope" in capsys.readouterr().err
