@@ -259,7 +259,16 @@ def clipped_sum(rep: Rep, scale: torch.Tensor) -> torch.Tensor:
     if isinstance(rep, Dense):
         return torch.tensordot(scale, rep.grad, dims=([0], [0]))  # a GEMV: faster than einsum on CPU
     if isinstance(rep, Factored):
-        return rep.to_param(torch.einsum("bgtr,bgtc,b->grc", rep.left, rep.right, scale))
+        b, g, t, r = rep.left.shape
+        if g > 1:
+            return rep.to_param(torch.einsum("bgtr,bgtc,b->grc", rep.left, rep.right, scale))
+        # one GEMM Lᵀ(R) over the B·T rows, the scale on the narrower factor: einsum picked a
+        # transposed output at T = 1 (ResNet's last stage), which every later add then strides
+        c = rep.right.shape[3]
+        weights = scale.view(-1, 1, 1, 1)
+        left = rep.left * weights if r <= c else rep.left
+        right = rep.right if r <= c else rep.right * weights
+        return rep.to_param(torch.mm(left.reshape(b * t, r).t(), right.reshape(b * t, c)).unsqueeze(0))
     weighted = (rep.right * scale.view(-1, 1, 1)).flatten(0, 1)
     out = rep.right.new_zeros(rep.num_rows, rep.right.shape[-1])
     return out.index_add_(0, rep.index.flatten(), weighted)
