@@ -49,6 +49,7 @@ from ..errors import InvalidArgumentError, PrivacyUsageError, UnsupportedModuleE
 from . import reps as R
 from .assembly import assemble
 from .audit import check_step, count_edges, stray_grad_hook
+from .autocast import no_autocast
 from .capture import Capture, Recorder, Use, output_tensors
 from .cost import check_budget
 from .ghost import ghost_differentiate, wrap_outputs
@@ -166,6 +167,7 @@ class NormHooks:
         self._ghost_differentiate([loss], None)
 
     # -- results ----------------------------------------------------------------------------
+    @no_autocast()
     def _grads(self) -> dict[str, R.ParamGrad]:
         st = self._rec.step
         if st.grads is None:
@@ -197,6 +199,7 @@ class NormHooks:
     def _ghost_flag(self) -> bool | None:
         return {"auto": None, "ghost": True, "instantiate": False}[self.mode]
 
+    @no_autocast()
     def per_param_sq_norms(self) -> dict[str, torch.Tensor]:
         """{parameter name: Tensor[B]} of ‖∂L_i/∂θ‖₂² (every use of a parameter, cross terms included)."""
         st = self._rec.step
@@ -219,18 +222,23 @@ class NormHooks:
         dtype = torch.float64 if any(s.dtype == torch.float64 for s in sq) else torch.float32
         return torch.stack([s.to(dtype) for s in sq]).sum(0).sqrt()
 
-    def clipped_sum(self, scale: torch.Tensor) -> dict[str, torch.Tensor]:
-        """{parameter name: Σ_i scale[i] · ∂L_i/∂θ} (book-keeping: no second backward)."""
+    @no_autocast()
+    def clipped_sum(self, scale: torch.Tensor, drop: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """{parameter name: Σ_i scale[i] · ∂L_i/∂θ} (book-keeping: no second backward). Samples
+        where ``drop`` (bool Tensor[B]) is True contribute exactly 0, even if their gradients are
+        not finite (float16 overflow under a loss scale)."""
         grads = self._grads()
         b = self._batch_size(grads)
         if scale.dim() != 1 or scale.shape[0] != b:
             raise InvalidArgumentError(
                 f"scale must be a Tensor[{b}] (one factor per sample), got shape {tuple(scale.shape)}"
             )
+        if drop is not None and (drop.dtype != torch.bool or tuple(drop.shape) != (b,)):
+            raise InvalidArgumentError(f"drop must be a bool Tensor[{b}], got {drop.dtype} {tuple(drop.shape)}")
         out = {}
         for name, g in grads.items():
             try:
-                total = g.clipped_sum(scale)
+                total = g.clipped_sum(scale, drop)
             except RuntimeError as e:  # representations that do not fit together: refuse, naming the parameter
                 raise UnsupportedModuleError(
                     f"The clipped sum of {name} failed on what its layer recorded ({str(e).splitlines()[0][:160]}): "
@@ -239,6 +247,7 @@ class NormHooks:
             out[name] = total.to(self._plan.params[name].dtype)
         return out
 
+    @no_autocast()
     def per_sample_grads(self, row_sparse: bool = False) -> dict[str, "torch.Tensor | R.RowSparse"]:
         """{parameter name: Tensor[B, *shape]}: the per-sample gradients themselves, every use of
         a parameter summed (tied embeddings included). Memory B × parameters: use small physical

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..errors import DPZooError
+from ..grad_norms.autocast import no_autocast
 from .data import StepSignal
 from .guards import StateWatch, check_step_parameters, trainable_changed
 from .verify import self_check
@@ -111,7 +112,7 @@ class TrainingWatch:
         (args, kwargs), cotangents = capture
         self._in_check = True
         try:
-            with torch.enable_grad():
+            with torch.enable_grad(), no_autocast():  # the check's own passes run in the model's dtype
                 report = self_check(
                     engine.module, engine.hooks, args, kwargs, cotangents=cotangents, samples=self.self_check_samples
                 )
