@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names __getattr__ imports o
     from .audit import audit
     from .grad_norms import NormHooks, attach_norm_hooks, register_rule
     from .hub import create_model, load, privacy_metadata, read_config, save
-    from .privacy import PrivacyEngine, register_accountant, unregister_accountant
+    from .privacy import DPGradScaler, PrivacyEngine, register_accountant, unregister_accountant
     from .privacy.verify import verify
     from .summary import ModelSummary, summary
     from .surgery import check_dp_ready, find_inplace_ops, find_tied_parameters, make_dp_ready
@@ -51,7 +51,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "audit": (".audit", "audit"),
     **{n: (".grad_norms", n) for n in ("NormHooks", "attach_norm_hooks", "register_rule")},
     **{n: (".hub", n) for n in ("create_model", "load", "privacy_metadata", "read_config", "save")},
-    **{n: (".privacy", n) for n in ("PrivacyEngine", "register_accountant", "unregister_accountant")},
+    **{n: (".privacy", n) for n in ("PrivacyEngine", "DPGradScaler", "register_accountant", "unregister_accountant")},
     "verify": (".privacy.verify", "verify"),
     **{n: (".summary", n) for n in ("ModelSummary", "summary")},
     **{n: (".surgery", n) for n in ("check_dp_ready", "find_inplace_ops", "find_tied_parameters", "make_dp_ready")},
@@ -107,6 +107,7 @@ __all__ = [
     "find_tied_parameters",
     "find_inplace_ops",
     "PrivacyEngine",
+    "DPGradScaler",
     "register_accountant",
     "unregister_accountant",
     "verify",

@@ -1,6 +1,6 @@
 """Mixed precision through the engine: bfloat16 autocast works, with per-sample norms and clipped sums
-formed in float32 and compared with a float64 brute-force reference; float16 loss scaling (GradScaler)
-is refused before anything is clipped.
+formed in float32 and compared with a float64 brute-force reference; torch's GradScaler is refused
+before anything is clipped (float16 loss scaling that keeps the guarantee: tests/test_grad_scaler.py).
 
 Tolerance (docs/DESIGN.md, "Mixed precision"): under bfloat16 autocast the layers compute in bfloat16
 (8 significant bits), so the activations and output gradients dpzoo records carry relative errors of

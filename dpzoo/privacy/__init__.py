@@ -13,6 +13,7 @@ from .accountant import (
 from .batch_memory import BatchMemoryManager, PhysicalBatchLoader
 from .data import DPDataLoader, PoissonBatchSampler, StepSignal
 from .engine import PrivacyEngine, freeze_all_but_biases, sample_mixing_modules
+from .grad_scaler import DPGradScaler
 from .modes import MODES, TRAINING_MODES, TrainingMode
 from .optimizer import CLIPPING, DPOptimizer, clip_factors
 from .protocols import NoiseAware
@@ -31,6 +32,7 @@ __all__ = [
     "TRAINING_MODES",
     "TrainingMode",
     "DPOptimizer",
+    "DPGradScaler",
     "clip_factors",
     "CLIPPING",
     "DPDataLoader",

@@ -43,6 +43,7 @@ from .clipping import AUTOMATIC_GAMMA as AUTOMATIC_GAMMA  # re-exported: it was 
 from .clipping import CLIPPING, clip_factors
 from .data import StepSignal, secret_generator
 from .distributed import noised_all_reduce
+from .grad_scaler import nonfinite_samples, unscaled_cotangents
 from .wrapped_optimizer import WrappedOptimizer
 
 __all__ = ["DPOptimizer", "clip_factors", "CLIPPING"]
@@ -97,6 +98,9 @@ class DPOptimizer(WrappedOptimizer):
         self._last_stepped: int | None = None  # logical_index of the last completed step
         self.steps = 0
         self.last_per_sample_norms: torch.Tensor | None = None
+        # set by DPGradScaler: the loss's scale; drop (not refuse) samples whose gradient is not finite
+        self.loss_scale, self.drop_nonfinite = 1.0, False
+        self.nonfinite_samples = 0  # dropped so far (private: a count over raw samples, never released)
         # set by the engine: its first-step self-check, what that check re-runs, and a per-step
         # check that the optimizer still trains exactly the hooked parameters
         self.on_first_step: Callable[[], None] | None = None
@@ -235,26 +239,28 @@ class DPOptimizer(WrappedOptimizer):
                     )
         norms = self.hooks.per_sample_norms()
         b = norms.shape[0]
-        if b and not torch.isfinite(norms).all():
-            bad = int((~torch.isfinite(norms)).sum())
-            raise PrivacyUsageError(
-                f"{bad} sample(s) of this batch have a non-finite gradient (NaN or inf in the data, the loss or the "
-                "model): clipping cannot bound them and the update would reveal them. Clean the data, or make the "
-                "loss finite for every sample."
-            )
+        drop = nonfinite_samples(norms, self.drop_nonfinite)
+        if drop is not None:
+            self.nonfinite_samples += int(drop.sum())
         if b:
             unreached = set(self.hooks.unreached_parameters())
             self._reached.update(n for n in params if n not in unreached)
+            # the hooks saw the gradients of loss_scale · loss: norms and sums are linear in it
+            norms = norms / self.loss_scale
             true_norms = norms * b if self.loss_reduction == "mean" else norms
             factors = self.clip_factors(true_norms)
+            if drop is not None:  # a sample whose gradient is not finite contributes exactly 0
+                factors = factors.masked_fill(drop, 0.0)
             scale = factors * b if self.loss_reduction == "mean" else factors
-            for name, g in self.hooks.clipped_sum(scale.detach()).items():
+            for name, g in self.hooks.clipped_sum((scale / self.loss_scale).detach(), drop).items():
                 self._summed[name] = self._summed[name] + g if name in self._summed else g
             self.last_per_sample_norms = true_norms.detach()
             if self.on_first_step is not None and self._first_capture is None and self.capture_inputs is not None:
                 inputs = self.capture_inputs()
                 if inputs is not None:
-                    self._first_capture = (inputs, self.hooks.output_cotangents(0))
+                    cotangents = unscaled_cotangents(self.hooks.output_cotangents(0), self.loss_scale)
+                    self._first_capture = (inputs, cotangents)
+        self.loss_scale = 1.0  # DPGradScaler.scale() sets it again for the next micro-batch
         self.samples_in_step += b
         self.micro_batches_in_step += 1
         self._step_batch = batch_tag
@@ -303,8 +309,8 @@ class DPOptimizer(WrappedOptimizer):
 
     def replicated_grad(self, p: torch.Tensor, summed: torch.Tensor | None) -> torch.Tensor:
         """A replicated parameter's private gradient (:func:`~dpzoo.privacy.distributed.noised_all_reduce`)."""
-        std = self.noise_multiplier * self.max_grad_norm
-        return noised_all_reduce(p, summed, std, self.generator_for, every_rank_draws=self.noise_seed is not None)
+        std, seeded = self.noise_multiplier * self.max_grad_norm, self.noise_seed is not None
+        return noised_all_reduce(p, summed, std, self.generator_for(p.device) if seeded else None, seeded)
 
     def scale_grad(self) -> None:
         """``loss_reduction="mean"``: divide the noisy sum by the expected logical batch size."""
@@ -373,15 +379,15 @@ class DPOptimizer(WrappedOptimizer):
         self._step_batch = None
         return True
 
-    # GradScaler then hands step() its scale as ``grad_scale``: a scaled loss is seen and refused
-    _step_supports_amp_scaling = True
+    _step_supports_amp_scaling = True  # torch's GradScaler then hands step() its state: refused
 
     def step(self, closure=None):
-        if getattr(self, "grad_scale", None) is not None:
+        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
             raise PrivacyUsageError(
-                "GradScaler (float16 loss scaling) is not supported: the per-sample gradients dpzoo clips would be "
-                "multiplied by the loss scale. Use bfloat16 autocast, which needs no scaler "
-                "(torch.autocast(device, dtype=torch.bfloat16)), or float32."
+                "torch's GradScaler is not supported: it skips steps and moves its scale on the non-private summed "
+                "gradient, which the released model would reveal. For float16 use dpzoo.DPGradScaler(optimizer) "
+                "(a fixed scale; a sample whose gradient overflows contributes 0), or bfloat16 autocast, which "
+                "needs no scaler."
             )
         if closure is not None:
             with torch.enable_grad():

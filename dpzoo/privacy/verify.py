@@ -133,6 +133,14 @@ def self_check(
                 )
         if batch < 1:
             raise SelfCheckError("The self-check needs a batch with at least one sample.")
+        nan_rows = sorted(
+            {int(i) for o in outs if o.is_floating_point() for i in torch.isnan(o).reshape(batch, -1).any(1).nonzero()}
+        )
+        if nan_rows:
+            raise SelfCheckError(
+                f"The self-check's own forward pass (eval mode, no autocast) gives NaN for sample(s) {nan_rows[:8]} of the "
+                "first batch: NaN or inf in the data or the model, not a float16 overflow. Clean the data."
+            )
         hooks.backward_from(outs, cotangents)
         sq = hooks.per_param_sq_norms()
         hooks_norms = {n: v.detach().sqrt().double() for n, v in sq.items()}
