@@ -1,10 +1,11 @@
-"""Float32 ghost norms of gradients whose positions cancel (grad_norms/reps.triangle_bound).
+"""Ghost norms the book-kept sum can trust (grad_norms/float_guard.py).
 
 The ghost norm ‖g‖² = Σ_{t,s}⟨x_t,x_s⟩⟨δ_t,δ_s⟩ of a sample with x_1 = x_2 = x and δ_2 = -(1-ε)δ_1
 (so g = ε x⊗δ) is a small difference of terms ~‖x‖²‖δ‖²; in float32 it read 0 for small ε and the
 sample was released unclipped (326 R in the audit), while the book-kept sum carried its gradient.
-The norm is now floored at GHOST_FLOOR · Σ_t ‖x_t‖‖δ_t‖, so the released contribution stays ≤ R
-up to the sum's rounding; ordinary data never reaches the floor.
+Float32 underflow did the same (activations 1e-23: Grams 0, the sum's products not). Suspicious
+norms are now recomputed in float64 and floored at GHOST_FLOOR · Σ_t ‖x_t‖‖δ_t‖, so the released
+contribution stays ≤ R up to the sum's rounding; ordinary data never reaches the floor.
 """
 
 from __future__ import annotations
@@ -15,23 +16,28 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpzoo
+from dpzoo.grad_norms import float_guard
 from dpzoo.grad_norms import reps as R
 
 D = 64
 
 
-def released_contribution(mode: str, eps: float, r: float = 1.0) -> float:
+def released_contribution(
+    mode: str, eps: float, r: float = 1.0, x_norm: float = 1000.0, d_norm: float = 1000.0, dtype=torch.float32
+) -> float:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
-    xv = torch.randn(D, generator=g)
-    dv = torch.randn(D, generator=g)
-    xv, dv = xv / xv.norm() * 1000.0, dv / dv.norm() * 1000.0
-    model = nn.Linear(D, D, bias=False)
+    xv = torch.randn(D, generator=g, dtype=torch.float64)
+    dv = torch.randn(D, generator=g, dtype=torch.float64)
+    xv, dv = (xv / xv.norm() * x_norm).to(dtype), (dv / dv.norm() * d_norm).to(dtype)
+    model = nn.Linear(D, D, bias=False).to(dtype)
     engine = dpzoo.PrivacyEngine()
     model, opt, loader = engine.make_private(
         module=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        data_loader=DataLoader(TensorDataset(torch.zeros(32, 2, D), torch.zeros(32, 2, D)), batch_size=8),
+        data_loader=DataLoader(
+            TensorDataset(torch.zeros(32, 2, D, dtype=dtype), torch.zeros(32, 2, D, dtype=dtype)), batch_size=8
+        ),
         noise_multiplier=0.0,
         max_grad_norm=r,
         loss_reduction="sum",
@@ -54,6 +60,19 @@ def test_a_cancelling_sample_is_clipped(mode, eps):
     assert released_contribution(mode, eps) <= 1.005
 
 
+@pytest.mark.parametrize("mode", ["bk", "bk-mixopt"])
+def test_a_sample_whose_grams_underflow_is_clipped(mode):
+    """Activations of norm 1e-21 (entries ~1e-22: their squares underflow float32) and output
+    gradients of norm 1e19 (ε = 1: only position 1 counts): ‖g‖ = 1e-2 = 10 R, while the float32
+    Grams read 0."""
+    assert released_contribution(mode, 1.0, r=1e-3, x_norm=1e-21, d_norm=1e19) <= 1.005
+
+
+@pytest.mark.parametrize("eps", [1e-9, 1e-7])
+def test_float64_ghost_norms_are_guarded_too(eps):
+    assert released_contribution("bk", eps, x_norm=1e5, d_norm=1e5, dtype=torch.float64) <= 1.005
+
+
 def test_ordinary_gradients_never_reach_the_floor():
     """Random activations and output gradients over T positions: ‖g‖ ~ U/√T, far above the floor,
     so the floored norm is the ghost norm itself (and equals the instantiated one)."""
@@ -61,7 +80,7 @@ def test_ordinary_gradients_never_reach_the_floor():
     for t in (1, 16, 512):
         rep = R.Factored(torch.randn(6, 1, t, 48, generator=g), torch.randn(6, 1, t, 40, generator=g), (48, 40))
         ghost = R.sq_norm(rep, ghost=True)
-        assert (ghost.sqrt() > 4 * R.GHOST_FLOOR * R.triangle_bound(rep)).all()
+        assert (ghost.sqrt() > 4 * float_guard.GHOST_FLOOR * float_guard.triangle_bound(rep)).all()
         floored = R.ParamGrad([rep], ghost=True).sq_norm()
         assert torch.equal(floored, ghost.clamp_min(0))
         torch.testing.assert_close(floored, R.sq_norm(rep, ghost=False), rtol=1e-4, atol=0)
@@ -76,4 +95,4 @@ def test_triangle_bound_bounds_every_representation():
     ]
     for rep in reps:
         true = torch.linalg.vector_norm(R.instantiate(rep).flatten(1), dim=1)
-        assert (R.triangle_bound(rep) >= true * (1 - 1e-6)).all()
+        assert (float_guard.triangle_bound(rep) >= true * (1 - 1e-6)).all()

@@ -63,8 +63,9 @@ def dpzoo_grad_sampler(layer, activations, backprops):
 
 
 def dpzoo_norm_sampler(layer, activations, backprops):
-    """Opacus norm sampler: per-sample gradient norms Tensor[B] (ghost or instantiated, BK rule)."""
-    return {p: R.sq_norm(rep).clamp_min(0).sqrt() for p, rep in _reps(layer, activations, backprops).items()}
+    """Opacus norm sampler: per-sample gradient norms Tensor[B] (ghost or instantiated, BK rule), a
+    ghost norm under dpzoo's floating-point guard (:mod:`dpzoo.grad_norms.float_guard`)."""
+    return {p: R.ParamGrad([rep]).sq_norm().sqrt() for p, rep in _reps(layer, activations, backprops).items()}
 
 
 def register_opacus_rules() -> list[type]:

@@ -267,23 +267,6 @@ def without_samples(rep: Rep, drop: torch.Tensor) -> Rep:
     return OneHot(rep.index, keep(rep.right), rep.num_rows)
 
 
-GHOST_FLOOR = 2.0**-8  # a ghost-path norm is at least GHOST_FLOOR · triangle_bound
-
-
-def triangle_bound(rep: Rep) -> torch.Tensor:
-    """U_i = Σ_t ‖L_t‖‖R_t‖ ≥ ‖g_i‖ (one-hot rows have norm 1), free of cancellation. A ghost norm
-    Σ_{t,s}⟨L_t,L_s⟩⟨R_t,R_s⟩ of positions that cancel is a small difference of terms ~U²: in float32
-    it read 0 for a crafted sample the book-kept sum still carried (326 R). Floored at GHOST_FLOOR · U,
-    the float32 error there is ~ε/(2·GHOST_FLOOR²) ≈ 0.2% (docs/DESIGN.md, "Floating point")."""
-    rep = _acc_rep(rep)
-    if isinstance(rep, Dense):
-        return torch.linalg.vector_norm(rep.grad.flatten(1), dim=1)
-    right = torch.linalg.vector_norm(rep.right, dim=-1)
-    if isinstance(rep, OneHot):
-        return right.sum(1)
-    return (torch.linalg.vector_norm(rep.left, dim=-1) * right).flatten(1).sum(1)
-
-
 def clipped_sum(rep: Rep, scale: torch.Tensor) -> torch.Tensor:
     """Σ_i scale_i g_i, shape = the parameter's (book-keeping: BK paper Alg. 1 line 9)."""
     scale = scale.to(dtype=_dtype(rep))
@@ -365,9 +348,10 @@ class ParamGrad:
                 for j in range(i + 1, len(rs)):  # cross terms of a parameter used twice
                     total = total + 2 * inner(rs[i], rs[j], ghost=ghost)
             total = total.clamp_min(0)
-            if total.dtype != torch.float64 and not all(isinstance(r, Dense) for r in rs):  # triangle_bound
-                floor = GHOST_FLOOR * sum(triangle_bound(r) for r in rs)
-                total = torch.maximum(total, floor.square().to(total.dtype))
+            if not all(isinstance(r, Dense) for r in rs):  # a dense norm is that of the very tensor summed
+                from .float_guard import guard  # imports this module
+
+                total = guard(rs, total)
             self._sq = total
         return self._sq
 
