@@ -32,11 +32,17 @@ RECHECK = 2.0**-6  # below RECHECK · U a float32 ghost norm is recomputed in fl
 
 
 def _norm64(t: torch.Tensor) -> torch.Tensor:
-    """‖t‖ over the last dim, in float64, free of float32 under- and overflow: scaled by the row's
-    largest entry first (three float32 passes; a float64 copy would cost ~100x the float32 norm)."""
-    top = t.abs().amax(-1, keepdim=True)
-    top = torch.where(top > 0, top, torch.ones_like(top))
-    return torch.linalg.vector_norm(t / top, dim=-1).double() * top.squeeze(-1).double()
+    """‖t‖ over the last dim in float64, free of float32 under- and overflow: rows whose float32
+    norm is near the limits of squaring (or 0, inf, NaN) are scaled by their largest entry first."""
+    n = torch.linalg.vector_norm(t, dim=-1)
+    risky = ~((n > 2.0**-60) & (n < 2.0**60))
+    n = n.double()
+    if risky.any():
+        rows = t[risky]
+        top = rows.abs().amax(-1, keepdim=True)
+        top = torch.where(top > 0, top, torch.ones_like(top))
+        n[risky] = torch.linalg.vector_norm(rows / top, dim=-1).double() * top.squeeze(-1).double()
+    return n
 
 
 def triangle_bound(rep: "R.Rep") -> torch.Tensor:
