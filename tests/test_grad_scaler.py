@@ -226,8 +226,10 @@ def test_scaler_misuse_gets_clear_errors():
     _, _, other, _ = make_private(mlp(), mlp_data())
     with pytest.raises(PrivacyUsageError, match="another optimizer"):
         scaler.step(other)
+    opt.loss_scale = 1.0
     with pytest.raises(InvalidArgumentError, match="scale"):
         scaler.scale("loss")
+    assert opt.loss_scale == 1.0  # a refused call leaves the optimizer as it was
     scaler.update()
     assert scaler.get_scale() == 8.0  # never moves on its own
     scaler.update(torch.tensor(4.0))

@@ -67,9 +67,9 @@ def nonfinite_samples(norms: torch.Tensor, drop: bool) -> torch.Tensor | None:
         return None
     if not drop:
         raise PrivacyUsageError(
-            f"{int(bad.sum())} sample(s) of this batch have a non-finite gradient (NaN or inf in the data, the loss "
-            "or the model): clipping cannot bound them and the update would reveal them. Clean the data, or make "
-            "the loss finite for every sample."
+            f"{int(bad.sum())} sample(s) of this batch have a non-finite gradient norm (NaN or inf in the data, the "
+            "loss or the model, or a gradient norm above ~1e19 that overflows float32): clipping cannot bound them "
+            "and the update would reveal them. Clean the data, or make the loss finite and bounded for every sample."
         )
     return bad
 
@@ -131,12 +131,14 @@ class DPGradScaler:
         the scale these gradients will carry."""
         if not self._enabled:
             return outputs
-        self.optimizer.loss_scale = self._scale
-        if isinstance(outputs, torch.Tensor):
-            return outputs * self._scale
         if isinstance(outputs, (list, tuple)):
             return type(outputs)(self.scale(o) for o in outputs)
-        raise InvalidArgumentError(f"scale() takes a tensor or a list / tuple of tensors, got {type(outputs).__name__}")
+        if not isinstance(outputs, torch.Tensor):  # refused before the optimizer is told anything
+            raise InvalidArgumentError(
+                f"scale() takes a tensor or a list / tuple of them, got {type(outputs).__name__}"
+            )
+        self.optimizer.loss_scale = self._scale
+        return outputs * self._scale
 
     def unscale_(self, optimizer) -> None:
         """Refused: before ``step()`` the ``.grad`` tensors are not the private gradient."""
