@@ -11,6 +11,7 @@ the library refuses raises :class:`Unsupported` with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -121,31 +122,19 @@ def build(cfg: dict, device: str = "cpu"):
     else:  # causal LMs: GPT-2 ("lm") or llama-bias ("llama"), one token batch as input and target
         from dpzoo.losses import SequenceCrossEntropy
 
+        shape = dict(
+            vocab_size=cfg["vocab"],
+            num_layers=cfg["layers"],
+            width=cfg["width"],
+            num_heads=cfg["heads"],
+            max_positions=cfg["seq"],
+        )
         if cfg["kind"] == "llama":
             with torch.device(device):  # initialised where it trains: 1.1B weights take a while on a CPU
-                model = dpzoo.load(
-                    "llama-bias",
-                    vocab_size=cfg["vocab"],
-                    num_layers=cfg["layers"],
-                    width=cfg["width"],
-                    num_heads=cfg["heads"],
-                    num_kv_heads=cfg["kv_heads"],
-                    intermediate_size=cfg["mlp"],
-                    max_positions=cfg["seq"],
-                )
+                model = dpzoo.load("llama-bias", **shape, num_kv_heads=cfg["kv_heads"], intermediate_size=cfg["mlp"])
         else:
-            model = dpzoo.load(
-                "gpt2",
-                vocab_size=cfg["vocab"],
-                num_layers=cfg["layers"],
-                width=cfg["width"],
-                num_heads=cfg["heads"],
-                max_positions=cfg["seq"],
-                tie_word_embeddings=cfg["tied"],
-                resid_pdrop=0.0,
-                embd_pdrop=0.0,
-                attn_pdrop=0.0,
-            )
+            no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+            model = dpzoo.load("gpt2", **shape, tie_word_embeddings=cfg["tied"], **no_dropout)
         x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]))
         y = x.clone()
         crit = SequenceCrossEntropy(shift=True)
@@ -176,17 +165,29 @@ class Runner:
 
             torch.cuda.synchronize()
 
-    def step(self) -> float:
+    def train_step(self, batch, phase: Callable = contextlib.nullcontext) -> None:
+        """Forward (with the loss), backward, optimizer step on ``batch``, each phase inside
+        ``phase(name)`` (e.g. torch.profiler's ``record_function``)."""
         import torch
 
-        x, y = next(iter(self.loader)) if self.loader is not None else (self.x, self.y)
+        x, y = batch
+        with phase("forward"):
+            with torch.autocast(self.device.split(":")[0], dtype=torch.bfloat16, enabled=self.precision == "bf16"):
+                loss = self.crit(self.fwd(self.model, x), y)
+        with phase("backward"):
+            loss.backward()
+        with phase("optimizer"):
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+
+    def next_batch(self):
+        return next(iter(self.loader)) if self.loader is not None else (self.x, self.y)
+
+    def step(self) -> float:
+        batch = self.next_batch()
         self._sync()
         t = time.perf_counter()
-        with torch.autocast(self.device.split(":")[0], dtype=torch.bfloat16, enabled=self.precision == "bf16"):
-            loss = self.crit(self.fwd(self.model, x), y)
-        loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        self.train_step(batch)
         self._sync()
         self.steps += 1
         return time.perf_counter() - t

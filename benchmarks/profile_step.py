@@ -65,15 +65,7 @@ def profile_mode(config: str, mode: str, device: str, precision: str, warmup: in
     on_device = device.startswith("cuda")
 
     def step() -> None:
-        x, y = next(iter(run.loader)) if run.loader is not None else (run.x, run.y)
-        with record_function("forward"):
-            with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=precision == "bf16"):
-                loss = run.crit(run.fwd(run.model, x), y)
-        with record_function("backward"):
-            loss.backward()
-        with record_function("optimizer"):
-            run.opt.step()
-            run.opt.zero_grad(set_to_none=True)
+        run.train_step(run.next_batch(), record_function)
 
     try:
         for _ in range(warmup):
