@@ -234,6 +234,35 @@ def _opt_loss(m, ids, mask):
     return m(input_ids=ids, attention_mask=mask).logits.square().sum()
 
 
+@pytest.mark.parametrize("change", ["scaled-output", "tuple-output", "new-required-argument"])
+def test_opt_layer_is_not_swapped_when_the_installed_forward_computes_something_else(monkeypatch, change):
+    """A transformers release whose OPTDecoderLayer computes something else than dpzoo's copy: no
+    swap, the reason in the report, and the engine still refuses the flattened tokens."""
+    from transformers.models.opt.modeling_opt import OPTDecoderLayer
+
+    from dpzoo.nn import hf_blocks
+
+    installed = OPTDecoderLayer.forward
+
+    def changed(self, hidden_states, *args, **kwargs):
+        if change == "new-required-argument":
+            kwargs["required_now"]  # raises KeyError, as a new mandatory argument would
+        out = installed(self, hidden_states, *args, **kwargs)
+        return out * 1.001 if change == "scaled-output" else (out,)
+
+    monkeypatch.setattr(OPTDecoderLayer, "forward", changed)
+    hf_blocks.probe_mismatch.cache_clear()
+    try:
+        model = dpzoo.make_dp_ready(_opt_causal_lm())
+        assert model.dpzoo_patch_report.layers_replaced == {}
+        why = model.dpzoo_patch_report.not_patched["model.decoder.layers.0"]
+        assert "does not compute what the installed transformers' OPTDecoderLayer.forward computes" in why
+        assert type(model.model.decoder.layers[0]) is OPTDecoderLayer
+        assert {p.kind for p in find_problems(model)} == {"flattened-tokens"}
+    finally:
+        hf_blocks.probe_mismatch.cache_clear()
+
+
 def test_opt_positions_rule_follows_the_override_check():
     from transformers.models.opt.modeling_opt import OPTLearnedPositionalEmbedding
 

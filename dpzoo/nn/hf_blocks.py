@@ -5,33 +5,83 @@ transformers' ``OPTDecoderLayer`` flattens its hidden states to (B·T, d) before
 batch in dim 0, so dpzoo's hooks refuse them (which row belongs to which sample is lost). LayerNorm
 and Linear act on the last dim only, so :class:`DPOPTDecoderLayer` computes the same function
 without the reshape; dpzoo swaps it in by class (``layer.__class__ = DPOPTDecoderLayer``, every
-parameter kept, pickling works). The forward mirrors one version of transformers' code: the swap
-happens only when the installed ``OPTDecoderLayer.forward`` is that version
-(:func:`mirrors_installed`), and the tests compare both in float64.
+parameter kept, pickling works).
+
+The copy must compute what the installed transformers computes, and transformers changes this
+forward between releases (5.24 renamed ``past_key_values`` to ``cache``). So the swap is decided by
+behaviour, not by the source text: :func:`mirrors_installed` runs the installed forward and dpzoo's
+copy on small float64 probe layers (pre- and post-LayerNorm, random weights, eval mode) and swaps
+only when they agree to float64 rounding; attention arguments are passed through under whatever
+names the caller used. A release that changes what the layer computes makes the check fail, and
+the engine then refuses the model (``"flattened-tokens"``) instead of training it inexactly.
 """
 
 from __future__ import annotations
 
-import hashlib
-import inspect
+from functools import cache
 
 import torch
 import torch.nn.functional as F
 from transformers.models.opt.modeling_opt import OPTDecoderLayer
 
-__all__ = ["DPOPTDecoderLayer", "mirrors_installed", "FLATTENING_BLOCKS", "flattened_submodules"]
+__all__ = ["DPOPTDecoderLayer", "mirrors_installed", "probe_mismatch", "FLATTENING_BLOCKS", "flattened_submodules"]
 
-# sha256 of the source of the forward each class mirrors (transformers 5.x OPTDecoderLayer.forward)
-_MIRRORED = {OPTDecoderLayer: "9d8d1897a2c4f3d24d8dd364cd675a05713bba93878b28fb6bb0ff9cde60c30f"}
+_PROBE = dict(batch=2, length=5, width=8, heads=2, ffn=12)
+
+
+def _probe_layer(layer_norm_before: bool) -> OPTDecoderLayer:
+    from transformers import OPTConfig
+
+    cfg = OPTConfig(
+        vocab_size=16,
+        hidden_size=_PROBE["width"],
+        num_attention_heads=_PROBE["heads"],
+        ffn_dim=_PROBE["ffn"],
+        num_hidden_layers=1,
+        do_layer_norm_before=layer_norm_before,
+        dropout=0.0,
+        attention_dropout=0.0,
+    )
+    cfg._attn_implementation = "eager"
+    gen = torch.Generator().manual_seed(0)
+    layer = OPTDecoderLayer(cfg, layer_idx=0).double().eval()
+    with torch.no_grad():
+        for p in layer.parameters():  # non-trivial LayerNorm affines too
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return layer
+
+
+@cache
+def probe_mismatch(cls: type[torch.nn.Module]) -> str | None:
+    """Why dpzoo's batch-first copy of ``cls`` does not compute what the installed ``cls.forward``
+    computes on the float64 probes (checked once per process), or None when it does."""
+    if cls is not OPTDecoderLayer:
+        return f"no probe for {cls.__name__}"
+    gen = torch.Generator().manual_seed(1)
+    shape = (_PROBE["batch"], _PROBE["length"], _PROBE["width"])
+    for before in (True, False):
+        layer = _probe_layer(before)
+        x = torch.randn(shape, generator=gen, dtype=torch.float64)
+        mask = torch.zeros(shape[0], 1, shape[1], shape[1], dtype=torch.float64)
+        mask[1, :, :, 0] = torch.finfo(torch.float64).min  # one masked key: the mask reaches attention
+        pos = torch.arange(shape[1]).expand(shape[0], -1)
+        try:
+            with torch.no_grad():
+                want = cls.forward(layer, x, attention_mask=mask, position_ids=pos, use_cache=False)
+                got = DPOPTDecoderLayer.forward(layer, x, attention_mask=mask, position_ids=pos, use_cache=False)
+        except Exception as e:  # a changed signature or return type
+            return f"the probe failed: {type(e).__name__}: {e}"
+        if not isinstance(want, torch.Tensor) or want.shape != got.shape:
+            return f"the installed forward returns {type(want).__name__}, not a (B, T, d) tensor"
+        err = (want - got).abs().max().item()
+        if not err <= 1e-12 * max(1.0, want.abs().max().item()):
+            return f"outputs differ by {err:.3g} (do_layer_norm_before={before})"
+    return None
 
 
 def mirrors_installed(cls: type[torch.nn.Module]) -> bool:
-    """Whether dpzoo's batch-first copy of ``cls.forward`` was written from the installed source."""
-    try:
-        source = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
-    return hashlib.sha256(source.encode()).hexdigest() == _MIRRORED.get(cls)
+    """Whether dpzoo's batch-first copy computes what the installed ``cls.forward`` computes."""
+    return probe_mismatch(cls) is None
 
 
 class DPOPTDecoderLayer(OPTDecoderLayer):
@@ -41,20 +91,16 @@ class DPOPTDecoderLayer(OPTDecoderLayer):
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
-        past_key_values=None,
         use_cache: bool | None = False,
-        position_ids: torch.LongTensor | None = None,
-        **kwargs,
+        **attention_kwargs,
     ) -> torch.Tensor:
+        # the cache (``past_key_values`` before transformers 5.24, ``cache`` after), position ids and
+        # the rest go to the attention under the caller's names, as the installed forward does
         residual = hidden_states
         if self.do_layer_norm_before:
             hidden_states = self.self_attn_layer_norm(hidden_states)
         hidden_states, _ = self.self_attn(
-            hidden_states=hidden_states,
-            past_key_values=past_key_values,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            **kwargs,
+            hidden_states=hidden_states, attention_mask=attention_mask, **attention_kwargs
         )
         hidden_states = F.dropout(hidden_states, p=self.dropout, training=self.training)
         hidden_states = residual + hidden_states

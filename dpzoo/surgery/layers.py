@@ -19,7 +19,7 @@ from typing import Any, Callable
 from torch import nn
 
 from ..nn.attention import DPMultiheadAttention
-from ..nn.hf_blocks import FLATTENING_BLOCKS, mirrors_installed
+from ..nn.hf_blocks import FLATTENING_BLOCKS, probe_mismatch
 from ..nn.recurrent import DPGRU, DPLSTM, DPRNN
 
 __all__ = ["LAYER_SWAPS", "LayerReport", "replace_layers"]
@@ -53,10 +53,11 @@ def _swap(m: nn.Module, name: str, report: LayerReport, done: dict[int, nn.Modul
         return done[id(m)]
     batch_first = FLATTENING_BLOCKS.get(type(m))
     if batch_first is not None:  # swapped by class: every parameter (and hook) stays
-        if not mirrors_installed(type(m)):
+        why = probe_mismatch(type(m))
+        if why is not None:
             report.not_patched[name] = (
-                f"the installed transformers' {type(m).__name__}.forward is not the version dpzoo's "
-                f"{batch_first.__name__} mirrors: not swapped"
+                f"dpzoo's {batch_first.__name__} does not compute what the installed transformers' "
+                f"{type(m).__name__}.forward computes ({why}): not swapped"
             )
             return None
         m.__class__ = batch_first
