@@ -300,8 +300,9 @@ class ParamGrad:
     True: ghost; the planner's, :mod:`dpzoo.grad_norms.cost`) or else by the BK rule
     (:func:`prefers_ghost`); True / False force one. :meth:`sq_norm` settles the representations
     once (BK-MixOpt, BK paper §3.2): a use on the instantiation path is formed once, and the
-    clipped sum reuses it (its factors are dropped); more than two uses, unless ghost is
-    forced, are summed into one dense gradient (O(uses) instead of O(uses²) cross terms).
+    clipped sum reuses it (its factors are dropped); dense uses are summed into one before any norm
+    (no cross term, so uses that cancel give exactly 0); more than two uses, unless ghost is forced,
+    are summed into one dense gradient (O(uses) instead of O(uses²) cross terms).
     """
 
     def __init__(self, reps: list, ghost: bool | None = None, choices: list[bool] | None = None):
@@ -328,6 +329,12 @@ class ParamGrad:
             Dense(instantiate(r)) if not isinstance(r, Dense) and not self._on_ghost(i, r) else r
             for i, r in enumerate(self.reps)
         ]
+        dense = [r.grad for r in rs if isinstance(r, Dense)]
+        if len(dense) > 1:  # summed before the norm: exact where uses cancel (‖g - g‖ = 0, not √ε·‖g‖)
+            total = dense[0]
+            for d in dense[1:]:
+                total = total + d
+            rs = [Dense(total)] + [r for r in rs if not isinstance(r, Dense)]
         if len(rs) > 2 and self.ghost is not True:
             dense = instantiate(rs[0])
             for r in rs[1:]:
