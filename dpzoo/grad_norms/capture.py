@@ -28,6 +28,7 @@ from torch import nn
 from ..errors import UnsupportedModuleError
 from .plan import ModelPlan, ModulePlan
 from .sharded import is_dtensor, note_alias, stands_in
+from .tensors import first_tensor, gradient_source, in_backward, output_tensors
 
 __all__ = ["Use", "Step", "Recorder", "Capture", "output_tensors", "first_tensor", "in_backward"]
 
@@ -43,6 +44,7 @@ class Use:
     versions: tuple | None = None
     output: torch.Tensor | None = None
     edge: object | None = None  # autograd GradientEdge of the output, taken before any in-place op
+    view_of: torch.Size | None = None  # the edge is the output's base: its gradient, viewed in this shape
     grad: torch.Tensor | None = None
     loose: bool = False
     batch_size: int | None = None
@@ -92,35 +94,6 @@ class Recorder:
     def clear(self) -> None:
         self.step = Step()
         self.pending.clear()
-
-
-def output_tensors(output, grad_only: bool = True) -> list[torch.Tensor]:
-    """The tensors in a model's output that have a gradient path (all tensors with
-    ``grad_only=False``), inside tensors, tuples, lists, dicts and transformers' ModelOutputs, in a
-    fixed order: two calls on outputs of the same structure list corresponding tensors at the same
-    positions."""
-    found, stack = [], [output]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, torch.Tensor):
-            if o.grad_fn is not None or not grad_only:
-                found.append(o)
-        elif isinstance(o, dict):
-            stack.extend(reversed(list(o.values())))
-        elif isinstance(o, (list, tuple)):
-            stack.extend(reversed(o))
-    return found
-
-
-def first_tensor(args) -> torch.Tensor | None:
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return a
-    return None
-
-
-def in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class Capture:
@@ -273,6 +246,7 @@ class Capture:
                     "take batch-first inputs (no sequence-first, flattened or unbatched inputs)."
                 )
             acts = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+            source = gradient_source(output, args)
             use = Use(
                 module,
                 plan.name,
@@ -280,10 +254,11 @@ class Capture:
                 acts,
                 versions if versions is not None else now,
                 output,
-                torch.autograd.graph.get_gradient_edge(output),
+                torch.autograd.graph.get_gradient_edge(source),
+                view_of=None if source is output else output.shape,
                 batch_size=x.shape[0],
             )
-            output.register_hook(self._grad_catcher(use))
+            source.register_hook(self._grad_catcher(use))
             rec.step.uses.append(use)
             return expanded  # None (output unchanged) unless expanded
 
@@ -328,7 +303,8 @@ class Capture:
             rec, u = rec_ref(), use_ref()
             if rec is None or u is None or rec.by_edges:
                 return  # step already dropped, or hooks.backward collects it from its edge
-            u.grad = grad.detach() if u.grad is None else u.grad + grad.detach()
+            grad = grad.detach() if u.view_of is None else grad.detach().view(u.view_of)
+            u.grad = grad if u.grad is None else u.grad + grad
             rec.step.backward_done = True
 
         return catch

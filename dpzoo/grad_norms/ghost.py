@@ -120,6 +120,7 @@ def ghost_differentiate(rec: Recorder, plan: ModelPlan, roots: list, grads: list
         rec.by_edges = False
     for use, g in zip(uses, got[:n_edges]):
         if g is not None:
-            use.grad = g.detach() if use.grad is None else use.grad + g.detach()
+            g = g.detach() if use.view_of is None else g.detach().view(use.view_of)
+            use.grad = g if use.grad is None else use.grad + g
     rec.step.backward_done = True
     compare_uses(rec.step, plan.params)
