@@ -30,6 +30,7 @@ from .errors import (
     UnknownModelError,
     UnsupportedBatchError,
     UnsupportedModuleError,
+    UntestedVersionWarning,
 )
 from .registry import ModelCard, is_model, list_models, model_card, register_model, unregister_model
 
@@ -44,6 +45,10 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names __getattr__ imports o
     from .surgery import check_dp_ready, find_inplace_ops, find_tied_parameters, make_dp_ready
 
 __version__ = "0.1.0"
+
+from .versions import warn_if_untested  # noqa: E402
+
+warn_if_untested()  # once, on import: torch / transformers outside the range the exactness suites ran on
 
 # name -> (module, attribute; None: the module itself), imported when first used
 _LAZY: dict[str, tuple[str, str | None]] = {
@@ -131,4 +136,5 @@ __all__ = [
     "UnsupportedBatchError",
     "NoGradientWarning",
     "ReproducibleNoiseWarning",
+    "UntestedVersionWarning",
 ]

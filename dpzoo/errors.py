@@ -80,6 +80,12 @@ class PrivacyUsageError(DPZooError, ValueError):
     the model, samples mixed or counted twice), or an invalid argument of it."""
 
 
+class UntestedVersionWarning(UserWarning):
+    """torch or transformers is outside the range dpzoo's exactness suites were run on
+    (``dpzoo.versions.TESTED``): dpzoo relies on their autograd and module internals, so the
+    first-step self-check is then the only evidence that per-sample gradients are exact."""
+
+
 class ReproducibleNoiseWarning(UserWarning):
     """Noise or Poisson sampling was seeded by the user: anyone holding the seed can subtract the
     noise, so the guarantee holds only against those who do not."""
