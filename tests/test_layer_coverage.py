@@ -250,17 +250,30 @@ def test_opt_layer_is_not_swapped_when_the_installed_forward_computes_something_
         out = installed(self, hidden_states, *args, **kwargs)
         return out * 1.001 if change == "scaled-output" else (out,)
 
-    monkeypatch.setattr(OPTDecoderLayer, "forward", changed)
-    hf_blocks.probe_mismatch.cache_clear()
-    try:
-        model = dpzoo.make_dp_ready(_opt_causal_lm())
-        assert model.dpzoo_patch_report.layers_replaced == {}
-        why = model.dpzoo_patch_report.not_patched["model.decoder.layers.0"]
-        assert "does not compute what the installed transformers' OPTDecoderLayer.forward computes" in why
-        assert type(model.model.decoder.layers[0]) is OPTDecoderLayer
-        assert {p.kind for p in find_problems(model)} == {"flattened-tokens"}
-    finally:
-        hf_blocks.probe_mismatch.cache_clear()
+    assert hf_blocks.mirrors_installed(OPTDecoderLayer)  # probed (and remembered) before the patch
+    monkeypatch.setattr(OPTDecoderLayer, "forward", changed)  # patched later: probed again
+    model = dpzoo.make_dp_ready(_opt_causal_lm())
+    assert model.dpzoo_patch_report.layers_replaced == {}
+    why = model.dpzoo_patch_report.not_patched["model.decoder.layers.0"]
+    assert "does not compute what the installed transformers' OPTDecoderLayer.forward computes" in why
+    assert type(model.model.decoder.layers[0]) is OPTDecoderLayer
+    assert {p.kind for p in find_problems(model)} == {"flattened-tokens"}
+
+
+def test_opt_probe_leaves_the_global_rng_alone_and_ignores_the_default_device():
+    from transformers.models.opt.modeling_opt import OPTDecoderLayer
+
+    from dpzoo.nn import hf_blocks
+
+    hf_blocks.PROBED.clear()
+    torch.manual_seed(123)
+    assert hf_blocks.probe_mismatch(OPTDecoderLayer) is None  # a fresh probe
+    after_probe = torch.rand(1)
+    torch.manual_seed(123)
+    assert torch.equal(after_probe, torch.rand(1))
+    hf_blocks.PROBED.clear()
+    with torch.device("meta"):  # a default device the probe cannot compute on
+        assert hf_blocks.probe_mismatch(OPTDecoderLayer) is None
 
 
 def test_opt_positions_rule_follows_the_override_check():

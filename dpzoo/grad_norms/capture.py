@@ -28,7 +28,7 @@ from torch import nn
 from ..errors import UnsupportedModuleError
 from .plan import ModelPlan, ModulePlan
 from .sharded import is_dtensor, note_alias, stands_in
-from .tensors import first_tensor, gradient_source, in_backward, output_tensors
+from .tensors import first_tensor, gradient_source, hooks_ahead, in_backward, output_tensors
 
 __all__ = ["Use", "Step", "Recorder", "Capture", "output_tensors", "first_tensor", "in_backward"]
 
@@ -110,6 +110,7 @@ class Capture:
     ):
         self.model, self.plan, self.rec, self.wrap = model, plan, rec, wrap
         self.bw_modules: list[nn.Module] = []
+        self.first_hooks: dict[int, int] = {}  # id(layer) -> the handle id of dpzoo's forward hook on it
         self.on_alias = on_alias  # (planned parameter, its stand-in) the first time one is seen
         self.seen_aliases: set[int] = set()
 
@@ -130,6 +131,7 @@ class Capture:
                 # first among the layer's forward hooks: it must see the layer's own output, before
                 # any user hook edits it (the edit is then part of the graph behind it)
                 handles.append(m.register_forward_hook(self._forward_hook(plan), with_kwargs=True, prepend=True))
+                self.first_hooks[id(m)] = handles[-1].id
             else:  # activation-free: no forward hook on the layer, nothing stored (the root's
                 # pre-hook marks a new step, so several backward passes in one step add up)
                 if plan.rule.grad_from is not None:  # the gradient at a submodule's input
@@ -247,6 +249,14 @@ class Capture:
                 )
             acts = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
             source = gradient_source(output, args)
+            ahead = hooks_ahead(module, self.first_hooks.get(id(module)))
+            if ahead:  # they may have edited the output in place: its gradient would be the edited value's
+                raise UnsupportedModuleError(
+                    f"Forward hook(s) {', '.join(ahead)} run on {plan.name} ({type(module).__name__}) before "
+                    "dpzoo's (a global hook, or one registered with prepend=True after dpzoo attached): an edit "
+                    "they make to the output would hide the layer's own output from dpzoo. Register them "
+                    "without prepend=True, or on the module's parent."
+                )
             use = Use(
                 module,
                 plan.name,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["output_tensors", "first_tensor", "gradient_source", "in_backward"]
+__all__ = ["output_tensors", "first_tensor", "gradient_source", "hooks_ahead", "in_backward"]
 
 
 def output_tensors(output, grad_only: bool = True) -> list[torch.Tensor]:
@@ -56,3 +56,21 @@ def gradient_source(output: torch.Tensor, inputs: tuple) -> torch.Tensor:
     ):
         return output
     return base
+
+
+def hooks_ahead(module: torch.nn.Module, first: int | None) -> list[str]:
+    """The forward hooks torch runs on ``module`` before dpzoo's (whose handle id is ``first``):
+    global forward hooks other than torch's own bookkeeping (``torch.distributed._tools``' module
+    tracker, used by FlopCounterMode), then module hooks registered ahead of it with prepend=True."""
+    from torch.nn.modules import module as torch_module
+
+    ahead = [
+        getattr(h, "__qualname__", repr(h))
+        for h in torch_module._global_forward_hooks.values()
+        if not getattr(h, "__module__", "").startswith("torch.")
+    ]
+    for key, h in module._forward_hooks.items():
+        if key == first:
+            break
+        ahead.append(getattr(h, "__qualname__", repr(h)))
+    return ahead

@@ -18,8 +18,6 @@ the engine then refuses the model (``"flattened-tokens"``) instead of training i
 
 from __future__ import annotations
 
-from functools import cache
-
 import torch
 import torch.nn.functional as F
 from transformers.models.opt.modeling_opt import OPTDecoderLayer
@@ -51,12 +49,27 @@ def _probe_layer(layer_norm_before: bool) -> OPTDecoderLayer:
     return layer
 
 
-@cache
+PROBED: dict[type, tuple] = {}  # class -> (the forward probed, the verdict); clear() to probe again
+
+
 def probe_mismatch(cls: type[torch.nn.Module]) -> str | None:
     """Why dpzoo's batch-first copy of ``cls`` does not compute what the installed ``cls.forward``
-    computes on the float64 probes (checked once per process), or None when it does."""
+    computes on the float64 probes, or None when it does. Probed once per forward function (a
+    forward patched later is probed again), on the CPU, with torch's global RNG left as it was."""
     if cls is not OPTDecoderLayer:
         return f"no probe for {cls.__name__}"
+    seen = PROBED.get(cls)
+    if seen is None or seen[0] is not cls.forward:
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+            try:
+                verdict = _probe(cls)
+            except Exception as e:  # a changed signature or return type, or an unusable default device
+                verdict = f"the probe failed: {type(e).__name__}: {e}"
+        seen = PROBED[cls] = (cls.forward, verdict)
+    return seen[1]
+
+
+def _probe(cls: type[torch.nn.Module]) -> str | None:
     gen = torch.Generator().manual_seed(1)
     shape = (_PROBE["batch"], _PROBE["length"], _PROBE["width"])
     for before in (True, False):
@@ -65,12 +78,9 @@ def probe_mismatch(cls: type[torch.nn.Module]) -> str | None:
         mask = torch.zeros(shape[0], 1, shape[1], shape[1], dtype=torch.float64)
         mask[1, :, :, 0] = torch.finfo(torch.float64).min  # one masked key: the mask reaches attention
         pos = torch.arange(shape[1]).expand(shape[0], -1)
-        try:
-            with torch.no_grad():
-                want = cls.forward(layer, x, attention_mask=mask, position_ids=pos, use_cache=False)
-                got = DPOPTDecoderLayer.forward(layer, x, attention_mask=mask, position_ids=pos, use_cache=False)
-        except Exception as e:  # a changed signature or return type
-            return f"the probe failed: {type(e).__name__}: {e}"
+        with torch.no_grad():
+            want = cls.forward(layer, x, attention_mask=mask, position_ids=pos, use_cache=False)
+            got = DPOPTDecoderLayer.forward(layer, x, attention_mask=mask, position_ids=pos, use_cache=False)
         if not isinstance(want, torch.Tensor) or want.shape != got.shape:
             return f"the installed forward returns {type(want).__name__}, not a (B, T, d) tensor"
         err = (want - got).abs().max().item()
