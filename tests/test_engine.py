@@ -9,11 +9,12 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from grad_reference import assert_close, per_sample_grads
+from dp_reference import dp_sgd_update
+from grad_reference import assert_close
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpzoo
-from dpzoo.privacy import Accountant, PoissonBatchSampler, clip_factors
+from dpzoo.privacy import Accountant, PoissonBatchSampler
 
 R = 0.7
 SIGMA = 0.9
@@ -47,23 +48,15 @@ def _private_sgd(model, ds, batch_size=4):
 
 
 def _expected_update(model, x, y, trainable, clipping, reduction, expected_b, lr):
+    """The DP-SGD update by brute force, clip weights in closed form (tests/dp_reference.py)."""
+
     def loss_fn(m, x, y):
         return F.cross_entropy(m(x), y, reduction="sum")
 
-    grads = per_sample_grads(model, loss_fn, {"x": x, "y": y}, x.shape[0])
-    names = [n for n in trainable]
-    norms = torch.stack([torch.sqrt(sum(g[n].pow(2).sum() for n in names)) for g in grads])
-    c = clip_factors(norms, R, clipping)
-    gen = torch.Generator().manual_seed(SEED)
-    out = {}
-    for n in names:  # the engine draws noise per trainable parameter, in named_parameters order
-        p = dict(model.named_parameters())[n]
-        noise = torch.normal(0.0, SIGMA * R, size=p.shape, generator=gen, dtype=p.dtype)
-        g = sum(c[i] * grads[i][n] for i in range(len(grads))) + noise
-        if reduction == "mean":
-            g = g / expected_b
-        out[n] = -lr * g
-    return out
+    expected = expected_b if reduction == "mean" else None
+    return dp_sgd_update(
+        model, loss_fn, {"x": x, "y": y}, x.shape[0], R, SIGMA, SEED, clipping, expected, lr, trainable
+    )
 
 
 @pytest.mark.parametrize("clipping", ["abadi", "automatic"])

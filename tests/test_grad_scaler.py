@@ -16,6 +16,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from dp_reference import clip_weights
 from grad_reference import assert_close
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -100,14 +101,15 @@ def test_a_power_of_two_scale_divides_out_exactly(case, mode):
 
 
 def _unannounced(case, mode):
-    """One step whose loss was multiplied by 8 without telling the optimizer."""
+    """One step whose loss was multiplied by 2⁻¹² without telling the optimizer (a factor that
+    brings samples under R: Abadi clipping of samples all above R is invariant to any factor)."""
     model, ds, loss = (mlp(), mlp_data(), mlp_loss) if case == "mlp" else (None, None, None)
     if model is None:
         model = tiny_lm()
         vocab = model.config.vocab_size
         ds, loss = TensorDataset(torch.randint(0, vocab, (40, 12), generator=torch.Generator().manual_seed(4))), lm_loss
     _, model, opt, loader = make_private(model, ds, mode=mode, reduction="mean")
-    (8.0 * loss(model, *next(iter(loader)), reduction="mean")).backward()
+    (2.0**-12 * loss(model, *next(iter(loader)), reduction="mean")).backward()
     opt.step()
     return [p.detach().clone() for p in model.parameters()]
 
@@ -119,7 +121,7 @@ def expected_update(model64, x, y, keep, noise_params):
         torch.autograd.grad(mlp_loss(model64, x[i : i + 1].double(), y[i : i + 1]), model64.parameters()) for i in keep
     ]
     norms = torch.stack([torch.sqrt(sum(t.pow(2).sum() for t in gi)) for gi in grads])
-    c = (R / (norms + 1e-6)).clamp(max=1.0)
+    c = clip_weights(norms, R, "abadi")
     gen = torch.Generator().manual_seed(5)
     noise = [torch.normal(0.0, SIGMA * R, size=p.shape, generator=gen) for p in noise_params]
     return [-LR * (sum(c[j] * grads[j][k] for j in range(len(keep))).float() + noise[k]) for k in range(len(noise))]

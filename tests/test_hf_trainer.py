@@ -221,10 +221,12 @@ def _cls_loss(model, seq, label):
     return F.cross_entropy(model(input_ids=seq[None]).logits, label[None])
 
 
+@pytest.mark.parametrize("clipping", ["abadi", "automatic"])
 @pytest.mark.parametrize("task", ["causal-lm", "classification"])
-def test_one_step_is_a_hand_computed_dp_sgd_step(tmp_path, task):
-    """θ' = θ − lr · (Σ_i clip_R(∇ℓ_i) + N(0, σ²R²)) / (qN): per-sample gradients by one backward
-    per sample on the unpadded sequence, Abadi clipping, the same noise (seeded), SGD."""
+def test_one_step_is_a_hand_computed_dp_sgd_step(tmp_path, task, clipping):
+    """θ' = θ − lr · (Σ_i C_i ∇ℓ_i + N(0, σ²R²)) / (qN): per-sample gradients by one backward
+    per sample on the unpadded sequence, C_i in closed form (Abadi min(1, R/‖g‖), automatic
+    R/(‖g‖ + 0.01)), the same noise (seeded), SGD."""
     model = tiny_gpt2(seed=2) if task == "causal-lm" else tiny_bert(seed=2)
     data = TextSet(16, seed=4, classes=None if task == "causal-lm" else 3)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -251,6 +253,7 @@ def test_one_step_is_a_hand_computed_dp_sgd_step(tmp_path, task):
         max_physical_batch_size=3,
         noise_seed=7,
         sample_seed=1,
+        clipping=clipping,
     )
     trainer = sgd_trainer(model, args, data, privacy)
     trainer.train()
@@ -265,7 +268,8 @@ def test_one_step_is_a_hand_computed_dp_sgd_step(tmp_path, task):
     for hook_name, p in engine.hooks.trainable_parameters.items():
         name = names[id(p)]
         noise = torch.normal(0.0, sigma * clip, size=p.shape, generator=gen, dtype=p.dtype)
-        clipped = sum(grads[i][name] * min(1.0, clip / float(norms[i])) for i in batch)
+        weight = {"abadi": lambda n: min(1.0, clip / n), "automatic": lambda n: clip / (n + 0.01)}[clipping]
+        clipped = sum(grads[i][name] * weight(float(norms[i])) for i in batch)
         want = theta[name] - lr * (clipped + noise) / expected_batch
         torch.testing.assert_close(p.detach(), want, rtol=1e-4, atol=1e-6, msg=hook_name)
 

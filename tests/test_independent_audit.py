@@ -18,20 +18,21 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import socket
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from dp_reference import dp_sgd_update, total_norms
 from grad_reference import per_sample_grads
 from torch import nn
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import dpzoo
-from dpzoo.errors import DPZooError, ReproducibleNoiseWarning
-from dpzoo.privacy import clip_factors
+from dpzoo.errors import DPZooError, PrivacyUsageError, ReproducibleNoiseWarning, UnsupportedModuleError
 
 # Known limits, kept here as strict xfails so they flip to failures the day they are fixed (then
 # drop the mark). dpzoo's hooks see the model, not the loss or the collate: a loss or a batch
@@ -114,20 +115,9 @@ def _private(model, data, batch_size=None, opt=None, lr=1.0, collate_fn=None, nu
 
 def _dp_reference(model, loss_i, inputs, batch, R, sigma, seed, expected=None, lr=1.0):
     """DP-SGD's update by brute force: per-sample gradients from single-sample backward passes,
-    Abadi clipping, noise drawn per trainable parameter in order from a generator seeded `seed`."""
-    grads = per_sample_grads(model, loss_i, inputs, batch)
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    norms = torch.stack([torch.sqrt(sum(g[n].pow(2).sum() for n in names)) for g in grads])
-    c = clip_factors(norms, R, "abadi")
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for n in names:
-        p = dict(model.named_parameters())[n]
-        g = sum(c[i] * grads[i][n] for i in range(batch)) + torch.normal(
-            0.0, sigma * R, size=p.shape, generator=gen, dtype=p.dtype
-        )
-        out[n] = -lr * (g / expected if expected else g)
-    return out
+    Abadi clipping in closed form, noise drawn per trainable parameter in order from a generator
+    seeded `seed` (tests/dp_reference.py)."""
+    return dp_sgd_update(model, loss_i, inputs, batch, R, sigma, seed, "abadi", expected, lr)
 
 
 def _assert_update(model, before, expected, rtol=1e-6):
@@ -164,19 +154,26 @@ def _released_sum(make_model, items, loss_fn, R, reduction="sum", collate_fn=Non
     return torch.cat([((b - p.detach()) * scale).flatten() for p, b in zip(model.parameters(), before)])
 
 
-def _sensitivity(make_model, items, loss_fn, R, reduction="sum", collate_fn=None):
-    """max over samples j of ‖S(D) − S(D \\ {j})‖, or None when dpzoo refuses the use."""
-    try:
-        full = _released_sum(make_model, items, loss_fn, R, reduction, collate_fn)
-    except DPZooError:
+def _sensitivity(make_model, items, loss_fn, R, reduction="sum", collate_fn=None, refusal=None):
+    """max over samples j of ‖S(D) − S(D \\ {j})‖, or None when dpzoo refuses the use with an
+    error matching ``refusal`` (class, regex); any other error fails the test."""
+
+    def released(subset):
+        try:
+            return _released_sum(make_model, subset, loss_fn, R, reduction, collate_fn)
+        except DPZooError as e:
+            if refusal is None or not isinstance(e, refusal[0]) or not re.search(refusal[1], str(e)):
+                raise
+            return None
+
+    full = released(items)
+    if full is None:
         return None
     worst = 0.0
     for j in range(len(items)):
-        try:
-            sub = _released_sum(make_model, items[:j] + items[j + 1 :], loss_fn, R, reduction, collate_fn)
-        except DPZooError:
-            continue
-        worst = max(worst, (full - sub).norm().item())
+        sub = released(items[:j] + items[j + 1 :])
+        if sub is not None:
+            worst = max(worst, (full - sub).norm().item())
     return worst
 
 
@@ -186,6 +183,7 @@ def _assert_sensitivity_at_most_R(make_model, items, loss_fn, R, **kw):
         f"dpzoo released a clipped sum whose add/remove sensitivity is {s:.3f} = {s / R:.2f} R, yet accounts "
         f"it as R = {R} (false ε), and did not refuse"
     )
+    return s
 
 
 # =============================================================================================
@@ -234,9 +232,15 @@ def _xy_items(n=8, seed=3, scale=1.0, labels=None):
 
 
 def test_mean_loss_of_independent_samples_has_sensitivity_R():
-    """Control: the ordinary per-sample-separable loss (mean CE, loss_reduction="mean") is within R."""
-    items = _xy_items(8, labels=torch.tensor([0, 0, 2, 0, 2, 0, 0, 1]), scale=0.3)
-    _assert_sensitivity_at_most_R(_mlp, items, lambda m, b: F.cross_entropy(m(b[0]), b[1]), 5.0, reduction="mean")
+    """Control: the ordinary per-sample-separable loss (mean CE, loss_reduction="mean") is within R,
+    and reaches R: the clip binds (per-sample norms above R), so this probe can fail."""
+    items = _xy_items(8, labels=torch.tensor([0, 0, 2, 0, 2, 0, 0, 1]), scale=3.0)
+    x, y = torch.stack([i[0] for i in items]), torch.stack([i[1] for i in items])
+    grads = per_sample_grads(_mlp(), lambda m, x, y: F.cross_entropy(m(x), y, reduction="sum"), {"x": x, "y": y}, 8)
+    R = 0.5
+    assert total_norms(grads, list(grads[0])).max() > 2 * R
+    s = _assert_sensitivity_at_most_R(_mlp, items, lambda m, b: F.cross_entropy(m(b[0]), b[1]), R, reduction="mean")
+    assert s == pytest.approx(R, rel=1e-9)  # a clipped sample moves the sum by exactly R
 
 
 @pytest.mark.parametrize("declared, used", [("mean", "sum"), ("sum", "mean")])
@@ -491,7 +495,7 @@ def test_batchnorm_without_running_stats_made_private_in_eval_then_trained_is_re
     )
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(6, 2, 4, 4, generator=g, dtype=F64), torch.randint(0, 3, (6,), generator=g))
-    with pytest.raises(DPZooError):
+    with pytest.raises(UnsupportedModuleError, match=r"BatchNorm module\(s\) 1 use batch statistics"):
         engine, model, opt, loader = _private(model, data)
         model.train()
         x, y = next(iter(loader))
@@ -540,7 +544,7 @@ def test_weight_tied_after_make_private_is_refused():
     model = Sq().double()
     engine, model, opt, loader = _private(model, _ds(), sample_seed=0)
     model.b.weight = model.a.weight
-    with pytest.raises(DPZooError):
+    with pytest.raises(PrivacyUsageError, match=r"Parameter\(s\) b\.weight are not in the model during this forward"):
         x, y = next(iter(loader))
         F.cross_entropy(model(x), y).backward()
         opt.step()
@@ -1064,7 +1068,7 @@ def test_switch_mode_between_forward_and_backward():
     engine, model, opt, loader = _private(_mlp(), _ds(n=20), batch_size=5, sample_seed=0)
     x, y = next(iter(loader))
     out = model(x)
-    with pytest.raises(DPZooError):
+    with pytest.raises(PrivacyUsageError, match="switch_mode in the middle of a logical step"):
         engine.switch_mode("instantiate")
         F.cross_entropy(out, y).backward()
         opt.step()

@@ -14,6 +14,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from dp_reference import clip_weights
 from grad_reference import assert_close, reference, zoo_model_and_inputs
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -121,7 +122,7 @@ def test_a_dp_step_under_bf16_autocast_is_the_dp_sgd_formula():
         for i in range(len(y))
     ]
     norms = torch.stack([torch.sqrt(sum(t.pow(2).sum() for t in gi)) for gi in grads])
-    c = (r / (norms + 1e-6)).clamp(max=1.0)
+    c = clip_weights(norms, r, "abadi")
     gen = torch.Generator().manual_seed(5)
     params = list(model.parameters())
     noise = [torch.normal(0.0, sigma * r, size=p.shape, generator=gen) for p in params]

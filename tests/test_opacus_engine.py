@@ -58,7 +58,7 @@ def _expected(model, x, y, crit, fwd):
     grads = per_sample_grads(model, loss_fn, {"x": x, "y": y}, x.shape[0])
     names = list(grads[0])
     norms = torch.stack([torch.sqrt(sum(g[n].pow(2).sum() for n in names)) for g in grads])
-    factor = (C / (norms + 1e-6)).clamp(max=1.0)
+    factor = (C / (norms + 1e-6)).clamp(max=1.0)  # Opacus' own factor: this compares with its engine
     return {n: sum(factor[i] * grads[i][n] for i in range(len(grads))) / len(grads) for n in names}
 
 

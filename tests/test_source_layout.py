@@ -178,3 +178,43 @@ def test_lazy_public_names_stay_functions_after_their_submodules_are_imported():
         "assert not isinstance(dpzoo.summary, types.ModuleType)\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# the brute-force references of the DP step: they may use dpzoo's models and norm hooks for their own
+# checks, but never the clipping, noise or accounting code they exist to check
+REFERENCES = ("tests/dp_reference.py", "tests/grad_reference.py")
+CHECKED_CODE = ("dpzoo.privacy",)
+CHECKED_NAMES = {"clip_factors", "AUTOMATIC_GAMMA", "CLIPPING", "noised_all_reduce", "secret_generator", "Accountant"}
+
+
+def _imports(path: pathlib.Path) -> list[tuple[str, str]]:
+    """(module, name) of every import in a file; name "" for ``import module``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, "") for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            out += [(node.module or "", a.name) for a in node.names]
+    return out
+
+
+@pytest.mark.parametrize("path", REFERENCES)
+def test_brute_force_references_share_no_privacy_code_with_dpzoo(path):
+    bad = [
+        f"{m}.{n}" if n else m
+        for m, n in _imports(ROOT / path)
+        if m.startswith(CHECKED_CODE) or (m.startswith("dpzoo") and n in CHECKED_NAMES)
+    ]
+    assert bad == [], f"{path} imports dpzoo's own privacy code: {bad}"
+
+
+def test_no_test_takes_its_expected_clip_factors_from_dpzoo():
+    """Expected DP updates use tests/dp_reference.py's closed form (a test of dpzoo's clip_factors
+    itself would compare it with that closed form, not use it)."""
+    users = [_rel(p) for p in sorted((ROOT / "tests").glob("*.py")) if ("dpzoo.privacy", "clip_factors") in _imports(p)]
+    users += [
+        _rel(p)
+        for p in sorted((ROOT / "tests").glob("*.py"))
+        if ("dpzoo.privacy.clipping", "clip_factors") in _imports(p)
+    ]
+    assert users == []

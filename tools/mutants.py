@@ -1,0 +1,176 @@
+"""The mutation check: inject each privacy bug in turn and require the privacy tests to fail.
+
+A test suite that passes whatever the clip factor is cannot vouch for ε. This module is both
+
+- a pytest plugin (``-p mutants``): with ``DPZOO_MUTANT=<name>`` in the environment it patches
+  dpzoo at session start with that bug (:data:`MUTANTS`), and
+- the runner (``python tools/mutants.py``): for each mutant it runs the privacy subset
+  (:data:`SUBSET`) under the plugin with ``-x`` and requires it to fail; it prints which tests
+  killed each mutant and exits 1 naming every mutant that survived.
+
+``.ci/run`` runs it after the suite (a few minutes on 2 cores: a killed mutant stops at its first
+failing test).
+
+    python tools/mutants.py                       # every mutant
+    python tools/mutants.py --only no-clipping    # one
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# the tests that exist to catch these bugs: the DP step against closed-form brute force, the
+# privacy edges, sensitivity probes, noise statistics and accounting references
+SUBSET = [
+    "tests/test_engine.py",
+    "tests/test_privacy_edges.py",
+    "tests/test_dp_mechanism.py",
+    "tests/test_accounting.py",
+]
+# the plugin, stop at the first failure (a killed mutant), no cache, warnings not errors
+PYTEST_ARGS = ["-p", "mutants", "-x", "-q", "-p", "no:cacheprovider", "-W", "ignore"]
+
+
+def _wrap_clip(transform):
+    from dpzoo.privacy.optimizer import DPOptimizer
+
+    original = DPOptimizer.clip_factors
+
+    def clip_factors(self, norms):
+        return transform(self, original(self, norms))
+
+    DPOptimizer.clip_factors = clip_factors
+
+
+def no_clipping():
+    import torch
+
+    _wrap_clip(lambda self, c: torch.ones_like(c))
+
+
+def automatic_at_2r():
+    _wrap_clip(lambda self, c: 2 * c if self.clipping == "automatic" else c)
+
+
+def drop_a_sample():
+    def drop(self, c):
+        c = c.clone()
+        c[0] = 0.0  # the first sample of every micro-batch is left out of the sum
+        return c
+
+    _wrap_clip(drop)
+
+
+def _scale_noise(factor: float, secret: bool):
+    import dpzoo.privacy.optimizer as opt
+
+    original = opt.noised_all_reduce
+
+    def noised_all_reduce(p, summed, std, generator, *args, **kw):
+        if (generator is None) == secret:
+            std = std * factor
+        return original(p, summed, std, generator, *args, **kw)
+
+    opt.noised_all_reduce = noised_all_reduce
+
+
+def norms_2_percent_low():
+    from dpzoo.grad_norms.hooks import NormHooks
+
+    original = NormHooks.per_sample_norms
+    NormHooks.per_sample_norms = lambda self: 0.98 * original(self)
+
+
+def one_layer_left_out():
+    from dpzoo.grad_norms.hooks import NormHooks
+
+    original = NormHooks.per_param_sq_norms
+
+    def per_param_sq_norms(self):
+        sq = dict(original(self))
+        if len(sq) > 1:
+            sq.pop(next(iter(sq)))  # the first parameter's share of the norm is forgotten
+        return sq
+
+    NormHooks.per_param_sq_norms = per_param_sq_norms
+
+
+def accountant_half_q():
+    from dpzoo.privacy.accountant import Accountant
+
+    original = Accountant.step
+    Accountant.step = lambda self, sigma, q, steps=1: original(self, sigma, q / 2, steps)
+
+
+def accountant_last_entry_only():
+    import dpzoo.privacy.accountant as acc
+
+    original = acc._epsilon
+    acc._epsilon = lambda name, history, delta: original(name, history[-1:], delta)
+
+
+MUTANTS = {
+    "no-clipping": no_clipping,
+    "automatic-at-2R": automatic_at_2r,
+    "a-sample-dropped": drop_a_sample,
+    "seeded-noise-x2": lambda: _scale_noise(2.0, secret=False),
+    "seeded-noise-x0.5": lambda: _scale_noise(0.5, secret=False),
+    "secret-noise-x2": lambda: _scale_noise(2.0, secret=True),
+    "secret-noise-x0.5": lambda: _scale_noise(0.5, secret=True),
+    "norms-2%-low": norms_2_percent_low,
+    "one-layer-left-out": one_layer_left_out,
+    "accountant-q/2": accountant_half_q,
+    "accountant-last-entry-only": accountant_last_entry_only,
+}
+
+
+def pytest_configure(config):
+    """Plugin hook: install the mutant named by $DPZOO_MUTANT (none: no change)."""
+    name = os.environ.get("DPZOO_MUTANT")
+    if name:
+        MUTANTS[name]()
+
+
+def run(name: str) -> tuple[bool, str, float]:
+    """(killed, what killed it, seconds) for one mutant."""
+    path = os.pathsep.join([str(ROOT / "tools"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, DPZOO_MUTANT=name, PYTHONPATH=path)
+    cmd = [sys.executable, "-m", "pytest", *PYTEST_ARGS, *SUBSET]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    failed = [line.split()[1] for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
+    if proc.returncode == 1 and failed:
+        return True, failed[0], seconds
+    if proc.returncode == 0:
+        return False, "every test passed", seconds
+    why = f"pytest exited {proc.returncode}, not a test failure: {proc.stdout[-300:]}{proc.stderr[-300:]}"
+    return False, why, seconds
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="+", choices=list(MUTANTS), help="run these mutants only")
+    args = ap.parse_args(argv)
+    survived = []
+    for name in args.only or MUTANTS:
+        killed, why, seconds = run(name)
+        print(f"{'killed  ' if killed else 'SURVIVED'} {name:28s} {seconds:5.0f} s  {why}", flush=True)
+        if not killed:
+            survived.append(name)
+    if survived:
+        print(f"mutation check FAILED: {', '.join(survived)} survived the privacy tests ({' '.join(SUBSET)})")
+        return 1
+    print(f"mutation check passed: all {len(args.only or MUTANTS)} mutants killed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
