@@ -180,7 +180,7 @@ def save(
     ``privacy``: optional DP metadata (epsilon, delta, accountant, steps, sample_rate and
     optionally noise_multiplier, max_grad_norm, privacy_unit); it goes into the JSON and
     into the safetensors header. A model trained by dpzoo's engine fills it in itself; one Opacus
-    wrapped is unwrapped and needs ``privacy=dpzoo.integrations.opacus.privacy_metadata(engine, delta)``.
+    wrapped is unwrapped and needs ``privacy=dpzoo.integrations.opacus.privacy_metadata(engine, delta, data_loader=loader)``.
     """
     if (sharded := save_if_sharded(model, directory, save, privacy, overwrite)) is not None:
         return sharded  # FSDP2: every rank gathers, rank 0 writes (dpzoo.sharded_save)

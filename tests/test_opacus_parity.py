@@ -344,7 +344,7 @@ def test_save_of_an_opacus_trained_zoo_model_round_trips_with_opacus_epsilon(tmp
     engine, model, opt, loader = _opacus_train(zoo)
     assert type(model).__name__ == "GradSampleModule" and unwrap(model) is zoo
     eps = engine.get_epsilon(1e-5)
-    dpzoo.save(model, tmp_path / "m", privacy=privacy_metadata(engine, 1e-5, optimizer=opt))
+    dpzoo.save(model, tmp_path / "m", privacy=privacy_metadata(engine, 1e-5, optimizer=opt, data_loader=loader))
 
     meta = dpzoo.privacy_metadata(tmp_path / "m")
     assert meta["epsilon"] == eps > 0
@@ -379,14 +379,14 @@ def test_save_of_an_opacus_trained_zoo_model_round_trips_with_opacus_epsilon(tmp
 
 def test_saving_an_opacus_wrapped_model_without_privacy_is_refused(tmp_path):
     zoo = _zoo()
-    engine, model, opt, _ = _opacus_train(zoo, steps=0)
+    engine, model, opt, loader = _opacus_train(zoo, steps=0)
     with pytest.raises(SaveError, match="privacy_metadata"):
         dpzoo.save(model, tmp_path / "m")
     assert not (tmp_path / "m").exists()
     dpzoo.save(unwrap(model), tmp_path / "m")  # deliberately without metadata
     assert dpzoo.privacy_metadata(tmp_path / "m") is None
     with pytest.raises(SaveError, match="took no step"):
-        privacy_metadata(engine, 1e-5)
+        privacy_metadata(engine, 1e-5, data_loader=loader)
 
 
 def test_unwrap_ghost_and_non_opacus_models():
@@ -413,27 +413,60 @@ def _engine_with_history(accountant, *entries):
     return engine
 
 
+POISSON = opacus.data_loader.DPDataLoader.from_data_loader(DataLoader(TensorDataset(torch.zeros(10, 1)), batch_size=1))
+
+
+def test_privacy_metadata_refuses_a_run_without_poisson_sampling():
+    """Opacus' accountant reports the Poisson-subsampled ε whatever the loader did: with
+    poisson_sampling=False (fixed shuffled batches) that ε is false, so no record is made."""
+    zoo = _zoo()
+    engine = opacus.PrivacyEngine()
+    model, opt, loader = engine.make_private(
+        module=zoo,
+        optimizer=torch.optim.SGD(zoo.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(torch.randn(16, 3, 8, 8), torch.randint(0, 3, (16,))), batch_size=8),
+        noise_multiplier=1.3,
+        max_grad_norm=0.8,
+        poisson_sampling=False,
+    )
+    x, y = next(iter(loader))
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert engine.get_epsilon(1e-5) > 0  # Opacus reports an ε regardless
+    with pytest.raises(PrivacyUsageError, match="does not draw Poisson batches"):
+        privacy_metadata(engine, 1e-5, optimizer=opt, data_loader=loader)
+    with pytest.raises(PrivacyUsageError, match="needs data_loader="):
+        privacy_metadata(engine, 1e-5, optimizer=opt)
+    from opacus.utils.batch_memory_manager import BatchMemoryManager
+
+    with BatchMemoryManager(data_loader=POISSON, max_physical_batch_size=1, optimizer=opt) as split:
+        assert privacy_metadata(engine, 1e-5, data_loader=split)["steps"] == 1  # Poisson inside the splitter
+
+
 def test_privacy_metadata_reads_opacus_prv_and_a_noise_schedule():
     prv = _engine_with_history("prv", (1.0, 0.1, 5))
-    meta = privacy_metadata(prv, 1e-5)
+    meta = privacy_metadata(prv, 1e-5, data_loader=POISSON)
     assert meta["accountant"] == "prv" and meta["epsilon"] == prv.get_epsilon(1e-5) and meta["steps"] == 5
     scheduled = _engine_with_history("rdp", (1.0, 0.1, 3), (1.5, 0.1, 2))
-    meta = privacy_metadata(scheduled, 1e-5)
+    meta = privacy_metadata(scheduled, 1e-5, data_loader=POISSON)
     assert meta["steps"] == 5 and meta["sample_rate"] == 0.1 and meta["epsilon"] == scheduled.get_epsilon(1e-5)
     assert "noise_multiplier" not in meta  # no single σ: nothing that a later engine would compose wrongly
 
 
 def test_privacy_metadata_refuses_what_would_be_false():
     with pytest.raises(AccountingError, match="not an upper bound"):
-        privacy_metadata(_engine_with_history("gdp", (1.0, 0.1, 5)), 1e-5)
+        privacy_metadata(_engine_with_history("gdp", (1.0, 0.1, 5)), 1e-5, data_loader=POISSON)
     with pytest.raises(SaveError, match="2 sample rates"):
-        privacy_metadata(_engine_with_history("rdp", (1.0, 0.1, 3), (1.0, 0.2, 2)), 1e-5)
+        privacy_metadata(_engine_with_history("rdp", (1.0, 0.1, 3), (1.0, 0.2, 2)), 1e-5, data_loader=POISSON)
     for delta in (0, 1, -1e-5, None):
         with pytest.raises(AccountingError, match="delta must be in"):
-            privacy_metadata(_engine_with_history("rdp", (1.0, 0.1, 3)), delta)
+            privacy_metadata(_engine_with_history("rdp", (1.0, 0.1, 3)), delta, data_loader=POISSON)
     with pytest.raises(PrivacyUsageError, match="Opacus' PrivacyEngine"):
-        privacy_metadata(dpzoo.PrivacyEngine(), 1e-5)
+        privacy_metadata(dpzoo.PrivacyEngine(), 1e-5, data_loader=POISSON)
     with pytest.raises(PrivacyUsageError, match="Opacus DPOptimizer"):
         privacy_metadata(
-            _engine_with_history("rdp", (1.0, 0.1, 3)), 1e-5, optimizer=torch.optim.SGD([nn.Parameter(torch.zeros(1))])
+            _engine_with_history("rdp", (1.0, 0.1, 3)),
+            1e-5,
+            optimizer=torch.optim.SGD([nn.Parameter(torch.zeros(1))]),
+            data_loader=POISSON,
         )

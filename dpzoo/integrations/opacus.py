@@ -11,8 +11,11 @@ out of Opacus' wrapper, and the privacy that Opacus' accountant recorded for it.
 on after saving. :func:`privacy_metadata` reads only what Opacus records: ε from the engine's own
 accountant at the ``delta`` the user names (Opacus keeps no δ), the (σ, q, steps) history, and the
 clipping bound if the optimizer is given. It refuses what would make the saved claim false or
-unusable: Opacus' ``"gdp"`` accountant (an approximation, not an upper bound), a history with
-several sample rates (the metadata holds one), an engine that took no step. ``dpzoo.save`` refuses
+unusable: a run whose batches were not Poisson-sampled (Opacus' ``poisson_sampling=False``: its
+accountant still reports the Poisson-subsampled ε, which does not hold for fixed-size shuffled
+batches; told from the ``data_loader`` make_private returned, refused when none is given),
+Opacus' ``"gdp"`` accountant (an approximation, not an upper bound), a history with several
+sample rates (the metadata holds one), an engine that took no step. ``dpzoo.save`` refuses
 an Opacus-wrapped model without ``privacy=``, so a DP-trained model never silently loses its spend
 (a later dpzoo engine composes after it); ``dpzoo.save(unwrap(model), dir)`` saves it without.
 
@@ -75,7 +78,7 @@ def unwrap_for_save(model: nn.Module, privacy: Mapping[str, Any] | None) -> nn.M
     if inner is not model and privacy is None:
         raise SaveError(
             f"This model is wrapped by Opacus ({type(model).__name__}), so it was trained with DP: pass "
-            "privacy=dpzoo.integrations.opacus.privacy_metadata(opacus_engine, delta) to record its spend, or "
+            "privacy=dpzoo.integrations.opacus.privacy_metadata(opacus_engine, delta, data_loader=loader) to record its spend, or "
             "save dpzoo.integrations.opacus.unwrap(model) to save it without privacy metadata."
         )
     return inner
@@ -106,15 +109,32 @@ def _max_grad_norm(optimizer) -> float | None:
     return float(value)
 
 
-def privacy_metadata(opacus_engine, delta: float, *, optimizer=None) -> dict[str, Any]:
+def _poisson_loader(data_loader) -> bool:
+    """Whether ``data_loader`` draws Opacus' Poisson batches: a ``DPDataLoader``, or a loader whose
+    batch sampler is Opacus' uniform-with-replacement sampler (possibly inside ``BatchMemoryManager``'s
+    splitting sampler)."""
+    samplers = sys.modules.get("opacus.utils.uniform_sampler")
+    poisson = (
+        (samplers.UniformWithReplacementSampler, samplers.DistributedUniformWithReplacementSampler) if samplers else ()
+    )
+    sampler = getattr(data_loader, "batch_sampler", None)
+    for _ in range(3):  # BatchMemoryManager's BatchSplittingSampler keeps the original as .sampler
+        if poisson and isinstance(sampler, poisson):
+            return True
+        sampler = getattr(sampler, "sampler", None)
+    return False
+
+
+def privacy_metadata(opacus_engine, delta: float, *, optimizer=None, data_loader=None) -> dict[str, Any]:
     """The privacy metadata ``dpzoo.save(..., privacy=...)`` records for a model that
     ``opacus_engine`` (Opacus' ``PrivacyEngine``) trained: ε at ``delta`` from the engine's own
     accountant (what ``opacus_engine.get_epsilon(delta)`` returns), its accountant under dpzoo's
     name (``"opacus-rdp"``, ``"prv"``), the steps and the sample rate from its history, the noise
     multiplier if it was one throughout, and the clipping bound if ``optimizer`` (Opacus'
-    DPOptimizer) is given. Opacus' noise is secret only with ``secure_mode=True``; the
-    metadata's ``noise`` says which. Refused (see the module docstring) where the record would
-    be false."""
+    DPOptimizer) is given. ``data_loader``: the loader Opacus' ``make_private`` returned (or
+    ``BatchMemoryManager``'s), required: the ε Opacus reports holds only for Poisson batches. Opacus'
+    noise is secret only with ``secure_mode=True``; the metadata's ``noise`` says which. Refused
+    (see the module docstring) where the record would be false."""
     accountant = getattr(opacus_engine, "accountant", None)
     if not isinstance(accountant, _opacus_accountant_type()):
         raise PrivacyUsageError(
@@ -149,6 +169,17 @@ def privacy_metadata(opacus_engine, delta: float, *, optimizer=None) -> dict[str
         raise SaveError(
             f"The Opacus engine's history has {len(rates)} sample rates ({', '.join(f'{q:.4g}' for q in rates)}); "
             "dpzoo's metadata records one. Pass privacy={...} to dpzoo.save yourself, with the largest rate."
+        )
+    if data_loader is None:
+        raise PrivacyUsageError(
+            "privacy_metadata needs data_loader= (the loader Opacus' make_private returned): Opacus' ε holds only "
+            "for Poisson-sampled batches, and only the loader tells whether they were."
+        )
+    if not _poisson_loader(data_loader):
+        raise PrivacyUsageError(
+            f"The data loader ({type(data_loader).__name__}) does not draw Poisson batches (Opacus' "
+            "make_private(poisson_sampling=False), or another loader): Opacus' accountant reports the ε of "
+            "Poisson sampling, which does not hold for these batches. Train with poisson_sampling=True."
         )
     bound = _max_grad_norm(optimizer) if optimizer is not None else None  # checks it is Opacus' first
     sigmas = {s for s, _, _ in history}
