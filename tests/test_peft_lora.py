@@ -20,6 +20,7 @@ import dpzoo
 from dpzoo.errors import InvalidArgumentError, PrivacyUsageError, SaveError, UnsupportedModuleError
 from dpzoo.grad_norms import attach_norm_hooks
 from dpzoo.integrations.peft import (
+    declare_public_init,
     default_target_modules,
     dp_lora,
     is_peft_model,
@@ -486,3 +487,77 @@ def test_save_refuses_the_peft_wrapper_and_keeps_the_record_of_the_merged_model(
         assert_close(back(input_ids=ids).logits, trained, 1e-5, "logits")
     assert back.dpzoo_privacy["epsilon"] == pytest.approx(engine.get_epsilon(back.dpzoo_privacy["delta"]))
     assert back.dpzoo_privacy["steps"] == engine.steps == 3
+
+
+# -- data-driven initialisations (EVA, CorDA): a statistic of the data outside ε ---------------------
+
+
+def _eva_model():
+    """PEFT's documented EVA flow on a tiny GPT-2: LoraConfig(init_lora_weights="eva"), get_peft_model,
+    then initialize_lora_eva_weights on a loader of (here: the private) training data."""
+    torch.manual_seed(0)
+    model = dpzoo.load("gpt2", **dpzoo.model_card("gpt2").test_overrides)
+    config = peft.LoraConfig(
+        r=2,
+        target_modules=["c_attn"],
+        init_lora_weights="eva",
+        eva_config=peft.EvaConfig(rho=1.0),
+        task_type="CAUSAL_LM",
+    )
+    model = peft.get_peft_model(model, config)
+    ids = _lm_data(n=16).tensors[0]
+    loader = DataLoader(
+        [{"input_ids": ids[i], "attention_mask": torch.ones_like(ids[i])} for i in range(16)], batch_size=8
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        peft.initialize_lora_eva_weights(model, loader, show_progress_bar=False)
+    return model
+
+
+def _make_private(model):
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    return dpzoo.PrivacyEngine().make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(_lm_data(), batch_size=5),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        mode="lora",
+    )
+
+
+def test_eva_initialised_adapters_are_refused_unless_declared_public(tmp_path):
+    """EVA's lora_A is an SVD of the training activations: make_private refuses it, naming the fix;
+    declared public, it trains and the metadata carries the statement."""
+    model = _eva_model()
+    with pytest.raises(PrivacyUsageError, match=r"LoRA adapter 'default' has a data-driven initialisation \(eva"):
+        _make_private(model)
+    with pytest.raises(InvalidArgumentError, match="source="):
+        declare_public_init(model, "default")
+    declare_public_init(model, "default", source="WikiText-103 (public)")
+    engine = dpzoo.PrivacyEngine()
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=DataLoader(_lm_data(), batch_size=5),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        mode="lora",
+        target_delta=1e-5,
+    )
+    (ids,) = next(iter(loader))
+    _lm_loss(model, ids).backward()
+    opt.step()
+    assert "on public data: WikiText-103 (public)" in engine.privacy_metadata()["public_statistics"]
+
+
+@pytest.mark.parametrize("init", ["eva", "corda"])
+def test_dp_lora_refuses_data_driven_inits_without_public_data(init):
+    model = dpzoo.load("gpt2", **dpzoo.model_card("gpt2").test_overrides)
+    with pytest.raises(UnsupportedModuleError, match=rf"init_lora_weights='{init}' is refused.*public_init="):
+        dp_lora(model, r=2, init_lora_weights=init)
+    assert not is_peft_model(model)
+    with pytest.raises(InvalidArgumentError, match="public_init applies to a data-driven"):
+        dp_lora(model, r=2, public_init="some public corpus")

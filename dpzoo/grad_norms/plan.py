@@ -272,8 +272,9 @@ def _flattening(model: nn.Module, plans: list[ModulePlan]) -> list[Problem]:
 
 
 def _setup_problems(model: nn.Module) -> list[Problem]:
-    """What ``make_private`` refuses before attaching: lazy parameters, Embeddings with max_norm,
-    layers mixing samples or updating running statistics from the batch in train mode."""
+    """What ``make_private`` refuses before attaching: lazy parameters, LoRA adapters initialised
+    from data (EVA, CorDA) unless declared public, Embeddings with max_norm, layers mixing samples
+    or updating running statistics from the batch in train mode."""
     out = []
     for n, p in model.named_parameters():
         if isinstance(p, nn.parameter.UninitializedParameter):
@@ -288,6 +289,20 @@ def _setup_problems(model: nn.Module) -> list[Problem]:
                     (n,),
                 )
             )
+    from ..integrations.peft_layers import data_driven_inits  # imports nothing of peft unless loaded
+
+    for adapter, why in data_driven_inits(model).items():
+        out.append(
+            Problem(
+                adapter,
+                "data-driven-init",
+                f"LoRA adapter {adapter!r} has a data-driven initialisation ({why}): computed on the private data, "
+                "it releases a statistic of them outside ε. Initialise it without data (init_lora_weights=True), "
+                "or, if the data were public, say so: dpzoo.integrations.peft.declare_public_init(model, "
+                f"{adapter!r}, source='...').",
+                "setup",
+            )
+        )
     for n, m in model.named_modules():
         label = n or "<root>"
         if isinstance(m, nn.Embedding) and m.max_norm is not None:

@@ -33,7 +33,9 @@ from ..errors import InvalidArgumentError, UnsupportedModuleError
 from ..grad_norms.plan import plan_model
 from ..privacy.bitfit import default_head
 from .peft_layers import (
+    DATA_DRIVEN_INITS,
     REFUSED_OPTIONS,
+    declare_public_init,
     import_peft,
     inactive_parameters,
     is_peft_model,
@@ -56,6 +58,7 @@ __all__ = [
     "inactive_parameters",
     "train_head_patterns",
     "default_target_modules",
+    "declare_public_init",
 ]
 
 # base layers whose PEFT LoRA layer runs its adapters as plain nn.Linear / nn.Conv*d modules
@@ -120,6 +123,7 @@ def dp_lora(
     modules_to_save: Iterable[str] | str | None = "auto",
     task_type: str | None = "auto",
     adapter_name: str = "default",
+    public_init: str | None = None,
     **lora_kwargs: Any,
 ) -> nn.Module:
     """``peft.get_peft_model(model, LoraConfig(...))`` with defaults for dpzoo's zoo, checked to be
@@ -134,7 +138,10 @@ def dp_lora(
     ``SEQ_CLS`` / ``TOKEN_CLS`` from a Hugging Face class name. Other keywords go to ``LoraConfig``
     (``use_rslora``, ``init_lora_weights``, ``layers_to_transform``, ``exclude_modules``, ...).
     Refused: embeddings or other non-linear layers as targets, DoRA, trainable tokens, bare-parameter
-    targets (their adapters are used functionally; dpzoo would have to refuse them at attach).
+    targets (their adapters are used functionally; dpzoo would have to refuse them at attach), and
+    data-driven initialisations (``init_lora_weights="eva"`` or ``"corda"``: computed on the private
+    data they release a statistic of it outside ε) unless ``public_init`` names the public data they
+    are computed on (recorded in the privacy metadata, :func:`declare_public_init`).
     """
     peft = import_peft()
     if is_peft_model(model):
@@ -154,6 +161,18 @@ def dp_lora(
     for option, why in REFUSED_OPTIONS.items():
         if lora_kwargs.get(option):
             raise UnsupportedModuleError(f"dp_lora: {option} is refused: {why}, which dpzoo cannot clip per sample.")
+    init = lora_kwargs.get("init_lora_weights")
+    data_driven = isinstance(init, str) and init.lower() in DATA_DRIVEN_INITS
+    if data_driven and public_init is None:
+        raise UnsupportedModuleError(
+            f"dp_lora: init_lora_weights={init!r} is refused: {DATA_DRIVEN_INITS[init.lower()]}, a statistic of the "
+            "private data released outside ε. Use the default initialisation, or pass public_init='<the public data "
+            "it is computed on>'."
+        )
+    if public_init is not None and not data_driven:
+        raise InvalidArgumentError(
+            "dp_lora: public_init applies to a data-driven init_lora_weights ('eva', 'corda') only."
+        )
     heads = default_head(model) if modules_to_save == "auto" else modules_to_save
     heads = [heads] if isinstance(heads, str) else list(heads or [])
     config = peft.LoraConfig(
@@ -177,4 +196,6 @@ def dp_lora(
         if id(p) in dead:
             p.requires_grad_(False)
     plan_model(wrapped)  # every trainable parameter has a per-sample rule, or the error names it
+    if public_init is not None:
+        declare_public_init(wrapped, adapter_name, public_init)
     return wrapped

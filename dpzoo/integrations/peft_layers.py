@@ -29,6 +29,10 @@ __all__ = [
     "train_head_patterns",
     "refuse_save",
     "REFUSED_OPTIONS",
+    "DATA_DRIVEN_INITS",
+    "data_driven_inits",
+    "declare_public_init",
+    "PUBLIC_INIT_ATTR",
 ]
 
 # LoraConfig options whose adapters are used outside a module dpzoo has a rule for
@@ -37,6 +41,13 @@ REFUSED_OPTIONS = {
     "trainable_token_indices": "PEFT's trainable tokens are a ParameterDict used functionally",
     "target_parameters": "LoRA on bare parameters (lora.ParamWrapper) uses the adapters functionally",
 }
+
+# LoRA initialisations computed from data: the adapters then hold a statistic of the data they saw
+DATA_DRIVEN_INITS = {
+    "eva": "EVA initialises lora_A with an SVD of the layers' input activations on a data loader",
+    "corda": "CorDA initialises the adapters from the covariance of the layers' inputs on a data loader",
+}
+PUBLIC_INIT_ATTR = "dpzoo_public_init"  # adapter name -> the user's statement that its init data are public
 
 
 def import_peft():
@@ -273,3 +284,47 @@ def refuse_save(model: nn.Module) -> None:
             "model.merge_and_unload() (the zoo model with the adapters merged in; it keeps the privacy record of "
             "the engine that trained it), or the adapters alone with model.save_pretrained(dir)."
         )
+
+
+def _peft_configs(model: nn.Module) -> dict:
+    """{adapter name: its PEFT config} of a PeftModel or tuner model ({} for anything else)."""
+    configs = getattr(model, "peft_config", None)
+    if isinstance(configs, dict):
+        return configs
+    base = getattr(model, "base_model", None)
+    return getattr(base, "peft_config", None) or {}
+
+
+def data_driven_inits(model: nn.Module) -> dict[str, str]:
+    """{adapter: why} for every LoRA adapter of ``model`` whose initialisation is computed from data
+    (EVA, CorDA), except those :func:`declare_public_init` declared computed on public data."""
+    if _loaded_peft() is None:
+        return {}
+    public = getattr(model, PUBLIC_INIT_ATTR, {})
+    out = {}
+    for name, config in _peft_configs(model).items():
+        init = getattr(config, "init_lora_weights", None)
+        if isinstance(init, str) and init.lower() in DATA_DRIVEN_INITS and name not in public:
+            out[name] = f"{init}: {DATA_DRIVEN_INITS[init.lower()]}"
+    return out
+
+
+def declare_public_init(model: nn.Module, adapter: str = "default", source: str = "") -> None:
+    """State that ``adapter``'s data-driven initialisation (EVA, CorDA) was computed on public data,
+    not on the private training set: dpzoo then trains it, and the privacy metadata records the
+    statement (``public_statistics``) as an assumption outside ε. ``source`` names the public data."""
+    if not isinstance(source, str) or not source.strip():
+        raise InvalidArgumentError(
+            "declare_public_init needs source='...': name the public data the initialisation was computed on "
+            "(it goes into the privacy metadata)."
+        )
+    configs = _peft_configs(model)
+    if adapter not in configs:
+        raise InvalidArgumentError(
+            f"declare_public_init: no adapter {adapter!r} (adapters: {', '.join(configs) or 'none'})."
+        )
+    public = dict(getattr(model, PUBLIC_INIT_ATTR, {}))
+    public[adapter] = (
+        f"LoRA adapter {adapter!r} initialised ({configs[adapter].init_lora_weights}) on public data: {source.strip()}"
+    )
+    object.__setattr__(model, PUBLIC_INIT_ATTR, public)  # a plain attribute, not a submodule

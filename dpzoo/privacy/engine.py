@@ -87,6 +87,7 @@ class PrivacyEngine(OpacusParity):
         self.hooks = None
         self.optimizer: DPOptimizer | None = None
         self.module: nn.Module | None = None
+        self.public_statistics: list[str] = []
         self.target_delta: float | None = None
         self.mode: str | None = None
         self.memory_budget: float | None = None
@@ -247,6 +248,8 @@ class PrivacyEngine(OpacusParity):
         model is left as it was (no hooks, its ``requires_grad`` flags restored)."""
         requires = {p: p.requires_grad for p in module.parameters()}
         self.module = module
+        # what the user declared computed on public data (outside ε), for the metadata
+        self.public_statistics = list(getattr(module, "dpzoo_public_init", {}).values())
         try:
             self._notify_noise()
             self._set_mode(mode, train_head)
@@ -374,6 +377,7 @@ class PrivacyEngine(OpacusParity):
             "self_check": check,
             # every (σ, q, steps) composed into ε, so a later run on the same data composes all of them
             "history": [list(h) for h in self.accountant.history],
+            **({"public_statistics": "; ".join(self.public_statistics)} if self.public_statistics else {}),
         }
 
     def state_dict(self) -> dict:
