@@ -560,3 +560,42 @@ def test_load_state_dict_with_another_mode_on_a_detached_engine_is_refused():
     engine.detach()
     with pytest.raises(PrivacyUsageError, match="detached"):
         engine.load_state_dict(state)
+
+
+# -- averaging the released iterates (EMA / SWA): post-processing, and a copy without dpzoo's hooks ----
+
+
+@pytest.mark.parametrize("kind", ["swa", "timm-ema"])
+def test_ema_and_swa_of_a_private_model_work_and_leave_the_engine_alone(kind):
+    """copy.deepcopy after make_private (AveragedModel, timm's ModelEmaV3) used to raise from deep in
+    the optimizer; the copy is now a plain model: same function, and its forward/backward with grad
+    enabled records nothing into the engine's step (training goes on, each step exact)."""
+    from torch.optim.swa_utils import AveragedModel
+
+    model, ds = _mlp(), _ds(n=12)
+    engine, model, opt, loader = _private(model, ds, batch_size=4, sample_seed=0)
+    if kind == "swa":
+        average = AveragedModel(model)
+    else:
+        from timm.utils import ModelEmaV3
+
+        average = ModelEmaV3(model, decay=0.5)
+    iterates = []
+    for x, y in loader:
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        iterates.append([p.detach().clone() for p in model.parameters()])
+        if kind == "swa":
+            average.update_parameters(model)
+        else:
+            average.update(model)
+        F.cross_entropy(average.module(x), y).backward()  # grad enabled on the copy
+    assert engine.steps == len(iterates) >= 2
+    x = torch.randn(3, 5, dtype=torch.float64)
+    if kind == "swa":  # the plain mean of the iterates
+        for k, p in enumerate(average.module.parameters()):
+            assert torch.allclose(p, torch.stack([it[k] for it in iterates]).mean(0))
+    bare = _mlp()  # the same function without any hook
+    bare.load_state_dict(average.module.state_dict())
+    assert torch.equal(average.module(x), bare(x))

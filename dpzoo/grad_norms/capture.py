@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModuleError
+from .copy_inert import CopyInert
 from .plan import ModelPlan, ModulePlan
 from .sharded import is_dtensor, note_alias, stands_in
 from .tensors import first_tensor, gradient_source, hooks_ahead, in_backward, output_tensors
@@ -120,33 +121,41 @@ class Capture:
         handles = self.rec.handles
         # Root hooks for every model (bias-only ones too): the batch size, and the outputs
         # from which parameter uses are counted when loss.backward() is used.
-        handles.append(self.model.register_forward_pre_hook(root_pre_hook or self.begin_forward, with_kwargs=True))
+        handles.append(
+            self.model.register_forward_pre_hook(CopyInert(root_pre_hook or self.begin_forward), with_kwargs=True)
+        )
         for plan in self.plan.modules:
             m = plan.module
             if plan.loose:
-                handles.append(m.register_forward_pre_hook(self._loose_pre_hook(plan)))
-                handles.append(m.register_forward_hook(self._loose_post_hook(plan), always_call=True))
+                handles.append(m.register_forward_pre_hook(CopyInert(self._loose_pre_hook(plan))))
+                handles.append(m.register_forward_hook(CopyInert(self._loose_post_hook(plan)), always_call=True))
             elif plan.needs_activations:
-                handles.append(m.register_forward_pre_hook(self._version_hook, with_kwargs=True))
+                handles.append(m.register_forward_pre_hook(CopyInert(self._version_hook), with_kwargs=True))
                 # first among the layer's forward hooks: it must see the layer's own output, before
                 # any user hook edits it (the edit is then part of the graph behind it)
-                handles.append(m.register_forward_hook(self._forward_hook(plan), with_kwargs=True, prepend=True))
+                handles.append(
+                    m.register_forward_hook(CopyInert(self._forward_hook(plan)), with_kwargs=True, prepend=True)
+                )
                 self.first_hooks[id(m)] = handles[-1].id
             else:  # activation-free: no forward hook on the layer, nothing stored (the root's
                 # pre-hook marks a new step, so several backward passes in one step add up)
                 if plan.rule.grad_from is not None:  # the gradient at a submodule's input
                     target = plan.rule.grad_from(m)
-                    handles.append(target.register_full_backward_hook(self._backward_hook(plan, use_grad_input=True)))
+                    handles.append(
+                        target.register_full_backward_hook(CopyInert(self._backward_hook(plan, use_grad_input=True)))
+                    )
                 else:  # the output gradient: a pre-hook needs no wrapping of the inputs (cheaper)
                     target = m
                     pre = self._backward_hook(plan)
-                    handles.append(m.register_full_backward_pre_hook(lambda mod, go, f=pre: f(mod, None, go)))
+                    handles.append(
+                        m.register_full_backward_pre_hook(CopyInert(lambda mod, go, f=pre: f(mod, None, go)))
+                    )
                 self.bw_modules.append(target)
                 if any(is_dtensor(t) for t in plan.tensors):  # FSDP2: note the unsharded stand-ins
-                    handles.append(m.register_forward_pre_hook(self._alias_pre_hook(plan)))
+                    handles.append(m.register_forward_pre_hook(CopyInert(self._alias_pre_hook(plan))))
         # The root's output hook last: when the root is itself a hooked layer (a bare nn.Linear),
         # the layer's hook must see the real output, not the one wrapped for ghost differentiation.
-        handles.append(self.model.register_forward_hook(self._root_post_hook))
+        handles.append(self.model.register_forward_hook(CopyInert(self._root_post_hook)))
 
     def unregister(self) -> None:
         """Undo what :meth:`register` left on the modules besides the handles."""

@@ -15,6 +15,7 @@ import torch
 
 from ..errors import DPZooError
 from ..grad_norms.autocast import no_autocast
+from ..grad_norms.copy_inert import CopyInert
 from .data import StepSignal
 from .guards import StateWatch, check_step_parameters, trainable_changed
 from .verify import self_check
@@ -56,8 +57,8 @@ class TrainingWatch:
             optimizer.capture_inputs = lambda: self._check_inputs
         signal.on_empty = self.noise_only_step
         self.handles = [
-            engine.module.register_forward_pre_hook(self.on_forward, with_kwargs=True, prepend=True),
-            engine.module.register_forward_hook(self.after_forward),
+            engine.module.register_forward_pre_hook(CopyInert(self.on_forward), with_kwargs=True, prepend=True),
+            engine.module.register_forward_hook(CopyInert(self.after_forward)),
         ]
 
     def remove(self) -> None:

@@ -1,0 +1,35 @@
+"""Hooks that a deep copy of the model does not carry.
+
+``copy.deepcopy(model)`` after ``make_private`` (an EMA or SWA of the released iterates:
+``torch.optim.swa_utils.AveragedModel``, timm's ``ModelEmaV3``) copies the module's hook
+dictionaries. dpzoo's hooks are bound to the engine's recorder and optimizer, so the copy either
+failed (deep-copying the optimizer) or would record into the live step. Each hook dpzoo registers
+is wrapped in :class:`CopyInert`, whose deep copy is a hook that does nothing: the copy is a plain
+model computing the same function, and averaging released iterates is post-processing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+__all__ = ["CopyInert", "inert"]
+
+
+def inert(*args: Any, **kwargs: Any) -> None:
+    """The hook a copied model gets: changes nothing."""
+    return None
+
+
+class CopyInert:
+    """``fn`` as a hook; ``copy.deepcopy`` of it (with its module) is :func:`inert`."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> Callable:
+        return inert
