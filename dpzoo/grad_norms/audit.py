@@ -34,13 +34,16 @@ def count_edges(step: Step, roots: list) -> None:
             "loss does not require grad: did the forward pass run under torch.no_grad()? Run it with grad enabled."
         )
     edges: dict[int, int] = step.edges if step.edges is not None else {}
-    walked: set = step.walked if step.walked is not None else set()
+    # id -> node: holding the node keeps its id from being reused by another node's Python wrapper,
+    # which torch frees when nothing refers to it (before 2.13 a new wrapper per access: a reused
+    # id made the walk stop early and miss parameter uses)
+    walked: dict = step.walked if step.walked is not None else {}
     stack = [r.grad_fn for r in roots]
     while stack:
         fn = stack.pop()
         if fn is None or id(fn) in walked:
             continue
-        walked.add(id(fn))
+        walked[id(fn)] = fn
         for nxt, _ in fn.next_functions:
             if nxt is None:
                 continue

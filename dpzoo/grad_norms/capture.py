@@ -64,7 +64,7 @@ class Step:
     root_ran: bool = False
     outputs: list = field(default_factory=list)  # the model's output tensors (for the use check)
     edges: dict | None = None  # parameter id -> direct uses in the graph (counted before backward)
-    walked: set | None = None  # ids of the graph nodes reachable from the loss
+    walked: dict | None = None  # id -> graph node reachable from the loss (held, so ids stay unique)
     graph_checked: bool = False
     stray: list = field(default_factory=list)  # ghost_backward: parameters that got a weight gradient
     unreached: list = field(default_factory=list)  # parameters no gradient reached this step (zeros)

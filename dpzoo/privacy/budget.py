@@ -4,12 +4,14 @@ a target ε over the epochs (``make_private``, ``DPOptimizer.load_state_dict``).
 
 from __future__ import annotations
 
+import os
+
 from torch import nn
 
 from ..errors import DPZooError, PrivacyUsageError
 from .accountant import Accountant, get_noise_multiplier
 
-__all__ = ["compute_sample_rate", "prior_spending", "calibrate", "restore_history"]
+__all__ = ["compute_sample_rate", "prior_spending", "recorded_origin", "calibrate", "restore_history"]
 
 
 def compute_sample_rate(batch_size: int, world: int, n: int) -> float:
@@ -24,13 +26,33 @@ def compute_sample_rate(batch_size: int, world: int, n: int) -> float:
     return q
 
 
+def recorded_origin(module: nn.Module) -> tuple[dict, str] | None:
+    """(privacy metadata, directory) of the dpzoo record in the directory ``module``'s weights were
+    loaded from by Hugging Face (``from_pretrained`` sets ``config._name_or_path``; a PEFT model's
+    base too), or None: a model reloaded outside dpzoo keeps what it spent."""
+    from ..integrations.trainer_save import read_privacy_metadata  # imports hub: not at module level
+
+    for m in module.modules():
+        path = getattr(getattr(m, "config", None), "_name_or_path", None)
+        if isinstance(path, str) and path and os.path.isdir(path):
+            meta = read_privacy_metadata(path)
+            if meta:
+                return meta, path
+    return None
+
+
 def prior_spending(module: nn.Module, earlier: list) -> list:
     """The (σ, q, steps) history a model already spent: ``earlier``, the history of an earlier
     engine on it, or else the privacy metadata of a model loaded with dpzoo.load (its whole
-    history when recorded, else its last σ, q and step count). [] for a model with no record."""
+    history when recorded, else its last σ, q and step count), or else the record in the directory
+    Hugging Face loaded it from (:func:`recorded_origin`). [] for a model with no record, and for
+    one whose ``dpzoo_privacy`` the user set to ``{}`` (new data disjoint from the earlier run's)."""
     if earlier:
         return [list(h) for h in earlier]
     meta = getattr(module, "dpzoo_privacy", None)
+    if meta is None:
+        found = recorded_origin(module)
+        meta = found[0] if found else None
     if not meta:
         return []
     if meta.get("history"):  # every release composed into the saved ε, not only the last (σ, q)
@@ -38,8 +60,8 @@ def prior_spending(module: nn.Module, earlier: list) -> list:
     if meta.get("noise_multiplier") is None or not meta.get("steps"):
         raise PrivacyUsageError(
             f"This model was trained with DP before (ε = {meta.get('epsilon')}) but its metadata lacks the noise "
-            "multiplier to compose with: pass accountant=Accountant(name, history) with the earlier steps, or "
-            "`del model.dpzoo_privacy` if the new data is disjoint from the data it was trained on."
+            "multiplier to compose with: pass accountant=Accountant(name, history) with the earlier steps, or set "
+            "model.dpzoo_privacy = {} if the new data is disjoint from the data it was trained on."
         )
     return [[float(meta["noise_multiplier"]), float(meta["sample_rate"]), int(meta["steps"])]]
 

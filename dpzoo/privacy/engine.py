@@ -248,8 +248,7 @@ class PrivacyEngine(OpacusParity):
         model is left as it was (no hooks, its ``requires_grad`` flags restored)."""
         requires = {p: p.requires_grad for p in module.parameters()}
         self.module = module
-        # what the user declared computed on public data (outside ε), for the metadata
-        self.public_statistics = list(getattr(module, "dpzoo_public_init", {}).values())
+        self.public_statistics = list(getattr(module, "dpzoo_public_init", {}).values())  # stated public
         try:
             self._notify_noise()
             self._set_mode(mode, train_head)
