@@ -28,6 +28,7 @@ PRIVACY_FIELDS = {
     "self_check": str,
     "history": list,  # the accountant's [σ, q, steps] entries, all composed into ε
     "public_statistics": str,  # what the run used from its data outside ε (the user's stated assumption)
+    "delta_note": str,  # δ ≥ 1/N accepted by the user (make_private(accept_large_delta=True))
 }
 _REQUIRED_PRIVACY = ("epsilon", "delta", "accountant", "steps", "sample_rate")
 # JSON has no infinity: an infinite ε (σ = 0, no guarantee) is written as this string and read

@@ -24,8 +24,8 @@ __all__ = ["TESTED", "installed", "untested", "warn_if_untested"]
 
 # package -> (lowest, newest) version the exactness suites passed on (docs/COMPATIBILITY.md)
 TESTED: dict[str, tuple[str, str]] = {
-    "torch": ("2.6.0", "2.14.1"),
-    "transformers": ("5.0.0", "5.24.0"),
+    "torch": ("2.11.0", "2.14.1"),
+    "transformers": ("5.4.0", "5.24.0"),
 }
 
 

@@ -31,6 +31,7 @@ TINY = ["gru-seqrec", "--set", "d_model=8", "--max-len", "8", "--batch-size", "1
         (["--epsilon", "nan"], "finite"),
         (["--delta", "1.5"], "--delta: must be strictly between 0 and 1"),
         (["--delta", "0"], "--delta"),
+        (["--delta", "0.5", "--set", "width=4"], "delta = 0.5 is at least 1/N = 1/1438"),
         (["--epochs", "0"], "--epochs: must be at least 1"),
         (["--epochs", "2.5"], "whole number"),
         (["--eval-every", "0"], "--eval-every"),

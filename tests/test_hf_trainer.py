@@ -633,3 +633,52 @@ def test_other_refusals(tmp_path):
     )
     with pytest.raises(PrivacyUsageError, match="exceeds the 8 training samples"):
         big.train()
+
+
+def test_spending_travels_with_save_pretrained_and_survives_a_save_before_training(tmp_path):
+    """The record rides in config.json: a plain save_pretrained of a DP-trained model to another
+    directory, then from_pretrained, composes it (it restarted ε before); DPTrainer.save_model of a
+    reloaded model before any step keeps the directory's record (it deleted it before)."""
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+        num_labels=3,
+        **NO_DROPOUT_BERT,
+    )
+    privacy = DPArguments(noise_multiplier=1.0, target_delta=1e-6)
+    data = TextSet(20, classes=3)
+    first = DPTrainer(
+        BertForSequenceClassification(config),
+        targs(tmp_path, max_steps=2),
+        train_dataset=data,
+        data_collator=pad_collate,
+        privacy=privacy,
+    )
+    first.train()
+    first.save_model(str(tmp_path / "A"))
+    spent = first.privacy_engine.accountant.history
+    first.model.save_pretrained(tmp_path / "B")  # plain transformers, no dpzoo file
+    assert not (tmp_path / "B" / PRIVACY_FILE).exists()
+    again = DPTrainer(
+        BertForSequenceClassification.from_pretrained(tmp_path / "B"),
+        targs(tmp_path, max_steps=2, output_dir=str(tmp_path / "out2")),
+        train_dataset=data,
+        data_collator=pad_collate,
+        privacy=privacy,
+    )
+    again.train()
+    assert again.privacy_engine.accountant.history == [[1.0, spent[0][1], spent[0][2] + 2]]
+    reloaded = DPTrainer(
+        BertForSequenceClassification.from_pretrained(tmp_path / "A"),
+        targs(tmp_path, max_steps=2, output_dir=str(tmp_path / "out3")),
+        train_dataset=data,
+        data_collator=pad_collate,
+        privacy=privacy,
+    )
+    reloaded.save_model(str(tmp_path / "A"))  # before any step
+    assert read_privacy_metadata(tmp_path / "A")["steps"] == spent[0][2]

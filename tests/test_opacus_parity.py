@@ -458,6 +458,8 @@ def test_privacy_metadata_refuses_what_would_be_false():
         privacy_metadata(_engine_with_history("gdp", (1.0, 0.1, 5)), 1e-5, data_loader=POISSON)
     with pytest.raises(SaveError, match="2 sample rates"):
         privacy_metadata(_engine_with_history("rdp", (1.0, 0.1, 3), (1.0, 0.2, 2)), 1e-5, data_loader=POISSON)
+    with pytest.raises(AccountingError, match=r"at least 1/N = 1/10"):  # POISSON holds 10 samples
+        privacy_metadata(_engine_with_history("rdp", (1.0, 0.1, 3)), 0.1, data_loader=POISSON)
     for delta in (0, 1, -1e-5, None):
         with pytest.raises(AccountingError, match="delta must be in"):
             privacy_metadata(_engine_with_history("rdp", (1.0, 0.1, 3)), delta, data_loader=POISSON)

@@ -20,6 +20,7 @@ import dpzoo
 from dpzoo.errors import InvalidArgumentError, PrivacyUsageError, SaveError, UnsupportedModuleError
 from dpzoo.grad_norms import attach_norm_hooks
 from dpzoo.integrations.peft import (
+    data_driven_inits,
     declare_public_init,
     default_target_modules,
     dp_lora,
@@ -561,3 +562,30 @@ def test_dp_lora_refuses_data_driven_inits_without_public_data(init):
     assert not is_peft_model(model)
     with pytest.raises(InvalidArgumentError, match="public_init applies to a data-driven"):
         dp_lora(model, r=2, public_init="some public corpus")
+
+
+def test_data_driven_inits_are_found_in_nested_models_and_unknown_inits_are_refused():
+    """An EVA PeftModel inside another module, and an init dpzoo does not know to be data-free
+    (LoRA-GA computes gradients on a data loader), are refused like a top-level EVA model."""
+
+    class Wrap(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids):
+            return self.inner(input_ids=input_ids)
+
+    with pytest.raises(PrivacyUsageError, match=r"LoRA adapter 'default' has a data-driven initialisation \(eva"):
+        _make_private(Wrap(_eva_model()))
+    model = dpzoo.load("gpt2", **dpzoo.model_card("gpt2").test_overrides)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["c_attn"], task_type="CAUSAL_LM"))
+    model.peft_config["default"].init_lora_weights = "lora_ga"  # as PEFT's LoRA-GA flow leaves it
+    with pytest.raises(PrivacyUsageError, match=r"data-driven initialisation \(lora_ga: LoRA-GA"):
+        _make_private(model)
+    model.peft_config["default"].init_lora_weights = "some_future_init"
+    with pytest.raises(PrivacyUsageError, match="not know to be data-free"):
+        _make_private(model)
+    for init in (True, "gaussian", "pissa_niter_4", "olora"):
+        model.peft_config["default"].init_lora_weights = init
+        assert data_driven_inits(model) == {}

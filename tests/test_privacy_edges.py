@@ -536,7 +536,9 @@ def test_parameters_are_checked_over_the_first_step_even_after_earlier_spending(
     model = _WritesBatchIntoBias()
     if earlier_spending:
         model.dpzoo_privacy = {"noise_multiplier": 2.0, "sample_rate": 0.1, "steps": 7, "epsilon": 1.0}
-    _, model, opt, loader = _private(model, _ds(), self_check=False)
+    # seeded sampling: with secret sampling all 12 samples stay out of an epoch's batches 0.8% of the time
+    _, model, opt, loader = _private(model, _ds(), self_check=False, sample_seed=0)
+    assert sum(len(x) for x, _ in loader) > 0
     with pytest.raises(PrivacyUsageError, match="lin.bias"):
         for x, y in loader:
             F.cross_entropy(model(x), y).backward()
@@ -599,3 +601,60 @@ def test_ema_and_swa_of_a_private_model_work_and_leave_the_engine_alone(kind):
     bare = _mlp()  # the same function without any hook
     bare.load_state_dict(average.module.state_dict())
     assert torch.equal(average.module(x), bare(x))
+
+
+# -- a δ that says nothing ---------------------------------------------------------------------------
+
+
+def test_delta_of_at_least_one_over_n_is_refused_unless_accepted_and_then_recorded():
+    """(ε, δ)-DP with δ ≥ 1/N is met by publishing one random sample in the clear: refused at
+    make_private and at get_epsilon; accept_large_delta=True trains and the record says so."""
+    ds = _ds(n=12)
+    with pytest.raises(dpzoo.AccountingError, match=r"delta = 0\.1 is at least 1/N = 1/12.*accept_large_delta=True"):
+        _private(_mlp(), ds, target_delta=0.1)
+    engine, model, opt, loader = _private(_mlp(), ds, target_delta=1e-3)
+    x, y = next(iter(loader))
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert engine.get_epsilon(1e-3) > 0 and "delta_note" not in engine.privacy_metadata()
+    with pytest.raises(dpzoo.AccountingError, match="at least 1/N"):
+        engine.get_epsilon(0.5)
+    engine, model, opt, loader = _private(_mlp(), ds, target_delta=0.1, accept_large_delta=True)
+    x, y = next(iter(loader))
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert "accepted by the user" in engine.privacy_metadata()["delta_note"]
+
+
+def _train_once(model, engine=None, steps=2):
+    engine = engine or dpzoo.PrivacyEngine()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=opt, data_loader=DataLoader(_ds(), batch_size=4), noise_multiplier=1.0, sample_seed=0
+    )
+    for i, (x, y) in enumerate(loader):
+        if i == steps:
+            break
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return engine
+
+
+def test_spending_outlives_the_engine_and_is_shared_by_deep_copies():
+    """A second engine on the same model composes the first's steps even once the first is detached
+    and gone (it restarted ε before); a deep copy (EMA) is not refused by a new engine and carries
+    the live spending of the model it copies."""
+    import gc
+
+    model = _mlp()
+    first = _train_once(model)
+    spent = [list(h) for h in first.accountant.history]
+    twin = copy.deepcopy(model)  # e.g. an EMA of the released iterates
+    first.detach()
+    del first
+    gc.collect()
+    second = _train_once(model)
+    assert second.accountant.history == [[1.0, spent[0][1], spent[0][2] + 2]]
+    third = _train_once(twin)  # not refused as "already has dpzoo norm hooks"; composes the live spending
+    assert third.accountant.history[0][2] == spent[0][2] + 2 + 2

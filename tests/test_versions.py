@@ -22,10 +22,10 @@ def test_release_numbers_drop_local_and_pre_release_tags():
     "torch_version, transformers_version, outside",
     [
         ("2.14.1+cu130", "5.24.0", []),
-        ("2.6.0", "5.0.0", []),
-        ("2.5.1", "5.24.0", ["torch"]),
+        ("2.11.0", "5.4.0", []),
+        ("2.10.0", "5.24.0", ["torch"]),
         ("2.15.0", "5.24.0", ["torch"]),
-        ("2.14.1", "4.57.6", ["transformers"]),
+        ("2.14.1", "5.2.0", ["transformers"]),
         ("2.14.1", "5.25.0", ["transformers"]),
         ("2.14.1", None, []),  # not installed: nothing to check
     ],
@@ -45,8 +45,8 @@ def test_the_installed_set_is_inside_the_tested_range():
 
 def test_warns_once_naming_the_range(monkeypatch):
     versions.warn_if_untested.cache_clear()
-    monkeypatch.setattr(versions, "installed", lambda p: {"torch": "2.99.0", "transformers": "5.0.0"}[p])
-    with pytest.warns(UntestedVersionWarning, match=r"torch 2\.99\.0 \(tested: 2\.6\.0 to"):
+    monkeypatch.setattr(versions, "installed", lambda p: {"torch": "2.99.0", "transformers": "5.4.0"}[p])
+    with pytest.warns(UntestedVersionWarning, match=r"torch 2\.99\.0 \(tested: 2\.11\.0 to"):
         versions.warn_if_untested()
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -356,7 +356,8 @@ def attached_norm_hooks(model: nn.Module) -> NormHooks | None:
     """The :class:`NormHooks` attached to ``model`` (not detached), or None."""
     ref = getattr(model, "_dpzoo_norm_hooks", None)
     hooks = ref() if ref is not None else None
-    return hooks if hooks is not None and hooks.attached else None
+    # a deep copy of the model carries the original's reference: its hooks are not on the copy
+    return hooks if hooks is not None and hooks.attached and hooks.model is model else None
 
 
 def attach_norm_hooks(

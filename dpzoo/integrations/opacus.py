@@ -33,6 +33,7 @@ from torch import nn
 
 from ..errors import AccountingError, MissingDependencyError, PrivacyUsageError, SaveError
 from ..privacy.accountant import accountant_spec
+from ..privacy.metadata import check_delta
 
 __all__ = ["unwrap", "unwrap_for_save", "privacy_metadata", "ACCOUNTANT_NAMES"]
 
@@ -181,6 +182,7 @@ def privacy_metadata(opacus_engine, delta: float, *, optimizer=None, data_loader
             "make_private(poisson_sampling=False), or another loader): Opacus' accountant reports the ε of "
             "Poisson sampling, which does not hold for these batches. Train with poisson_sampling=True."
         )
+    check_delta(float(delta), len(getattr(data_loader, "dataset", ())) or None)  # δ ≥ 1/N says nothing
     bound = _max_grad_norm(optimizer) if optimizer is not None else None  # checks it is Opacus' first
     sigmas = {s for s, _, _ in history}
     meta: dict[str, Any] = {

@@ -35,6 +35,8 @@ from ..privacy.bitfit import default_head
 from .peft_layers import (
     DATA_DRIVEN_INITS,
     REFUSED_OPTIONS,
+    data_driven_inits,
+    data_free_init,
     declare_public_init,
     import_peft,
     inactive_parameters,
@@ -59,6 +61,7 @@ __all__ = [
     "train_head_patterns",
     "default_target_modules",
     "declare_public_init",
+    "data_driven_inits",
 ]
 
 # base layers whose PEFT LoRA layer runs its adapters as plain nn.Linear / nn.Conv*d modules
@@ -161,17 +164,17 @@ def dp_lora(
     for option, why in REFUSED_OPTIONS.items():
         if lora_kwargs.get(option):
             raise UnsupportedModuleError(f"dp_lora: {option} is refused: {why}, which dpzoo cannot clip per sample.")
-    init = lora_kwargs.get("init_lora_weights")
-    data_driven = isinstance(init, str) and init.lower() in DATA_DRIVEN_INITS
+    init = lora_kwargs.get("init_lora_weights", True)
+    data_driven = not data_free_init(init)
     if data_driven and public_init is None:
+        why = DATA_DRIVEN_INITS.get(init.lower() if isinstance(init, str) else init, "not known to be data-free")
         raise UnsupportedModuleError(
-            f"dp_lora: init_lora_weights={init!r} is refused: {DATA_DRIVEN_INITS[init.lower()]}, a statistic of the "
-            "private data released outside ε. Use the default initialisation, or pass public_init='<the public data "
-            "it is computed on>'."
+            f"dp_lora: init_lora_weights={init!r} is refused: {why}, a statistic of the private data released outside "
+            "ε. Use the default initialisation, or pass public_init='<the public data it is computed on>'."
         )
     if public_init is not None and not data_driven:
         raise InvalidArgumentError(
-            "dp_lora: public_init applies to a data-driven init_lora_weights ('eva', 'corda') only."
+            "dp_lora: public_init applies to a data-driven init_lora_weights ('eva', 'corda', 'lora_ga') only."
         )
     heads = default_head(model) if modules_to_save == "auto" else modules_to_save
     heads = [heads] if isinstance(heads, str) else list(heads or [])

@@ -30,6 +30,8 @@ __all__ = [
     "refuse_save",
     "REFUSED_OPTIONS",
     "DATA_DRIVEN_INITS",
+    "DATA_FREE_INITS",
+    "data_free_init",
     "data_driven_inits",
     "declare_public_init",
     "PUBLIC_INIT_ATTR",
@@ -42,11 +44,15 @@ REFUSED_OPTIONS = {
     "target_parameters": "LoRA on bare parameters (lora.ParamWrapper) uses the adapters functionally",
 }
 
-# LoRA initialisations computed from data: the adapters then hold a statistic of the data they saw
+# LoRA initialisations computed from data: the adapters then hold a statistic of the data they saw.
+# Named where known; any init not in DATA_FREE_INITS is treated the same way (PEFT adds new ones).
 DATA_DRIVEN_INITS = {
     "eva": "EVA initialises lora_A with an SVD of the layers' input activations on a data loader",
     "corda": "CorDA initialises the adapters from the covariance of the layers' inputs on a data loader",
+    "lora_ga": "LoRA-GA initialises the adapters (and shifts the base weights) from gradients on a data loader",
 }
+# initialisations computed from the weights or random draws alone (PEFT's LoraConfig.init_lora_weights)
+DATA_FREE_INITS = (True, False, "gaussian", "orthogonal", "olora", "loftq")
 PUBLIC_INIT_ATTR = "dpzoo_public_init"  # adapter name -> the user's statement that its init data are public
 
 
@@ -295,17 +301,28 @@ def _peft_configs(model: nn.Module) -> dict:
     return getattr(base, "peft_config", None) or {}
 
 
+def data_free_init(init) -> bool:
+    if isinstance(init, bool):
+        return True
+    return isinstance(init, str) and (init in DATA_FREE_INITS or init.startswith("pissa"))  # PiSSA: SVD of W
+
+
 def data_driven_inits(model: nn.Module) -> dict[str, str]:
-    """{adapter: why} for every LoRA adapter of ``model`` whose initialisation is computed from data
-    (EVA, CorDA), except those :func:`declare_public_init` declared computed on public data."""
+    """{adapter: why} for every LoRA adapter anywhere in ``model`` (nested PEFT models and adapters
+    added to submodules included) whose initialisation is not known to be data-free (EVA, CorDA,
+    LoRA-GA, or one dpzoo does not know), except those :func:`declare_public_init` declared computed
+    on public data."""
     if _loaded_peft() is None:
         return {}
     public = getattr(model, PUBLIC_INIT_ATTR, {})
     out = {}
-    for name, config in _peft_configs(model).items():
-        init = getattr(config, "init_lora_weights", None)
-        if isinstance(init, str) and init.lower() in DATA_DRIVEN_INITS and name not in public:
-            out[name] = f"{init}: {DATA_DRIVEN_INITS[init.lower()]}"
+    for m in model.modules():
+        for name, config in _peft_configs(m).items():
+            init = getattr(config, "init_lora_weights", True)
+            if data_free_init(init) or name in public:
+                continue
+            key = init.lower() if isinstance(init, str) else init
+            out[name] = f"{init}: {DATA_DRIVEN_INITS.get(key, 'an initialisation dpzoo does not know to be data-free')}"
     return out
 
 
@@ -318,7 +335,7 @@ def declare_public_init(model: nn.Module, adapter: str = "default", source: str 
             "declare_public_init needs source='...': name the public data the initialisation was computed on "
             "(it goes into the privacy metadata)."
         )
-    configs = _peft_configs(model)
+    configs = {n: c for m in model.modules() for n, c in _peft_configs(m).items()}
     if adapter not in configs:
         raise InvalidArgumentError(
             f"declare_public_init: no adapter {adapter!r} (adapters: {', '.join(configs) or 'none'})."

@@ -58,6 +58,9 @@ class DPArguments:
     noise_seed: int | None = field(default=None, metadata=_help("tests only: reproducible, not secret, noise"))
     sample_seed: int | None = field(default=None, metadata=_help("tests only: reproducible Poisson sampling"))
     self_check: bool = field(default=True, metadata=_help("compare per-sample norms with brute force on step 1"))
+    accept_large_delta: bool = field(
+        default=False, metadata=_help("accept δ >= 1/N (a claim that allows releasing a sample; recorded)")
+    )
 
     def __post_init__(self):
         if (self.target_epsilon is None) == (self.noise_multiplier is None):

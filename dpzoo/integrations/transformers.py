@@ -45,7 +45,7 @@ from transformers import Trainer
 
 from ..errors import MissingDependencyError, PrivacyUsageError
 from ..privacy import DPOptimizer, PoissonBatchSampler, PrivacyEngine, get_noise_multiplier
-from ..privacy.budget import compute_sample_rate, prior_spending
+from ..privacy.budget import compute_sample_rate, prior_spending, recorded_origin
 from ..privacy.engine import engine_of
 from .trainer_arguments import DPArguments, check_batch_fits, check_trainer_settings, total_steps
 from .trainer_data import FetchCollate, IndexDataset, PoissonTrainLoader, batch_rows, micro_batches
@@ -147,6 +147,7 @@ class DPTrainer(Trainer):
             noise_seed=p.noise_seed,
             sample_seed=p.sample_seed,
             self_check=p.self_check,
+            accept_large_delta=p.accept_large_delta,
         )
         if len(dp_loader) != steps_per_epoch or engine.sample_rate != q:
             engine.detach()
@@ -226,11 +227,16 @@ class DPTrainer(Trainer):
 
     def privacy_metadata(self) -> dict[str, Any] | None:
         """What ``save_model`` records: the engine's metadata once a step was taken, else what the
-        model already carried (``model.dpzoo_privacy``), else None."""
+        model already carried (``model.dpzoo_privacy``, or the record of the directory it was
+        reloaded from), else None."""
         engine = self.privacy_engine
         if engine is not None and engine.steps > 0:
             return engine.privacy_metadata()
-        return getattr(self.model, "dpzoo_privacy", None)
+        carried = getattr(self.model, "dpzoo_privacy", None)
+        if carried is None:
+            found = recorded_origin(self.model)
+            carried = found[0] if found and found[1] != "the model's config" else None  # a full record only
+        return carried
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """The Trainer's logging, with ``logs["epsilon"]`` on training logs (so callbacks and

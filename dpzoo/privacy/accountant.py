@@ -189,7 +189,7 @@ class Accountant:
             )
         history = [_row(h) for h in state["history"]]
         _check_single(self.name, history)
-        self.history = history
+        self.history[:] = history  # in place: a model's record of its spending refers to this list
 
 
 def _epsilon(name: str, history: list, delta: float) -> float:

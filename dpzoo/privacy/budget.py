@@ -11,7 +11,15 @@ from torch import nn
 from ..errors import DPZooError, PrivacyUsageError
 from .accountant import Accountant, get_noise_multiplier
 
-__all__ = ["compute_sample_rate", "prior_spending", "recorded_origin", "calibrate", "restore_history"]
+__all__ = [
+    "compute_sample_rate",
+    "prior_spending",
+    "recorded_origin",
+    "SpendingLink",
+    "link_spending",
+    "calibrate",
+    "restore_history",
+]
 
 
 def compute_sample_rate(batch_size: int, world: int, n: int) -> float:
@@ -26,29 +34,70 @@ def compute_sample_rate(batch_size: int, world: int, n: int) -> float:
     return q
 
 
+class SpendingLink:
+    """What a model has spent, kept on the model by every engine that trains it
+    (``model.dpzoo_spending``): the engine's accountant itself, so the record outlives the engine
+    (a new engine on the same model composes after it), shared rather than copied by
+    ``copy.deepcopy`` (an EMA / SWA copy averages iterates that go on spending)."""
+
+    def __init__(self, accountant: Accountant):
+        self.accountant = accountant
+
+    def __deepcopy__(self, memo: dict) -> "SpendingLink":
+        return self
+
+    @property
+    def history(self) -> list:
+        return [list(h) for h in self.accountant.history]
+
+
+def link_spending(module: nn.Module, accountant: Accountant) -> None:
+    """Record on ``module`` that ``accountant`` holds its spending: ``module.dpzoo_spending``, and for
+    a Hugging Face model ``config.dpzoo_privacy`` (the accountant's live history: ``save_pretrained``
+    writes it into config.json, so a ``from_pretrained`` of any copy of the weights composes it)."""
+    link = getattr(module, "dpzoo_spending", None)
+    if isinstance(link, SpendingLink):  # updated, not replaced: deep copies that share it follow along
+        link.accountant = accountant
+    else:
+        object.__setattr__(module, "dpzoo_spending", SpendingLink(accountant))
+    config = getattr(module, "config", None)
+    if config is not None and hasattr(config, "to_json_string"):
+        config.dpzoo_privacy = {"accountant": accountant.name, "history": accountant.history}
+
+
 def recorded_origin(module: nn.Module) -> tuple[dict, str] | None:
-    """(privacy metadata, directory) of the dpzoo record in the directory ``module``'s weights were
-    loaded from by Hugging Face (``from_pretrained`` sets ``config._name_or_path``; a PEFT model's
-    base too), or None: a model reloaded outside dpzoo keeps what it spent."""
+    """(privacy record, where) of a model reloaded outside dpzoo: the record a Hugging Face config
+    carries (``config.dpzoo_privacy``, written by :func:`link_spending` before ``save_pretrained``),
+    else the dpzoo record in the directory ``from_pretrained`` read (``config._name_or_path``; a
+    PEFT model's base too). None for a model with neither."""
     from ..integrations.trainer_save import read_privacy_metadata  # imports hub: not at module level
 
+    carried = None
     for m in module.modules():
-        path = getattr(getattr(m, "config", None), "_name_or_path", None)
+        config = getattr(m, "config", None)
+        path = getattr(config, "_name_or_path", None)
         if isinstance(path, str) and path and os.path.isdir(path):
             meta = read_privacy_metadata(path)
-            if meta:
+            if meta:  # a full record first: it has ε, δ and the rest, not only the history
                 return meta, path
-    return None
+        record = getattr(config, "dpzoo_privacy", None)
+        if carried is None and isinstance(record, dict) and record.get("history"):
+            carried = (record, "the model's config")
+    return carried
 
 
 def prior_spending(module: nn.Module, earlier: list) -> list:
-    """The (σ, q, steps) history a model already spent: ``earlier``, the history of an earlier
-    engine on it, or else the privacy metadata of a model loaded with dpzoo.load (its whole
-    history when recorded, else its last σ, q and step count), or else the record in the directory
-    Hugging Face loaded it from (:func:`recorded_origin`). [] for a model with no record, and for
-    one whose ``dpzoo_privacy`` the user set to ``{}`` (new data disjoint from the earlier run's)."""
+    """The (σ, q, steps) history a model already spent, first found of: ``earlier`` (an earlier
+    engine on it, alive), the spending an earlier engine linked to it (:class:`SpendingLink`), the
+    privacy metadata of a model loaded with dpzoo.load (its whole history when recorded, else its
+    last σ, q and step count), the record a Hugging Face reload carries (:func:`recorded_origin`).
+    [] for a model with none, and for a loaded one whose ``dpzoo_privacy`` the user set to ``{}``
+    (new data disjoint from the earlier run's)."""
     if earlier:
         return [list(h) for h in earlier]
+    link = getattr(module, "dpzoo_spending", None)
+    if isinstance(link, SpendingLink) and link.history:
+        return link.history
     meta = getattr(module, "dpzoo_privacy", None)
     if meta is None:
         found = recorded_origin(module)

@@ -50,11 +50,12 @@ from .arguments import (
     warn_seeds,
 )
 from .bitfit import freeze_all_but_biases
-from .budget import calibrate, compute_sample_rate, prior_spending
+from .budget import calibrate, compute_sample_rate, link_spending, prior_spending
 from .data import DPDataLoader, StepSignal
 from .distributed import same_on_every_rank, shard, world_and_rank
 from .fsdp import ShardedGrads, check_fsdp_settings, check_sharding
 from .guards import check_optimizer_parameters, check_step_parameters
+from .metadata import check_delta, engine_record
 from .modes import MODES, apply_mode, mode_trainable
 from .opacus_parity import OpacusParity, opacus_arguments
 from .optimizer import DPOptimizer
@@ -89,6 +90,8 @@ class PrivacyEngine(OpacusParity):
         self.module: nn.Module | None = None
         self.public_statistics: list[str] = []
         self.target_delta: float | None = None
+        self.dataset_size: int | None = None  # N, for the δ < 1/N check
+        self.accept_large_delta = False
         self.mode: str | None = None
         self.memory_budget: float | None = None
         self.self_check_result: str | None = None
@@ -118,6 +121,7 @@ class PrivacyEngine(OpacusParity):
         self_check: bool = True,
         self_check_samples: int = 3,
         memory_budget: float | None = None,
+        accept_large_delta: bool = False,
     ):
         """Make ``module``, ``optimizer`` and ``data_loader`` private. Returns all three, wrapped.
 
@@ -136,6 +140,8 @@ class PrivacyEngine(OpacusParity):
         reproducible and not secret (tests only; recorded in the metadata). ``memory_budget``:
         bytes the per-sample gradients that ``mode="auto"`` instantiates may take together (None:
         half of the device's free memory; 0: ghost norm everywhere; :meth:`plan` shows the choices).
+        A δ ≥ 1/N (N samples) is refused (it allows releasing a sample outright) unless
+        ``accept_large_delta=True``, which the privacy metadata records.
         """
         if self.module is not None:
             raise PrivacyUsageError("This PrivacyEngine already made a model private; use a new engine.")
@@ -186,7 +192,10 @@ class PrivacyEngine(OpacusParity):
                 history=self.accountant.history,
                 max_physical_batch_size=max_physical_batch_size,
                 self_check=self_check,
+                accept_large_delta=accept_large_delta,
             )
+        if target_delta is not None:
+            check_delta(target_delta, n, accept_large_delta)
         # 3. the Poisson-sampling loader, then σ for its steps, composed after what the model spent
         earlier = engine_of(module)
         prior = prior_spending(module, earlier.accountant.history if earlier is not None else [])
@@ -219,7 +228,7 @@ class PrivacyEngine(OpacusParity):
         check_optimizer_parameters(module, optimizer, trainable)
         warn_seeds(noise_seed, sample_seed)
         # 5. record the mechanism, attach the hooks and the DP optimizer, watch every step
-        self.target_delta = target_delta
+        self.target_delta, self.dataset_size, self.accept_large_delta = target_delta, n, bool(accept_large_delta)
         self.sample_rate, self.noise_multiplier = sample_rate, float(noise_multiplier)
         self.max_grad_norm, self.clipping, self.loss_reduction = float(max_grad_norm), clipping, loss_reduction
         self.noise_seed, self.sample_seed = noise_seed, sample_seed
@@ -241,6 +250,7 @@ class PrivacyEngine(OpacusParity):
 
         for m in (module, wrapped_model(module)[1]):  # a PEFT model's merge_and_unload() keeps the record
             m._dpzoo_engine = weakref.ref(self)
+            link_spending(m, self.accountant)  # outlives this engine, travels with copies and save_pretrained
         return module, self.optimizer, loader
 
     def _attach(self, module: nn.Module, optimizer: torch.optim.Optimizer, mode: str, train_head, signal) -> None:
@@ -334,50 +344,22 @@ class PrivacyEngine(OpacusParity):
         delta = delta if delta is not None else self.target_delta
         if delta is None:
             raise DPZooError("get_epsilon needs delta (no target_delta was given to make_private).")
+        check_delta(delta, self.dataset_size, self.accept_large_delta)
         return self.accountant.get_epsilon(delta)
 
     @property
     def steps(self) -> int:
         return self.accountant.steps
 
+    @property
+    def watch_self_check(self) -> bool:
+        """Whether the first-step self-check is on (``self_check`` of make_private)."""
+        return self._watch is not None and self._watch.self_check
+
     def privacy_metadata(self, delta: float | None = None) -> dict[str, Any]:
         """What ``dpzoo.save`` records: ε, δ, accountant, steps, sample rate, σ, R, and the accountant's
         whole (σ, q, steps) history (e.g. a release before training, composed into ε)."""
-        delta = delta if delta is not None else self.target_delta
-        if delta is None:
-            raise DPZooError("privacy metadata needs delta: pass it, or target_delta to make_private.")
-        eps = self.get_epsilon(delta)
-        if self.noise_seed is None:
-            noise = "secret (OS entropy)"
-        else:
-            noise = "reproducible (not private against anyone holding the seed)"
-        sampling = (
-            "Poisson, secret (OS entropy)"
-            if self.sample_seed is None
-            else "Poisson, reproducible (membership predictable from the seed)"
-        )
-        if self.optimizer is not None and self.optimizer.refusal is not None:
-            check = self.self_check_result or f"failed: {self.optimizer.refusal}"  # and no step was taken since
-        elif not self._watch.self_check:
-            check = "skipped by the user (self_check=False)"
-        else:
-            check = self.self_check_result or "pending (no non-empty step yet)"
-        return {
-            "epsilon": float(eps),
-            "delta": float(delta),
-            "accountant": self.accountant.name,
-            "steps": int(self.steps),
-            "sample_rate": float(self.sample_rate),
-            "noise_multiplier": float(self.noise_multiplier),
-            "max_grad_norm": float(self.max_grad_norm),
-            "privacy_unit": "sample",
-            "noise": noise,
-            "sampling": sampling,
-            "self_check": check,
-            # every (σ, q, steps) composed into ε, so a later run on the same data composes all of them
-            "history": [list(h) for h in self.accountant.history],
-            **({"public_statistics": "; ".join(self.public_statistics)} if self.public_statistics else {}),
-        }
+        return engine_record(self, delta if delta is not None else self.target_delta)
 
     def state_dict(self) -> dict:
         """Accountant history and optimizer state, for training checkpoints. No noise state
