@@ -413,7 +413,8 @@ def test_resume_from_checkpoint_continues_epsilon(tmp_path):
     assert resumed.get_epsilon() == pytest.approx(first.get_epsilon()) and first.get_epsilon() <= 2.0
 
 
-def test_save_model_of_a_plain_hugging_face_model(tmp_path):
+def _plain_bert_classifier():
+    """A plain transformers BERT classifier (not a zoo model), 1 layer, 3 labels."""
     torch.manual_seed(0)
     config = BertConfig(
         vocab_size=VOCAB,
@@ -425,15 +426,22 @@ def test_save_model_of_a_plain_hugging_face_model(tmp_path):
         num_labels=3,
         **NO_DROPOUT_BERT,
     )
-    model = BertForSequenceClassification(config)
-    args = targs(tmp_path, max_steps=2)
-    trainer = DPTrainer(
+    return BertForSequenceClassification(config)
+
+
+def _two_step_trainer(model, tmp_path, out):
+    """DPTrainer on 20 labelled sequences: 2 steps at σ = 1, δ = 1e-6, output in tmp_path / out."""
+    return DPTrainer(
         model,
-        args,
+        targs(tmp_path, max_steps=2, output_dir=str(tmp_path / out)),
         train_dataset=TextSet(20, classes=3),
         data_collator=pad_collate,
         privacy=DPArguments(noise_multiplier=1.0, target_delta=1e-6),
     )
+
+
+def test_save_model_of_a_plain_hugging_face_model(tmp_path):
+    trainer = _two_step_trainer(_plain_bert_classifier(), tmp_path, "out")
     trainer.train()
     out = tmp_path / "final"
     trainer.save_model(str(out))
@@ -445,13 +453,7 @@ def test_save_model_of_a_plain_hugging_face_model(tmp_path):
         assert torch.equal(a, b), n
 
     # the reloaded model's next private run composes what the first spent (it restarted at 0 before)
-    again = DPTrainer(
-        reloaded,
-        targs(tmp_path, max_steps=2, output_dir=str(tmp_path / "out2")),
-        train_dataset=TextSet(20, classes=3),
-        data_collator=pad_collate,
-        privacy=DPArguments(noise_multiplier=1.0, target_delta=1e-6),
-    )
+    again = _two_step_trainer(reloaded, tmp_path, "out2")
     again.train()
     history = again.privacy_engine.accountant.history
     assert history == [[1.0, meta["sample_rate"], 4]] and again.privacy_metadata()["steps"] == 4
@@ -460,13 +462,7 @@ def test_save_model_of_a_plain_hugging_face_model(tmp_path):
     # a user who states the new data are disjoint gets a fresh budget
     disjoint = BertForSequenceClassification.from_pretrained(out)
     disjoint.dpzoo_privacy = {}
-    third = DPTrainer(
-        disjoint,
-        targs(tmp_path, max_steps=2, output_dir=str(tmp_path / "out3")),
-        train_dataset=TextSet(20, classes=3),
-        data_collator=pad_collate,
-        privacy=DPArguments(noise_multiplier=1.0, target_delta=1e-6),
-    )
+    third = _two_step_trainer(disjoint, tmp_path, "out3")
     third.train()
     assert third.get_epsilon() == pytest.approx(fresh)
 
@@ -639,46 +635,15 @@ def test_spending_travels_with_save_pretrained_and_survives_a_save_before_traini
     """The record rides in config.json: a plain save_pretrained of a DP-trained model to another
     directory, then from_pretrained, composes it (it restarted ε before); DPTrainer.save_model of a
     reloaded model before any step keeps the directory's record (it deleted it before)."""
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=32,
-        num_labels=3,
-        **NO_DROPOUT_BERT,
-    )
-    privacy = DPArguments(noise_multiplier=1.0, target_delta=1e-6)
-    data = TextSet(20, classes=3)
-    first = DPTrainer(
-        BertForSequenceClassification(config),
-        targs(tmp_path, max_steps=2),
-        train_dataset=data,
-        data_collator=pad_collate,
-        privacy=privacy,
-    )
+    first = _two_step_trainer(_plain_bert_classifier(), tmp_path, "out")
     first.train()
     first.save_model(str(tmp_path / "A"))
     spent = first.privacy_engine.accountant.history
     first.model.save_pretrained(tmp_path / "B")  # plain transformers, no dpzoo file
     assert not (tmp_path / "B" / PRIVACY_FILE).exists()
-    again = DPTrainer(
-        BertForSequenceClassification.from_pretrained(tmp_path / "B"),
-        targs(tmp_path, max_steps=2, output_dir=str(tmp_path / "out2")),
-        train_dataset=data,
-        data_collator=pad_collate,
-        privacy=privacy,
-    )
+    again = _two_step_trainer(BertForSequenceClassification.from_pretrained(tmp_path / "B"), tmp_path, "out2")
     again.train()
     assert again.privacy_engine.accountant.history == [[1.0, spent[0][1], spent[0][2] + 2]]
-    reloaded = DPTrainer(
-        BertForSequenceClassification.from_pretrained(tmp_path / "A"),
-        targs(tmp_path, max_steps=2, output_dir=str(tmp_path / "out3")),
-        train_dataset=data,
-        data_collator=pad_collate,
-        privacy=privacy,
-    )
+    reloaded = _two_step_trainer(BertForSequenceClassification.from_pretrained(tmp_path / "A"), tmp_path, "out3")
     reloaded.save_model(str(tmp_path / "A"))  # before any step
     assert read_privacy_metadata(tmp_path / "A")["steps"] == spent[0][2]

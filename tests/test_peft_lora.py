@@ -516,15 +516,16 @@ def _eva_model():
     return model
 
 
-def _make_private(model):
+def _make_private(model, engine=None):
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    return dpzoo.PrivacyEngine().make_private(
+    return (engine or dpzoo.PrivacyEngine()).make_private(
         module=model,
         optimizer=opt,
         data_loader=DataLoader(_lm_data(), batch_size=5),
         noise_multiplier=1.0,
         max_grad_norm=1.0,
         mode="lora",
+        target_delta=1e-5,
     )
 
 
@@ -538,16 +539,7 @@ def test_eva_initialised_adapters_are_refused_unless_declared_public(tmp_path):
         declare_public_init(model, "default")
     declare_public_init(model, "default", source="WikiText-103 (public)")
     engine = dpzoo.PrivacyEngine()
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-    model, opt, loader = engine.make_private(
-        module=model,
-        optimizer=opt,
-        data_loader=DataLoader(_lm_data(), batch_size=5),
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-        mode="lora",
-        target_delta=1e-5,
-    )
+    model, opt, loader = _make_private(model, engine)
     (ids,) = next(iter(loader))
     _lm_loss(model, ids).backward()
     opt.step()

@@ -5,6 +5,7 @@ autograd is running a backward pass."""
 from __future__ import annotations
 
 import torch
+from torch.nn.modules import module as torch_module
 
 __all__ = ["output_tensors", "first_tensor", "gradient_source", "hooks_ahead", "in_backward"]
 
@@ -62,8 +63,6 @@ def hooks_ahead(module: torch.nn.Module, first: int | None) -> list[str]:
     """The forward hooks torch runs on ``module`` before dpzoo's (whose handle id is ``first``):
     global forward hooks other than torch's own bookkeeping (``torch.distributed._tools``' module
     tracker, used by FlopCounterMode), then module hooks registered ahead of it with prepend=True."""
-    from torch.nn.modules import module as torch_module
-
     ahead = [
         getattr(h, "__qualname__", repr(h))
         for h in torch_module._global_forward_hooks.values()
