@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -145,7 +146,12 @@ def train(method, seed, args, train_ds, test_ds, delta) -> dict:
         "setup_seconds": setup,  # DP-FROST: its private selection
     }
     if selection is not None:
-        row["selected"] = [p.name for p in selection.selected]
+        row.update(
+            selected=[p.name for p in selection.selected],
+            partitions=len(selection.partitions),
+            selection_samples=selection.samples_seen,
+            selection_noise_multiplier=selection.selection_noise_multiplier,
+        )
     print(
         f"  {method:10s} seed {seed}: accuracy {row['accuracy']:.3f}  ε = {row['epsilon']:.2f}  "
         f"trainable {trainable:,}  ({seconds:.0f}s training, {setup:.0f}s set-up)",
@@ -206,7 +212,8 @@ def main(argv=None):
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        settings = vars(args) | {"lr": LR}
+        settings = vars(args) | {"lr": LR, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
+        settings["command"] = "python examples/dp_finetune_minilm_compare.py " + " ".join(argv or sys.argv[1:])
         (out / "results.json").write_text(json.dumps({"settings": settings, "results": rows}, indent=2) + "\n")
     return rows
 

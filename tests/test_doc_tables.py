@@ -1,0 +1,76 @@
+"""Every table of README.md and docs/RESULTS.md recomputes from its committed result files
+(benchmarks/doc_tables), and the check catches a changed figure, an unmarked table and a
+missing command."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import doc_tables  # noqa: E402
+
+
+def test_every_table_matches_its_files_and_shows_its_command():
+    assert doc_tables.problems() == []
+
+
+def test_every_document_table_is_marked():
+    for doc in doc_tables.DOCUMENTS:
+        tables = doc_tables.marked_tables(doc, (ROOT / doc).read_text())
+        assert tables and all(t.name in doc_tables.renderers() for t in tables), doc
+
+
+@pytest.fixture
+def copy_of_the_documents(tmp_path):
+    """README.md and docs/RESULTS.md with the result files they read, in a scratch root."""
+    for doc in doc_tables.DOCUMENTS:
+        (tmp_path / doc).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / doc, tmp_path / doc)
+    for r in doc_tables.renderers().values():
+        for f in r.files:
+            (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / f, tmp_path / f)
+    return tmp_path
+
+
+def edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+
+
+def first_table_row(path: Path) -> str:
+    lines = path.read_text().splitlines()
+    return next(line for i, line in enumerate(lines) if line.startswith("|") and lines[i - 1].startswith("| -"))
+
+
+def test_a_figure_typed_by_hand_is_caught(copy_of_the_documents):
+    results = copy_of_the_documents / "docs/RESULTS.md"
+    row = first_table_row(results)
+    cells = row.split("|")
+    cells[-2] = cells[-2].replace("×", "0×", 1) if "×" in cells[-2] else cells[-2] + "1"
+    edit(results, row, "|".join(cells))
+    found = doc_tables.problems(copy_of_the_documents)
+    assert len(found) == 1 and "differs from its files" in found[0]
+    assert doc_tables.write(copy_of_the_documents) == ["docs/RESULTS.md: gpu-h200"]
+    assert doc_tables.problems(copy_of_the_documents) == []
+
+
+def test_an_unmarked_table_and_a_missing_command_are_caught(copy_of_the_documents):
+    readme = copy_of_the_documents / "README.md"
+    edit(readme, "<!-- table: cpu-step-memory -->\n", "")
+    edit(readme, "benchmarks/table.py benchmarks/results/training_step.json", "benchmarks/table.py")
+    found = doc_tables.problems(copy_of_the_documents)
+    assert any("without a '<!-- table: NAME -->' marker" in p for p in found)
+    assert any("does not show the command" in p and "cpu-step-time" in p for p in found)
+
+
+def test_a_missing_result_file_is_caught(copy_of_the_documents):
+    (copy_of_the_documents / doc_tables.renderers()["audit-sweep"].files[0]).unlink()
+    assert any("reads missing files" in p for p in doc_tables.problems(copy_of_the_documents))
