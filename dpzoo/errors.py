@@ -80,6 +80,12 @@ class PrivacyUsageError(DPZooError, ValueError):
     the model, samples mixed or counted twice), or an invalid argument of it."""
 
 
+class LossMixingError(PrivacyUsageError):
+    """The loss computed from the model's outputs makes one sample's gradient depend on other
+    samples (a mean over the batch's tokens or class weights, in-batch negatives, a batch
+    statistic): the clipped sum's sensitivity would exceed R."""
+
+
 class UntestedVersionWarning(UserWarning):
     """torch or transformers is outside the range dpzoo's exactness suites were run on
     (``dpzoo.versions.TESTED``): dpzoo relies on their autograd and module internals, so the

@@ -635,9 +635,18 @@ def hf_t5_T_ne_B():
 
 
 def hf_t5_T_eq_B():
-    # T == B: the (T, T) ids pass for a batch; the rows are query positions, not samples
-    # caught by the self-check only
+    # T == B: the (T, T) ids pass for a batch; the rows are query positions, not samples. Refused by
+    # module (rules.loose.SHARED_LOOKUPS) since issue 33, not left to the self-check
     return _t5(3, 3, 3)
+
+
+def hf_t5_relative_bias_frozen_T_eq_B():
+    # the same shapes with every relative-position table frozen: the rest is exact
+    case = _t5(3, 3, 3)
+    for n, p in case.model.named_parameters():
+        if "relative_attention_bias" in n:
+            p.requires_grad_(False)
+    return case
 
 
 def hf_t5_decoder_length_1():
@@ -1676,7 +1685,8 @@ CASES: dict[str, tuple[str, Callable[[], Case]]] = {
     "hf/llama-causal-lm": (EXACT, hf_llama_causal_lm),
     "hf/llama-gradient-checkpointing": (EXACT, hf_llama_gradient_checkpointing),
     "hf/t5-relative-bias-T-ne-B": (REFUSED, hf_t5_T_ne_B),
-    "hf/t5-relative-bias-T-eq-B": (REFUSED, hf_t5_T_eq_B),  # caught by the self-check only
+    "hf/t5-relative-bias-T-eq-B": (REFUSED, hf_t5_T_eq_B),
+    "hf/t5-relative-bias-frozen-T-eq-B": (EXACT, hf_t5_relative_bias_frozen_T_eq_B),
     "hf/t5-decoder-length-1": (REFUSED, hf_t5_decoder_length_1),
     "hf/bart-learned-positions": (REFUSED, hf_bart_learned_positions),
     "hf/vit-cls-token": (EXACT, hf_vit),  # cls_token, position_embeddings: loose tensors

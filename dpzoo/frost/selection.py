@@ -32,6 +32,7 @@ from ..errors import AccountingError, DPZooError, InvalidArgumentError
 from ..privacy.accountant import Accountant, accountant_spec, get_noise_multiplier
 from ..privacy.bitfit import default_head
 from ..privacy.engine import PrivacyEngine
+from ..privacy.metadata import check_delta
 from ..progress import StepBar
 from . import magnitudes as MG
 from .partitions import Partition, resolve_partitions
@@ -183,6 +184,7 @@ def select(
     pgm_iterations: int = 1000,
     freeze: bool = True,
     progress: bool | None = None,
+    accept_large_delta: bool = False,
 ) -> FrostSelection:
     """Select privately which partitions to fine-tune, freeze the rest (DP-FROST, Algorithm 1).
 
@@ -195,6 +197,7 @@ def select(
     cross-entropy on (inputs…, labels) or dicts with "labels"). ``selection_noise_multiplier``
     overrides σ_ps (0 = no noise, ε = ∞: for tests only). ``progress``: a bar over the
     iterations with the selection's ε so far (None: when stderr is a terminal).
+    ``accept_large_delta``: allow δ ≥ 1/N, as ``make_private`` does (then pass it there too).
     """
     if not 0 < ratio <= 1:
         raise DPZooError(f"ratio (γ, the fraction of parameters to unfreeze) must be in (0, 1], got {ratio}")
@@ -207,6 +210,7 @@ def select(
     iterations = 1 if single else iterations
     dataset = data_loader.dataset
     n = len(dataset)
+    check_delta(target_delta, n, accept_large_delta)  # before any private data is measured
     batch_size = batch_size or data_loader.batch_size
     if not batch_size:
         raise DPZooError("select needs the DP-SGD batch size: a data loader with batch_size, or batch_size=")

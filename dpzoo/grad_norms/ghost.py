@@ -19,6 +19,7 @@ from ..errors import PrivacyUsageError, UnsupportedModuleError
 from .audit import compare_uses, count_edges
 from .capture import Recorder
 from .plan import ModelPlan
+from .sample_rows import track
 from .sharded import aliases_of, is_dtensor
 
 __all__ = ["GhostBackward", "wrap_outputs", "ghost_differentiate"]
@@ -34,13 +35,17 @@ class GhostBackward(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rec, differentiate, real_outputs, anchor):
+    def forward(ctx, rec, differentiate, real_outputs, anchor, owned=None):
         ctx.rec, ctx.differentiate, ctx.real_outputs = rec, differentiate, real_outputs
         # Detached aliases of tensors that are not inputs of this Function: not views in
         # autograd's sense, so the user may edit them in place (e.g. mask logits); they share
         # the real outputs' version counters, so torch still refuses an in-place edit of an
-        # output the model's graph saved, exactly as without hooks.
-        return tuple(o.detach() for o in real_outputs)
+        # output the model's graph saved, exactly as without hooks. Those whose rows are the
+        # batch's samples are returned as SampleRows (tagged here: a view of this Function's
+        # output would keep a failed step's graph alive).
+        b = rec.step.batch_size
+        tagged = lambda o: bool(b) and o.dim() > 0 and o.shape[0] == b and o.is_floating_point()  # noqa: E731
+        return tuple(track(o.detach(), b, owned) if tagged(o) else o.detach() for o in real_outputs)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -56,14 +61,15 @@ class GhostBackward(torch.autograd.Function):
         if outs:
             ctx.differentiate([o for o, _ in outs], [g for _, g in outs])
         ctx.real_outputs = None
-        return None, None, None, None
+        return None, None, None, None, None
 
 
-def wrap_outputs(rec: Recorder, differentiate: Callable, output, found: list):
+def wrap_outputs(rec: Recorder, differentiate: Callable, output, found: list, owned: frozenset | None = None):
     """``output`` with the tensors ``found`` in it replaced by their :class:`GhostBackward` aliases
-    (same containers; dicts and ModelOutputs edited in place)."""
+    (same containers; dicts and ModelOutputs edited in place); those whose rows are the batch's
+    samples watch the loss (:mod:`.sample_rows`; ``owned``: ids of the model's parameters)."""
     anchor = torch.zeros((), requires_grad=True)
-    wrapped = GhostBackward.apply(rec, differentiate, tuple(found), anchor)
+    wrapped = GhostBackward.apply(rec, differentiate, tuple(found), anchor, owned)
     mapping = {id(t): w for t, w in zip(found, wrapped)}
 
     def rebuild(o):

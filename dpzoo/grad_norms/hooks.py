@@ -101,6 +101,7 @@ class NormHooks:
             )
         self.model, self.mode = model, mode
         self.ghost_backward = ghost_backward
+        self._owned: frozenset | None = None  # ids of the model's parameters, for sample_rows
         self._rec = Recorder()
         self._plan = plan_model(model)
         self._capture = Capture(
@@ -140,7 +141,9 @@ class NormHooks:
         return self._capture.begin_forward(module, args, kwargs)
 
     def _wrap_outputs(self, output, found):
-        return wrap_outputs(self._rec, self._ghost_differentiate, output, found)
+        if self._owned is None:
+            self._owned = frozenset(id(p) for p in self.model.parameters())
+        return wrap_outputs(self._rec, self._ghost_differentiate, output, found, self._owned)
 
     def _ghost_differentiate(self, roots: list, grads: list | None) -> None:
         ghost_differentiate(self._rec, self._plan, roots, grads)

@@ -25,7 +25,7 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 from ..errors import InvalidArgumentError, UnsupportedModuleError
 from ..nn.hf_blocks import flattened_submodules
 from .registry import Rule, find_rule, why_no_rule
-from .rules.loose import functional_submodules, is_broadcast_lookup, loose_names, loose_refusal
+from .rules.loose import functional_submodules, is_broadcast_lookup, loose_names, loose_refusal, shared_lookup_refusal
 
 try:  # timm's ResNet blocks end with `x += shortcut` (dpzoo.surgery swaps them for out-of-place ones)
     from timm.models.resnet import BasicBlock, Bottleneck
@@ -63,7 +63,7 @@ class Problem:
 
     module: str  # the module's name ("<root>": the model itself)
     kind: str  # no-trainable, inplace, functional-use, rule-refuses, uncovered, loose-refused, no-rule,
-    # inplace-residual, flattened-tokens (attach); lazy, embedding-max-norm, sample-mixing (setup); batch-statistics (forward)
+    # inplace-residual, flattened-tokens, shared-lookup (attach); lazy, embedding-max-norm, sample-mixing (setup); batch-statistics (forward)
     message: str  # one line: what is wrong and how to fix it (the refusal's text)
     stage: str = "attach"  # setup: make_private refuses; attach: attach_norm_hooks too; forward: the first forward
     params: tuple[str, ...] = ()  # qualified names of the parameters concerned
@@ -148,6 +148,9 @@ def _module_problem(model, mname: str, module: nn.Module, own: tuple[str, ...], 
             )
         owner_name, _, attr = mname.rpartition(".")
         owner = model.get_submodule(owner_name) if mname else None
+        shared = shared_lookup_refusal(owner, attr, f"{label} ({kind_name})", mname)
+        if shared:
+            return None, Problem(label, "shared-lookup", shared, params=qualified)
         needs = any(n not in rule.activation_free for n in own)
         tensors = tuple(module._parameters[n] for n in own)
         return ModulePlan(
@@ -186,7 +189,11 @@ def _survey(model: nn.Module) -> tuple[ModelPlan, list[Problem]]:
     param_names = {pid: ns[0] for pid, ns in names.items()}  # canonical names
     params = {param_names[id(p)]: p for p in model.parameters() if p.requires_grad}
     if not params:
-        msg = "The model has no trainable parameters (requires_grad=False everywhere)."
+        msg = (
+            "The model has no trainable parameters (requires_grad=False everywhere: all frozen, or a forward inside "
+            "PEFT's `with model.disable_adapter():`, which freezes the adapters); run forward passes that train "
+            "nothing under torch.no_grad()."
+        )
         problems.append(Problem("<root>", "no-trainable", msg))
     for n, m in model.named_modules():
         if isinstance(getattr(m, "inplace", None), bool) and m.inplace:

@@ -3,7 +3,7 @@
 Per-sample clipping needs the loss to be a sum (or mean) of per-sample losses, each depending on
 its own sample only. The Trainer's default loss does not guarantee it: a causal or masked LM's loss
 is a mean over *all* the batch's tokens, so a sample's weight depends on the other samples' lengths
-(README, "What the engine cannot see"). Here each sample's loss is reduced over its own tokens only
+(README, "The loss after the model"). Here each sample's loss is reduced over its own tokens only
 (``token_reduction``: mean or sum), then the batch's losses are returned unreduced, Tensor[B].
 
 The task follows the model's head, as the Trainer's own loss does: causal LMs (the classes of
@@ -33,11 +33,16 @@ def loss_kind(model) -> str:
     return "causal-lm" if type(base).__name__ in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()) else "by-shape"
 
 
+def at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits in float32 for the loss; float64 stays float64."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
 def _token_losses(logits, labels, *, shift: bool, token_reduction: str, label_smoothing: float) -> torch.Tensor:
     if shift:  # logits[t] predicts labels[t + 1]
         logits, labels = logits[:, :-1], labels[:, 1:]
     per_token = F.cross_entropy(
-        logits.float().transpose(1, 2),
+        at_least_float32(logits).transpose(1, 2),
         labels,
         reduction="none",
         ignore_index=IGNORE_INDEX,
@@ -50,7 +55,7 @@ def _token_losses(logits, labels, *, shift: bool, token_reduction: str, label_sm
 
 
 def _classification_losses(logits, labels, *, problem_type, num_labels, label_smoothing) -> torch.Tensor:
-    logits = logits.float()
+    logits = at_least_float32(logits)
     if problem_type is None:  # the rule of transformers' *ForSequenceClassification
         if num_labels == 1:
             problem_type = "regression"

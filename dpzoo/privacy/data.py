@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data.dataloader import default_collate
 
 from ..errors import InvalidArgumentError, PrivacyUsageError, UnsupportedBatchError
+from ..grad_norms.sample_rows import track_batch
 
 __all__ = ["PoissonBatchSampler", "DPDataLoader", "StepSignal", "secret_generator", "dataset_fingerprint"]
 
@@ -180,7 +181,7 @@ class DPDataLoader:
             chunk = self.max_physical_batch_size
             if not chunk or size <= chunk:
                 sig.last_physical = True
-                yield batch
+                yield track_batch(batch, size)  # row i is sample i: mixing rows is seen (sample_rows)
                 continue
             if _batch_len(batch) != size:
                 raise PrivacyUsageError(
@@ -191,7 +192,7 @@ class DPDataLoader:
             starts = list(range(0, size, chunk))
             for i, s in enumerate(starts):
                 sig.last_physical = i == len(starts) - 1
-                yield _slice(batch, s, s + chunk)
+                yield track_batch(_slice(batch, s, s + chunk), min(chunk, size - s))
 
 
 class _Counting(Sampler[list[int]]):

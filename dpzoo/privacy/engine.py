@@ -56,6 +56,7 @@ from .distributed import same_on_every_rank, shard, world_and_rank
 from .fsdp import ShardedGrads, check_fsdp_settings, check_sharding
 from .guards import check_optimizer_parameters, check_step_parameters
 from .metadata import check_delta, engine_record
+from .model_call import attach_call_hooks
 from .modes import MODES, apply_mode, mode_trainable
 from .opacus_parity import OpacusParity, opacus_arguments
 from .optimizer import DPOptimizer
@@ -96,6 +97,7 @@ class PrivacyEngine(OpacusParity):
         self.memory_budget: float | None = None
         self.self_check_result: str | None = None
         self._watch: TrainingWatch | None = None  # the duties around each forward and step
+        self._call_hooks: list = []  # model_call hooks: plain inputs, a transformers labels= loss per sample
 
     # -- set-up ------------------------------------------------------------------------------
     @opacus_arguments  # Opacus' spellings too (dpzoo.privacy.opacus_parity)
@@ -243,6 +245,7 @@ class PrivacyEngine(OpacusParity):
             self_check=self_check,
             self_check_samples=self_check_samples,
         )
+        self._attach_labels_loss()
         if sharded:  # every rank runs the same collective passes: an empty batch is yielded, not skipped
             self.optimizer.grad_writer = ShardedGrads(self.optimizer)  # reduce-scatter, noise per shard
             signal.on_empty = None
@@ -305,9 +308,18 @@ class PrivacyEngine(OpacusParity):
         if self.hooks is not None:
             self.hooks.detach()
         self.hooks = attach_norm_hooks(self.module, MODES[mode], ghost_backward=True, memory_budget=self.memory_budget)
+        self._attach_labels_loss()
         self.mode = mode
         if self.optimizer is not None:
             self.optimizer.hooks = self.hooks
+
+    def _attach_labels_loss(self) -> None:
+        """(Re-)register the model-call hooks (:mod:`.model_call`): their pre-hooks before every
+        other (the watch's self-check input capture included), the loss hook after the norm
+        hooks' output wrap."""
+        for handle in self._call_hooks:
+            handle.remove()
+        self._call_hooks = attach_call_hooks(self.module, self.loss_reduction)
 
     def switch_mode(self, mode: str, train_head: Iterable[str] | str | None = "auto") -> None:
         """Change the algorithm mid-training, e.g. ``"bitfit"`` after X epochs of full DP
@@ -336,6 +348,8 @@ class PrivacyEngine(OpacusParity):
         if self.hooks is not None:
             self.hooks.detach()
             self.hooks = None
+        for handle in self._call_hooks:
+            handle.remove()
         if self._watch is not None:
             self._watch.remove()
 

@@ -57,8 +57,9 @@ def check_step_parameters(module: nn.Module, hooks: NormHooks, optimizer: torch.
     missing = [n for n, p in hooks.trainable_parameters.items() if p.requires_grad and id(p) not in in_opt]
     if missing:
         raise PrivacyUsageError(
-            f"Trainable parameter(s) {', '.join(missing[:8])} were removed from the optimizer after make_private: "
-            "freeze them (requires_grad_(False)) instead."
+            f"Trainable parameter(s) {', '.join(missing[:8])} are not in the optimizer: unfrozen after make_private "
+            "(the optimizer never held them: make the model private again with an optimizer over them) or removed "
+            "from the optimizer (freeze them with requires_grad_(False) instead)."
         )
 
 

@@ -23,7 +23,7 @@ def check_delta(delta: float, n: int | None, accepted: bool = False) -> None:
     """Refuse δ ≥ 1/N (``n`` samples) unless ``accepted``; nothing to check without ``n``."""
     if n and not accepted and delta >= 1.0 / n:
         raise AccountingError(
-            f"delta = {delta:g} is at least 1/N = 1/{n}: a mechanism that publishes one sample in the clear meets "
+            f"delta = {delta:g} is at least 1/N = 1/{n}: a mechanism that publishes one privacy unit in the clear meets "
             f"such a guarantee, so the claim would say nothing. Use delta < 1/N, e.g. {_suggest(n):.0e}, or pass "
             "accept_large_delta=True to make_private (recorded in the privacy metadata)."
         )
@@ -79,6 +79,6 @@ def engine_record(engine: "PrivacyEngine", delta: float | None) -> dict[str, Any
     if engine.dataset_size and delta >= 1.0 / engine.dataset_size:
         record["delta_note"] = (
             f"delta >= 1/N (N = {engine.dataset_size}) accepted by the user (accept_large_delta=True): "
-            "the guarantee allows releasing a sample in the clear"
+            "the guarantee allows releasing one privacy unit's data (a sample, or a user's) in the clear"
         )
     return record

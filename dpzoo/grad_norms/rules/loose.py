@@ -31,6 +31,8 @@ __all__ = [
     "BROADCAST_LOOKUPS",
     "register_broadcast_lookup",
     "is_broadcast_lookup",
+    "is_shared_lookup",
+    "shared_lookup_refusal",
     "loose_refusal",
     "FUNCTIONAL_SUBMODULES",
     "functional_submodules",
@@ -158,3 +160,46 @@ def is_broadcast_lookup(owner: nn.Module | None, attr: str) -> bool:
         if attr in BROADCAST_LOOKUPS.get((cls.__module__, cls.__qualname__), ()):
             return True
     return False
+
+
+# Embeddings looked up once for the whole batch, with no batch dimension at all: T5's relative
+# position buckets (query, key) -> bias per head, added to every sample's attention scores. Their
+# gradient is summed over the batch before any hook sees it, so no per-sample gradient can be
+# taken; decided by module, never by shape (when T equals B the ids look batch-first).
+SHARED_LOOKUPS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("transformers.models.t5.modeling_t5", "T5Attention"): ("relative_attention_bias",),
+    ("transformers.models.mt5.modeling_mt5", "MT5Attention"): ("relative_attention_bias",),
+    ("transformers.models.umt5.modeling_umt5", "UMT5Attention"): ("relative_attention_bias",),
+    ("transformers.models.longt5.modeling_longt5", "LongT5Attention"): ("relative_attention_bias",),
+    ("transformers.models.longt5.modeling_longt5", "LongT5LocalAttention"): ("relative_attention_bias",),
+    ("transformers.models.longt5.modeling_longt5", "LongT5TransientGlobalAttention"): (
+        "relative_attention_bias",
+        "global_relative_attention_bias",
+    ),
+    ("transformers.models.switch_transformers.modeling_switch_transformers", "SwitchTransformersAttention"): (
+        "relative_attention_bias",
+    ),
+}
+SHARED_LOOKUP_NAMES = ("relative_attention_bias", "global_relative_attention_bias")  # any other owner too
+
+
+def is_shared_lookup(owner: nn.Module | None, attr: str) -> bool:
+    """Whether ``owner`` looks its submodule ``attr`` up once for the whole batch (a position
+    table with no batch dimension: no per-sample gradient)."""
+    if owner is None:
+        return False
+    if attr in SHARED_LOOKUP_NAMES:
+        return True
+    return any(attr in SHARED_LOOKUPS.get((c.__module__, c.__qualname__), ()) for c in type(owner).__mro__)
+
+
+def shared_lookup_refusal(owner: nn.Module | None, attr: str, what: str, path: str) -> str | None:
+    """The refusal of ``owner``'s submodule ``attr`` (``what``, at ``path`` in the model) if it is a
+    shared lookup (:func:`is_shared_lookup`), else None."""
+    if not is_shared_lookup(owner, attr):
+        return None
+    return (
+        f"Module {what} is a position table looked up once for the whole batch (no batch dimension): its gradient "
+        f"is shared by every sample and cannot be clipped per sample. Freeze it: "
+        f"model.get_submodule('{path}').requires_grad_(False)."
+    )

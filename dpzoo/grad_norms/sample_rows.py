@@ -1,0 +1,174 @@
+"""Tensors that watch the loss: the rows of a DP step's batch and of the model's outputs refuse
+the operations that would make one sample's gradient depend on another's.
+
+DP-SGD clips each sample's gradient of *its own* loss (Abadi et al. 2016, Algorithm 1; the BK
+paper's per-sample loss ℓ_i, eq. 1); the released sum has sensitivity R only when the batch loss
+is Σ_i c·ℓ_i(row i) with one c for every sample, whatever the other samples are. The engine's data
+loader yields the batch, and the norm hooks return the model's outputs, as :class:`SampleRows`;
+torch calls :meth:`SampleRows.__torch_function__` for every operation on them and on what derives
+from them, and :mod:`.row_rules` decides, from each operand's :class:`~.row_rules.State`, whether
+the operation keeps the samples apart (default-deny for what carries gradient into the update)
+and what the result's state is. The model itself gets plain tensors (:func:`plain`, refusing rows
+reordered, combined or summarised); its outputs hold the rows its inputs held (:func:`note_call`:
+a micro-batch ``model(x[:4])`` gives outputs of rows 0-3). Copies and saved tensors are plain.
+
+Not seen (docs/DESIGN.md, "The loss after the model"): values that leave torch (``.item()``, numpy),
+a loss compiled by ``torch.compile`` or run under ``torch.func``, a collate that pads to the
+batch's longest sequence for a model that attends to padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .row_ops import leaves, window_of
+from .row_rules import State, grad_state, nograd_state, refuse
+
+__all__ = ["SampleRows", "State", "track", "track_batch", "plain", "note_call"]
+
+
+class SampleRows(torch.Tensor):
+    """A tensor whose rows are the samples of a DP step: a batch from the engine's data loader or
+    the model's outputs, and what derives from them (see the module docstring)."""
+
+    rows: State
+
+    def __deepcopy__(self, memo):  # a copy is a plain tensor: it is no longer the step's batch
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor).clone().detach().requires_grad_(self.requires_grad)
+
+    def __reduce_ex__(self, protocol):  # saved as a plain tensor (torch.load(weights_only=True) reads it)
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():  # also for the bookkeeping below (.dim(), .shape)
+            out = func(*args, **kwargs)
+            if torch.compiler.is_compiling():  # dynamo inspecting a tracked input: a plain tensor to it
+                return out
+            tracked = [a for a in leaves(args, kwargs) if isinstance(a, SampleRows)]
+            if not tracked:
+                return out
+            return follow(func, args, kwargs, tracked, out)
+
+
+def op_name(func) -> str:
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):  # a property (.T, .mT, .real ...)
+        name = getattr(getattr(func, "__self__", None), "__name__", "")
+    for prefix in ("special_", "linalg_", "_"):
+        if name.startswith(prefix) and not name.startswith("__"):
+            name = name[len(prefix) :]
+    return name
+
+
+def follow(func, args, kwargs, tracked: list, out):
+    """``out`` with its tensors tagged, after refusing an operation that mixes samples."""
+    name = op_name(func)
+    if name == "__iter__" and tracked[0].rows.sample_dim == 0 and args and args[0] is tracked[0]:
+        return iter(per_row(args[0]))  # `for row in x`: each one sample's values
+    outs = [o for o in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(o, torch.Tensor)]
+    if not outs:
+        return out  # .item(), .shape, backward(): nothing more to follow
+    grads = [o for o in outs if o.requires_grad]
+    if grads and torch.is_grad_enabled():
+        if not any(t.requires_grad for t in tracked):
+            return out  # the gradient comes from another model run on the batch: not the private update
+        state = grad_state(name, args, kwargs, tracked, grads[0])  # max(dim), chunk ...: the first decides
+    else:
+        state = nograd_state(name, args, kwargs, tracked, outs[0])
+    if isinstance(out, (tuple, list)) and name in ("unbind", "chunk", "split", "tensor_split"):
+        if not state.stat and tracked[0].rows.sample_dim == 0 and over_first(args, kwargs, name):
+            return type(out)(pieces(out, tracked[0], state, name == "unbind"))
+    return tree_map(lambda o: tag(o, state) if isinstance(o, torch.Tensor) else o, out)
+
+
+def over_first(args, kwargs, name: str) -> bool:
+    dim = kwargs.get("dim", args[1] if name == "unbind" and len(args) > 1 else (args[2] if len(args) > 2 else 0))
+    return dim == 0
+
+
+def pieces(out, lead: "SampleRows", state: State, rows: bool) -> list:
+    """The parts of a split of the batch's rows: each its window (unbind: each one sample's values)."""
+    start = window_of(lead)[0]
+    tagged = []
+    for o in out:
+        n = 1 if rows else o.shape[0]
+        part = state._replace(sample_dim=None, row=start) if rows else state._replace(window=(start, start + n))
+        tagged.append(tag(o, part))
+        start += n
+    return tagged
+
+
+def per_row(t: SampleRows) -> list:
+    start = window_of(t)[0]
+    with torch._C.DisableTorchFunctionSubclass():
+        return [tag(r, t.rows._replace(sample_dim=None, row=start + i)) for i, r in enumerate(t.unbind(0))]
+
+
+CALL: dict = {}  # the batch rows the model is being called on (note_call), for its outputs
+
+
+def note_call(inputs: list) -> None:
+    """Before the model runs: which rows of the batch its (tracked) inputs hold, so that its outputs
+    hold the same ones (a micro-batch ``model(x[:4])`` gives outputs of rows 0-3)."""
+    CALL.clear()
+    lead = next((t for t in inputs if isinstance(t, SampleRows) and t.rows.sample_dim == 0), None)
+    if lead is not None:
+        CALL.update(samples=lead.rows.samples, window=lead.rows.window)
+
+
+def track(t: torch.Tensor, samples: int, owned: frozenset | None = None) -> torch.Tensor:
+    """``t`` (rows = the step's ``samples``) as :class:`SampleRows`, sharing its autograd history;
+    ``owned``: for the model's outputs, the ids of its trainable parameters (their rows are those
+    of the call's inputs, :func:`note_call`)."""
+    window = CALL.get("window")
+    if window is not None and window[1] - window[0] == samples:
+        return tag(t, State(CALL["samples"], owned=owned, window=window))
+    return tag(t, State(samples, owned=owned))
+
+
+def track_batch(batch, samples: int):
+    """A collated batch with every tensor whose rows are the ``samples`` tracked (tensors, dicts
+    and mappings such as transformers' BatchEncoding, lists, tuples)."""
+    if isinstance(batch, torch.Tensor):
+        return track(batch, samples) if batch.dim() > 0 and batch.shape[0] == samples else batch
+    if isinstance(batch, MutableMapping):  # dict, BatchEncoding: a fresh batch, edited in place
+        for k in list(batch.keys()):
+            batch[k] = track_batch(batch[k], samples)
+        return batch
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(track_batch(v, samples) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(track_batch(v, samples) for v in batch)
+    return batch
+
+
+def tag(t: torch.Tensor, state: State) -> SampleRows:
+    """``t`` as a SampleRows with ``state``: the same object if it is one; a tensor that needs no
+    gradient history becomes one sharing its data, not a view (the user may edit it in place)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        if isinstance(t, SampleRows):
+            s = t
+        elif t.requires_grad:
+            s = t.as_subclass(SampleRows)
+        else:
+            s = torch.Tensor._make_subclass(SampleRows, t, False)
+    s.rows = state
+    return s
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A tracked tensor as an ordinary one (what the model itself gets); refuses rows that are no
+    longer the batch's samples in order, and statistics of the batch."""
+    if not isinstance(t, SampleRows):
+        return t
+    if not t.rows.aligned or t.rows.stat or t.rows.pooled:
+        refuse("calling the model on the batch's rows reordered, combined or summarised (x.roll, x[perm], mixup)")
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.as_subclass(torch.Tensor)
