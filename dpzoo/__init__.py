@@ -32,6 +32,7 @@ from .errors import (
     UnsupportedBatchError,
     UnsupportedModuleError,
     UntestedVersionWarning,
+    WeakPrivacyWarning,
 )
 from .registry import ModelCard, is_model, list_models, model_card, register_model, unregister_model
 
@@ -139,4 +140,5 @@ __all__ = [
     "NoGradientWarning",
     "ReproducibleNoiseWarning",
     "UntestedVersionWarning",
+    "WeakPrivacyWarning",
 ]

@@ -86,6 +86,11 @@ class LossMixingError(PrivacyUsageError):
     statistic): the clipped sum's sensitivity would exceed R."""
 
 
+class WeakPrivacyWarning(UserWarning):
+    """A privacy budget that says little: no noise (ε = ∞), a target ε of 100 or more, or training
+    past the steps the noise was calibrated for (ε above the target)."""
+
+
 class UntestedVersionWarning(UserWarning):
     """torch or transformers is outside the range dpzoo's exactness suites were run on
     (``dpzoo.versions.TESTED``): dpzoo relies on their autograd and module internals, so the

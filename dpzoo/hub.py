@@ -273,8 +273,13 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
         raise SaveError(f"{cfg_path} lacks model_name; it is not a dpzoo config.")
     if cfg.get("format_version", 0) > FORMAT_VERSION:
         raise SaveError(f"{directory} was written by a newer dpzoo (format {cfg['format_version']}); upgrade dpzoo.")
-    if "privacy" in cfg:
-        cfg["privacy"] = privacy_from_json(cfg["privacy"])
+    if cfg.get("privacy") is not None:  # validated as save validates it: a hand-edited record is refused
+        try:
+            cfg["privacy"] = check_privacy(privacy_from_json(cfg["privacy"]))
+        except SaveError as e:
+            raise SaveError(
+                f"{cfg_path}: its privacy record is invalid ({e}); it cannot be composed into a new ε."
+            ) from None
     return cfg
 
 

@@ -236,7 +236,7 @@ def touches(dims, sample_dim: int | None, ndim: int) -> bool:
 
 def leaves(args, kwargs) -> list:
     """The arguments and those inside lists and tuples (torch functions take tensors there)."""
-    found = []
+    found: list = []
     for a in (*args, *kwargs.values()):
         if isinstance(a, (list, tuple)):
             found.extend(a)

@@ -16,7 +16,7 @@ the samples in order (``aligned``), a single sample's values (``row``) or a stat
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import torch
 
@@ -58,7 +58,7 @@ class State(NamedTuple):
     window: tuple | None = None  # rows [start, stop) of the batch (a slice, a micro-batch); None: all
 
 
-def refuse(what: str) -> None:
+def refuse(what: str) -> NoReturn:
     raise LossMixingError(
         f"{what} mixes samples: each one's clipped gradient would depend on the others (false ε); {FIX}."
     )

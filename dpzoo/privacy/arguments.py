@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import pathlib
-import sys
 import warnings
 
 import torch
@@ -22,6 +20,7 @@ from torch.utils.data import DataLoader
 
 from ..errors import PrivacyUsageError, ReproducibleNoiseWarning
 from ..grad_norms.plan import find_problems, refusal
+from .caller import first_frame_outside_dpzoo
 from .clipping import CLIPPING
 from .modes import MODES
 from .optimizer import DPOptimizer
@@ -175,17 +174,5 @@ def warn_seeds(noise_seed: int | None, sample_seed: int | None) -> None:
                 "reproducible, so it is not secret: the guarantee does not hold against anyone who "
                 "holds the seed. Leave it None outside tests.",
                 ReproducibleNoiseWarning,
-                stacklevel=_first_frame_outside_dpzoo(),
+                stacklevel=first_frame_outside_dpzoo(),
             )
-
-
-_PACKAGE_DIR = str(pathlib.Path(__file__).resolve().parents[1])
-
-
-def _first_frame_outside_dpzoo() -> int:
-    """The ``stacklevel`` of the first caller outside the dpzoo package (make_private is reached
-    through wrappers such as make_private_with_epsilon, so a fixed level would point inside)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and str(pathlib.Path(frame.f_code.co_filename).resolve()).startswith(_PACKAGE_DIR):
-        frame, level = frame.f_back, level + 1
-    return level

@@ -5,11 +5,13 @@ a target ε over the epochs (``make_private``, ``DPOptimizer.load_state_dict``).
 from __future__ import annotations
 
 import os
+import warnings
 
 from torch import nn
 
-from ..errors import DPZooError, PrivacyUsageError
+from ..errors import DPZooError, PrivacyUsageError, WeakPrivacyWarning
 from .accountant import Accountant, get_noise_multiplier
+from .caller import first_frame_outside_dpzoo
 
 __all__ = [
     "compute_sample_rate",
@@ -146,7 +148,29 @@ def calibrate(
                 raise
             raise PrivacyUsageError(f"Cannot calibrate the noise: {e}") from None
     accountant.check(float(noise_multiplier), sample_rate)  # e.g. a history this accountant cannot compose
+    warn_weak_budget(float(noise_multiplier), target_epsilon)
     return noise_multiplier
+
+
+WEAK_EPSILON = 100.0  # a target at or above it says little (DP training papers report ε ≤ 10)
+
+
+def warn_weak_budget(noise_multiplier: float, target_epsilon: float | None) -> None:
+    """A :class:`~dpzoo.errors.WeakPrivacyWarning` for no noise (ε = ∞) or a target ε ≥ 100."""
+    if noise_multiplier == 0:
+        warnings.warn(
+            "noise_multiplier = 0: no noise, so ε = ∞ and the run is not differentially private (the metadata "
+            "will say so). Use a target_epsilon or a noise_multiplier > 0.",
+            WeakPrivacyWarning,
+            stacklevel=first_frame_outside_dpzoo(),
+        )
+    elif target_epsilon is not None and target_epsilon >= WEAK_EPSILON:
+        warnings.warn(
+            f"target_epsilon = {target_epsilon:g}: a guarantee this weak says little (e^ε bounds how much more "
+            "likely any outcome becomes with one sample); DP training usually targets ε ≤ 10.",
+            WeakPrivacyWarning,
+            stacklevel=first_frame_outside_dpzoo(),
+        )
 
 
 def restore_history(accountant: Accountant, state: dict) -> None:

@@ -97,6 +97,7 @@ class PrivacyEngine(OpacusParity):
         self.memory_budget: float | None = None
         self.self_check_result: str | None = None
         self._watch: TrainingWatch | None = None  # the duties around each forward and step
+        self.planned_steps: int | None = None  # the steps σ was calibrated for (target_epsilon given)
         self._call_hooks: list = []  # model_call hooks: plain inputs, a transformers labels= loss per sample
 
     # -- set-up ------------------------------------------------------------------------------
@@ -225,6 +226,7 @@ class PrivacyEngine(OpacusParity):
             steps_per_epoch=len(loader),
         )
         self.prior_spending = prior
+        self.planned_steps = int(epochs) * len(loader) if target_epsilon is not None else None  # σ's calibration
         # 4. the optimizer must train exactly the parameters dpzoo will clip
         trainable = mode_trainable(mode, module, train_head)
         check_optimizer_parameters(module, optimizer, trainable)

@@ -9,13 +9,15 @@ and the loader's :class:`~dpzoo.privacy.data.StepSignal`) and removed by ``detac
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ..errors import DPZooError
+from ..errors import DPZooError, WeakPrivacyWarning
 from ..grad_norms.autocast import no_autocast
 from ..grad_norms.copy_inert import CopyInert
+from .caller import first_frame_outside_dpzoo
 from .data import StepSignal
 from .guards import StateWatch, check_step_parameters, trainable_changed
 from .verify import self_check
@@ -68,8 +70,18 @@ class TrainingWatch:
         self.handles = []
 
     def check_parameters(self) -> None:
-        """At each step: the optimizer still trains exactly the hooked parameters."""
-        check_step_parameters(self.engine.module, self.engine.hooks, self.engine.optimizer)
+        """At each step: the optimizer still trains exactly the hooked parameters; the first step past
+        the steps σ was calibrated for says so (ε then exceeds the target)."""
+        engine = self.engine
+        check_step_parameters(engine.module, engine.hooks, engine.optimizer)
+        if engine.planned_steps is not None and engine.optimizer.steps == engine.planned_steps:
+            warnings.warn(
+                f"step {engine.planned_steps + 1} is past the {engine.planned_steps} steps σ = "
+                f"{engine.noise_multiplier:.3g} was calibrated for: ε now exceeds the target (engine.get_epsilon() "
+                "reports it, and the saved metadata records it).",
+                WeakPrivacyWarning,
+                stacklevel=first_frame_outside_dpzoo(),
+            )
 
     def on_forward(self, module, args, kwargs):
         """Before every training forward: follow freezing/unfreezing, take the previous
