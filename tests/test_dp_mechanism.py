@@ -96,31 +96,34 @@ def test_one_sample_moves_the_released_sum_by_its_clipped_norm_at_most_R(clippin
 # -- secret noise ---------------------------------------------------------------------------------
 
 
-def _noise_steps(model, n_steps, sigma, R, reduction="sum", steps_data=8):
+def _noise_steps(model, n_steps, sigma, R, reduction="sum", steps_data=64):
     """Updates of ``n_steps`` steps whose clipped sum is exactly 0 (a loss that is 0 · output):
-    each is −lr · noise [/ expected batch size], with secret noise (no noise_seed)."""
+    each is −lr · noise [/ expected batch size], with secret noise (no noise_seed). Poisson batches
+    of expected size steps_data / 4 per rank: an empty one, which the engine would take as a
+    noise-only step without yielding it, has probability below 1e-7."""
     engine = dpzoo.PrivacyEngine()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     data = TensorDataset(torch.randn(steps_data, model[0].in_features, dtype=F64))
     model, opt, loader = engine.make_private(
         module=model,
         optimizer=opt,
-        data_loader=DataLoader(data, batch_size=4),
+        data_loader=DataLoader(data, batch_size=steps_data // 4),
         noise_multiplier=sigma,
         max_grad_norm=R,
         loss_reduction=reduction,
         self_check=False,  # a zero loss has nothing to check
     )
-    out = []
-    for (xb,) in loader:
-        before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
-        (0.0 * model(xb).sum()).backward()
-        opt.step()
-        opt.zero_grad()
-        after = torch.cat([p.detach().flatten() for p in model.parameters()])
-        out.append((before - after) * (engine.expected_batch_size if reduction == "mean" else 1.0))
-        if len(out) == n_steps:
-            break
+    out: list = []
+    while len(out) < n_steps:  # as many epochs as it takes (one step per epoch at q = 1)
+        for (xb,) in loader:
+            before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+            (0.0 * model(xb).sum()).backward()
+            opt.step()
+            opt.zero_grad()
+            after = torch.cat([p.detach().flatten() for p in model.parameters()])
+            out.append((before - after) * (engine.expected_batch_size if reduction == "mean" else 1.0))
+            if len(out) == n_steps:
+                break
     return out
 
 
@@ -143,7 +146,7 @@ def test_secret_noise_has_std_sigma_R_and_is_fresh_each_step(reduction):
 def _ddp_noise(rank, world, sigma, R):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(100, 60)).double()
-    return _noise_steps(model, 2, sigma, R, steps_data=16)
+    return _noise_steps(model, 2, sigma, R, steps_data=128)
 
 
 def _worker(rank, world, port, out_dir, fn, args):
