@@ -3,6 +3,7 @@ positive controls; one JSON per claimed ε, the evidence of docs/RESULTS.md's au
 
     python benchmarks/audit_sweep.py --epsilon 2 --seeds 0 1 2 3 4 5 6 7 8 9 --out benchmarks/results/audit
     python benchmarks/audit_sweep.py --epsilon 4 --seeds 0 1 2 --out benchmarks/results/audit
+    python benchmarks/audit_sweep.py --threat-model white-box --epsilon 2 --seeds 0 1 2 3 4
 
 Each (mechanism, seed) is one ``dpzoo.audit(epsilon=E, seed=S, broken=B)`` with the built-in
 defaults (digits + 1,000 Dirac canaries, 10 epochs, Abadi clipping at R = 1); the engine's noise
@@ -22,14 +23,19 @@ import torch
 
 import dpzoo
 
-MECHANISMS = (None, "no-noise", "unclipped")  # None: dpzoo's engine as is
+MECHANISMS = {  # None: dpzoo's engine as is
+    "black-box": (None, "no-noise", "unclipped"),
+    "white-box": (None, "no-noise", "sensitivity-2x", "sensitivity-1.5x", "half-noise"),
+}
 
 
-def run(epsilon: float, seeds: list[int]) -> list[dict]:
+def run(epsilon: float, seeds: list[int], threat_model: str, canaries: int, mechanisms) -> list[dict]:
     rows = []
     for seed in seeds:
-        for broken in MECHANISMS:
-            result = dpzoo.audit(epsilon=epsilon, seed=seed, broken=broken)
+        for broken in mechanisms:
+            result = dpzoo.audit(
+                epsilon=epsilon, seed=seed, broken=broken, threat_model=threat_model, canaries=canaries
+            )
             row = result.to_dict(scores=False) | {"seed": seed}
             rows.append(row)
             print(f"ε = {epsilon} seed {seed} {broken or 'engine'}: bound {result.epsilon_lower_bound:.3f}", flush=True)
@@ -41,8 +47,14 @@ def main(argv=None) -> int:
     p.add_argument("--epsilon", type=float, default=2.0)
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--out", default="benchmarks/results/audit")
+    p.add_argument("--threat-model", choices=list(MECHANISMS), default="black-box")
+    p.add_argument("--canaries", type=int, default=1000)
+    p.add_argument("--mechanisms", nargs="+", default=None, help="engine and/or control names (default: all)")
     args = p.parse_args(argv)
-    rows = run(args.epsilon, args.seeds)
+    mechanisms = MECHANISMS[args.threat_model]
+    if args.mechanisms:
+        mechanisms = tuple(None if m == "engine" else m for m in args.mechanisms)
+    rows = run(args.epsilon, args.seeds, args.threat_model, args.canaries, mechanisms)
     meta = {
         "command": "python benchmarks/audit_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),
@@ -52,7 +64,9 @@ def main(argv=None) -> int:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"audit_eps{args.epsilon:g}.json"
+    name = "audit" if args.threat_model == "black-box" else "white_box"
+    suffix = "" if args.canaries == 1000 else f"_m{args.canaries}"
+    path = out / f"{name}_eps{args.epsilon:g}{suffix}.json"
     path.write_text(json.dumps({"meta": meta, "runs": rows}, indent=1) + "\n")
     print("wrote", path)
     return 0

@@ -10,7 +10,7 @@ dpzoo cards --write DIR              (re)write the markdown model cards
 dpzoo train NAME [--data digits] [--epsilon 8] [--epochs 10] [--out DIR] [--resume DIR] ...
                                      private training on a built-in dataset (dpzoo.cli_train)
 dpzoo audit [--epsilon 2] [--delta 1e-5] [--canaries 1000] [--epochs 10]
-            [--broken no-noise|unclipped | --with-controls] [--out DIR] [--seed 0]
+            [--broken NAME | --with-controls] [--white-box] [--out DIR] [--seed 0]
                                      empirical lower bound on ε in one training run (exit 1
                                      when it exceeds the claimed ε)
 
@@ -30,7 +30,7 @@ import warnings
 from pathlib import Path
 
 from .cli_args import Parser, key_value, nonnegative_int, option, positive_float, positive_int, unit_interval
-from .cli_choices import usable_accountants
+from .cli_choices import AUDIT_CONTROLS, usable_accountants
 from .cli_train import add_train_parser
 from .errors import DPZooError
 
@@ -141,11 +141,13 @@ def _cmd_audit(args) -> int:
 
     out = writable_dir(args.out) if args.out else None  # before the audit's training, not after
     torch.set_num_threads(1)  # a linear model on 64 + m inputs: threads only add overhead (and stall on a busy CPU)
-    runs = [None, "no-noise", "unclipped"] if args.with_controls else [args.broken]
+    control_runs = ["no-noise", "sensitivity-2x"] if args.white_box else ["no-noise", "unclipped"]
+    runs = [None, *control_runs] if args.with_controls else [args.broken]
     results = []
     for broken in runs:
         print(
-            f"== audit of {broken or 'dpzoo engine'}: {args.canaries} canaries, {args.epochs} epochs, "
+            f"== {'white-box' if args.white_box else 'black-box'} audit of {broken or 'dpzoo engine'}: "
+            f"{args.canaries} canaries, {args.epochs} epochs, "
             f"claimed ε = {args.epsilon} at δ = {args.delta}",
             flush=True,
         )
@@ -163,6 +165,7 @@ def _cmd_audit(args) -> int:
             accountant=args.accountant,
             log=print,
             progress=False if args.quiet else None,
+            threat_model="white-box" if args.white_box else "black-box",
         )
         for line in r.lines():
             print(f"  {line}")
@@ -244,7 +247,7 @@ def _add_audit_command(sub) -> None:
     option(
         g,
         "--broken",
-        choices=["no-noise", "unclipped"],
+        choices=AUDIT_CONTROLS,
         default=None,
         help="audit a deliberately broken mechanism instead (a positive control); default: dpzoo's engine",
     )
@@ -252,7 +255,14 @@ def _add_audit_command(sub) -> None:
         g,
         "--with-controls",
         kind="flag",
-        help="audit dpzoo's engine and both positive controls (exit 3 if a control does not fire)",
+        help="audit dpzoo's engine and two positive controls (exit 3 if a control does not fire)",
+    )
+    option(
+        s,
+        "--white-box",
+        kind="flag",
+        help="observe every noisy step of the canaries' own coordinates (DP-SGD's threat model; stronger than "
+        "the default black-box audit of the final model); controls: no-noise, sensitivity-2x",
     )
     option(s, "--batch-size", type=positive_int, default=64, help="expected Poisson batch size")
     option(s, "--lr", type=positive_float, default=2.0, help="SGD's learning rate")

@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 __all__ = [
+    "AUDIT_CONTROLS",
     "BUILTIN_MODELS",
     "BUILTIN_ACCOUNTANTS",
     "BUILTIN_MODES",
@@ -138,3 +139,7 @@ def datasets_help() -> str:
 def max_len_help() -> str:
     """The named datasets whose default input length is not 50 (``ml-1m: 200``)."""
     return ", ".join(f"{name}: {max_len}" for name, (_, max_len) in _datasets().items() if max_len != 50)
+
+
+# dpzoo.audit.BROKEN, spelled here so that `dpzoo --help` does not import torch (a test keeps them equal)
+AUDIT_CONTROLS = ["no-noise", "unclipped", "sensitivity-1.5x", "sensitivity-2x", "half-noise"]

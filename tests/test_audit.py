@@ -222,3 +222,60 @@ def test_general_path_and_cli(tmp_path, capsys):
     assert "BOUND EXCEEDS CLAIM" in out and "claimed ε = 2" in out
     d = json.loads((tmp_path / "audit.json").read_text())
     assert d["broken"] == "no-noise" and d["exceeds"] is True and d["epsilon_lower_bound"] > d["claimed_epsilon"]
+
+
+# -- the white-box audit (issue 27): every noisy step of the canaries' own coordinates ------------
+
+
+def test_white_box_score_is_the_log_likelihood_ratio_of_the_claimed_mechanism():
+    """One step, written by hand: canary i's column of the noisy sum projected on its clipped
+    gradient's direction z, and log(1 - q + q exp((a z - a²/2) / (σR)²)) with a its clipped length."""
+    from dpzoo.audit.white_box import CanaryColumnScores
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(4 + 3, 5).double()
+    cx = torch.zeros(3, 7, dtype=torch.float64)
+    cx[torch.arange(3), 4 + torch.arange(3)] = torch.tensor([50.0, 0.5, 2.0], dtype=torch.float64)
+    cy = torch.tensor([1, 4, 0])
+    sigma, R, q, scale = 1.3, 0.7, 0.1, 8.0
+    claim = {"noise_multiplier": sigma, "max_grad_norm": R, "sample_rate": q, "clipping": "abadi", "sum_scale": scale}
+    scores = CanaryColumnScores(linear, 4, cx, cy, claimed=claim)
+    linear.weight.grad = torch.randn_like(linear.weight)
+    scores.observe(None, (), {})
+    expected = []
+    for i in range(3):
+        logits = linear(cx[i])
+        residual = torch.softmax(logits, 0) - torch.nn.functional.one_hot(cy[i], 5).double()
+        g = torch.cat([torch.outer(residual, cx[i]).flatten(), residual])  # the canary's whole gradient
+        clipped_column = torch.outer(residual, cx[i])[:, 4 + i] * min(1.0, R / float(g.norm()))
+        a = float(clipped_column.norm())
+        z = float(linear.weight.grad[:, 4 + i] * scale @ (clipped_column / a))
+        s2 = (sigma * R) ** 2
+        expected.append(math.log(1 - q + q * math.exp((a * z - a * a / 2) / s2)))
+    assert torch.allclose(scores.scores, torch.tensor(expected, dtype=torch.float64), rtol=1e-9)
+
+
+@pytest.mark.slow
+def test_white_box_engine_stays_below_its_claim_and_the_controls_rank_above_it():
+    engine = _audit(threat_model="white-box")
+    doubled = _audit(threat_model="white-box", broken="sensitivity-2x")
+    silent = _audit(threat_model="white-box", broken="no-noise")
+    assert engine.mechanism["threat_model"].startswith("white-box") and not engine.exceeds
+    assert doubled.claimed_epsilon == pytest.approx(engine.claimed_epsilon, rel=1e-3)
+    assert doubled.mechanism["actual_max_grad_norm"] == 2 * doubled.mechanism["max_grad_norm"]
+    assert doubled.epsilon_lower_bound > engine.epsilon_lower_bound  # a 2R leak is seen (not yet above ε = 2)
+    assert silent.exceeds
+
+
+def test_white_box_refuses_what_it_cannot_observe():
+    with pytest.raises(dpzoo.DPZooError, match="unclipped.*black-box audit"):
+        dpzoo.audit(threat_model="white-box", broken="unclipped")
+    with pytest.raises(dpzoo.DPZooError, match="threat_model must be"):
+        dpzoo.audit(threat_model="grey-box")
+
+
+def test_cli_audit_controls_are_the_audits():
+    from dpzoo.audit import BROKEN
+    from dpzoo.cli_choices import AUDIT_CONTROLS
+
+    assert tuple(AUDIT_CONTROLS) == BROKEN

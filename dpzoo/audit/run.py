@@ -21,8 +21,9 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset, TensorDataset
 from ..errors import DPZooError
 from .guesses import DEFAULT_GUESS_FRACTIONS, best_guesses
 from .report import AuditResult
-from .task import digits_canary_task, loss_score
+from .task import DIGITS_FEATURES, digits_canary_task, loss_score
 from .training import BROKEN, train_audited_model
+from .white_box import column_observer
 
 __all__ = ["audit"]
 
@@ -52,6 +53,7 @@ def audit(
     sample_seed: int | None = None,
     log: Callable[[str], None] | None = None,
     progress: bool | None = None,
+    threat_model: str = "black-box",
 ) -> AuditResult:
     """Insert canaries, train once with dpzoo's engine, return the empirical lower bound on ε.
 
@@ -79,6 +81,8 @@ def audit(
     guesses r, split evenly in / out), each tested at (1 - confidence) / len(guess_fractions).
     """
     _validate(epsilon, delta, epochs, batch_size, lr, max_grad_norm, broken, confidence, guess_fractions)
+    white = _threat_model(threat_model, dataset, broken)
+    observed: list = []
     log = log or (lambda s: None)
     t0 = time.time()
     with torch.random.fork_rng(devices=[]):
@@ -135,8 +139,14 @@ def audit(
             sample_seed=sample_seed,
             log=log,
             progress=progress,
+            on_private=column_observer(DIGITS_FEATURES, cx, cy, observed) if white else None,
         )
         model.eval()
+        if white:  # every noisy update of the canaries' columns, not the final model
+            observed[0].detach()
+            mech["threat_model"], score_fn = "white-box: every noisy step", lambda *a: observed[0].scores
+        else:
+            mech["threat_model"] = "black-box: the final model"
         scores = score_fn(model, cx, cy).detach().float().flatten()
         if scores.shape[0] != m or not torch.isfinite(scores).all():
             raise DPZooError(
@@ -190,8 +200,25 @@ def _validate(epsilon, delta, epochs, batch_size, lr, max_grad_norm, broken, con
     if not max_grad_norm > 0:
         raise DPZooError(f"max_grad_norm must be > 0, got {max_grad_norm!r}.")
     if broken is not None and broken not in BROKEN:
-        raise DPZooError(f"broken must be None, 'no-noise' or 'unclipped', got {broken!r}.")
+        raise DPZooError(f"broken must be None or one of {', '.join(BROKEN)}, got {broken!r}.")
     if not 0 < confidence < 1:
         raise DPZooError(f"confidence must be in (0, 1), e.g. 0.95, got {confidence!r}.")
     if not guess_fractions or not all(0 < f <= 1 for f in guess_fractions):
         raise DPZooError(f"guess_fractions must be fractions of the canaries in (0, 1], got {guess_fractions!r}.")
+
+
+def _threat_model(threat_model: str, dataset, broken) -> bool:
+    """True for the white-box audit, after refusing what it cannot observe."""
+    if threat_model not in ("black-box", "white-box"):
+        raise DPZooError(f"threat_model must be 'black-box' or 'white-box', got {threat_model!r}.")
+    if threat_model == "white-box" and dataset is not None:
+        raise DPZooError(
+            "threat_model='white-box' observes the built-in task's isolated canary coordinates; with your own "
+            "dataset use the black-box audit."
+        )
+    if threat_model == "white-box" and broken == "unclipped":
+        raise DPZooError(
+            "broken='unclipped' trains a copy outside the engine, which the white-box observer of the engine's "
+            "releases does not see: use it with the black-box audit, or broken='sensitivity-2x'."
+        )
+    return threat_model == "white-box"

@@ -10,22 +10,29 @@ Training is the engine's public API (Poisson batches, SGD, ``target_epsilon`` at
 * ``"unclipped"``: a second copy of the model, added to the first one's output, is trained
   by a plain torch SGD optimizer outside the engine: DP-SGD's update with the engine's noise
   (same σ, R, expected batch size) but without clipping; the claimed ε is the engine's report.
-  Large-norm canaries (``canary_norm``) make that unclipped gradient dwarf the noise.
+  Large-norm canaries (``canary_norm``) make that unclipped gradient dwarf the noise;
+* ``"sensitivity-1.5x"`` / ``"sensitivity-2x"``: the engine clips at k·R with σ/k, so the noise
+  is the claimed σR but one sample moves the sum by k·R (a clipping bug; true ε ≈ k²·ε at small ε);
+* ``"half-noise"``: the engine runs with σ/2 while claiming σ.
 
 Both must end with a bound above the claim; dpzoo's engine must not (with probability ≥ 1 - β).
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
+from ..errors import WeakPrivacyWarning
 from ..progress import StepBar
 
 __all__ = ["BROKEN", "train_audited_model"]
 
-BROKEN = ("no-noise", "unclipped")
+BROKEN = ("no-noise", "unclipped", "sensitivity-1.5x", "sensitivity-2x", "half-noise")
+SCALED = {"sensitivity-1.5x": 1.5, "sensitivity-2x": 2.0}  # a clip that lets k·R of a sample through
 
 
 class _OutsideEngine(nn.Module):
@@ -58,6 +65,7 @@ def train_audited_model(
     sample_seed,
     log,
     progress=None,
+    on_private=None,
 ):
     """One private training run with dpzoo's engine (or a deliberately broken variant).
 
@@ -71,30 +79,45 @@ def train_audited_model(
         side_opt = torch.optim.SGD(side.parameters(), lr=lr)  # outside the engine: noised but unclipped
     engine = PrivacyEngine(accountant=accountant)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
-    noise = dict(noise_multiplier=0.0) if broken == "no-noise" else dict(target_epsilon=epsilon)
-    seeds = {k: v for k, v in (("noise_seed", noise_seed), ("sample_seed", sample_seed)) if v is not None}
-    model, opt, loader = engine.make_private(
-        module=model,
-        optimizer=opt,
-        data_loader=DataLoader(train_set, batch_size=batch_size),
-        target_delta=delta,
-        epochs=epochs,
-        max_grad_norm=max_grad_norm,
-        clipping=clipping,
-        mode="auto",
-        **noise,
-        **seeds,
-    )
     q = batch_size / len(train_set)
-    intended = (
-        get_noise_multiplier(epsilon, delta, q, epochs * len(loader), accountant)
-        if broken == "no-noise"
-        else engine.noise_multiplier
+    steps_planned = epochs * max(1, round(len(train_set) / batch_size))
+    claimed_sigma = (
+        get_noise_multiplier(epsilon, delta, q, steps_planned, accountant)
+        if broken not in (None, "unclipped")
+        else None
     )
+    noise = dict(target_epsilon=epsilon)
+    clip = max_grad_norm
+    if broken == "no-noise":
+        noise = dict(noise_multiplier=0.0)
+    elif broken in SCALED:
+        noise, clip = dict(noise_multiplier=claimed_sigma / SCALED[broken]), max_grad_norm * SCALED[broken]
+    elif broken == "half-noise":
+        noise = dict(noise_multiplier=claimed_sigma / 2)
+    seeds = {k: v for k, v in (("noise_seed", noise_seed), ("sample_seed", sample_seed)) if v is not None}
+    with warnings.catch_warnings():
+        if broken is not None:  # a control breaks the mechanism on purpose: no warning about it
+            warnings.simplefilter("ignore", WeakPrivacyWarning)
+        model, opt, loader = engine.make_private(
+            module=model,
+            optimizer=opt,
+            data_loader=DataLoader(train_set, batch_size=batch_size),
+            target_delta=delta,
+            epochs=epochs,
+            max_grad_norm=clip,
+            clipping=clipping,
+            mode="auto",
+            **noise,
+            **seeds,
+        )
+    intended = claimed_sigma if claimed_sigma is not None else engine.noise_multiplier
+    if on_private is not None:  # the white-box observer: the claimed mechanism, and the released sums
+        claim = {"noise_multiplier": intended, "max_grad_norm": max_grad_norm, "sample_rate": q, "clipping": clipping}
+        on_private(model, opt, claim | {"sum_scale": engine.expected_batch_size})
     released = _OutsideEngine(model, side) if side is not None else model
     log(
         f"training: {len(train_set)} examples, q = {q:.4f}, σ = {engine.noise_multiplier:.3f}"
-        f"{f' (claimed: {intended:.3f})' if broken == 'no-noise' else ''}, {epochs} epochs"
+        f"{f' (claimed: {intended:.3f})' if claimed_sigma is not None else ''}, R = {clip:g}, {epochs} epochs"
         f"{', plus a copy trained outside the engine' if side is not None else ''}"
     )
     steps = 0
@@ -114,7 +137,7 @@ def train_audited_model(
                 bar.step(None if loss is None else loss.detach())
     engine.detach()
     steps = int(getattr(engine, "steps", steps))  # the accountant's count (it includes any step the engine took itself)
-    if broken == "no-noise":
+    if claimed_sigma is not None:  # the engine ran another σ or R: the claim is the intended mechanism's
         acc = Accountant(accountant)
         acc.step(intended, q, steps)
         claimed = acc.get_epsilon(delta)
@@ -124,6 +147,7 @@ def train_audited_model(
         "noise_multiplier": float(engine.noise_multiplier),
         "claimed_noise_multiplier": float(intended),
         "max_grad_norm": max_grad_norm,
+        "actual_max_grad_norm": clip,
         "clipping": clipping,
         "sample_rate": q,
         "steps": steps,
