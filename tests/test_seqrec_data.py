@@ -20,18 +20,20 @@ from dpzoo.seqrec.downloads import load_dataset
 from dpzoo.seqrec.formats import DataFormatError, read_amazon_csv, read_grouplens_ratings, read_ml100k, read_sasrec_text
 
 
-def _shared_data() -> Path:
-    env = os.environ.get("DPZOO_SHARED_DATA")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
+def _shared_data() -> Path | None:
+    """The real-data folder: ``$DPZOO_DATA``, the variable the library reads (ml-1m/, ml-100k/ ...)."""
+    env = os.environ.get("DPZOO_DATA")
+    return Path(env) if env else None
 
 
 SHARED = _shared_data()
 
 
 def _need(rel: str) -> Path:
-    p = SHARED / rel
-    if not p.is_file():
-        reason = f"real data {p} is absent (set DPZOO_SHARED_DATA to its folder)"
+    p = SHARED / rel if SHARED is not None else None
+    if p is None or not p.is_file():
+        where = f"{p} is absent" if p is not None else "DPZOO_DATA is not set"
+        reason = f"real data {rel}: {where} (set DPZOO_DATA to the folder holding it)"
         print("SKIP:", reason)
         pytest.skip(reason)
     return p
