@@ -1469,7 +1469,7 @@ def test_attaching_twice_keeps_the_first_handle_correct_or_refuses(loose_owner):
     _, per_param, _ = reference(m, _sq_loss, {"x": x}, B, torch.ones(B, dtype=F64))
     h1 = attach_norm_hooks(m)
     try:
-        with pytest.raises(dpzoo.UnsupportedModuleError, match="already has dpzoo norm hooks"):
+        with pytest.raises(dpzoo.UnsupportedModuleError, match="already has dpzoo's norm hooks"):
             attach_norm_hooks(m)
         h1.backward(_sq_loss(m, x))
         assert_close(h1.per_param_norms()["cls"], per_param["cls"], 1e-6, "cls via the first handle")

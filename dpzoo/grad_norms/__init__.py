@@ -1,6 +1,6 @@
 """Standardized per-sample gradient norms on every layer (see :func:`attach_norm_hooks`)."""
 
-from .hooks import LOOSE_TENSORS, MODES, NormHooks, attach_norm_hooks, register_loose_tensors
+from .hooks import LOOSE_TENSORS, MODES, NormHooks, attach_norm_hooks, attached_norm_hooks, register_loose_tensors
 from .plan import Problem, find_problems
 from .registry import RULES, Rule, find_rule, register_rule
 from .reps import Dense, Factored, OneHot
@@ -9,6 +9,7 @@ __all__ = [
     "register_loose_tensors",
     "LOOSE_TENSORS",
     "attach_norm_hooks",
+    "attached_norm_hooks",
     "NormHooks",
     "find_problems",
     "Problem",

@@ -96,8 +96,9 @@ class NormHooks:
         self._last_costs: dict | None = None
         if attached_norm_hooks(model) is not None:
             raise UnsupportedModuleError(
-                "This model already has dpzoo norm hooks attached; call "
-                ".detach() on the old handle first (two sets would split the records)."
+                "This model already has dpzoo's norm hooks (it was made private, or hooked, before): call "
+                "engine.detach() on the engine that made it private, or dpzoo.grad_norms.attached_norm_hooks(model)"
+                ".detach(), first (two sets would split the records)."
             )
         self.model, self.mode = model, mode
         self.ghost_backward = ghost_backward

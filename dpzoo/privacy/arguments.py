@@ -26,6 +26,7 @@ from .modes import MODES
 from .optimizer import DPOptimizer
 
 __all__ = [
+    "refuse_engine_options",
     "sample_mixing_modules",
     "check_module",
     "check_optimizer",
@@ -63,6 +64,20 @@ def sample_mixing_modules(model: nn.Module) -> list[str]:
     return out
 
 
+def refuse_engine_options(options: dict) -> None:
+    """``PrivacyEngine(**options)`` beyond ``accountant``: Opacus' ``secure_mode`` gets its own answer."""
+    if "secure_mode" in options:
+        raise PrivacyUsageError(
+            "secure_mode is Opacus' option: dpzoo always draws noise and Poisson batches from a generator seeded "
+            "by OS entropy (secret unless you pass noise_seed/sample_seed), not from torchcsprng; remove it."
+        )
+    if options:
+        raise PrivacyUsageError(
+            f"PrivacyEngine got unknown argument(s) {', '.join(sorted(options))}; it takes accountant= only "
+            "(the rest goes to make_private)."
+        )
+
+
 def check_module(module) -> None:
     """A plain :class:`torch.nn.Module`, not one wrapped in DistributedDataParallel."""
     if isinstance(module, nn.parallel.DistributedDataParallel):
@@ -73,6 +88,11 @@ def check_module(module) -> None:
         )
     if not isinstance(module, nn.Module):
         raise PrivacyUsageError(f"module must be a torch.nn.Module, got {type(module).__name__}.")
+    if any(p.is_meta for p in module.parameters()):
+        raise PrivacyUsageError(
+            "The model's parameters are on the meta device (not materialised): give them values first "
+            "(model.to_empty(device='cpu') then load_state_dict, or build the model on a real device)."
+        )
 
 
 def check_optimizer(optimizer) -> None:
@@ -146,6 +166,11 @@ def check_loader(data_loader) -> int:
     expected logical batch size of the Poisson-sampling loader that replaces it)."""
     if not isinstance(data_loader, DataLoader) and not hasattr(data_loader, "dataset"):
         raise PrivacyUsageError(f"data_loader must be a torch DataLoader, got {type(data_loader).__name__}.")
+    if isinstance(getattr(data_loader, "dataset", None), torch.utils.data.IterableDataset):
+        raise PrivacyUsageError(
+            "Poisson sampling draws each sample by its index: make_private needs a map-style dataset (__len__ and "
+            "__getitem__), not an IterableDataset."
+        )
     batch_size = getattr(data_loader, "batch_size", None)
     if batch_size is None:
         raise PrivacyUsageError(

@@ -46,6 +46,7 @@ from .arguments import (
     check_module,
     check_optimizer,
     check_settings,
+    refuse_engine_options,
     sample_mixing_modules,
     warn_seeds,
 )
@@ -75,7 +76,8 @@ def engine_of(module: nn.Module) -> "PrivacyEngine | None":
 class PrivacyEngine(OpacusParity):
     """Opacus-like entry point to dpzoo's DP training (see the module docstring)."""
 
-    def __init__(self, accountant: "str | Accountant" = "rdp"):
+    def __init__(self, accountant: "str | Accountant" = "rdp", **opacus_options):
+        refuse_engine_options(opacus_options)  # e.g. Opacus' secure_mode: one line saying why
         # an Accountant instance may already hold spent budget (e.g. dpzoo.frost.select's):
         # calibration and get_epsilon compose training after it
         self.accountant = accountant if isinstance(accountant, Accountant) else Accountant(accountant)

@@ -116,6 +116,11 @@ def translate_opacus_arguments(kwargs: dict[str, Any], accepted: set[str]) -> tu
                 "pass only one of them."
             )
         kwargs["mode"] = mode
+    if "accountant" in kwargs:
+        raise PrivacyUsageError(
+            "make_private(accountant=...): the accountant belongs to the engine, "
+            f"dpzoo.PrivacyEngine(accountant={kwargs['accountant']!r})."
+        )
     unknown = sorted(set(kwargs) - accepted)
     if unknown:
         raise PrivacyUsageError(
