@@ -5,6 +5,7 @@ the single-process update on the same data, seed and noise; each sample is count
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import warnings
@@ -72,6 +73,9 @@ def _worker(rank, world, port, out_dir, fn, args):
     try:
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+        # both ranks done before either tears gloo down (a rank leaving mid-teardown aborted the
+        # other with "terminate called without an active exception"); bounded, so a failed rank cannot hang it
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))
     finally:
         dist.destroy_process_group()
 

@@ -12,6 +12,7 @@ References share no code with dpzoo's clipping, noise or accounting (tests/dp_re
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import warnings
@@ -154,6 +155,9 @@ def _worker(rank, world, port, out_dir, fn, args):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.save(fn(rank, world, *args), os.path.join(out_dir, f"rank{rank}.pt"))
+        # both ranks done before either tears gloo down (a rank leaving mid-teardown aborted the
+        # other with "terminate called without an active exception"); bounded, so a failed rank cannot hang it
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))
     finally:
         dist.destroy_process_group()
 

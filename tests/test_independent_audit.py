@@ -17,6 +17,7 @@ measures how far the sum moves.
 from __future__ import annotations
 
 import copy
+import datetime
 import os
 import re
 import socket
@@ -737,6 +738,9 @@ def _dist_worker(rank, world, port, out_dir):
             except DPZooError as e:
                 results[case] = {"refused": True, "error": str(e)}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        # both ranks done before either tears gloo down (a rank leaving mid-teardown aborted the
+        # other with "terminate called without an active exception"); bounded, so a failed rank cannot hang it
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))
     finally:
         dist.destroy_process_group()
 
