@@ -4,9 +4,10 @@ positive controls; one JSON per claimed ε, the evidence of docs/RESULTS.md's au
     python benchmarks/audit_sweep.py --epsilon 2 --seeds 0 1 2 3 4 5 6 7 8 9 --out benchmarks/results/audit
     python benchmarks/audit_sweep.py --epsilon 4 --seeds 0 1 2 --out benchmarks/results/audit
     python benchmarks/audit_sweep.py --threat-model white-box --epsilon 2 --seeds 0 1 2 3 4
+    python benchmarks/audit_sweep.py --threat-model white-box --epsilon 2 --seeds 0 1 2 3 4 --canaries 1000
 
 Each (mechanism, seed) is one ``dpzoo.audit(epsilon=E, seed=S, broken=B)`` with the built-in
-defaults (digits + 1,000 Dirac canaries, 10 epochs, Abadi clipping at R = 1); the engine's noise
+defaults (digits + 1,000 Dirac canaries, 2,500 in the white-box audit, 10 epochs, Abadi clipping at R = 1); the engine's noise
 and sampling are secret, so a rerun gives other bounds for the engine's rows.
 """
 
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", default=[0])
     p.add_argument("--out", default="benchmarks/results/audit")
     p.add_argument("--threat-model", choices=list(MECHANISMS), default="black-box")
-    p.add_argument("--canaries", type=int, default=1000)
+    p.add_argument("--canaries", type=int, default=None, help="default: the audit's (1000; 2500 white-box)")
     p.add_argument("--mechanisms", nargs="+", default=None, help="engine and/or control names (default: all)")
     args = p.parse_args(argv)
     mechanisms = MECHANISMS[args.threat_model]
@@ -65,7 +66,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "audit" if args.threat_model == "black-box" else "white_box"
-    suffix = "" if args.canaries == 1000 else f"_m{args.canaries}"
+    suffix = "" if args.canaries is None else f"_m{args.canaries}"
     path = out / f"{name}_eps{args.epsilon:g}{suffix}.json"
     path.write_text(json.dumps({"meta": meta, "runs": rows}, indent=1) + "\n")
     print("wrote", path)

@@ -279,3 +279,15 @@ def test_cli_audit_controls_are_the_audits():
     from dpzoo.cli_choices import AUDIT_CONTROLS
 
     assert tuple(AUDIT_CONTROLS) == BROKEN
+
+
+def test_cli_white_box_defaults_to_its_canary_count_and_reports_both_estimators(capsys):
+    from dpzoo.audit import WHITE_BOX_CANARIES
+    from dpzoo.cli import main
+
+    with _seeded_noise_ok():
+        assert main(["audit", "--white-box", "--epochs", "1", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert f"{WHITE_BOX_CANARIES} canaries" in out and WHITE_BOX_CANARIES > 1000
+    assert "one-run (Steinke et al. 2023)" in out and "Gaussian DP (Nasr et al. 2023)" in out
+    assert "each at 97.5%" in out

@@ -15,15 +15,21 @@ Training Run*, NeurIPS 2023 (arXiv:2305.08846):
    main theorem: under (ε, δ)-DP, P[v or more correct] ≤ f(v) + 2mδ · max_i (f(v-i) - f(v)) / i
    with f(v) = P[Binomial(r, e^ε/(1+e^ε)) ≥ v] (:mod:`dpzoo.audit.bound`).
 
+The white-box audit (``threat_model="white-box"``) scores each canary from every noisy step
+(:mod:`dpzoo.audit.white_box`) and adds the Gaussian-DP estimator of Nasr et al. 2023
+(:mod:`dpzoo.audit.gdp`); each estimator is tested at half the error budget and the larger bound
+is reported.
+
 :func:`audit` runs the four steps (:mod:`dpzoo.audit.run`) and returns an :class:`AuditResult`
 (:mod:`dpzoo.audit.report`). This package's job is to gather those names in one place: every
 public name is imported from here (``from dpzoo.audit import AuditResult, epsilon_lower_bound``).
 """
 
 from .bound import epsilon_lower_bound, one_run_p_value
+from .gdp import gdp_epsilon, gdp_lower_bound
 from .guesses import DEFAULT_GUESS_FRACTIONS
 from .report import AuditResult, plot_scores
-from .run import audit
+from .run import WHITE_BOX_CANARIES, audit
 from .task import DIGITS_FEATURES as DIGITS_FEATURES  # importable from here, outside __all__ (as before)
 from .task import LinearClassifier as LinearClassifier
 from .task import digits_canary_task, logit_change_score, loss_score
@@ -40,4 +46,7 @@ __all__ = [
     "loss_score",
     "plot_scores",
     "DEFAULT_GUESS_FRACTIONS",
+    "WHITE_BOX_CANARIES",
+    "gdp_lower_bound",
+    "gdp_epsilon",
 ]

@@ -1,7 +1,9 @@
 """What one audit reports: :class:`AuditResult` (claim, bound, verdict) and a histogram of its scores.
 
-The bound is the one-run audit's (Steinke, Nasr & Jagielski 2023): ε ≥ ``epsilon_lower_bound``
-with probability ``confidence``; ``exceeds`` says whether it refutes the claimed ε.
+The bound is the one-run audit's (Steinke, Nasr & Jagielski 2023) or, in the white-box audit, the
+larger of it and the Gaussian-DP estimator's (Nasr et al. 2023; ``estimator`` says which):
+ε ≥ ``epsilon_lower_bound`` with probability ``confidence``; ``exceeds`` says whether it refutes
+the claimed ε.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class AuditResult:
     included: int  # canaries that were in the training set
     broken: str | None  # None: dpzoo's engine as is
     max_auditable_epsilon: float  # the bound if every guess were right: claims above it cannot be refuted
+    estimator: str = "one-run"  # which estimator gave ``epsilon_lower_bound``: "one-run" or "gdp"
+    estimators: dict = field(default_factory=dict)  # each estimator's bound and the confidence it was tested at
     mechanism: dict = field(default_factory=dict)  # σ, R, q, steps, epochs, lr, ...
     candidates: list = field(default_factory=list)  # every (k+, k-, v, bound) tried
     test_accuracy: float | None = None
@@ -66,10 +70,25 @@ class AuditResult:
             f"{self.mechanism.get('steps')} steps)",
             f"claimed ε = {self.claimed_epsilon:.3f} at δ = {self.delta:g}",
             f"empirical lower bound ε ≥ {self.epsilon_lower_bound:.3f} at {100 * self.confidence:g}% confidence "
-            f"(m = {self.canaries} canaries, {self.included} in; r = {self.guesses} guesses, "
-            f"v = {self.correct} correct; most this audit can show: {self.max_auditable_epsilon:.2f})",
+            f"(m = {self.canaries} canaries, {self.included} in; {self._evidence()}; "
+            f"most this audit can show: {self.max_auditable_epsilon:.2f})",
+            *self._estimator_lines(),
             self.verdict,
         ]
+
+    def _evidence(self) -> str:
+        if self.estimator == "gdp":
+            g = self.estimators["gdp"]
+            return f"Gaussian DP: μ ≥ {g['mu']:.3f} from FPR ≤ {g['fpr_upper']:.3f}, FNR ≤ {g['fnr_upper']:.3f}"
+        return f"r = {self.guesses} guesses, v = {self.correct} correct"
+
+    def _estimator_lines(self) -> list[str]:
+        if len(self.estimators) < 2:
+            return []
+        names = {"one-run": "one-run (Steinke et al. 2023)", "gdp": "Gaussian DP (Nasr et al. 2023)"}
+        parts = [f"{names.get(k, k)} ε ≥ {v['epsilon_lower_bound']:.3f}" for k, v in self.estimators.items()]
+        level = next(iter(self.estimators.values()))["confidence"]
+        return [f"  estimators, each at {100 * level:g}%: " + "; ".join(parts) + f"; reported: {self.estimator}"]
 
 
 def plot_scores(result: AuditResult, path) -> bool:

@@ -21,6 +21,7 @@ Both must end with a bound above the claim; dpzoo's engine must not (with probab
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -66,10 +67,15 @@ def train_audited_model(
     log,
     progress=None,
     on_private=None,
+    physical_batch_size=None,
+    loss_scale=None,
 ):
     """One private training run with dpzoo's engine (or a deliberately broken variant).
 
-    Returns (released model, claimed ε at δ, mechanism settings)."""
+    The training path under audit: ``physical_batch_size`` steps through dpzoo's
+    ``BatchMemoryManager`` (micro-batches of at most that many examples, one noisy step per
+    logical batch); ``loss_scale`` runs the forward pass in float16 autocast with a
+    ``DPGradScaler`` at that scale. Returns (released model, claimed ε at δ, mechanism settings)."""
     from ..privacy import Accountant, PrivacyEngine, get_noise_multiplier
 
     model = model_fn().train()
@@ -120,23 +126,27 @@ def train_audited_model(
         f"{f' (claimed: {intended:.3f})' if claimed_sigma is not None else ''}, R = {clip:g}, {epochs} epochs"
         f"{', plus a copy trained outside the engine' if side is not None else ''}"
     )
-    steps = 0
     desc = f"audit ({broken})" if broken else "audit"
     with StepBar(epochs * len(loader), desc, enabled=progress, epsilon=lambda: engine.get_epsilon(delta)) as bar:
         for _ in range(epochs):
-            for x, y in loader:
-                loss = None
-                if len(y):  # an empty Poisson batch: no backward, the optimizer still adds noise and counts the step
-                    loss = loss_fn(released(x), y)
-                    loss.backward()
-                opt.step()
-                opt.zero_grad()
-                if side_opt is not None:
-                    _noisy_unclipped_step(side, side_opt, len(y), engine.noise_multiplier * max_grad_norm, batch_size)
-                steps += 1
-                bar.step(None if loss is None else loss.detach())
+            with _path(loader, opt, physical_batch_size, loss_scale) as (batches, backward, step):
+                for x, y in batches:
+                    loss = None
+                    if len(
+                        y
+                    ):  # an empty Poisson batch: no backward, the optimizer still adds noise and counts the step
+                        with torch.autocast("cpu", dtype=torch.float16, enabled=loss_scale is not None):
+                            loss = loss_fn(released(x), y)
+                        backward(loss)
+                    step()
+                    opt.zero_grad()
+                    if side_opt is not None:
+                        _noisy_unclipped_step(
+                            side, side_opt, len(y), engine.noise_multiplier * max_grad_norm, batch_size
+                        )
+                    bar.step(None if loss is None else loss.detach())
     engine.detach()
-    steps = int(getattr(engine, "steps", steps))  # the accountant's count (it includes any step the engine took itself)
+    steps = int(engine.steps)  # the accountant's count: logical steps, whatever the micro-batching
     if claimed_sigma is not None:  # the engine ran another σ or R: the claim is the intended mechanism's
         acc = Accountant(accountant)
         acc.step(intended, q, steps)
@@ -161,6 +171,21 @@ def train_audited_model(
         ),
     }
     return released, claimed, mech
+
+
+@contextmanager
+def _path(loader, opt, physical_batch_size, loss_scale):
+    """(batches to iterate, backward(loss), step()) for the training path under audit."""
+    from ..privacy import BatchMemoryManager, DPGradScaler
+
+    scaler = DPGradScaler(opt, loss_scale) if loss_scale is not None else None
+    backward = (lambda loss: scaler.scale(loss).backward()) if scaler else (lambda loss: loss.backward())
+    step = (lambda: (scaler.step(opt), scaler.update())) if scaler else opt.step
+    if physical_batch_size is None:
+        yield loader, backward, step
+        return
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=physical_batch_size, optimizer=opt) as batches:
+        yield batches, backward, step
 
 
 def _noisy_unclipped_step(
