@@ -25,6 +25,7 @@ from ..errors import CheckpointError, OverrideError
 from ..nn.hf_position_ids import with_per_sample_position_ids
 from ..surgery import make_dp_ready
 from ._common import reject_unknown, split_patch_options
+from .hub_reach import offline_unless_reachable
 
 
 @contextlib.contextmanager
@@ -178,7 +179,7 @@ def build_hf(
         source = Path(weights)
         _check_hf_dir(source)
     if source is not None:
-        with _quiet_transformers():
+        with _quiet_transformers(), offline_unless_reachable() if pretrained else contextlib.nullcontext():
             try:
                 # mismatches come back in `info` and are reported below, by name
                 model, info = model_cls.from_pretrained(

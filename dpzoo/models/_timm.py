@@ -16,6 +16,7 @@ from ..errors import CheckpointError, OverrideError
 from ..registry import ModelCard, register_model
 from ..surgery import make_dp_ready
 from ._common import Override, OverrideTable, library_kwargs, resolve_synonyms, split_patch_options
+from .hub_reach import offline_unless_reachable
 
 log = logging.getLogger("dpzoo")
 
@@ -153,7 +154,8 @@ def build_timm(
     if pretrained:
         name = f"{arch}.{pretrained_tag}" if pretrained_tag else arch
         try:
-            model = _create(name, True, **kwargs)
+            with offline_unless_reachable():
+                model = _create(name, True, **kwargs)
         except (OverrideError, CheckpointError):
             raise
         except Exception as e:  # hub unreachable, unknown tag, ...
