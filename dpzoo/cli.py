@@ -9,7 +9,7 @@ dpzoo prepare NAME [--set k=v ...] [--weights PATH] [--out DIR]
 dpzoo cards --write DIR              (re)write the markdown model cards
 dpzoo train NAME [--data digits] [--epsilon 8] [--epochs 10] [--out DIR] [--resume DIR] ...
                                      private training on a built-in dataset (dpzoo.cli_train)
-dpzoo audit [--epsilon 2] [--delta 1e-5] [--canaries 1000] [--epochs 10]
+dpzoo audit [--epsilon 2] [--delta 1e-5] [--canaries 1000|2500] [--epochs 10]
             [--broken NAME | --with-controls] [--white-box] [--out DIR] [--seed 0]
                                      empirical lower bound on ε in one training run (exit 1
                                      when it exceeds the claimed ε)
@@ -136,7 +136,7 @@ def _cmd_audit(args) -> int:
     3: with --with-controls, a positive control did not fire (the audit is too weak to vouch)."""
     import torch
 
-    from .audit import audit, plot_scores
+    from .audit import WHITE_BOX_CANARIES, audit, plot_scores
     from .run_io import writable_dir
 
     out = writable_dir(args.out) if args.out else None  # before the audit's training, not after
@@ -144,17 +144,18 @@ def _cmd_audit(args) -> int:
     control_runs = ["no-noise", "sensitivity-2x"] if args.white_box else ["no-noise", "unclipped"]
     runs = [None, *control_runs] if args.with_controls else [args.broken]
     results = []
+    m = args.canaries or (WHITE_BOX_CANARIES if args.white_box else 1000)
     for broken in runs:
         print(
             f"== {'white-box' if args.white_box else 'black-box'} audit of {broken or 'dpzoo engine'}: "
-            f"{args.canaries} canaries, {args.epochs} epochs, "
+            f"{m} canaries, {args.epochs} epochs, "
             f"claimed ε = {args.epsilon} at δ = {args.delta}",
             flush=True,
         )
         r = audit(
             epsilon=args.epsilon,
             delta=args.delta,
-            canaries=args.canaries,
+            canaries=m,
             epochs=args.epochs,
             batch_size=args.batch_size,
             lr=args.lr,
@@ -173,7 +174,7 @@ def _cmd_audit(args) -> int:
         results.append(r)
     if any(r.claimed_epsilon >= r.max_auditable_epsilon for r in results):
         print(
-            f"note: with {args.canaries} canaries this audit cannot show ε above "
+            f"note: with {m} canaries this audit cannot show ε above "
             f"{results[0].max_auditable_epsilon:.2f}; use more canaries to audit a larger claim."
         )
     if out is not None:
@@ -241,7 +242,13 @@ def _add_audit_command(sub) -> None:
     )
     option(s, "--epsilon", type=positive_float, default=2.0, help="the claimed ε the engine is calibrated to")
     option(s, "--delta", type=unit_interval, default=1e-5, help="δ of the claim")
-    option(s, "--canaries", type=positive_int, default=1000, help="m: each is in the training set with probability 1/2")
+    option(
+        s,
+        "--canaries",
+        type=positive_int,
+        default=None,
+        help="m: each is in the training set with probability 1/2 (default 1000; 2500 with --white-box)",
+    )
     option(s, "--epochs", type=positive_int, default=10, help="passes over the data")
     g = s.add_mutually_exclusive_group()
     option(
