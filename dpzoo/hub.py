@@ -64,6 +64,17 @@ def _jsonable(value: Any) -> Any:
     )
 
 
+def _refuse_dtype(overrides: dict) -> None:
+    """``torch_dtype=`` / ``dtype=`` (transformers' habit) is not a model size: say what to do."""
+    for key in ("torch_dtype", "dtype"):
+        if key in overrides:
+            raise OverrideError(
+                f"dpzoo.load builds models in float32 and takes no {key}=; cast after loading "
+                f"(model.to({overrides[key]!s})), or keep float32 weights and train under torch.autocast, "
+                "which DP training prefers (the clipped sums stay in float32)."
+            )
+
+
 def load(
     name_or_dir: str | os.PathLike,
     *,
@@ -92,6 +103,7 @@ def load(
     The returned model carries ``model.dpzoo_config`` (how to rebuild it) and
     ``model.dpzoo_patch_report`` (what dpzoo changed).
     """
+    _refuse_dtype(overrides)
     if _is_saved_directory(name_or_dir):
         if pretrained or pretrained_tag is not None or weights is not None:
             raise OverrideError(

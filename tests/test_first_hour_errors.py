@@ -71,3 +71,11 @@ def test_a_model_on_the_meta_device_is_refused():
     with pytest.raises(PrivacyUsageError, match="meta device.*to_empty") as e:
         _private(dpzoo.PrivacyEngine(), model, opt, loader)
     _one_line(e)
+
+
+@pytest.mark.parametrize("key", ["torch_dtype", "dtype"])
+def test_load_with_a_dtype_says_to_cast_after_loading(key):
+    """transformers' habit: was 'cannot be recorded for dpzoo.save', which says nothing useful."""
+    with pytest.raises(dpzoo.errors.OverrideError, match=rf"takes no {key}=; cast after loading") as info:
+        dpzoo.load("resnet18-gn-bias", width=8, **{key: torch.bfloat16})
+    assert "\n" not in str(info.value)
