@@ -154,12 +154,14 @@ def register_broadcast_lookup(owner_type: type, names: Iterable[str]) -> None:
 
 def is_broadcast_lookup(owner: nn.Module | None, attr: str) -> bool:
     """Whether ``owner`` declares its submodule ``attr`` a broadcast lookup."""
+    return _listed_for(BROADCAST_LOOKUPS, owner, attr)
+
+
+def _listed_for(table: dict[tuple[str, str], tuple[str, ...]], owner: nn.Module | None, attr: str) -> bool:
+    """Whether ``owner``'s class, or one it inherits from, lists ``attr`` in ``table``."""
     if owner is None:
         return False
-    for cls in type(owner).__mro__:
-        if attr in BROADCAST_LOOKUPS.get((cls.__module__, cls.__qualname__), ()):
-            return True
-    return False
+    return any(attr in table.get((c.__module__, c.__qualname__), ()) for c in type(owner).__mro__)
 
 
 # Embeddings looked up once for the whole batch, with no batch dimension at all: T5's relative
@@ -186,11 +188,9 @@ SHARED_LOOKUP_NAMES = ("relative_attention_bias", "global_relative_attention_bia
 def is_shared_lookup(owner: nn.Module | None, attr: str) -> bool:
     """Whether ``owner`` looks its submodule ``attr`` up once for the whole batch (a position
     table with no batch dimension: no per-sample gradient)."""
-    if owner is None:
-        return False
-    if attr in SHARED_LOOKUP_NAMES:
+    if owner is not None and attr in SHARED_LOOKUP_NAMES:
         return True
-    return any(attr in SHARED_LOOKUPS.get((c.__module__, c.__qualname__), ()) for c in type(owner).__mro__)
+    return _listed_for(SHARED_LOOKUPS, owner, attr)
 
 
 def shared_lookup_refusal(owner: nn.Module | None, attr: str, what: str, path: str) -> str | None:
