@@ -127,24 +127,23 @@ def train_audited_model(
         f"{', plus a copy trained outside the engine' if side is not None else ''}"
     )
     desc = f"audit ({broken})" if broken else "audit"
-    with StepBar(epochs * len(loader), desc, enabled=progress, epsilon=lambda: engine.get_epsilon(delta)) as bar:
+    with (
+        StepBar(epochs * len(loader), desc, enabled=progress, epsilon=lambda: engine.get_epsilon(delta)) as bar,
+        _path(loader, opt, physical_batch_size, loss_scale) as (batches, backward, step),
+    ):
         for _ in range(epochs):
-            with _path(loader, opt, physical_batch_size, loss_scale) as (batches, backward, step):
-                for x, y in batches:
-                    loss = None
-                    if len(
-                        y
-                    ):  # an empty Poisson batch: no backward, the optimizer still adds noise and counts the step
-                        with torch.autocast("cpu", dtype=torch.float16, enabled=loss_scale is not None):
-                            loss = loss_fn(released(x), y)
-                        backward(loss)
-                    step()
-                    opt.zero_grad()
-                    if side_opt is not None:
-                        _noisy_unclipped_step(
-                            side, side_opt, len(y), engine.noise_multiplier * max_grad_norm, batch_size
-                        )
-                    bar.step(None if loss is None else loss.detach())
+            for x, y in batches:
+                loss = None
+                # an empty Poisson batch: no backward, the optimizer still adds noise and counts the step
+                if len(y):
+                    with torch.autocast("cpu", dtype=torch.float16, enabled=loss_scale is not None):
+                        loss = loss_fn(released(x), y)
+                    backward(loss)
+                step()
+                opt.zero_grad()
+                if side_opt is not None:
+                    _noisy_unclipped_step(side, side_opt, len(y), engine.noise_multiplier * max_grad_norm, batch_size)
+                bar.step(None if loss is None else loss.detach())
     engine.detach()
     steps = int(engine.steps)  # the accountant's count: logical steps, whatever the micro-batching
     if claimed_sigma is not None:  # the engine ran another σ or R: the claim is the intended mechanism's
