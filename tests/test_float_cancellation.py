@@ -75,15 +75,17 @@ def test_float64_ghost_norms_are_guarded_too(eps):
 
 def test_ordinary_gradients_never_reach_the_floor():
     """Random activations and output gradients over T positions: ‖g‖ ~ U/√T, far above the floor,
-    so the floored norm is the ghost norm itself (and equals the instantiated one)."""
+        so the floor is never what clips: the guarded norm is the ghost norm plus its rounding bound, above
+    the exact norm and within LOOSE of the computed one."""
     g = torch.Generator().manual_seed(0)
     for t in (1, 16, 512):
         rep = R.Factored(torch.randn(6, 1, t, 48, generator=g), torch.randn(6, 1, t, 40, generator=g), (48, 40))
         ghost = R.sq_norm(rep, ghost=True)
         assert (ghost.sqrt() > 4 * float_guard.GHOST_FLOOR * float_guard.triangle_bound(rep)).all()
-        floored = R.ParamGrad([rep], ghost=True).sq_norm()
-        assert torch.equal(floored, ghost.clamp_min(0))
-        torch.testing.assert_close(floored, R.sq_norm(rep, ghost=False), rtol=1e-4, atol=0)
+        guarded = R.ParamGrad([rep], ghost=True).sq_norm()  # the ghost norm plus its rounding bound
+        exact = R.sq_norm(R.Factored(rep.left.double(), rep.right.double(), rep.shape), ghost=False)
+        assert (guarded.double() >= exact).all()
+        assert (guarded <= ghost * (1 + float_guard.LOOSE)).all()
 
 
 def test_triangle_bound_bounds_every_representation():

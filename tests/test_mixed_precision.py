@@ -169,7 +169,7 @@ def _tf32_round(x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_upcast_half_values_are_exact_in_tf32(dtype):
     """Why dpzoo may run the float32 products of upcast half-precision reps on TF32 tensor cores
-    (reps.exact_tf32): every such value survives TF32's rounding unchanged, so each product is the
+    (reps.exact_matmuls): every such value survives TF32's rounding unchanged, so each product is the
     float32 one. A float32 value with more mantissa bits does not (the check can fail)."""
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(100_000, generator=g) * 1e3).to(dtype).float()
@@ -185,13 +185,29 @@ def test_tf32_is_switched_on_only_for_half_precision_on_cuda_and_restored():
     rep = R.Factored(torch.randn(2, 1, 3, 4).bfloat16(), torch.randn(2, 1, 3, 5).bfloat16(), (5, 4))
     assert not R.half_on_cuda(rep)  # CPU: "high" may mean bfloat16 arithmetic there
     seen = []
-    with R.exact_tf32(False):
+    with R.exact_matmuls(False):
         seen.append(torch.get_float32_matmul_precision())
     with pytest.raises(RuntimeError, match="inside"):
-        with R.exact_tf32(True):
+        with R.exact_matmuls(True):
             seen.append(torch.get_float32_matmul_precision())
             raise RuntimeError("inside")
     assert seen == [before, "high"] and torch.get_float32_matmul_precision() == before
+
+
+@pytest.mark.parametrize("user_setting", ["high", "medium"])
+def test_float32_norms_run_at_highest_precision_whatever_the_user_set(user_setting):
+    """TF32 (CUDA) or bfloat16 (CPU at "medium") would round a float32 model's values inside the
+    Gram matmuls, beyond what the rounding bound of grad_norms/rounding.py covers."""
+    from dpzoo.grad_norms import reps as R
+
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(user_setting)
+    try:
+        with R.exact_matmuls(False):
+            inside = torch.get_float32_matmul_precision()
+        assert inside == "highest" and torch.get_float32_matmul_precision() == user_setting
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (TF32 tensor cores)")

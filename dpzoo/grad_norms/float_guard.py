@@ -7,16 +7,27 @@ the clip factor does not bound what is added. Found by the audits:
 * cancellation: positions whose gradients cancel (x₁ = x₂, δ₂ = −(1−ε)δ₁) make the Gram sum a
   small difference of terms ~U², U = Σ_t ‖L_t‖‖R_t‖ ≥ ‖g‖; in float32 it read 0 (326 R);
 * underflow: activations of 1e-23 square to 0 in float32 while the products the sum forms
-  (1e-23 · 1e17) do not: norm 0, the sample released unclipped (784 R).
+  (1e-23 · 1e17) do not: norm 0, the sample released unclipped (784 R);
+* rounding: above those extremes, float32 rounding of Gram entries over wide layers let a crafted
+  cancelling sample go out at 1.01 R (16,384 features) to 1.04 R (65,536).
 
-:func:`guard` takes a parameter's ghost-path squared norms and (1) computes U in float64 (no
-under- or overflow for float32 values), (2) recomputes in float64 every sample whose norm is
-below (GHOST_FLOOR · U)², the only samples where either failure can hide, and (3) floors the
-result at (GHOST_FLOOR · U)², so a gradient that cancels below it is clipped as if its norm were
-the floor (the sum's own rounding then stays a small fraction of R). Ordinary data never comes
-near the floor: ‖g‖ ≈ U/√T, 0.016·U at T = 4096. Not a proof: float32 rounding of Gram entries
-over very wide layers (d ≳ 4096) with crafted cancellation above the floor can still exceed R by
-a few percent or more (docs/DESIGN.md, "Floating point").
+:func:`guard` takes a parameter's computed squared norms, some uses on the ghost path, and
+returns an upper bound on the exact ones, which the clip factor then uses:
+
+1. U, Σ‖L_t‖ and Σ‖R_t‖ in float64 (no under- or overflow for float32 values);
+2. the rigorous rounding bound of :mod:`.rounding` (γ_n · U², n the contraction lengths, plus what
+   underflowed products can lose), added to the norm;
+3. samples where that bound would inflate the norm by more than LOOSE/2 (0.8%), or below
+   (RECHECK · U)², or not finite, recomputed in float64, where the same bound is 2²⁹ times
+   smaller (products of float32 values neither round nor underflow in float64);
+4. a floor at (GHOST_FLOOR · U)², so a gradient that cancels below it is clipped as if its norm
+   were the floor (the clipped sum's own rounding, ≤ γ_T · U per sample, then stays a small
+   fraction of R);
+5. the result rounded up, never to nearest, into the norm's dtype.
+
+Ordinary data never comes near the floor: ‖g‖ ≈ U/√T, 0.016·U at T = 4096. The bound costs the
+ordinary sample less than LOOSE/2 of its norm (docs/DESIGN.md, "Floating point", has the measured
+inflation and recompute rates).
 """
 
 from __future__ import annotations
@@ -24,11 +35,13 @@ from __future__ import annotations
 import torch
 
 from . import reps as R
+from . import rounding
 
-__all__ = ["GHOST_FLOOR", "triangle_bound", "guard"]
+__all__ = ["GHOST_FLOOR", "LOOSE", "RECHECK", "row_sums", "sq_norm64", "triangle_bound", "guard"]
 
 GHOST_FLOOR = 2.0**-8
 RECHECK = 2.0**-6  # below RECHECK · U a float32 ghost norm is recomputed in float64
+LOOSE = 2.0**-6  # a rounding bound above LOOSE · ‖g‖² (the norm inflated by > 0.8%): recompute in float64
 
 
 def _norm64(t: torch.Tensor) -> torch.Tensor:
@@ -45,14 +58,24 @@ def _norm64(t: torch.Tensor) -> torch.Tensor:
     return n
 
 
-def triangle_bound(rep: "R.Rep") -> torch.Tensor:
-    """U_i = Σ_t ‖L_t‖‖R_t‖ ≥ ‖g_i‖ in float64 (one-hot rows have norm 1), free of cancellation."""
-    if isinstance(rep, R.Dense):
-        return _norm64(rep.grad.flatten(1))
+def row_sums(rep: "R.Rep") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(U, A, B) per sample in float64: U = Σ_t ‖L_t‖‖R_t‖ ≥ ‖g‖, A = Σ_t ‖L_t‖, B = Σ_t ‖R_t‖
+    (one-hot rows have norm 1; a dense gradient is its own single row on both sides)."""
+    if isinstance(rep, R.Dense):  # row norms over the last dimension, then in float64
+        g = rep.grad
+        n = _norm64(g.reshape(g.shape[0], -1, g.shape[-1]) if g.dim() > 1 else g.unsqueeze(1)).square().sum(1).sqrt()
+        return n, n, n
     right = _norm64(rep.right)
     if isinstance(rep, R.OneHot):
-        return right.sum(1)
-    return (_norm64(rep.left) * right).flatten(1).sum(1)
+        s = right.sum(1)
+        return s, torch.full_like(s, float(rep.index.shape[1])), s
+    left = _norm64(rep.left)
+    return (left * right).flatten(1).sum(1), left.flatten(1).sum(1), right.flatten(1).sum(1)
+
+
+def triangle_bound(rep: "R.Rep") -> torch.Tensor:
+    """U_i = Σ_t ‖L_t‖‖R_t‖ ≥ ‖g_i‖ in float64 (one-hot rows have norm 1), free of cancellation."""
+    return row_sums(rep)[0]
 
 
 def _rows64(rep: "R.Rep", rows: torch.Tensor) -> "R.Rep":
@@ -64,7 +87,7 @@ def _rows64(rep: "R.Rep", rows: torch.Tensor) -> "R.Rep":
     return R.OneHot(rep.index[rows], rep.right[rows].double(), rep.num_rows)
 
 
-def _sq_norm64(reps: list, rows: torch.Tensor) -> torch.Tensor:
+def sq_norm64(reps: list, rows: torch.Tensor) -> torch.Tensor:
     rs = [_rows64(r, rows) for r in reps]
     total = sum(R.sq_norm(r, ghost=True) for r in rs)
     for i in range(len(rs)):
@@ -73,14 +96,29 @@ def _sq_norm64(reps: list, rows: torch.Tensor) -> torch.Tensor:
     return total.clamp_min(0)
 
 
+def _round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (float64) in ``dtype``, never below it: rounding to nearest may round down."""
+    y = x.to(dtype)
+    return torch.where(y.double() < x, torch.nextafter(y, y.new_tensor(float("inf"))), y)
+
+
 def guard(reps: list, total: torch.Tensor) -> torch.Tensor:
-    """``total`` (a parameter's per-sample squared norms from ``reps``, some on the ghost path),
-    suspicious samples recomputed in float64, floored at (GHOST_FLOOR · U)²; in ``total``'s dtype."""
-    bound = sum(triangle_bound(r) for r in reps)
+    """An upper bound on the exact per-sample squared norms of a parameter whose ``reps`` are (in
+    part) on the ghost path, ``total`` being their computed value: the rounding bound of
+    :mod:`.rounding` added, samples where that bound is loose (or ``total`` not finite) recomputed
+    in float64, floored at (GHOST_FLOOR · U)²; in ``total``'s dtype, rounded up."""
+    sums = [row_sums(r) for r in reps]
+    bound = sum(s[0] for s in sums)
+    err = rounding.error_bound(reps, sums, total.dtype)
     floor = (GHOST_FLOOR * bound).square()
     out = total.double()
-    low = out < (RECHECK * bound).square() if total.dtype != torch.float64 else out < floor
-    if low.any():
-        rows = low.nonzero().squeeze(1)
-        out = out.index_copy(0, rows, _sq_norm64(reps, rows))
-    return torch.maximum(out, floor).to(total.dtype)
+    if total.dtype == torch.float64:
+        redo = out < floor
+    else:
+        redo = ~torch.isfinite(out) | (out < (RECHECK * bound).square()) | (err > LOOSE * out)
+    if redo.any():
+        rows = redo.nonzero().squeeze(1)
+        out = out.index_copy(0, rows, sq_norm64(reps, rows))
+        err64 = rounding.error_bound(reps, [tuple(x[rows] for x in s) for s in sums], torch.float64)
+        err = err.index_copy(0, rows, err64)
+    return _round_up(torch.maximum(out + err, floor), total.dtype)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidArgumentError
+from .rounding import GRAM_CHUNK, sum_per_sample
 
 __all__ = [
     "Dense",
@@ -118,19 +119,13 @@ def half_on_cuda(*reps) -> bool:
 
 
 @contextmanager
-def exact_tf32(enabled: bool):
-    """Let CUDA run the float32 products of upcast half-precision values on TF32 tensor cores.
-
-    Exact, not an approximation: TF32 keeps 10 mantissa bits and float32's exponent, and a value
-    upcast from bfloat16 (7 bits) or float16 (10 bits) has no more, so every product is the same as
-    in float32, accumulated in float32; only the speed changes (on an H100, with plain float32
-    matmuls here, dpzoo's bf16 steps took 1.4-3.4x non-private bf16 steps; these matmuls are the likely
-    cause, not yet profiled). Never on CPU, where "high" may mean bfloat16 arithmetic."""
-    if not enabled:
-        yield
-        return
+def exact_matmuls(half_on_cuda: bool):
+    """A norm's matmuls in float32 arithmetic whatever the user's setting (:mod:`.rounding`'s bound
+    assumes it): "highest", or on CUDA for upcast half-precision values TF32, which is exact there
+    (10 mantissa bits hold bfloat16's 7 and float16's 10; an H100 ran dpzoo's bf16 steps at
+    1.4-3.4x non-private with float32 matmuls). TF32 or CPU bfloat16 would round float32 values."""
     before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
+    torch.set_float32_matmul_precision("high" if half_on_cuda else "highest")
     try:
         yield
     finally:
@@ -189,7 +184,13 @@ def instantiate(rep: Rep) -> torch.Tensor:
 
 
 def _gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return torch.einsum("bgtk,bgsk->bgts", a, b)
+    """⟨a_t, b_s⟩ over the last dim, (…, T, k) × (…, S, k) → (…, T, S), accumulated in chunks of
+    GRAM_CHUNK features: its rounding bound then grows with 256 + k/256, not k (:mod:`.rounding`)."""
+    k = a.shape[-1]
+    out = torch.matmul(a[..., :GRAM_CHUNK], b[..., :GRAM_CHUNK].transpose(-1, -2))
+    for i in range(GRAM_CHUNK, k, GRAM_CHUNK):
+        out = out.add_(torch.matmul(a[..., i : i + GRAM_CHUNK], b[..., i : i + GRAM_CHUNK].transpose(-1, -2)))
+    return out
 
 
 def _onehot_left_gram(index: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
@@ -201,7 +202,7 @@ def _onehot_left_gram(index: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
 
 def inner(u: Rep, v: Rep, *, ghost: bool | None = None) -> torch.Tensor:
     """⟨g_{u,i}, g_{v,i}⟩ for every sample i: Tensor[B]. Both must describe the same tensor."""
-    with exact_tf32(half_on_cuda(u, v)):
+    with exact_matmuls(half_on_cuda(u, v)):
         return _inner(_acc_rep(u), _acc_rep(v), ghost)
 
 
@@ -210,48 +211,54 @@ def _inner(u: Rep, v: Rep, ghost: bool | None) -> torch.Tensor:
         u, v = v, u
     if isinstance(u, Dense):
         if isinstance(v, Dense):
-            return (u.grad * v.grad).flatten(1).sum(1)
-        if isinstance(v, Factored):
-            d = v.from_param(u.grad)  # (B, G, r, c)
-            # Σ_t L_tᵀ D R_t, without forming v's gradient
-            return torch.einsum("bgtr,bgrc,bgtc->b", v.left, d, v.right)
+            return sum_per_sample(u.grad * v.grad)
+        if isinstance(v, Factored):  # Σ_t L_tᵀ D R_t without forming v's gradient, (L D) first
+            return sum_per_sample(torch.matmul(v.left, v.from_param(u.grad)) * v.right)
         rows = torch.gather(u.grad, 1, v.index.unsqueeze(-1).expand_as(v.right))
-        return (rows * v.right).flatten(1).sum(1)
+        return sum_per_sample(rows * v.right)
     if isinstance(u, Factored) and isinstance(v, Factored):
         use_ghost = prefers_ghost(u) and prefers_ghost(v) if ghost is None else ghost
         if use_ghost:
-            return (_gram(u.left, v.left) * _gram(u.right, v.right)).flatten(1).sum(1)
-        return (instantiate(u) * instantiate(v)).flatten(1).sum(1)
+            return sum_per_sample(_gram(u.left, v.left) * _gram(u.right, v.right))
+        return sum_per_sample(instantiate(u) * instantiate(v))
     if isinstance(v, OneHot) and isinstance(u, Factored):
         u, v = v, u
     if isinstance(u, OneHot) and isinstance(v, Factored):
         # Phantom Clipping cross term (DPFormer eq. B.6), generalised to any factored use
         # of the same (V, c) matrix; needs G = 1 and rows = V.
         if v.left.shape[1] != 1 or v.left.shape[3] != u.num_rows:
-            return (instantiate(u) * instantiate(v)).flatten(1).sum(1)
+            return sum_per_sample(instantiate(u) * instantiate(v))
         lsel = _onehot_left_gram(u.index, v.left[:, 0])  # (B, T_u, T_v)
-        rr = torch.einsum("btc,bsc->bts", u.right, v.right[:, 0])
-        return (lsel * rr).flatten(1).sum(1)
+        rr = _gram(u.right, v.right[:, 0])
+        return sum_per_sample(lsel * rr)
     # OneHot · OneHot: Σ_{t,s} [x_t = y_s] ⟨R_t, R'_s⟩
     same = (u.index.unsqueeze(2) == v.index.unsqueeze(1)).to(u.right.dtype)
-    return (same * torch.einsum("btc,bsc->bts", u.right, v.right)).flatten(1).sum(1)
+    return sum_per_sample(same * _gram(u.right, v.right))
 
 
 def sq_norm(rep: Rep, *, ghost: bool | None = None) -> torch.Tensor:
     """‖g_i‖² for every sample: ghost norm or instantiation (``ghost=None``: the BK rule)."""
-    with exact_tf32(half_on_cuda(rep)):
+    with exact_matmuls(half_on_cuda(rep)):
         return _sq_norm(_acc_rep(rep), ghost)
 
 
 def _sq_norm(rep: Rep, ghost: bool | None) -> torch.Tensor:
     if isinstance(rep, Dense):
-        return torch.linalg.vector_norm(rep.grad.flatten(1), dim=1).square()  # fused: no squared copy
+        return _dense_sq_norm(rep.grad)
     use_ghost = prefers_ghost(rep) if ghost is None else ghost
     if not use_ghost:
-        return torch.linalg.vector_norm(instantiate(rep).flatten(1), dim=1).square()
+        return _dense_sq_norm(instantiate(rep))
     if isinstance(rep, Factored):  # BK paper eq. 2
-        return (_gram(rep.left, rep.left) * _gram(rep.right, rep.right)).flatten(1).sum(1)
+        return sum_per_sample(_gram(rep.left, rep.left) * _gram(rep.right, rep.right))
     return _inner(rep, rep, None)
+
+
+def _dense_sq_norm(grad: torch.Tensor) -> torch.Tensor:
+    """Σ g² per sample: row norms over the last dimension (fused: no squared copy), their squares
+    summed one dimension at a time (what :mod:`.rounding`'s bound assumes)."""
+    if grad.dim() <= 2:
+        return torch.linalg.vector_norm(grad.flatten(1), dim=1).square()
+    return sum_per_sample(torch.linalg.vector_norm(grad, dim=-1).square())
 
 
 def without_samples(rep: Rep, drop: torch.Tensor) -> Rep:

@@ -1,0 +1,107 @@
+"""Rigorous bounds on the floating-point error of a ghost-path squared norm.
+
+A ghost norm is a sum of products of Gram entries, ‖g‖² = Σ_{t,s}⟨L_t,L_s⟩⟨R_t,R_s⟩, and a
+sample whose positions cancel makes it a small difference of terms as large as U² (U = Σ_t
+‖L_t‖‖R_t‖ ≥ ‖g‖). Its float32 rounding error is then a large fraction of ‖g‖² itself, and a
+crafted sample is clipped by a norm that is too small (1.01 R at 16,384 features, 1.04 R at 65,536,
+tests/test_float_rounding.py). The bound here makes the clip exact in the arithmetic used.
+
+Every quantity the norm is made of is a sum (or a dot product) computed by the library in some
+order we do not know; for any order, a sum of n terms carries an error of at most
+γ_n · Σ|terms|, γ_n = n·u/(1 − n·u) (Higham, *Accuracy and Stability of Numerical Algorithms*,
+2nd ed., §3.1 and Lemma 3.1). Each term of every Gram product and cross term is bounded by a
+product of factor-row norms, so the whole squared norm, every use and cross term of a parameter
+together, is off by at most Σ_{u,v} γ_{n(u,v)} · U_u U_v over pairs of uses, n(u,v) the additions
+that term goes through (features, the positions of both, groups; :func:`pair_length`). The
+sums are written as nested reductions, one dimension at a time (:func:`sum_per_sample`), so n grows
+with T and not with T², and Gram entries are accumulated in chunks of GRAM_CHUNK features, so n
+grows with 256 + k/256 and not with k (measured: 5× fewer samples recomputed in float64 on a
+width-768 GPT-2, benchmarks/results/float_guard). Products that fall below the smallest normal number lose at most the
+subnormal spacing each; :func:`error_bound` adds that too, so a sample whose values would
+underflow gets a bound larger than its norm and is recomputed in float64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["GRAM_CHUNK", "unit_roundoff", "gamma", "sum_per_sample", "pair_length", "error_bound"]
+
+GRAM_CHUNK = 256  # Gram matrices are summed over chunks of this many features (reps._gram)
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u: half the spacing of floats at 1 (round to nearest)."""
+    return torch.finfo(dtype).eps / 2
+
+
+def gamma(n: int, u: float) -> float:
+    """γ_n = n·u / (1 − n·u): the relative error of any n-term sum or dot product."""
+    if n * u >= 0.5:
+        return float("inf")
+    return n * u / (1 - n * u)
+
+
+def sum_per_sample(x: torch.Tensor) -> torch.Tensor:
+    """Σ over every dimension but the first, one dimension at a time: the rounding error then
+    grows with the sum of the dimensions, not their product (T + T, not T², for a Gram product)."""
+    while x.dim() > 1:
+        x = x.sum(-1)
+    return x
+
+
+def _lengths(rep) -> tuple[str, int, int, int, int]:
+    """(kind, T, features of the left factor, features of the right factor, groups)."""
+    if hasattr(rep, "grad"):
+        return "dense", 0, 0, 0, 0
+    if hasattr(rep, "left"):
+        _, g, t, r = rep.left.shape
+        return "factored", t, r, rep.right.shape[3], g
+    return "onehot", rep.index.shape[1], rep.num_rows, rep.right.shape[-1], 1
+
+
+def _chunked(k: int) -> int:
+    """Additions in a Gram entry over k features summed in chunks of GRAM_CHUNK."""
+    return min(k, GRAM_CHUNK) + -(-k // GRAM_CHUNK)
+
+
+def pair_length(u, v) -> int:
+    """The longest chain of additions in ⟨g_u, g_v⟩ as :mod:`.reps` computes it (a Gram entry over
+    the features, then one nested reduction per dimension), plus the products' own roundings."""
+    rank = {"dense": 0, "factored": 1, "onehot": 2}
+    (ku, tu, ru, cu, gu), (kv, tv, rv, cv, gv) = sorted((_lengths(u), _lengths(v)), key=lambda x: rank[x[0]])
+    if ku == "dense" and kv == "dense":
+        return sum(u.grad.shape[1:]) + 2
+    if ku == "dense":
+        if kv == "factored":
+            return rv + cv + tv + gv + 2
+        return tv + cv + 2
+    if ku == "factored" and kv == "factored":
+        return _chunked(ru) + _chunked(cu) + tu + tv + gu + 2
+    if ku == "onehot" and kv == "onehot":
+        return _chunked(cu) + tu + tv + 2
+    if gu == 1 and ru == rv:  # a factored use and a lookup: the Phantom Clipping cross term
+        return _chunked(cv) + tu + tv + 2
+    return tu + tv + rv + cv + 2  # both instantiated, summed over (rows, features)
+
+
+def error_bound(reps: list, row_sums: list, dtype: torch.dtype) -> torch.Tensor:
+    """E ≥ |computed − exact| per sample for a parameter's squared norm over ``reps`` (every use
+    and cross term) in ``dtype``'s arithmetic: Σ_{u,v} γ_{n(u,v)} · U_u U_v, plus what products that
+    underflow can lose. ``row_sums``: per use, (U, A, B) = Σ_t ‖L_t‖‖R_t‖, Σ_t ‖L_t‖, Σ_t ‖R_t‖ in
+    float64, each U computed with its own rounding (so taken (1 + γ) larger)."""
+    u = unit_roundoff(dtype)
+    extra = len(reps) ** 2 + 4  # the additions of the terms, squaring a dense row norm, the clamp
+    total = torch.zeros_like(row_sums[0][0])
+    for i, ri in enumerate(reps):
+        for j, rj in enumerate(reps):
+            k = gamma(pair_length(ri, rj) + extra, u)
+            total = total + k * (1 + k) ** 2 * row_sums[i][0] * row_sums[j][0]
+    n = max(pair_length(a, b) for a in reps for b in reps) + extra
+    grids = sum(r.left.shape[1] * r.left.shape[2] ** 2 if hasattr(r, "left") else 0 for r in reps)
+    a_sum = sum(s[1] for s in row_sums)
+    b_sum = sum(s[2] for s in row_sums)
+    tiny = torch.finfo(dtype).smallest_normal * u * 4  # twice the subnormal spacing
+    underflow = tiny * n * (a_sum.square() + b_sum.square() + grids)
+    # U = 0: no position has both factors nonzero, so every product of Gram entries is an exact 0
+    return total + underflow * (sum(s[0] for s in row_sums) > 0)
