@@ -139,3 +139,16 @@ def test_grams_that_overflow_float32_are_recomputed_in_float64():
     exact = _exact_sq_norms([rep])
     assert torch.isfinite(guarded).all()
     assert (guarded.double() >= exact).all() and (guarded.double() <= exact * 1.001).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_scale_cast_to_half_precision_never_grows(dtype):
+    """1 + 0.6 ulp rounds to nearest up to 1 + 1 ulp (2⁻⁷ in bfloat16): the sample's contribution
+    would grow past its clip factor. The cast rounds toward zero instead."""
+    ulp = torch.finfo(dtype).eps
+    scale = torch.tensor([1 + 0.6 * ulp, 0.5 + 0.3 * ulp], dtype=torch.float32)
+    rep = R.Dense(torch.ones(2, 3, dtype=dtype))
+    out = R.clipped_sum(R.Dense(rep.grad[:1]), scale[:1]).double()
+    assert (out <= scale[0].double()).all() and (out > scale[0].double() - 2 * ulp).all()
+    both = R.clipped_sum(rep, scale).double()
+    assert (both <= scale.double().sum()).all()

@@ -275,8 +275,10 @@ def without_samples(rep: Rep, drop: torch.Tensor) -> Rep:
 
 
 def clipped_sum(rep: Rep, scale: torch.Tensor) -> torch.Tensor:
-    """Σ_i scale_i g_i, shape = the parameter's (book-keeping: BK paper Alg. 1 line 9)."""
-    scale = scale.to(dtype=_dtype(rep))
+    """Σ_i scale_i g_i, shape = the parameter's (book-keeping: BK paper Alg. 1 line 9). A scale
+    cast to lower precision is rounded toward zero: to nearest it could grow by 2⁻⁹ (bfloat16)."""
+    low = scale.to(dtype=_dtype(rep))
+    scale = torch.where(low.to(scale.dtype).abs() > scale.abs(), torch.nextafter(low, torch.zeros_like(low)), low)
     if isinstance(rep, Dense):
         return torch.tensordot(scale, rep.grad, dims=([0], [0]))  # a GEMV: faster than einsum on CPU
     if isinstance(rep, Factored):
