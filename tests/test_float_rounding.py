@@ -152,3 +152,52 @@ def test_a_scale_cast_to_half_precision_never_grows(dtype):
     assert (out <= scale[0].double()).all() and (out > scale[0].double() - 2 * ulp).all()
     both = R.clipped_sum(rep, scale).double()
     assert (both <= scale.double().sum()).all()
+
+
+def _underflowing_row(c: int, frac: float, dtype=torch.float32) -> torch.Tensor:
+    """c − 1 entries x whose squares round to 0 (below half the subnormal spacing) and one entry
+    b with b² = frac·c·x²: the Gram entry loses a share 1/(1 + frac) of the row's squared norm."""
+    info = torch.finfo(dtype)
+    x = float(torch.tensor((0.499 * info.smallest_normal * info.eps) ** 0.5, dtype=dtype))
+    row = torch.full((c,), x, dtype=dtype)
+    row[0] = float(torch.tensor((frac * c * x * x) ** 0.5, dtype=dtype))
+    return row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("c, frac", [(4096, 1.0), (65536, 4.0)])
+def test_products_that_underflow_over_many_features_are_bounded(dtype, c, frac):
+    """Found by the review of this bound: the float32 Gram read 0.81 of the exact norm (released
+    at 1.11 R through make_private) while the underflow allowance did not grow with the width."""
+    left = _underflowing_row(c, frac, dtype).view(1, 1, 1, c)
+    right = torch.full((1, 1, 1, 4), 1e18, dtype=dtype)
+    reps = [R.Factored(left, right, (c, 4))]
+    guarded = R.ParamGrad(reps, ghost=True).sq_norm()
+    assert (guarded.double() >= _exact_sq_norms(reps)).all()
+    lookup = [R.OneHot(torch.zeros(1, 1, dtype=torch.long), _underflowing_row(c, frac, dtype).view(1, 1, c), 3)]
+    assert (R.ParamGrad(lookup, ghost=True).sq_norm().double() >= _exact_sq_norms(lookup)).all()
+
+
+def test_an_underflowing_sample_is_clipped_through_make_private():
+    c, r = 65536, 1e-3
+    model = nn.Linear(c, 4, bias=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, loader = dpzoo.PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+            data_loader=DataLoader(TensorDataset(torch.zeros(16, 1, c)), batch_size=4),
+            noise_multiplier=0.0,
+            max_grad_norm=r,
+            loss_reduction="sum",
+            mode="bk-mixopt",
+            sample_seed=1,
+            self_check=False,
+        )
+    (x,) = next(b for b in loader if len(b[0]))
+    x = torch.zeros_like(x)
+    x[0, 0] = _underflowing_row(c, 4.0)
+    (1e18 * model(x)[0].sum()).backward()
+    opt.step()
+    released = next(p for p in model.parameters()).grad.double().norm().item() / r
+    assert released <= 1 + 1e-5  # 1.11 R with a width-blind underflow allowance (unclipped: 30 R)

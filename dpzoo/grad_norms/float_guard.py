@@ -37,7 +37,7 @@ import torch
 from . import reps as R
 from . import rounding
 
-__all__ = ["GHOST_FLOOR", "LOOSE", "RECHECK", "row_sums", "sq_norm64", "triangle_bound", "guard"]
+__all__ = ["GHOST_FLOOR", "LOOSE", "RECHECK", "row_sums", "sq_norm64", "triangle_bound", "guard", "round_up"]
 
 GHOST_FLOOR = 2.0**-8
 RECHECK = 2.0**-6  # below RECHECK · U a float32 ghost norm is recomputed in float64
@@ -45,16 +45,20 @@ LOOSE = 2.0**-6  # a rounding bound above LOOSE · ‖g‖² (the norm inflated 
 
 
 def _norm64(t: torch.Tensor) -> torch.Tensor:
-    """‖t‖ over the last dim in float64, free of float32 under- and overflow: rows whose float32
-    norm is near the limits of squaring (or 0, inf, NaN) are scaled by their largest entry first."""
-    n = torch.linalg.vector_norm(t, dim=-1)
+    """‖t‖ over the last dim in float64, never below the exact norm by more than its own rounding:
+    rows whose norm is near the limits of squaring (or 0, inf, NaN) are scaled by their largest
+    entry first; every other row gets √(k·s) added, s the subnormal spacing, for squares that
+    underflowed (half-precision rows are summed in float32)."""
+    acc = torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+    n = torch.linalg.vector_norm(t, dim=-1, dtype=acc)
     risky = ~((n > 2.0**-60) & (n < 2.0**60))
-    n = n.double()
+    spacing = torch.finfo(acc).smallest_normal * torch.finfo(acc).eps
+    n = n.double() + (t.shape[-1] * spacing) ** 0.5
     if risky.any():
         rows = t[risky]
         top = rows.abs().amax(-1, keepdim=True)
         top = torch.where(top > 0, top, torch.ones_like(top))
-        n[risky] = torch.linalg.vector_norm(rows / top, dim=-1).double() * top.squeeze(-1).double()
+        n[risky] = torch.linalg.vector_norm(rows / top, dim=-1, dtype=acc).double() * top.squeeze(-1).double()
     return n
 
 
@@ -96,7 +100,7 @@ def sq_norm64(reps: list, rows: torch.Tensor) -> torch.Tensor:
     return total.clamp_min(0)
 
 
-def _round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` (float64) in ``dtype``, never below it: rounding to nearest may round down."""
     y = x.to(dtype)
     return torch.where(y.double() < x, torch.nextafter(y, y.new_tensor(float("inf"))), y)
@@ -121,4 +125,4 @@ def guard(reps: list, total: torch.Tensor) -> torch.Tensor:
         out = out.index_copy(0, rows, sq_norm64(reps, rows))
         err64 = rounding.error_bound(reps, [tuple(x[rows] for x in s) for s in sums], torch.float64)
         err = err.index_copy(0, rows, err64)
-    return _round_up(torch.maximum(out + err, floor), total.dtype)
+    return round_up(torch.maximum(out + err, floor), total.dtype)

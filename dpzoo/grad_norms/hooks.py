@@ -52,6 +52,7 @@ from .audit import check_step, count_edges, stray_grad_hook
 from .autocast import no_autocast
 from .capture import Capture, Recorder, Use, output_tensors
 from .cost import check_budget
+from .float_guard import round_up
 from .ghost import ghost_differentiate, wrap_outputs
 from .plan import plan_model
 from .rules.loose import (
@@ -224,7 +225,8 @@ class NormHooks:
         """Tensor[B]: ‖∂L_i/∂θ‖₂ over all trainable parameters θ (float32 or float64)."""
         sq = list(self.per_param_sq_norms().values())
         dtype = torch.float64 if any(s.dtype == torch.float64 for s in sq) else torch.float32
-        return torch.stack([s.to(dtype) for s in sq]).sum(0).sqrt()
+        # summed in float64 and rounded up: rounding to nearest could read a clipped sample short
+        return round_up(torch.stack([s.double() for s in sq]).sum(0).sqrt(), dtype)
 
     @no_autocast()
     def clipped_sum(self, scale: torch.Tensor, drop: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

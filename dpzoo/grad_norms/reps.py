@@ -115,7 +115,7 @@ def _acc(t: torch.Tensor) -> torch.Tensor:
 
 def half_on_cuda(*reps) -> bool:
     t = [r.grad if isinstance(r, Dense) else r.right for r in reps]
-    return any(x.dtype in (torch.float16, torch.bfloat16) and x.device.type == "cuda" for x in t)
+    return all(x.dtype in (torch.float16, torch.bfloat16) and x.device.type == "cuda" for x in t)
 
 
 @contextmanager

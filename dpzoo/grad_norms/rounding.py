@@ -17,8 +17,9 @@ sums are written as nested reductions, one dimension at a time (:func:`sum_per_s
 with T and not with T², and Gram entries are accumulated in chunks of GRAM_CHUNK features, so n
 grows with 256 + k/256 and not with k (measured: 5× fewer samples recomputed in float64 on a
 width-768 GPT-2, benchmarks/results/float_guard). Products that fall below the smallest normal number lose at most the
-subnormal spacing each; :func:`error_bound` adds that too, so a sample whose values would
-underflow gets a bound larger than its norm and is recomputed in float64.
+subnormal spacing each, however many features they are summed over; :func:`error_bound` adds that
+too, so a sample whose values would underflow gets a bound larger than its norm and is recomputed
+in float64.
 """
 
 from __future__ import annotations
@@ -97,11 +98,26 @@ def error_bound(reps: list, row_sums: list, dtype: torch.dtype) -> torch.Tensor:
         for j, rj in enumerate(reps):
             k = gamma(pair_length(ri, rj) + extra, u)
             total = total + k * (1 + k) ** 2 * row_sums[i][0] * row_sums[j][0]
-    n = max(pair_length(a, b) for a in reps for b in reps) + extra
-    grids = sum(r.left.shape[1] * r.left.shape[2] ** 2 if hasattr(r, "left") else 0 for r in reps)
-    a_sum = sum(s[1] for s in row_sums)
-    b_sum = sum(s[2] for s in row_sums)
-    tiny = torch.finfo(dtype).smallest_normal * u * 4  # twice the subnormal spacing
-    underflow = tiny * n * (a_sum.square() + b_sum.square() + grids)
+    # a product that underflows loses up to the subnormal spacing s: a Gram entry over r features
+    # up to r·s, times the other factor's Gram (≤ B² summed); a dense use's squares and products
+    # lose up to its numel·s; and each product of two Gram entries one more s
+    spacing = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
+    width = sum(_width(r) for r in reps)
+    grids = sum(_grid(r) for r in reps)
+    ab = sum(s[1] for s in row_sums) + sum(s[2] for s in row_sums) + 1
+    worst = max(gamma(pair_length(a, b) + extra, u) for a in reps for b in reps)
+    underflow = spacing * (width * ab.square() * (1 + worst) ** 2 + grids)
     # U = 0: no position has both factors nonzero, so every product of Gram entries is an exact 0
     return total + underflow * (sum(s[0] for s in row_sums) > 0)
+
+
+def _grid(rep) -> int:
+    """Products of two Gram entries in a ghost norm: G·T² (a lookup: T²; a dense use: none)."""
+    kind, t, _, _, g = _lengths(rep)
+    return 0 if kind == "dense" else g * t * t
+
+
+def _width(rep) -> int:
+    """Products per entry that can underflow: both factors' features, a dense use's entries."""
+    kind, _, r, c, _ = _lengths(rep)
+    return rep.grad[0].numel() if kind == "dense" else (r + c if kind == "factored" else c)
