@@ -31,6 +31,7 @@ from pathlib import Path
 
 from .cli_args import Parser, key_value, nonnegative_int, option, positive_float, positive_int, unit_interval
 from .cli_choices import AUDIT_CONTROLS, usable_accountants
+from .cli_eval import add_eval_parser
 from .cli_train import add_train_parser
 from .errors import DPZooError
 
@@ -306,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_model_commands(sub)
     add_train_parser(sub)
+    add_eval_parser(sub)
     _add_audit_command(sub)
     return p
 

@@ -45,6 +45,7 @@ KIND_WORDS = {"image": "an image classifier", "seqrec": "a sequence model"}
 # options of one kind only: dest -> (flag, the kind it is for)
 KIND_ONLY = {
     "full_size": ("--full-size", "image"),
+    "image_size": ("--image-size", "image"),
     "max_len": ("--max-len", "seqrec"),
     "non_private": ("--non-private", "seqrec"),
     "amazon_columns": ("--amazon-columns", "seqrec"),
@@ -89,8 +90,16 @@ def add_train_parser(sub) -> None:
         s,
         "--data",
         default=None,
-        help="image models: digits (bundled with scikit-learn; the default); sequence models: synthetic (the "
+        help="image models: digits (bundled with scikit-learn; the default) or an image folder (ROOT/<class>/"
+        "<image>, or ROOT/train/ and ROOT/val/); sequence models: synthetic (the "
         f"default), {datasets_help()} or a file path (dpzoo.seqrec.register_dataset adds names)",
+    )
+    option(
+        s,
+        "--image-size",
+        type=positive_int,
+        default=None,
+        help="image models: images are resized to N×N pixels (default: 16 for digits, 32 for an image folder)",
     )
     option(s, "--epsilon", type=positive_float, default=8.0, help="the privacy budget ε the noise is calibrated to")
     option(
@@ -268,8 +277,11 @@ def _check_options(kind: str, args: argparse.Namespace, opts: set[str]) -> None:
     if kind == "image":
         from .train import IMAGE_DATASETS
 
-        if data not in IMAGE_DATASETS:
-            raise InvalidArgumentError(f"--data {data}: image classifiers train on {', '.join(IMAGE_DATASETS)}.")
+        if data not in IMAGE_DATASETS and not os.path.isdir(data):
+            raise InvalidArgumentError(
+                f"--data {data}: image classifiers train on {', '.join(IMAGE_DATASETS)} or an image folder "
+                "(a directory with one subfolder per class); no such dataset or directory."
+            )
         return
     from .seqrec.downloads import DATASETS
 
@@ -302,7 +314,13 @@ def _train_kwargs(kind: str, args: argparse.Namespace) -> dict:
         "sample_seed": args.sample_seed,
     }
     if kind == "image":
-        return {**common, "delta": args.delta if args.delta is not None else 1e-5, "small": not args.full_size}
+        size = args.image_size or (16 if common["data"] == "digits" else 32)
+        return {
+            **common,
+            "delta": args.delta if args.delta is not None else 1e-5,
+            "small": not args.full_size,
+            "image_size": size,
+        }
     return {
         **common,
         "delta": args.delta,

@@ -104,6 +104,7 @@ def load(
     ``model.dpzoo_patch_report`` (what dpzoo changed).
     """
     _refuse_dtype(overrides)
+    name_or_dir = _run_model(name_or_dir)
     if _is_saved_directory(name_or_dir):
         if pretrained or pretrained_tag is not None or weights is not None:
             raise OverrideError(
@@ -166,6 +167,21 @@ def _privacy_of_weights(path: Path) -> dict[str, Any] | None:
     except (SafetensorError, OSError, ValueError):
         return None  # the architecture's own loading reports a broken file
     return privacy_from_header(header, f"weights={str(path)!r}")
+
+
+def _run_model(name_or_dir):
+    """The model of a ``dpzoo train --out`` directory (its ``model/``), else ``name_or_dir``."""
+    path = Path(name_or_dir)
+    if not path.is_dir() or (path / CONFIG_NAME).is_file():
+        return name_or_dir
+    if (path / "model" / CONFIG_NAME).is_file():
+        return path / "model"
+    if (path / "checkpoint.pt").is_file() or (path / "metrics.csv").is_file():
+        raise CheckpointError(
+            f"{path} is a dpzoo train run with no saved model yet (the run did not finish): finish it with "
+            f"`dpzoo train --resume {path}`; the model is saved to {path / 'model'} at the end."
+        )
+    return name_or_dir
 
 
 def _is_saved_directory(name_or_dir: str | os.PathLike) -> bool:

@@ -1,7 +1,8 @@
 """``dpzoo train`` for image classifiers: private training of a zoo model on a built-in dataset.
 
 Image classifiers (ResNet-GN, ViT, EfficientNet-GN) train on scikit-learn's digits (bundled,
-no download), privately, with dpzoo's engine. The run (:class:`dpzoo.run_loop.TrainingLoop`)
+no download) or on the user's image folder (:mod:`dpzoo.datasets.image_folder`), privately,
+with dpzoo's engine. The run (:class:`dpzoo.run_loop.TrainingLoop`)
 shows a progress bar with the loss and the ε spent, evaluates the test accuracy every
 ``eval_every`` epochs into ``metrics.csv`` (and TensorBoard when installed), saves checkpoints
 it can resume from with the same ε bookkeeping, and at the end writes metrics.json, a plot
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from .datasets import digits_dataset
+from .datasets import digits_dataset, image_folder_splits, is_image_folder
 from .errors import DPZooError, InvalidArgumentError
 from .hub import load, save
 from .privacy import PrivacyEngine
@@ -26,18 +27,26 @@ from .run_io import open_run, write_json
 from .run_loop import TrainingLoop, check_loop_arguments, resolve_device
 from .run_plots import plot_metrics
 
-__all__ = ["train_image_classifier", "IMAGE_DATASETS"]
+__all__ = ["train_image_classifier", "image_splits", "evaluate_accuracy", "IMAGE_DATASETS"]
 
 IMAGE_DATASETS = ("digits",)
 # overrides the data fixes (10 classes of 16×16 images): --set cannot change them
 _DATA_OVERRIDES = {
-    "num_classes": "the digits have 10 classes",
-    "num_labels": "the digits have 10 classes",
+    "num_classes": "the number of classes is the data's",
+    "num_labels": "the number of classes is the data's",
     "img_size": "the images are image_size pixels",
 }
 
 
-def _evaluate(model, dataset, device, batch_size=256) -> float:
+def image_splits(data: str, image_size: int, seed: int = 0):
+    """(train, test, class names) of ``data``: the built-in digits or an image folder."""
+    if data == "digits":
+        train, test = digits_dataset(size=image_size)
+        return train, test, [str(i) for i in range(10)]
+    return image_folder_splits(data, image_size, seed=seed)
+
+
+def evaluate_accuracy(model, dataset, device, batch_size=256) -> float:
     model.eval()
     correct = 0
     with torch.no_grad():
@@ -91,6 +100,8 @@ def train_image_classifier(
     which must be the ones given here; the accountant's history continues, so the final ε is the
     one of an uninterrupted run. ``step_callback(step)`` runs after every logical step;
     ``progress`` shows a progress bar (None: when stderr is a terminal)."""
+    if data != "digits" and is_image_folder(data):
+        data = str(Path(data).resolve())  # a resumed run finds it from any directory
     settings: dict[str, Any] = {
         "kind": "image",
         "name": name,
@@ -119,22 +130,25 @@ def train_image_classifier(
         raise DPZooError(
             f"dpzoo train {name}: only image classifiers train on built-in data for now ({name} is {card.task})."
         )
-    if data not in IMAGE_DATASETS:
-        raise InvalidArgumentError(f"Unknown dataset {data!r} for an image classifier: the built-in one is 'digits'.")
+    if data not in IMAGE_DATASETS and not is_image_folder(data):
+        raise InvalidArgumentError(
+            f"Unknown dataset {data!r} for an image classifier: 'digits' (built in) or an image folder (a directory "
+            "with one subfolder per class)."
+        )
     fixed = sorted(set(settings["overrides"]) & set(_DATA_OVERRIDES))
     if fixed:
         raise InvalidArgumentError(f"override {fixed[0]!r} is set by the data ({_DATA_OVERRIDES[fixed[0]]}): drop it.")
     dev = resolve_device(device)
     run_dir, checkpoint = open_run(out, settings, resume=resume, overwrite=overwrite)
     torch.manual_seed(seed)
-    train, test = digits_dataset(size=image_size)
+    train, test, classes = image_splits(data, image_size, seed)
     if batch_size > len(train):
         raise InvalidArgumentError(
             f"batch_size {batch_size} is larger than the {len(train)} training images (the sample rate would "
             f"exceed 1): use at most {len(train)}."
         )
     kwargs = dict(card.test_overrides) if small else {}
-    kwargs.update(num_classes=10, **settings["overrides"])
+    kwargs.update(num_classes=len(classes), **settings["overrides"])
     if "img_size" in card.overrides:
         kwargs["img_size"] = image_size
     model = load(name, **kwargs).train().to(dev)
@@ -193,7 +207,7 @@ def train_image_classifier(
 
     history = loop.run(
         train_step,
-        lambda: {"test_accuracy": _evaluate(model, test, dev)},
+        lambda: {"test_accuracy": evaluate_accuracy(model, test, dev)},
         eval_every=eval_every,
         describe=lambda r: (
             f"epoch {r['epoch']}: test accuracy {r['test_accuracy']:.3f}  ε = {r['epsilon']:.2f}  ({r['seconds']:.0f}s)"
@@ -202,6 +216,8 @@ def train_image_classifier(
     result = {
         "model": name,
         "data": data,
+        "classes": classes,
+        "image_size": image_size,
         "mode": mode,
         "clipping": clipping,
         "epochs": epochs,

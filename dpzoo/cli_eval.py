@@ -1,0 +1,89 @@
+"""``dpzoo eval RUN``: a finished ``dpzoo train`` run's model, scored on its test split or on
+other data (the built-in digits or an image folder with the run's classes)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .cli_args import option
+from .errors import InvalidArgumentError
+
+__all__ = ["add_eval_parser", "cmd_eval"]
+
+
+def add_eval_parser(sub) -> None:
+    s = sub.add_parser(
+        "eval",
+        help="score a trained run's model",
+        description="Load the model of a `dpzoo train --out RUN` directory and report its test accuracy.",
+    )
+    s.add_argument(
+        "run", metavar="RUN", help="the --out directory of a finished dpzoo train run of an image classifier"
+    )
+    option(
+        s,
+        "--data",
+        default=None,
+        help="digits or an image folder (its val/ or test/ if it has one, else every image); default: the run's "
+        "own test split",
+    )
+    option(s, "--json", kind="flag", help="print the result as one JSON object")
+    s.set_defaults(fn=cmd_eval)
+
+
+def _run_metrics(run: Path) -> dict:
+    path = run / "metrics.json"
+    if not path.is_file():
+        raise InvalidArgumentError(
+            f"{run} has no metrics.json: give the --out directory of a finished `dpzoo train` run "
+            "(an unfinished one continues with `dpzoo train --resume`)."
+        )
+    metrics = json.loads(path.read_text())
+    if "classes" not in metrics or "image_size" not in metrics:
+        raise InvalidArgumentError(
+            f"{run} is not a run of an image classifier (or was made by an older dpzoo): dpzoo eval scores image "
+            "classifiers; a sequence model's run has its test metrics in metrics.json."
+        )
+    return metrics
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    run = Path(args.run)
+    metrics = _run_metrics(run)
+    import torch
+
+    from .datasets import image_folder_eval_set
+    from .hub import load
+    from .train import evaluate_accuracy, image_splits
+
+    size, data = int(metrics["image_size"]), args.data or metrics["data"]
+    if data != "digits" and Path(data).is_dir():
+        data = str(Path(data).resolve())  # as the run recorded it
+    if data == metrics["data"] or data == "digits":  # the run's own held-out split
+        _, test, classes = image_splits(data, size, int(metrics.get("seed", 0)))
+    else:
+        test, classes = image_folder_eval_set(data, size)
+    if list(classes) != list(metrics["classes"]):
+        raise InvalidArgumentError(
+            f"--data {data} has the classes {classes[:5]}{'…' if len(classes) > 5 else ''}, the run was trained on "
+            f"{metrics['classes'][:5]}{'…' if len(metrics['classes']) > 5 else ''}: give data with the same class folders."
+        )
+    model = load(run)
+    accuracy = evaluate_accuracy(model, test, torch.device("cpu"))
+    result = {
+        "run": str(run),
+        "model": metrics.get("model"),
+        "data": data,
+        "images": len(test),
+        "test_accuracy": accuracy,
+        "epsilon": metrics.get("epsilon"),
+        "delta": metrics.get("delta"),
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        eps = f"ε = {result['epsilon']:.3g} at δ = {result['delta']:.3g}" if result["epsilon"] is not None else "no DP"
+        print(f"{result['model']} on {data}: test accuracy {accuracy:.4f} ({len(test)} images); trained with {eps}")
+    return 0
