@@ -20,7 +20,7 @@ ratio 1.00; the high-water mark is reset via /proc/self/clear_refs), on a GPU
 ``torch.cuda.max_memory_allocated``.
 
 Writes ``training_step.json`` and ``training_step.png`` to ``--out``; ``benchmarks/table.py``
-prints the README's markdown table from the JSON. Not a test: timings depend on the machine.
+prints docs/BENCHMARKS.md's markdown tables from the JSON. Not a test: timings depend on the machine.
 
     python benchmarks/bench_training_step.py --configs gpt2-4x256-v1024-tied --out benchmarks/results
 """

@@ -1,4 +1,4 @@
-"""Check (or rewrite) the tables of README.md and docs/RESULTS.md against their result files.
+"""Check (or rewrite) the tables of README.md and docs/*.md against their result files.
 
 python benchmarks/render_tables.py            # exit 1 and one line per difference
 python benchmarks/render_tables.py --write    # rewrite the marked tables from the files

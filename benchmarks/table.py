@@ -1,4 +1,4 @@
-"""Print the markdown tables of a training_step.json (the README's benchmark tables).
+"""Print the markdown tables of a training_step.json (docs/BENCHMARKS.md's benchmark tables).
 
 Time: the median over interleaved rounds of each mode's per-round step-time ratio to non-private
 full training, with the interval the JSON names (min–max over rounds), e.g. ``1.39× [1.21–1.52]``;

@@ -1,4 +1,4 @@
-"""The tables of README.md and docs/RESULTS.md, rendered from committed result files.
+"""The tables of README.md and docs/ (RESULTS, BENCHMARKS, GUIDE), rendered from committed result files.
 
 Every table in those documents is preceded by a marker line ``<!-- table: NAME -->``. NAME is a
 renderer registered here with :func:`table`: it reads its result files (paths relative to the
@@ -6,7 +6,7 @@ repository root, committed under ``benchmarks/results/``) and returns the table'
 Each renderer also names the command that produced its files; the document must show that command
 in the table's section. Figures quoted from a paper are constants in the renderer, cited there.
 
-    python benchmarks/render_tables.py                  # check README.md and docs/RESULTS.md; exit 1 on a difference
+    python benchmarks/render_tables.py                  # check README.md and docs/*.md; exit 1 on a difference
     python benchmarks/render_tables.py --write          # rewrite the marked tables from their files
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCUMENTS = ("README.md", "docs/RESULTS.md")
+DOCUMENTS = ("README.md", "docs/RESULTS.md", "docs/BENCHMARKS.md", "docs/GUIDE.md")
 MARKER = re.compile(r"^<!-- table: (\S+) -->$")
 MODULES = ("gpu", "minilm", "audit", "seqrec")  # the renderer families, imported on first use
 

@@ -1,4 +1,4 @@
-"""Step-cost tables of ``benchmarks/bench_training_step.py`` JSON: the README's CPU and H100
+"""Step-cost tables of ``benchmarks/bench_training_step.py`` JSON: docs/BENCHMARKS.md's CPU and H100
 tables and docs/RESULTS.md's H200 table (issue 30)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import table as step_table
-from bench_modes import MODES  # benchmarks/table.py, the README benchmark's own printer
+from bench_modes import MODES  # benchmarks/table.py, the benchmark's own printer
 
 from doc_tables import table
 

@@ -3,7 +3,7 @@
 Per-sample clipping needs the loss to be a sum (or mean) of per-sample losses, each depending on
 its own sample only. The Trainer's default loss does not guarantee it: a causal or masked LM's loss
 is a mean over *all* the batch's tokens, so a sample's weight depends on the other samples' lengths
-(README, "The loss after the model"). Here each sample's loss is reduced over its own tokens only
+(docs/GUIDE.md, "The loss after the model"). Here each sample's loss is reduced over its own tokens only
 (``token_reduction``: mean or sum), then the batch's losses are returned unreduced, Tensor[B].
 
 The task follows the model's head, as the Trainer's own loss does: causal LMs (the classes of
