@@ -30,6 +30,7 @@ __all__ = [
     "refuse_save",
     "REFUSED_OPTIONS",
     "DATA_DRIVEN_INITS",
+    "trained_adapters",
     "DATA_FREE_INITS",
     "data_free_init",
     "data_driven_inits",
@@ -345,3 +346,30 @@ def declare_public_init(model: nn.Module, adapter: str = "default", source: str 
         f"LoRA adapter {adapter!r} initialised ({configs[adapter].init_lora_weights}) on public data: {source.strip()}"
     )
     object.__setattr__(model, PUBLIC_INIT_ATTR, public)  # a plain attribute, not a submodule
+
+
+ZERO_B_INITS = (True, "gaussian")  # LoRA inits whose lora_B starts at exactly zero
+
+
+def trained_adapters(model: nn.Module) -> list[str]:
+    """Adapters whose initialisation sets lora_B to zero but whose lora_B is not zero now: trained
+    before, here or elsewhere (loaded with ``PeftModel.from_pretrained`` or ``load_adapter``)."""
+    if _loaded_peft() is None:
+        return []
+    zero_init = {
+        n
+        for m in model.modules()
+        for n, c in _peft_configs(m).items()
+        if getattr(c, "init_lora_weights", True) in ZERO_B_INITS
+    }
+    found = set()
+    for layer in lora_layers(model).values():
+        for attr in ("lora_B", "lora_embedding_B"):
+            container = getattr(layer, attr, None)
+            if not isinstance(container, (nn.ModuleDict, nn.ParameterDict)):
+                continue
+            for name in zero_init & set(container.keys()):
+                tensors = container[name].parameters() if isinstance(container, nn.ModuleDict) else [container[name]]
+                if any(bool(t.detach().ne(0).any()) for t in tensors):
+                    found.add(name)
+    return sorted(found)

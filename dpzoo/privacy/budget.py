@@ -104,6 +104,8 @@ def prior_spending(module: nn.Module, earlier: list) -> list:
     if meta is None:
         found = recorded_origin(module)
         meta = found[0] if found else None
+    if meta is None:
+        _refuse_adapters_of_unknown_origin(module)
     if not meta:
         return []
     if meta.get("history"):  # every release composed into the saved ε, not only the last (σ, q)
@@ -115,6 +117,34 @@ def prior_spending(module: nn.Module, earlier: list) -> list:
             "model.dpzoo_privacy = {} if the new data is disjoint from the data it was trained on."
         )
     return [[float(meta["noise_multiplier"]), float(meta["sample_rate"]), int(meta["steps"])]]
+
+
+def _refuse_adapters_of_unknown_origin(module: nn.Module) -> None:
+    """A LoRA adapter that was trained before (lora_B no longer the zero it starts at) and carries
+    no record: PEFT's from_pretrained keeps no trace of the directory a DP run saved it to, with
+    its dpzoo_privacy.json, so its spending cannot be found; the user says which applies."""
+    from ..integrations.peft_layers import trained_adapters
+
+    names = trained_adapters(module)
+    if names:
+        raise PrivacyUsageError(
+            f"LoRA adapter {names[0]!r} already has trained weights (its lora_B is no longer the zero it starts at) "
+            "and no privacy record: if it comes from a DP run, compose its budget with model.dpzoo_privacy = "
+            "dpzoo.integrations.transformers.read_privacy_metadata(ADAPTER_DIR); if it was trained on other data than this run's, "
+            "set model.dpzoo_privacy = {} (recorded in the metadata as a stated assumption)."
+        )
+
+
+def stated_assumptions(module: nn.Module) -> list[str]:
+    """What the user stated about data outside ε, for the privacy metadata: public data behind an
+    adapter's initialisation, and that a model trained before saw other data (dpzoo_privacy = {})."""
+    out = list(getattr(module, "dpzoo_public_init", {}).values())
+    if getattr(module, "dpzoo_privacy", None) == {}:
+        out.append(
+            "the model was trained before on data stated to be disjoint from this run's (model.dpzoo_privacy = {}): "
+            "that spending is not composed"
+        )
+    return out
 
 
 def calibrate(

@@ -51,7 +51,7 @@ from .arguments import (
     warn_seeds,
 )
 from .bitfit import freeze_all_but_biases
-from .budget import calibrate, compute_sample_rate, link_spending, prior_spending
+from .budget import calibrate, compute_sample_rate, link_spending, prior_spending, stated_assumptions
 from .data import DPDataLoader, StepSignal
 from .distributed import same_on_every_rank, shard, world_and_rank
 from .fsdp import ShardedGrads, check_fsdp_settings, check_sharding
@@ -265,7 +265,7 @@ class PrivacyEngine(OpacusParity):
         model is left as it was (no hooks, its ``requires_grad`` flags restored)."""
         requires = {p: p.requires_grad for p in module.parameters()}
         self.module = module
-        self.public_statistics = list(getattr(module, "dpzoo_public_init", {}).values())  # stated public
+        self.public_statistics = stated_assumptions(module)  # what the user stated, outside ε
         try:
             self._notify_noise()
             self._set_mode(mode, train_head)
