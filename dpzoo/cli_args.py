@@ -29,8 +29,22 @@ __all__ = [
 ]
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Help text wrapped at spaces only: model names like ``transformer-seqrec`` stay whole."""
+
+    def _split_lines(self, text, width):
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 class Parser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` whose errors are one line (``dpzoo: error: ...``), exit code 2."""
+    """An ``ArgumentParser`` whose errors are one line (``dpzoo: error: ...``), exit code 2, and
+    whose help never splits a hyphenated name across lines."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"dpzoo: error: {message} (`{self.prog} --help` lists the options)\n")

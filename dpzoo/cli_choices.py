@@ -34,6 +34,7 @@ __all__ = [
 # name -> task of dpzoo's own zoo entries
 BUILTIN_MODELS: dict[str, str] = {
     "bert-base": "sequence-classification",
+    "cnn-tanh-gn": "image-classification",
     "dpformer": "sequential-recommendation",
     "efficientnet-lite0-gn-bias": "image-classification",
     "gpt2": "causal-lm",

@@ -131,14 +131,14 @@ def add_train_parser(sub) -> None:
         "--epochs",
         type=positive_int,
         default=None,
-        help="passes over the data (each len(data)/batch steps); default: 10 for images, 20 for sequence models",
+        help="passes over the data (each len(data)/batch steps); default: the model card's recipe if it has one, else 10 for images, 20 for sequence models",
     )
     option(
         s,
         "--batch-size",
         type=positive_int,
         default=None,
-        help="expected batch size: Poisson sampling at rate batch/N; default: 64 for images, for sequence models "
+        help="expected batch size: Poisson sampling at rate batch/N; default: the model card's recipe if it has one, else 64 for images, for sequence models "
         "1024 or a quarter of the users if fewer",
     )
     option(
@@ -146,7 +146,7 @@ def add_train_parser(sub) -> None:
         "--lr",
         type=positive_float,
         default=None,
-        help="Adam's learning rate; default: 2e-3 for images, 1e-2 for sequence models",
+        help="Adam's learning rate; default: the model card's recipe if it has one, else 2e-3 for images, 1e-2 for sequence models",
     )
     option(s, "--mode", default=DEFAULT_CLI_MODE, choices=mode_names(), help=f"training mode: {modes_help()}")
     option(
@@ -301,7 +301,7 @@ def _train_kwargs(kind: str, args: argparse.Namespace) -> dict:
     common = {
         "data": args.data or DEFAULT_DATA[kind],
         "epsilon": args.epsilon,
-        **{k: v if getattr(args, k) is None else getattr(args, k) for k, v in DEFAULT_STEPS[kind].items()},
+        **{k: v if getattr(args, k) is None else getattr(args, k) for k, v in _recipe(kind, args.name).items()},
         "mode": args.mode,
         "clipping": args.clipping,
         "max_grad_norm": args.max_grad_norm,
@@ -332,6 +332,14 @@ def _train_kwargs(kind: str, args: argparse.Namespace) -> dict:
         **({"item_prior": args.item_prior} if args.item_prior is not None else {}),
         **({"item_prior_noise": args.item_prior_noise} if args.item_prior_noise is not None else {}),
     }
+
+
+def _recipe(kind: str, name: str) -> dict[str, Any]:
+    """Epochs, batch size and learning rate: the entry's own recipe (its card's train_defaults) over
+    the defaults of its kind."""
+    from .registry import model_card
+
+    return {**DEFAULT_STEPS[kind], **model_card(name).train_defaults}
 
 
 def _resume_kwargs(args: argparse.Namespace, opts: set[str]) -> tuple[str, dict]:

@@ -61,6 +61,8 @@ class ModelCard:
     # The input the model expects, for smoke tests: {"kind": "image", "shape": [3, 32, 32]}
     # or {"kind": "tokens", "vocab_size": 256, "seq_len": 16}.
     example_input: dict[str, Any] = field(default_factory=dict)
+    # `dpzoo train`'s defaults for this entry where it has its own recipe (epochs, batch_size, lr)
+    train_defaults: dict[str, Any] = field(default_factory=dict)
     notes: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -97,6 +99,9 @@ class ModelCard:
                 f'dpzoo.load("{self.name}", {args})',
                 "```",
             ]
+        if self.train_defaults:
+            args = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.train_defaults.items())
+            lines += ["", "## Recipe", "", f"`dpzoo train {self.name}` defaults to `{args}`."]
         if self.papers:
             lines += ["", "## Papers", ""] + [f"- {p}" for p in self.papers]
         if self.notes:

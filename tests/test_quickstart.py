@@ -15,7 +15,7 @@ def test_the_quickstart_example_runs(tmp_path):
         [sys.executable, str(ROOT / "examples" / "quickstart.py")], cwd=tmp_path, capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "epoch 3: test accuracy" in out.stdout and "saved and loaded back: ε =" in out.stdout
+    assert "epoch 30: test accuracy" in out.stdout and "saved and loaded back: ε =" in out.stdout
     assert list(tmp_path.iterdir()) == []  # it leaves nothing behind
 
 
