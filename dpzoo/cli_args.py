@@ -23,6 +23,7 @@ __all__ = [
     "unit_interval",
     "positive_int",
     "nonnegative_int",
+    "nonnegative_float",
     "key_value",
     "checkpoint_every",
     "physical_batch_size",
@@ -128,6 +129,14 @@ def positive_float(text: str) -> float:
     value = _number(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """A finite number >= 0 (weight decay)."""
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
 
 

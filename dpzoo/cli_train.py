@@ -19,6 +19,7 @@ from .cli_args import (
     checkpoint_every,
     given,
     key_value,
+    nonnegative_float,
     nonnegative_int,
     option,
     physical_batch_size,
@@ -35,6 +36,7 @@ from .cli_choices import (
     trainable_models_help,
     usable_accountants,
 )
+from .cli_image import add_image_options, check_image_options
 from .cli_seqrec import add_seqrec_options
 from .errors import DPZooError, InvalidArgumentError
 
@@ -46,6 +48,7 @@ KIND_WORDS = {"image": "an image classifier", "seqrec": "a sequence model"}
 KIND_ONLY = {
     "full_size": ("--full-size", "image"),
     "image_size": ("--image-size", "image"),
+    "optimizer": ("--optimizer", "image"),
     "max_len": ("--max-len", "seqrec"),
     "non_private": ("--non-private", "seqrec"),
     "amazon_columns": ("--amazon-columns", "seqrec"),
@@ -94,13 +97,6 @@ def add_train_parser(sub) -> None:
         "<image>, or ROOT/train/ and ROOT/val/); sequence models: synthetic (the "
         f"default), {datasets_help()} or a file path (dpzoo.seqrec.register_dataset adds names)",
     )
-    option(
-        s,
-        "--image-size",
-        type=positive_int,
-        default=None,
-        help="image models: images are resized to N×N pixels (default: 16 for digits, 32 for an image folder)",
-    )
     option(s, "--epsilon", type=positive_float, default=8.0, help="the privacy budget ε the noise is calibrated to")
     option(
         s,
@@ -148,6 +144,14 @@ def add_train_parser(sub) -> None:
         default=None,
         help="Adam's learning rate; default: the model card's recipe if it has one, else 2e-3 for images, 1e-2 for sequence models",
     )
+    option(
+        s,
+        "--weight-decay",
+        type=nonnegative_float,
+        default=None,
+        help="the optimizer's weight decay (post-processing: it keeps ε); default: 0 for images, 1e-5 for sequence "
+        "models",
+    )
     option(s, "--mode", default=DEFAULT_CLI_MODE, choices=mode_names(), help=f"training mode: {modes_help()}")
     option(
         s,
@@ -163,12 +167,6 @@ def add_train_parser(sub) -> None:
         default="rdp",
         choices=usable_accountants(),
         help="a registered accountant whose ε is an upper bound (dpzoo.register_accountant adds one)",
-    )
-    option(
-        s,
-        "--full-size",
-        kind="flag",
-        help="image models: the entry's full size instead of its small configuration (default: small)",
     )
     option(
         s,
@@ -195,6 +193,7 @@ def add_train_parser(sub) -> None:
             "anyone with the seed can undo the privacy (recorded in the metadata); default: secret (OS entropy)",
         )
     option(s, "--device", default="cpu", help="where the model trains: cpu, cuda, cuda:1, mps")
+    add_image_options(s)
     add_seqrec_options(s, max_len)
     option(
         s,
@@ -268,21 +267,9 @@ def _check_options(kind: str, args: argparse.Namespace, opts: set[str]) -> None:
         if needs_out:
             verb = "needs" if len(needs_out) == 1 else "need"
             raise InvalidArgumentError(f"{', '.join(needs_out)} {verb} --out DIR (where the run is saved).")
-    if kind == "image" and args.max_physical_batch_size == "auto":
-        raise InvalidArgumentError(
-            "--max-physical-batch-size auto is for sequence models; give an image classifier a number of "
-            "samples (default: whole batches)."
-        )
     data = args.data or DEFAULT_DATA[kind]
     if kind == "image":
-        from .train import IMAGE_DATASETS
-
-        if data not in IMAGE_DATASETS and not os.path.isdir(data):
-            raise InvalidArgumentError(
-                f"--data {data}: image classifiers train on {', '.join(IMAGE_DATASETS)} or an image folder "
-                "(a directory with one subfolder per class); no such dataset or directory."
-            )
-        return
+        return check_image_options(args, data)
     from .seqrec.downloads import DATASETS
 
     if data in DATASETS or data == "synthetic":
@@ -317,6 +304,8 @@ def _train_kwargs(kind: str, args: argparse.Namespace) -> dict:
         size = args.image_size or (16 if common["data"] == "digits" else 32)
         return {
             **common,
+            **({"optimizer": args.optimizer} if args.optimizer is not None else {}),
+            **({"weight_decay": args.weight_decay} if args.weight_decay is not None else {}),
             "delta": args.delta if args.delta is not None else 1e-5,
             "small": not args.full_size,
             "image_size": size,
@@ -329,6 +318,7 @@ def _train_kwargs(kind: str, args: argparse.Namespace) -> dict:
         "amazon_columns": args.amazon_columns,
         # "auto" by default: the largest micro-batch the memory holds (a full softmax over V items)
         "max_physical_batch_size": "auto" if args.max_physical_batch_size is None else args.max_physical_batch_size,
+        **({"weight_decay": args.weight_decay} if args.weight_decay is not None else {}),
         **({"item_prior": args.item_prior} if args.item_prior is not None else {}),
         **({"item_prior_noise": args.item_prior_noise} if args.item_prior_noise is not None else {}),
     }

@@ -46,6 +46,22 @@ def image_splits(data: str, image_size: int, seed: int = 0):
     return image_folder_splits(data, image_size, seed=seed)
 
 
+_DEFAULTS = {"optimizer": "adam", "weight_decay": 0.0}
+OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+def _optimizer(name: str, params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
+    """The optimizer the noisy gradient feeds (post-processing: any choice keeps ε). SGD with
+    momentum 0.9; weight decay as each optimizer defines it (AdamW: decoupled)."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=weight_decay)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    raise InvalidArgumentError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}.")
+
+
 def evaluate_accuracy(model, dataset, device, batch_size=256) -> float:
     model.eval()
     correct = 0
@@ -65,6 +81,8 @@ def train_image_classifier(
     epochs: int = 5,
     batch_size: int = 64,
     lr: float = 1e-3,
+    optimizer: str = "adam",
+    weight_decay: float = 0.0,
     mode: str = "bk-mixopt",
     clipping: str = "automatic",
     max_grad_norm: float = 1.0,
@@ -124,6 +142,8 @@ def train_image_classifier(
         "noise_seed": noise_seed,
         "sample_seed": sample_seed,
     }
+    # recorded only when not the default, so runs from before these options resume unchanged
+    settings.update({k: v for k, v in (("optimizer", optimizer), ("weight_decay", weight_decay)) if v != _DEFAULTS[k]})
     check_loop_arguments(epochs=epochs, eval_every=eval_every, checkpoint_every=checkpoint_every)
     card = model_card(name)
     if card.task != "image-classification":
@@ -152,7 +172,7 @@ def train_image_classifier(
     if "img_size" in card.overrides:
         kwargs["img_size"] = image_size
     model = load(name, **kwargs).train().to(dev)
-    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    opt = _optimizer(optimizer, model.parameters(), lr, weight_decay)
     engine = PrivacyEngine(accountant=accountant)
     # a resumed run keeps the checkpoint's σ (calibrated once, for the whole run)
     noise = (
@@ -223,6 +243,8 @@ def train_image_classifier(
         "epochs": epochs,
         "batch_size": batch_size,
         "lr": lr,
+        "optimizer": optimizer,
+        "weight_decay": weight_decay,
         "delta": delta,
         "epsilon_target": epsilon,
         "epsilon": loop.epsilon(),

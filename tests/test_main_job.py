@@ -31,3 +31,18 @@ def test_the_cli_uses_the_cards_recipe_unless_told_otherwise(tmp_path, monkeypat
 
 def _done(kw):
     return {"model": kw["name"], "steps": 1, "epsilon": 1.0, "delta": 1e-5, "history": [{"test_accuracy": 0.5}]}
+
+
+def test_optimizer_and_weight_decay_reach_the_trainer(monkeypatch):
+    seen = {}
+    monkeypatch.setattr("dpzoo.train.train_image_classifier", lambda **kw: seen.update(kw) or _done(kw))
+    assert main(["train", "cnn-tanh-gn", "--optimizer", "adamw", "--weight-decay", "0.01", "--quiet"]) == 0
+    assert (seen["optimizer"], seen["weight_decay"]) == ("adamw", 0.01)
+
+
+def test_sgd_with_weight_decay_trains_and_is_recorded():
+    result = train_image_classifier(
+        "cnn-tanh-gn", epochs=1, batch_size=256, lr=0.5, optimizer="sgd", weight_decay=1e-4,
+        noise_seed=0, sample_seed=0, log=lambda m: None, progress=False,
+    )  # fmt: skip
+    assert (result["optimizer"], result["weight_decay"]) == ("sgd", 1e-4) and result["steps"] > 0

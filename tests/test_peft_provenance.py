@@ -31,7 +31,7 @@ def _quiet():
         yield
 
 
-def _base() -> nn.Module:
+def _plain_model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(OrderedDict(fc1=nn.Linear(6, 8), act=nn.ReLU(), fc2=nn.Linear(8, 3)))
 
@@ -58,7 +58,7 @@ def _private(model, steps: int = 0):
 @pytest.fixture
 def saved_adapter(tmp_path):
     """A LoRA adapter (PEFT's default init: lora_B = 0) trained with DP, saved by PEFT with its record."""
-    model = peft.get_peft_model(_base(), peft.LoraConfig(r=2, target_modules=["fc1", "fc2"]))
+    model = peft.get_peft_model(_plain_model(), peft.LoraConfig(r=2, target_modules=["fc1", "fc2"]))
     engine = _private(model, steps=4)
     model.save_pretrained(tmp_path)
     write_privacy_files(model, tmp_path, engine.privacy_metadata(1e-5), zoo_files=False)
@@ -66,20 +66,20 @@ def saved_adapter(tmp_path):
 
 
 def test_a_fresh_adapter_trains_without_a_record():
-    model = peft.get_peft_model(_base(), peft.LoraConfig(r=2, target_modules=["fc1", "fc2"]))
+    model = peft.get_peft_model(_plain_model(), peft.LoraConfig(r=2, target_modules=["fc1", "fc2"]))
     assert _private(model).accountant.history == []
 
 
 def test_a_reloaded_adapter_without_its_record_is_refused(saved_adapter):
     directory, _ = saved_adapter
-    loaded = peft.PeftModel.from_pretrained(_base(), directory, is_trainable=True)
+    loaded = peft.PeftModel.from_pretrained(_plain_model(), directory, is_trainable=True)
     with pytest.raises(PrivacyUsageError, match="'default' already has trained weights.*read_privacy_metadata"):
         _private(loaded)
 
 
 def test_its_record_composes(saved_adapter):
     directory, spent = saved_adapter
-    loaded = peft.PeftModel.from_pretrained(_base(), directory, is_trainable=True)
+    loaded = peft.PeftModel.from_pretrained(_plain_model(), directory, is_trainable=True)
     loaded.dpzoo_privacy = read_privacy_metadata(directory)
     engine = _private(loaded)
     assert engine.get_epsilon(1e-5) == pytest.approx(spent, rel=1e-6)  # before any new step: the adapter's spending
@@ -87,7 +87,7 @@ def test_its_record_composes(saved_adapter):
 
 def test_disjoint_data_is_a_stated_assumption_in_the_metadata(saved_adapter):
     directory, _ = saved_adapter
-    loaded = peft.PeftModel.from_pretrained(_base(), directory, is_trainable=True)
+    loaded = peft.PeftModel.from_pretrained(_plain_model(), directory, is_trainable=True)
     loaded.dpzoo_privacy = {}
     engine = _private(loaded, steps=1)
     assert engine.accountant.history[0][2] == 1  # a fresh budget: only this run's step
