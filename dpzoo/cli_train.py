@@ -374,14 +374,17 @@ def cmd_train(args: argparse.Namespace) -> int:
         log=(lambda message: None) if args.quiet else (lambda message: print(message, flush=True)),
         handle_sigint=True,
     )
-    if kind == "image":
-        from .train import train_image_classifier
+    from .run_io import no_empty_out_left
 
-        result = train_image_classifier(**kwargs)
-    else:
-        from .seqrec.train import train_seqrec
+    with no_empty_out_left(kwargs.get("out")):
+        if kind == "image":
+            from .train import train_image_classifier
 
-        result = train_seqrec(**kwargs)
+            result = train_image_classifier(**kwargs)
+        else:
+            from .seqrec.train import train_seqrec
+
+            result = train_seqrec(**kwargs)
     if args.quiet:
         last = result["history"][-1] if result["history"] else {}
         metric = {k: v for k, v in last.items() if k.startswith("test_")}

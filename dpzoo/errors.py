@@ -25,7 +25,7 @@ class UnknownModelError(DPZooError, KeyError):
         msg = f"Unknown model {name!r}."
         if close:
             msg += " Did you mean: " + ", ".join(close) + "?"
-        msg += " `dpzoo.list_models()` lists all names."
+        msg += " `dpzoo.list_models()` (or `dpzoo list`) lists all names."
         self.name, self.suggestions = name, close
         super().__init__(msg)
 

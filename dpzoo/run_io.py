@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = [
     "RUN_OUTPUTS",
     "CHECKPOINT_NAME",
     "prepare_out_dir",
+    "no_empty_out_left",
     "writable_dir",
     "MetricsLog",
     "write_json",
@@ -41,6 +43,19 @@ CHECKPOINT_NAME = "checkpoint.pt"
 # what a run writes into its output directory (``overwrite`` removes these, nothing else)
 RUN_OUTPUTS = ("model", "metrics.json", "metrics.csv", "metrics.png", CHECKPOINT_NAME, "tensorboard")
 CHECKPOINT_FORMAT = "dpzoo-training-checkpoint"
+
+
+@contextmanager
+def no_empty_out_left(out: str | Path | None):
+    """A run refused before it wrote anything (bad data, δ, batch size) leaves no empty ``out``
+    behind when ``out`` did not exist before it."""
+    fresh = out is not None and not Path(out).exists()
+    try:
+        yield
+    except BaseException:
+        if fresh and Path(out).is_dir() and not any(Path(out).iterdir()):
+            Path(out).rmdir()
+        raise
 
 
 def prepare_out_dir(out: str | Path, *, overwrite: bool = False, resume: bool = False) -> Path:

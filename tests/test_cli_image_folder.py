@@ -74,7 +74,7 @@ def test_a_wrong_image_folder_is_one_line(tmp_path, capsys, layout, message):
     assert main([*TRAIN, "--data", str(root), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dpzoo: error: ") and message in err and "\n" not in err
-    assert not (tmp_path / "run" / "model").exists()
+    assert not (tmp_path / "run").exists()  # refused before anything was written: no empty --out left
 
 
 def test_eval_refuses_data_with_other_classes(tmp_path, capsys):

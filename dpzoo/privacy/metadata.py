@@ -24,8 +24,8 @@ def check_delta(delta: float, n: int | None, accepted: bool = False) -> None:
     if n and not accepted and delta >= 1.0 / n:
         raise AccountingError(
             f"delta = {delta:g} is at least 1/N = 1/{n}: a mechanism that publishes one privacy unit in the clear meets "
-            f"such a guarantee, so the claim would say nothing. Use delta < 1/N, e.g. {_suggest(n):.0e}, or pass "
-            "accept_large_delta=True to make_private (recorded in the privacy metadata)."
+            f"such a guarantee, so the claim would say nothing. Use delta < 1/N, e.g. {_suggest(n):.0e} (--delta on the "
+            "command line), or pass accept_large_delta=True to make_private (recorded in the privacy metadata)."
         )
 
 
