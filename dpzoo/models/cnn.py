@@ -18,7 +18,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..errors import OverrideError
-from ..registry import ModelCard, register_model
+from ..registry import ModelCard, register_model, reject_unknown_overrides
 from ..surgery import make_dp_ready
 
 __all__ = ["TanhCNN"]
@@ -85,4 +85,5 @@ def cnn_tanh_gn(pretrained: bool = False, pretrained_tag: str | None = None, wei
         raise OverrideError(f"{NAME} has no pretrained weights: train it from scratch (dpzoo train {NAME}).")
     if weights is not None:
         raise OverrideError(f"{NAME} takes no weights=: restore a saved one with dpzoo.load(DIR).")
+    reject_unknown_overrides(NAME, overrides, _CARD.overrides)  # a misspelt one gets "did you mean"
     return make_dp_ready(TanhCNN(**overrides))  # nothing to patch; records the (empty) patch report
