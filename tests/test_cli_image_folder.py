@@ -13,7 +13,7 @@ import dpzoo
 from dpzoo.cli import main
 from dpzoo.errors import CheckpointError
 
-TRAIN = ["train", "resnet18-gn-bias", "--set", "width=8", "--epochs", "1", "--batch-size", "8", "--quiet"]
+TRAIN = ["train", "cnn-tanh-gn", "--epochs", "1", "--batch-size", "8", "--quiet"]
 
 
 def _folder(root, classes=("ant", "bee", "cat"), per_class=10, seed=0):
