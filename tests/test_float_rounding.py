@@ -32,25 +32,30 @@ class _UsedTwice(nn.Module):
         return self.lin(x1), self.lin(x2)
 
 
-def released_contribution(d: int, eps: float) -> float:
-    """Sample 0 alone has a gradient: its first use gives δ·xᵀ, its second −(1−ε)·δ·xᵀ, with x all
-    ones (float32 sums of equal terms round the most), so ‖g‖ = ε‖δ‖‖x‖ just above the recheck line
-    (2⁻⁶·U). Returns the released gradient's norm (no noise) in units of R."""
-    torch.manual_seed(0)
-    model = _UsedTwice(d)
+def _noise_free(model, dataset, r: float):
+    """make_private with σ = 0 and a fixed sample seed (both warned about, both wanted here): the
+    released gradient is the clipped sum itself."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # σ = 0 and a fixed sample seed: warned, wanted here
-        model, opt, loader = dpzoo.PrivacyEngine().make_private(
+        warnings.simplefilter("ignore")
+        return dpzoo.PrivacyEngine().make_private(
             module=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-            data_loader=DataLoader(TensorDataset(torch.zeros(16, 1, d), torch.zeros(16, 128, d)), batch_size=4),
+            data_loader=DataLoader(dataset, batch_size=4),
             noise_multiplier=0.0,
-            max_grad_norm=1.0,
+            max_grad_norm=r,
             loss_reduction="sum",
             mode="bk-mixopt",
             sample_seed=1,
             self_check=False,
         )
+
+
+def released_contribution(d: int, eps: float) -> float:
+    """Sample 0 alone has a gradient: its first use gives δ·xᵀ, its second −(1−ε)·δ·xᵀ, with x all
+    ones (float32 sums of equal terms round the most), so ‖g‖ = ε‖δ‖‖x‖ just above the recheck line
+    (2⁻⁶·U). Returns the released gradient's norm (no noise) in units of R."""
+    torch.manual_seed(0)
+    model, opt, loader = _noise_free(_UsedTwice(d), TensorDataset(torch.zeros(16, 1, d), torch.zeros(16, 128, d)), 1.0)
     x1, x2 = next(b for b in loader if len(b[0]))
     x1, x2 = torch.zeros_like(x1), torch.zeros_like(x2)
     x = torch.ones(d) / d**0.5 * 1000
@@ -180,20 +185,7 @@ def test_products_that_underflow_over_many_features_are_bounded(dtype, c, frac):
 
 def test_an_underflowing_sample_is_clipped_through_make_private():
     c, r = 65536, 1e-3
-    model = nn.Linear(c, 4, bias=False)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model, opt, loader = dpzoo.PrivacyEngine().make_private(
-            module=model,
-            optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-            data_loader=DataLoader(TensorDataset(torch.zeros(16, 1, c)), batch_size=4),
-            noise_multiplier=0.0,
-            max_grad_norm=r,
-            loss_reduction="sum",
-            mode="bk-mixopt",
-            sample_seed=1,
-            self_check=False,
-        )
+    model, opt, loader = _noise_free(nn.Linear(c, 4, bias=False), TensorDataset(torch.zeros(16, 1, c)), r)
     (x,) = next(b for b in loader if len(b[0]))
     x = torch.zeros_like(x)
     x[0, 0] = _underflowing_row(c, 4.0)
