@@ -13,6 +13,7 @@ import dpzoo
 from dpzoo.grad_norms import attach_norm_hooks
 
 ENTRIES = [
+    "cnn-tanh-gn",
     "resnet18-gn-bias",
     "vit-tiny-patch16",
     "gpt2",

@@ -69,7 +69,7 @@ _CARD = ModelCard(
         "depth": "conv blocks, each halving the image side (default 2)",
         "img_size": "input side in pixels, a multiple of 2^depth (default 16)",
     },
-    test_overrides={},  # small already (10k parameters): tests and the CLI use it as it is
+    test_overrides={"num_classes": 10},  # small already (10k parameters): tests and the CLI use it as it is
     train_defaults={"epochs": 30, "batch_size": 256, "lr": 1e-2},
     example_input={"kind": "image", "shape": [3, 16, 16]},
     notes=(
