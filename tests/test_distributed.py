@@ -127,7 +127,7 @@ def _membership(rank, world, n, batch, epochs):
     for _ in range(epochs):
         for (xb,) in dl:
             counts[xb.long().flatten()] += 1
-            model(xb).sum().backward()
+            model(xb).mean().backward()
             opt.step()
     return {"counts": counts, "q": engine.sample_rate, "steps": engine.steps, "eps": engine.get_epsilon(1e-5)}
 

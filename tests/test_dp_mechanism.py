@@ -118,7 +118,8 @@ def _noise_steps(model, n_steps, sigma, R, reduction="sum", steps_data=64):
     while len(out) < n_steps:  # as many epochs as it takes (one step per epoch at q = 1)
         for (xb,) in loader:
             before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
-            (0.0 * model(xb).sum()).backward()
+            y_hat = model(xb)
+            (0.0 * (y_hat.sum() if reduction == "sum" else y_hat.mean())).backward()
             opt.step()
             opt.zero_grad()
             after = torch.cat([p.detach().flatten() for p in model.parameters()])

@@ -868,6 +868,7 @@ def _engine_accepts(model: nn.Module, x: torch.Tensor) -> tuple[bool, str]:
                 data_loader=DataLoader(TensorDataset(x), batch_size=4),
                 noise_multiplier=1.0,
                 max_grad_norm=1.0,
+                loss_reduction="sum",  # the loss below is a sum over samples
             )
             for _ in range(20):  # Poisson batches may be empty
                 batch = next((b for (b,) in loader if len(b)), None)

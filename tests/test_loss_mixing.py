@@ -93,6 +93,26 @@ SEPARABLE = {  # loss on the batch, the same loss of one sample (the batch's row
         "sum",
     ),
     "per-sample batched product": (lambda o, y: torch.bmm(o[:, :, None], o[:, None, :]).sum(), "sum"),
+    "a sum divided by len(batch), as a mean": (lambda o, y: _l(o, y).sum() / len(y), "mean"),
+    "a loop over every row": (
+        lambda o, y: sum(F.cross_entropy(o[i], y[i], reduction="sum") for i in range(len(y))),
+        "sum",
+    ),
+    "a loop over one-row slices": (
+        lambda o, y: sum(F.cross_entropy(o[i : i + 1], y[i : i + 1], reduction="sum") for i in range(len(y))),
+        "sum",
+    ),
+    "weights of ones": (lambda o, y: (_l(o, y) * torch.ones(len(y), dtype=F64)).sum(), "sum"),
+    "fixed class weights at each label": (
+        lambda o, y: (torch.tensor([1.0, 5.0, 2.0], dtype=F64)[y] * _l(o, y)).sum(),
+        "sum",
+    ),
+    "class weights gathered": (
+        lambda o, y: (torch.tensor([1.0, 5.0, 2.0], dtype=F64).gather(0, y) * _l(o, y)).mean(),
+        "mean",
+    ),
+    "a Categorical's log_prob": (lambda o, y: -torch.distributions.Categorical(logits=o).log_prob(y).sum(), "sum"),
+    "two means, weighted": (lambda o, y: F.cross_entropy(o, y) + 0.5 * (o**2).sum(1).mean(), "mean"),
 }
 
 
@@ -370,7 +390,9 @@ def test_other_spellings_of_mixing_are_refused(name):
 
 
 STILL_FINE = {  # per-sample losses and training-loop code the review found refused or crashing
-    "accuracy in the loop": lambda o, y: F.cross_entropy(o, y) + 0 * (o.max(1)[1] == y).double().mean(),
+    "accuracy in the loop": lambda o, y: (
+        F.cross_entropy(o, y, reduction="sum") + 0 * (o.max(1)[1] == y).double().mean()
+    ),
     "topk along classes": lambda o, y: -o.topk(2).values.sum(),
     "sort along classes": lambda o, y: o.sort(descending=True).values[:, 0].sum(),
     "chunks along classes": lambda o, y: sum(c.sum() for c in o.chunk(3, 1)),
@@ -415,3 +437,87 @@ def test_training_loop_code_on_tracked_tensors_still_runs():
     F.cross_entropy(out, y).backward()
     opt.step()
     assert engine.steps == 1 and pred.shape == y.shape
+
+
+# Found by the third independent audit: each accepted before, each moving the clipped sum by up to
+# 1.6-8 R (sensitivity measured against a per-sample loop, σ = 0, q = 1).
+SCALED_BY_THE_BATCH = {  # (loss, the engine's loss_reduction, what the refusal names)
+    "a sum under loss_reduction='mean'": (lambda o, y: _l(o, y).sum(), "mean", "a sum over the batch's samples"),
+    "a mean under loss_reduction='sum'": (lambda o, y: F.cross_entropy(o, y), "sum", "a mean over the batch's samples"),
+    "a sum divided by len(batch) under 'sum'": (lambda o, y: _l(o, y).sum() / len(y), "sum", "a mean over the batch's"),
+    "a mean times len(batch) under 'mean'": (
+        lambda o, y: F.cross_entropy(o, y) * len(y),
+        "mean",
+        "a sum over the batch's",
+    ),
+    "a mean divided by len(batch)": (lambda o, y: F.cross_entropy(o, y) / len(y), "mean", "equals the batch's 8"),
+    "a mean plus a sum": (
+        lambda o, y: F.cross_entropy(o, y) + 0.01 * (o**2).sum(),
+        "mean",
+        "a mean over samples and a sum",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(SCALED_BY_THE_BATCH))
+def test_a_loss_scaled_by_the_batch_size_is_refused(name):
+    loss_fn, reduction, reason = SCALED_BY_THE_BATCH[name]
+    with pytest.raises(LossMixingError, match=reason):
+        step(mlp(), classification(), loss_fn, loss_reduction=reduction)
+
+
+BY_POSITION = {
+    "a sum over the first half": (lambda o, y: _l(o, y)[:4].sum(), "holding 4 of the batch's 8 samples"),
+    "every other row": (lambda o, y: F.cross_entropy(o[::2], y[::2], reduction="sum"), "reorder"),
+    "every other loss": (lambda o, y: _l(o, y)[::2].sum(), "reordering"),
+    "a mean over a slice": (lambda o, y: F.cross_entropy(o[:4], y[:4]), "a mean over a slice"),
+    "a loop over some rows": (lambda o, y: sum(_l(o[i : i + 1], y[i : i + 1]).sum() for i in range(4)), "holding 4"),
+    "weights by position": (lambda o, y: (_l(o, y) * torch.linspace(1, 3, len(y), dtype=F64)).sum(), "by position"),
+    "a mask by position": (lambda o, y: _l(o, y)[torch.arange(len(y)) < 4].sum(), "by position"),
+    "where by position": (lambda o, y: torch.where(torch.arange(len(y)) < 4, _l(o, y), 0.0).sum(), "by position"),
+    "a row counted twice": (lambda o, y: _l(o, y).sum() + _l(o[0:1], y[0:1]).sum(), "counted twice"),
+}
+
+
+@pytest.mark.parametrize("name", list(BY_POSITION))
+def test_a_loss_that_weighs_samples_by_position_is_refused(name):
+    loss_fn, reason = BY_POSITION[name]
+    with pytest.raises(LossMixingError, match=reason):
+        step(mlp(), classification(), loss_fn, loss_reduction="sum")
+
+
+def _weights(losses):
+    return losses.detach() / losses.detach().sum()
+
+
+GRADIENT_REWRITES = {  # what reaches autograd beside the loss: each rewrites the samples' gradients
+    "backward(gradient=weights)": lambda o, y: _l(o, y).backward(_weights(_l(o, y))),
+    "autograd.backward with grad_tensors": lambda o, y: torch.autograd.backward([_l(o, y)], [_weights(_l(o, y))]),
+    "a hook that centres the outputs' gradients": lambda o, y: (
+        o.register_hook(lambda g: g - g.mean(0, keepdim=True)),
+        _l(o, y).sum().backward(),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(GRADIENT_REWRITES))
+def test_rewriting_the_samples_gradients_beside_the_loss_is_refused(name):
+    engine, model, opt, loader = private(mlp(), classification(), loss_reduction="sum")
+    x, y = next(iter(loader))
+    with pytest.raises(LossMixingError, match="backward|register_hook"):
+        GRADIENT_REWRITES[name](model(x), y)
+
+
+def test_backward_with_a_constant_gradient_scales_each_samples_loss():
+    data = classification()
+    x, y = data.tensors
+    model = mlp()
+    expected = dp_sgd_update(model, lambda m, x, y: 2.0 * _l(m(x), y).sum(), {"x": x, "y": y}, len(y), R, 0.0, None,
+                             "abadi", None)  # fmt: skip
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine, model, opt, loader = private(model, data, loss_reduction="sum")
+    xb, yb = next(iter(loader))
+    _l(model(xb), yb).sum().backward(torch.tensor(2.0, dtype=F64))
+    opt.step()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach() - before[n], expected[n], rtol=1e-9, atol=1e-12)

@@ -526,6 +526,7 @@ def _make_private(model, engine=None):
         max_grad_norm=1.0,
         mode="lora",
         target_delta=1e-5,
+        loss_reduction="sum",  # _lm_loss is a sum over the batch's tokens
     )
 
 

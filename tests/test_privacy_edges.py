@@ -196,7 +196,7 @@ def test_self_check_catches_time_major_with_T_equal_B():
     engine, model, opt, loader = _private(_TimeMajorOut().double(), ds, batch_size=6)  # q = 1: B = T = 6
     before = copy.deepcopy(model.state_dict())
     (x,) = next(iter(loader))
-    model(x.transpose(0, 1)).pow(2).sum().backward()
+    model(x.transpose(0, 1)).pow(2).mean().backward()
     with pytest.raises(SelfCheckError):
         opt.step()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())  # nothing released

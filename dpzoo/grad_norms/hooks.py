@@ -54,6 +54,7 @@ from .capture import Capture, Recorder, Use, output_tensors
 from .cost import check_budget
 from .float_guard import round_up
 from .ghost import ghost_differentiate, wrap_outputs
+from .loss_pool import unwatched
 from .plan import plan_model
 from .rules.loose import (
     BROADCAST_LOOKUPS,
@@ -315,7 +316,8 @@ class NormHooks:
         """Back-propagate given output gradients (a vector-Jacobian product) to the hooked layers,
         without weight gradients: ``hooks.backward`` for a loss given by its output gradients."""
         if self.ghost_backward:
-            torch.autograd.backward(outputs, cotangents)  # the outputs are wrapped: ghost differentiation
+            with unwatched():  # dpzoo's own cotangents, not a loss
+                torch.autograd.backward(outputs, cotangents)  # the outputs are wrapped: ghost differentiation
         else:
             self._ghost_differentiate(list(outputs), list(cotangents))
 

@@ -133,8 +133,12 @@ def index_kind(args, dim: int | None) -> str | None:
     if dim != 0 or not items:
         return None if dim == 0 or not items else "mix"
     first = items[0]
-    if isinstance(first, bool) or first is None or first is Ellipsis:
-        return None if first is not Ellipsis or len(items) == 1 else "mix"
+    if first is Ellipsis:  # x[..., i]: the items after it index the last dimensions
+        trailing = sum(1 for i in items[1:] if i is not None)
+        ndim = args[0].dim() if isinstance(args[0], torch.Tensor) else trailing + 1
+        return None if trailing < ndim else "mix"
+    if isinstance(first, bool) or first is None:
+        return None
     if isinstance(first, int):
         return "row"
     if isinstance(first, slice):

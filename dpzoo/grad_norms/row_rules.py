@@ -56,6 +56,10 @@ class State(NamedTuple):
     stat: bool = False  # computed across samples without gradient (a detached batch statistic)
     row: int | None = None  # the values of one sample (its index in the batch)
     window: tuple | None = None  # rows [start, stop) of the batch (a slice, a micro-batch); None: all
+    call: tuple | None = None  # the model's outputs: the rows [start, stop) of the call they came from
+    reduction: str | None = None  # a pooled loss: "mean" or "sum" over the samples
+    scalars: tuple = ()  # Python numbers a pooled loss was multiplied by after pooling (1/d for a division)
+    covered: frozenset | None = None  # a sum of single samples' values: their rows (None: all rows)
 
 
 def refuse(what: str) -> NoReturn:
@@ -79,6 +83,8 @@ def nograd_state(name: str, args, kwargs, tracked: list, out: torch.Tensor) -> S
         same = len({t.rows.row for t in tracked}) == 1 and first.row is not None
         return base._replace(sample_dim=None, row=first.row) if same else base._replace(sample_dim=None, stat=True)
     lead = rows[0]
+    if looked_up(name, args, kwargs, lead):  # a constant table read at each sample's own index: alpha[y]
+        return base._replace(sample_dim=0, aligned=lead.rows.aligned, window=lead.rows.window)
     aligned = all(t.rows.aligned for t in rows) and len({t.rows.aligned for t in tracked}) == 1
     kind = across(name, args, kwargs, lead, out)
     if kind == "row":
@@ -103,12 +109,12 @@ def nograd_state(name: str, args, kwargs, tracked: list, out: torch.Tensor) -> S
 def grad_state(name: str, args, kwargs, tracked: list, out: torch.Tensor) -> State:
     """The state of a result that carries gradient into the update; refuses what mixes samples."""
     first = tracked[0].rows
-    base = State(first.samples, owned=first.owned)
+    base = State(first.samples, owned=first.owned, call=first.call)
     check_outside(name, args, kwargs, first.owned)
     stats = [t for t in tracked if t.rows.stat]
     others = [t for t in tracked if not t.rows.stat]
     if stats and name in ADDITIVE and others and all(t.rows.pooled for t in others):
-        return base._replace(sample_dim=None, pooled=True)  # the batch loss plus a constant: same gradient
+        return merge_pooled(name, args, others, [], base)  # the batch loss plus a constant: same gradient
     if stats:
         refuse(f"{name}: a statistic of the batch computed without gradient (detached, under no_grad) in the loss")
     pooled = [t for t in tracked if t.rows.pooled]
@@ -117,22 +123,21 @@ def grad_state(name: str, args, kwargs, tracked: list, out: torch.Tensor) -> Sta
     if pooled:
         if rows:
             refuse(f"{name}: a sum over samples combined with per-sample rows")
-        check_pooled(name, args, base.samples, len(pooled) + len(singles))
-        return base._replace(sample_dim=None, pooled=True)
+        return merge_pooled(name, args, pooled, singles, base)
     if singles and not rows:
-        return single_rows(name, singles, base)
+        return single_rows(name, args, singles, base)
     if singles:
         refuse(f"{name}: one sample's values combined with the batch's rows")
     return batch_rows(name, args, kwargs, rows, out, base)
 
 
-def single_rows(name: str, singles: list, base: State) -> State:
+def single_rows(name: str, args, singles: list, base: State) -> State:
     """Values of single samples (``out[i]``, a per-sample loop): any function of one sample is
     per-sample; values of different samples may only be added (a sum over samples)."""
     if len({t.rows.row for t in singles}) == 1 and singles[0].rows.row is not None:
         return base._replace(sample_dim=None, row=singles[0].rows.row)
     if name in ADDITIVE:
-        return base._replace(sample_dim=None, pooled=True)
+        return merge_pooled(name, args, [], singles, base)
     refuse(f"{name} of different samples' values (not a sum)")
 
 
@@ -140,24 +145,27 @@ def batch_rows(name: str, args, kwargs, rows: list, out, base: State) -> State:
     """Tensors whose rows are the samples: one of them, or several meeting in one operation."""
     lead = rows[0]
     if len(rows) > 1:
-        check_meeting(name, args, rows)
+        check_meeting(name, args, kwargs, rows)
     if name in MEAN_LOSSES:
         check_mean_loss(name, args, kwargs, lead)
+    check_positional(name, args, kwargs, lead)
     if name in LOSSES:
         if lead.rows.sample_dim != 0 or not all(t.rows.aligned for t in rows):
             refuse(f"{name} on rows that are not the samples in order")
         if out.dim() == 0:
             if kwargs.get("reduction", "mean") != "sum" and any(t.rows.selected for t in rows):
                 refuse(f"{name} averaging rows selected by a mask (its divisor is a count of the batch)")
-            return base._replace(sample_dim=None, pooled=True)
+            return pooled_rows(name, rows, "sum" if kwargs.get("reduction") == "sum" else "mean", base)
         return base._replace(sample_dim=0, window=lead.rows.window)
     kind = across(name, args, kwargs, lead, out)
     if kind == "pool":
         if name in ("mean", "nanmean") and lead.rows.selected:
             refuse("the mean of rows selected by a mask (its divisor is a count of the batch)")
-        return base._replace(sample_dim=None, pooled=True)
+        return pooled_rows(name, rows, "mean" if name == "mean" else "sum", base)
     if kind == "mix":
         refuse(f"{name} across the sample dimension")
+    if kind == "select" and not from_batch(args[1] if len(args) > 1 else None):
+        refuse(f"{name}: rows picked by a mask that does not come from the batch (by position)")
     if kind == "row":
         return base._replace(sample_dim=None, row=absolute_row(lead, picked_row(name, args, kwargs)))
     dim = (
@@ -174,7 +182,90 @@ def batch_rows(name: str, args, kwargs, rows: list, out, base: State) -> State:
     )
 
 
-def check_meeting(name: str, args, rows: list) -> None:
+def looked_up(name: str, args, kwargs, lead) -> bool:
+    """``table[index]`` / ``table.gather(0, index)`` of an untracked table at a tracked index whose
+    samples lead: row i of the result is the table's entry for sample i."""
+    if not args or getattr(args[0], "rows", None) is not None or lead.rows.sample_dim != 0:
+        return False
+    if name == "__getitem__":
+        return len(args) > 1 and args[1] is lead
+    if name == "gather":
+        return kwargs.get("index", args[2] if len(args) > 2 else None) is lead and lead.dim() == args[0].dim()
+    return False
+
+
+def pooled_rows(name: str, rows: list, reduction: str, base: State) -> State:
+    """The batch's rows pooled into the loss, a sum or a mean over samples. Each sample must enter
+    once whatever its position: a sum over a slice of the model's output rows holds those rows
+    (checked to add up to the batch at backward, :mod:`.loss_pool`); a reordering, or a mean over
+    a slice (its divisor is the slice's length, not the batch's), weighs samples by position."""
+    lead = rows[0]
+    covered = None
+    if lead.rows.call is not None and window_of(lead) != lead.rows.call:
+        if reduction == "mean":
+            refuse(f"{name}: a mean over a slice of the model's output rows (out[:k]: its divisor is not the batch's)")
+        covered = frozenset(range(*window_of(lead)))
+    if lead.rows.call is not None and not all(t.rows.aligned for t in rows):
+        refuse(f"{name} over a reordering of the model's output rows (out[::2], out[perm]: a weight by position)")
+    return base._replace(sample_dim=None, pooled=True, reduction=reduction, covered=covered)
+
+
+def merge_pooled(name: str, args, pooled: list, singles: list, base: State) -> State:
+    """A pooled loss after ``name``: linear operations by constants only, one reduction over samples
+    (a mean plus a sum would weigh them by the batch's size), every sample once; checked against the
+    engine's ``loss_reduction`` at backward (:mod:`.loss_pool`)."""
+    check_pooled(name, args, base.samples, len(pooled) + len(singles))
+    reductions = {t.rows.reduction for t in pooled} | ({"sum"} if singles else set())
+    if len(reductions - {None}) > 1:
+        refuse(f"{name} of a mean over samples and a sum over samples (a weight that follows the batch's size)")
+    scalars = tuple(s for t in pooled for s in t.rows.scalars) + scalars_of(name, args)
+    covered = covered_rows(name, pooled, singles)
+    return base._replace(sample_dim=None, pooled=True, reduction=next(iter(reductions - {None}), None),
+                         scalars=scalars, covered=covered)  # fmt: skip
+
+
+def covered_rows(name: str, pooled: list, singles: list) -> frozenset | None:
+    """The rows a sum of single samples' values holds (None: a pool over all rows)."""
+    parts = [t.rows.covered for t in pooled] + [frozenset([t.rows.row]) for t in singles]
+    if len(parts) == 1 or all(p is None for p in parts):
+        return parts[0] if len(parts) == 1 else None
+    if any(p is None for p in parts) or sum(len(p) for p in parts) != len(frozenset().union(*parts)):
+        refuse(f"{name}: a sample's loss counted twice (a single row's values added to a pool that holds it)")
+    return frozenset().union(*parts)
+
+
+def scalars_of(name: str, args) -> tuple:
+    """The Python number (or 0-d tensor) ``name`` scales a pooled loss by: x for a product, 1/x for a division."""
+    if name not in SCALING:
+        return ()
+    numbers = [a for a in args[1:] if isinstance(a, (int, float)) and not isinstance(a, bool)]
+    numbers += [
+        float(a) for a in args if isinstance(a, torch.Tensor) and a.dim() == 0 and getattr(a, "rows", None) is None
+    ]
+    if name in DIVIDE:
+        return tuple(1 / x if x else float("inf") for x in numbers)
+    return tuple(float(x) for x in numbers)
+
+
+def from_batch(index) -> bool:
+    return isinstance(index, tuple) and bool(index) and from_batch(index[0]) or getattr(index, "rows", None) is not None
+
+
+def check_positional(name: str, args, kwargs, lead) -> None:
+    """An elementwise product with a tensor that varies along the sample dimension but does not come
+    from the batch weighs each sample by its position (``(losses * torch.linspace(1, 3, B)).sum()``)."""
+    if name not in SCALING and name not in ELEMENTWISE:
+        return
+    from_right = lead.dim() - lead.rows.sample_dim
+    for a in leaves(args, kwargs):
+        if isinstance(a, torch.Tensor) and getattr(a, "rows", None) is None and a.dim() >= from_right:
+            d = a.dim() - from_right
+            if a.shape[d] > 1 and not bool((a == a.narrow(d, 0, 1)).all()):
+                refuse(f"{name} with a tensor that varies along the sample dimension but does not come from the "
+                       "batch (a weight by position)")  # fmt: skip
+
+
+def check_meeting(name: str, args, kwargs, rows: list) -> None:
     """Several tensors with rows meet: the same samples, in the same order and place."""
     if not all(t.rows.aligned for t in rows) or len({window_of(t) for t in rows}) > 1:
         refuse(f"{name}: the batch's rows combined with a reordered or shifted copy of them (mixup, negatives)")
@@ -185,10 +276,16 @@ def check_meeting(name: str, args, rows: list) -> None:
         if any(t.rows.sample_dim != 0 for t in rows):
             refuse(f"{name} on tensors whose rows are not the samples")
         return
+    if name in ("gather", "take_along_dim"):  # row i's index picks from row i, along another dimension
+        dim = args[2] if name == "take_along_dim" and len(args) > 2 else (args[1] if len(args) > 1 else None)
+        dim = kwargs.get("dim", dim)
+        if isinstance(dim, int) and all(t.rows.sample_dim == 0 for t in rows) and dim % rows[0].dim() != 0:
+            return
     from_right = {t.dim() - t.rows.sample_dim for t in rows}  # broadcasting aligns from the right
     if len(from_right) > 1:
         refuse(f"{name} of tensors whose samples lie along different dimensions (pairwise terms)")
-    ok = ELEMENTWISE | ADDITIVE | SCALING | LOSSES | VIEWS | {"stack", "cat", "cosine_similarity", "pairwise_distance"}
+    ok = ELEMENTWISE | ADDITIVE | SCALING | LOSSES | VIEWS | {"stack", "cat", "cosine_similarity", "pairwise_distance",
+                                                             "broadcast_tensors"}  # fmt: skip
     if name not in ok:
         refuse(f"{name} of two tensors derived from the batch")
 

@@ -24,10 +24,11 @@ from collections.abc import MutableMapping
 import torch
 from torch.utils._pytree import tree_map
 
+from .loss_pool import before_gradient
 from .row_ops import leaves, window_of
 from .row_rules import State, grad_state, nograd_state, refuse
 
-__all__ = ["SampleRows", "State", "track", "track_batch", "plain", "note_call"]
+__all__ = ["SampleRows", "State", "track", "track_batch", "plain", "note_call", "tag"]
 
 
 class SampleRows(torch.Tensor):
@@ -47,6 +48,8 @@ class SampleRows(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if op_name(func) in ("backward", "register_hook"):  # before autograd runs: what the engine must know
+            before_gradient(func, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():  # also for the bookkeeping below (.dim(), .shape)
             out = func(*args, **kwargs)
             if torch.compiler.is_compiling():  # dynamo inspecting a tracked input: a plain tensor to it
@@ -129,8 +132,8 @@ def track(t: torch.Tensor, samples: int, owned: frozenset | None = None) -> torc
     of the call's inputs, :func:`note_call`)."""
     window = CALL.get("window")
     if window is not None and window[1] - window[0] == samples:
-        return tag(t, State(CALL["samples"], owned=owned, window=window))
-    return tag(t, State(samples, owned=owned))
+        return tag(t, State(CALL["samples"], owned=owned, window=window, call=window if owned is not None else None))
+    return tag(t, State(samples, owned=owned, call=(0, samples) if owned is not None else None))
 
 
 def track_batch(batch, samples: int):

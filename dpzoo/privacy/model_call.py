@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import PrivacyUsageError
 from ..grad_norms.copy_inert import CopyInert
-from ..grad_norms.sample_rows import SampleRows, note_call, plain
+from ..grad_norms.sample_rows import SampleRows, State, note_call, plain, tag
 
 __all__ = ["attach_call_hooks", "is_transformers_model"]
 
@@ -87,6 +87,9 @@ class LabelsLoss:
         from ..integrations.trainer_loss import per_sample_losses
 
         config = getattr(module, "config", None)
+        lead = next((o for o in tree_flatten(output)[0] if isinstance(o, SampleRows)), None)
+        if lead is not None and labels.dim() and labels.shape[0] == lead.shape[0]:  # the labels' rows are the outputs'
+            labels = tag(labels, State(lead.rows.samples, window=lead.rows.window))
         losses = per_sample_losses(
             output,
             labels,

@@ -17,9 +17,8 @@ One logical step (BK paper Algorithm 1, lines 6–12):
 4. the wrapped optimizer steps; the accountant records (σ, q).
 
 Like Opacus' ``DPOptimizer`` this is a :class:`torch.optim.Optimizer` sharing the wrapped
-optimizer's ``param_groups`` and ``state`` (so ``torch.optim.lr_scheduler`` works on it; see
-:mod:`dpzoo.privacy.wrapped_optimizer`), and its clip / noise / scale steps are methods a
-subclass can override (clipping functions: :mod:`dpzoo.privacy.clipping`).
+optimizer's ``param_groups`` and ``state`` (``lr_scheduler`` works on it), and its clip / noise /
+scale steps are methods a subclass can override (clipping functions: :mod:`dpzoo.privacy.clipping`).
 
 Noise is secret: each logical step draws it from a generator seeded with 64 fresh bits of OS
 entropy (``os.urandom``). ``noise_seed`` makes it reproducible instead, for tests only: anyone
@@ -37,6 +36,7 @@ import torch
 
 from ..errors import NoGradientWarning, PrivacyUsageError, UnsupportedModuleError
 from ..grad_norms.hooks import NormHooks
+from ..grad_norms.loss_pool import check_reduction, take_record
 from .accountant import Accountant
 from .budget import restore_history
 from .clipping import AUTOMATIC_GAMMA as AUTOMATIC_GAMMA  # re-exported: it was defined here
@@ -190,8 +190,7 @@ class DPOptimizer(WrappedOptimizer):
             with self._aborting():
                 self.clip_and_accumulate()
         elif self._pending_batch is not None and self._pending_batch != self.signal.logical_index:
-            # forwards of an earlier batch that no backward followed (e.g. validation without
-            # no_grad): nothing of them will be released, drop them
+            # forwards of an earlier batch no backward followed (validation without no_grad): drop them
             self.hooks.clear()
             self._pending_batch = None
         if self._pending_batch is None:
@@ -243,6 +242,7 @@ class DPOptimizer(WrappedOptimizer):
         if drop is not None:
             self.nonfinite_samples += int(drop.sum())
         if b:
+            check_reduction(take_record(), self.loss_reduction, b)  # a watched loss, reduced as the engine scales
             unreached = set(self.hooks.unreached_parameters())
             self._reached.update(n for n in params if n not in unreached)
             # the hooks saw the gradients of loss_scale · loss: norms and sums are linear in it

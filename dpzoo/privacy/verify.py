@@ -251,7 +251,8 @@ def self_check(
         raise SelfCheckError(
             "Self-check failed: the sum of dpzoo's per-sample gradients is not the batch gradient for "
             f"{', '.join(wrong_sum[:6])}: a parameter is used where its layer's rule cannot see it (swapped "
-            "parameters, an edited output, a use in the loss). Route every use through the layer's own forward."
+            "parameters, an edited output, a use in the loss), or a layer runs on time-major inputs (T, B, ...) with "
+            "T = B. Route every use through the layer's own forward; make such layers batch-first."
         )
     if bad:
         shown = "; ".join(

@@ -1,0 +1,120 @@
+"""What the backward of a watched loss tells the engine: the loss is pooled over samples (a sum or a
+mean), it holds every sample once, and its reduction is the one the engine scales by.
+
+The engine turns the gradients its hooks see into each sample's gradient by the row count b of
+the batch (``loss_reduction="mean"``: the loss is (1/b)·Σ_i ℓ_i) or by 1 (``"sum"``). A loss
+reduced the other way, or multiplied by a number that follows the batch's size (``.sum() /
+len(y)`` under ``"sum"``, ``.mean() * len(y)`` under ``"mean"``), weighs every sample's clipped
+gradient by b, which a neighbouring batch changes for all of them: the released sum moves by up
+to about 2R. :func:`before_gradient` runs before autograd (from
+:meth:`~.sample_rows.SampleRows.__torch_function__`), refuses what the engine cannot scale and
+leaves a record that :func:`check_reduction` compares with the engine's ``loss_reduction``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from ..errors import LossMixingError
+from .row_rules import FIX, refuse
+
+__all__ = ["before_gradient", "take_record", "check_reduction", "unwatched"]
+
+RECORD: dict = {}  # the last watched loss's reduction over samples and its Python factors
+INTERNAL: list = []  # non-empty while dpzoo itself back-propagates given output gradients
+
+
+@contextlib.contextmanager
+def unwatched():
+    """dpzoo's own backward from output gradients (the self-check's vector-Jacobian products)."""
+    INTERNAL.append(True)
+    try:
+        yield
+    finally:
+        INTERNAL.pop()
+
+
+def before_gradient(func, args, kwargs) -> None:
+    """``register_hook`` on a watched tensor, or ``backward`` of one (``loss.backward(gradient)``,
+    ``torch.autograd.backward(tensors, grad_tensors)``): refuse or record."""
+    if INTERNAL:
+        return
+    if getattr(func, "__name__", "") == "register_hook":
+        if getattr(args[0], "rows", None) is not None and args[0].requires_grad:
+            raise LossMixingError(
+                "register_hook on the model's outputs (or on what derives from them) rewrites each sample's "
+                f"gradient where dpzoo cannot see it (false ε); put the computation in the loss: {FIX}."
+            )
+        return
+    if func is torch.Tensor.backward:
+        tensors, grads = [args[0]], [kwargs.get("gradient", args[1] if len(args) > 1 else None)]
+    else:
+        tensors = args[0] if args else kwargs.get("tensors")
+        grads = kwargs.get("grad_tensors", args[1] if len(args) > 1 else None)
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        grads = [grads] * len(tensors) if grads is None or isinstance(grads, torch.Tensor) else list(grads)
+    for t, g in zip(tensors, grads):
+        if getattr(t, "rows", None) is not None and t.requires_grad:
+            note_loss(t, g)
+
+
+def note_loss(t, gradient) -> None:
+    state = t.rows
+    if not state.pooled and state.row is not None:  # one sample's values: a loss of that row alone
+        state = state._replace(pooled=True, reduction="sum", covered=frozenset([state.row]))
+    if not state.pooled:
+        refuse("backward() of per-sample values rather than of a loss pooled over samples")
+    factor = 1.0
+    if gradient is not None:
+        if getattr(gradient, "rows", None) is not None or (isinstance(gradient, torch.Tensor) and gradient.numel() > 1):
+            refuse("backward(gradient=...) weighing the loss by values of the batch")
+        factor = float(gradient)
+    if state.covered is not None:
+        start, stop = state.call or (0, state.samples)
+        if state.covered != frozenset(range(start, stop)):
+            refuse(f"a loss holding {len(state.covered)} of the batch's {stop - start} samples (a loop over some rows)")
+    RECORD.clear()
+    RECORD.update(reduction=state.reduction, scalars=(*state.scalars, factor))
+
+
+def take_record() -> dict | None:
+    """The record of the last watched backward, once (None when the loss was not watched)."""
+    if not RECORD:
+        return None
+    record = dict(RECORD)
+    RECORD.clear()
+    return record
+
+
+def check_reduction(record: dict | None, loss_reduction: str, rows: int) -> None:
+    """Refuse a watched loss whose scaling over samples is not the engine's ``loss_reduction``. A sum
+    divided by the batch's size is a mean (``.sum() / len(y)``), a mean times it a sum; any other
+    factor equal to the size (``.mean() / len(y)``) follows the batch and is refused."""
+    if record is None or rows < 2:
+        return  # not watched; or one row, where a sum and a mean agree
+    reduction = record["reduction"]
+    for s in record["scalars"]:
+        if not (s and math.isfinite(s)):
+            continue
+        if reduction == "sum" and math.isclose(1 / s, rows):
+            reduction = "mean"
+        elif reduction == "mean" and math.isclose(s, rows):
+            reduction = "sum"
+        elif math.isclose(s, rows) or math.isclose(1 / s, rows):
+            raise LossMixingError(
+                f"the loss is scaled by {s:g}, a factor that equals the batch's {rows} samples: a factor that "
+                "follows the batch's size weighs each sample by the others (false ε). dpzoo scales by the batch "
+                "size itself (loss_reduction); drop the factor. To accumulate gradients over micro-batches, pass "
+                "max_physical_batch_size to make_private instead of dividing the loss."
+            )
+    if reduction is not None and reduction != loss_reduction:
+        other = "sum" if loss_reduction == "mean" else "mean"
+        raise LossMixingError(
+            f"the loss is a {reduction} over the batch's samples, but make_private was given "
+            f"loss_reduction={loss_reduction!r}: each sample's clipped gradient would be scaled by the batch's size "
+            f"(false ε). Pass loss_reduction={other!r}, or reduce the loss with .{loss_reduction}() "
+            "(a sum divided by len(batch) is a mean)."
+        )
