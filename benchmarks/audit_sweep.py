@@ -5,6 +5,7 @@ positive controls; one JSON per claimed ε, the evidence of docs/RESULTS.md's au
     python benchmarks/audit_sweep.py --epsilon 4 --seeds 0 1 2 --out benchmarks/results/audit
     python benchmarks/audit_sweep.py --threat-model white-box --epsilon 2 --seeds 0 1 2 3 4
     python benchmarks/audit_sweep.py --threat-model white-box --epsilon 2 --seeds 0 1 2 3 4 --canaries 1000
+    python benchmarks/audit_sweep.py --threat-model white-box --full-batch --epsilon 2 --canaries 50000 --seeds 0 1 2 3 4
 
 Each (mechanism, seed) is one ``dpzoo.audit(epsilon=E, seed=S, broken=B)`` with the built-in
 defaults (digits + 1,000 Dirac canaries, 2,500 in the white-box audit, 10 epochs, Abadi clipping at R = 1); the engine's noise
@@ -30,12 +31,17 @@ MECHANISMS = {  # None: dpzoo's engine as is
 }
 
 
-def run(epsilon: float, seeds: list[int], threat_model: str, canaries: int, mechanisms) -> list[dict]:
+def run(epsilon: float, seeds: list[int], threat_model: str, canaries: int, mechanisms, batch_size) -> list[dict]:
     rows = []
     for seed in seeds:
         for broken in mechanisms:
             result = dpzoo.audit(
-                epsilon=epsilon, seed=seed, broken=broken, threat_model=threat_model, canaries=canaries
+                epsilon=epsilon,
+                seed=seed,
+                broken=broken,
+                threat_model=threat_model,
+                canaries=canaries,
+                batch_size=batch_size,
             )
             row = result.to_dict(scores=False) | {"seed": seed}
             rows.append(row)
@@ -51,11 +57,13 @@ def main(argv=None) -> int:
     p.add_argument("--threat-model", choices=list(MECHANISMS), default="black-box")
     p.add_argument("--canaries", type=int, default=None, help="default: the audit's (1000; 2500 white-box)")
     p.add_argument("--mechanisms", nargs="+", default=None, help="engine and/or control names (default: all)")
+    p.add_argument("--full-batch", action="store_true", help="every step trains on the whole set (q = 1)")
     args = p.parse_args(argv)
     mechanisms = MECHANISMS[args.threat_model]
     if args.mechanisms:
         mechanisms = tuple(None if m == "engine" else m for m in args.mechanisms)
-    rows = run(args.epsilon, args.seeds, args.threat_model, args.canaries, mechanisms)
+    batch_size = "full" if args.full_batch else 64
+    rows = run(args.epsilon, args.seeds, args.threat_model, args.canaries, mechanisms, batch_size)
     meta = {
         "command": "python benchmarks/audit_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d"),
@@ -66,7 +74,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "audit" if args.threat_model == "black-box" else "white_box"
-    suffix = "" if args.canaries is None else f"_m{args.canaries}"
+    suffix = ("" if args.canaries is None else f"_m{args.canaries}") + ("_full" if args.full_batch else "")
     path = out / f"{name}_eps{args.epsilon:g}{suffix}.json"
     path.write_text(json.dumps({"meta": meta, "runs": rows}, indent=1) + "\n")
     print("wrote", path)

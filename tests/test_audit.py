@@ -227,31 +227,75 @@ def test_general_path_and_cli(tmp_path, capsys):
 # -- the white-box audit (issue 27): every noisy step of the canaries' own coordinates ------------
 
 
-def test_white_box_score_is_the_log_likelihood_ratio_of_the_claimed_mechanism():
-    """One step, written by hand: canary i's column of the noisy sum projected on its clipped
-    gradient's direction z, and log(1 - q + q exp((a z - a²/2) / (σR)²)) with a its clipped length."""
+def _dense_twin(sparse):
+    """The dense linear model the sparse one stands for: weight columns 64 + i are its canary rows."""
+    dense = torch.nn.Linear(sparse.pixels + sparse.canaries.num_embeddings, sparse.fc.out_features).double()
+    with torch.no_grad():
+        dense.weight.copy_(torch.cat([sparse.fc.weight, sparse.canaries.weight.T], 1))
+        dense.bias.copy_(sparse.fc.bias)
+    return dense
+
+
+def _dirac(m, pixels, norm, rows):
+    """Dense inputs of canaries ``rows`` (``canary_norm`` on coordinate pixels + i) and their sparse slots."""
+    dense = torch.zeros(len(rows), pixels + m, dtype=torch.float64)
+    dense[torch.arange(len(rows)), pixels + torch.tensor(rows)] = norm
+    sparse = torch.zeros(len(rows), pixels + 1, dtype=torch.float64)
+    sparse[:, pixels] = torch.tensor(rows, dtype=torch.float64) + 1
+    return dense, sparse
+
+
+def test_sparse_canary_model_is_the_dense_linear_model_with_the_same_per_sample_gradients():
+    from dpzoo.audit import DiracCanaryClassifier
+
+    torch.manual_seed(0)
+    sparse = DiracCanaryClassifier(4, 6, canary_norm=7.0, num_classes=3).double()
+    torch.nn.init.normal_(sparse.canaries.weight)
+    dense = _dense_twin(sparse)
+    xd, xs = _dirac(6, 4, 7.0, [0, 3, 5])
+    pixels = torch.rand(2, 4, dtype=torch.float64)  # digits: no canary (slot 0)
+    xd = torch.cat([torch.cat([pixels, torch.zeros(2, 6, dtype=torch.float64)], 1), xd])
+    xs = torch.cat([torch.cat([pixels, torch.zeros(2, 1, dtype=torch.float64)], 1), xs])
+    torch.testing.assert_close(sparse(xs), dense(xd))
+    y = torch.tensor([0, 2, 1, 1, 0])
+    for i in range(5):  # each sample's gradient, in the dense model's coordinates
+        gs = torch.autograd.grad(torch.nn.functional.cross_entropy(sparse(xs[i : i + 1]), y[i : i + 1]),
+                                 [sparse.fc.weight, sparse.canaries.weight, sparse.fc.bias])  # fmt: skip
+        gd = torch.autograd.grad(torch.nn.functional.cross_entropy(dense(xd[i : i + 1]), y[i : i + 1]),
+                                 [dense.weight, dense.bias])  # fmt: skip
+        torch.testing.assert_close(torch.cat([gs[0], gs[1].T], 1), gd[0])
+        torch.testing.assert_close(gs[2], gd[1])
+
+
+@pytest.mark.parametrize("q", [0.1, 1.0])
+def test_white_box_score_is_the_log_likelihood_ratio_of_the_claimed_mechanism(q):
+    """One step, written by hand on the dense model: canary i's column of the noisy sum projected on
+    its clipped gradient's direction z, and log(1 - q + q exp((a z - a²/2) / (σR)²)) with a its
+    clipped length (q = 1: every canary in every step, no mixture)."""
+    from dpzoo.audit import DiracCanaryClassifier
     from dpzoo.audit.white_box import CanaryColumnScores
 
     torch.manual_seed(0)
-    linear = torch.nn.Linear(4 + 3, 5).double()
-    cx = torch.zeros(3, 7, dtype=torch.float64)
-    cx[torch.arange(3), 4 + torch.arange(3)] = torch.tensor([50.0, 0.5, 2.0], dtype=torch.float64)
+    sparse = DiracCanaryClassifier(4, 3, canary_norm=2.0, num_classes=5).double()
+    torch.nn.init.normal_(sparse.canaries.weight)
+    dense, (cx, _) = _dense_twin(sparse), _dirac(3, 4, 2.0, [0, 1, 2])
     cy = torch.tensor([1, 4, 0])
-    sigma, R, q, scale = 1.3, 0.7, 0.1, 8.0
+    sigma, R, scale = 1.3, 1.5, 8.0
     claim = {"noise_multiplier": sigma, "max_grad_norm": R, "sample_rate": q, "clipping": "abadi", "sum_scale": scale}
-    scores = CanaryColumnScores(linear, 4, cx, cy, claimed=claim)
-    linear.weight.grad = torch.randn_like(linear.weight)
+    scores = CanaryColumnScores(sparse, cy, claimed=claim)
+    sparse.canaries.weight.grad = torch.randn_like(sparse.canaries.weight)
     scores.observe(None, (), {})
-    expected = []
+    expected, clipped = [], 0
     for i in range(3):
-        logits = linear(cx[i])
-        residual = torch.softmax(logits, 0) - torch.nn.functional.one_hot(cy[i], 5).double()
+        residual = torch.softmax(dense(cx[i]), 0) - torch.nn.functional.one_hot(cy[i], 5).double()
         g = torch.cat([torch.outer(residual, cx[i]).flatten(), residual])  # the canary's whole gradient
         clipped_column = torch.outer(residual, cx[i])[:, 4 + i] * min(1.0, R / float(g.norm()))
+        clipped += float(g.norm()) > R
         a = float(clipped_column.norm())
-        z = float(linear.weight.grad[:, 4 + i] * scale @ (clipped_column / a))
-        s2 = (sigma * R) ** 2
-        expected.append(math.log(1 - q + q * math.exp((a * z - a * a / 2) / s2)))
+        z = float(sparse.canaries.weight.grad[i] * scale @ (clipped_column / a))
+        log_in = math.log(q) + (a * z - a * a / 2) / (sigma * R) ** 2
+        expected.append(log_in if q == 1 else math.log(1 - q + math.exp(log_in)))
+    assert 0 < clipped < 3  # both branches of the clip
     assert torch.allclose(scores.scores, torch.tensor(expected, dtype=torch.float64), rtol=1e-9)
 
 

@@ -31,8 +31,8 @@ from .guesses import DEFAULT_GUESS_FRACTIONS
 from .report import AuditResult, plot_scores
 from .run import WHITE_BOX_CANARIES, audit
 from .task import DIGITS_FEATURES as DIGITS_FEATURES  # importable from here, outside __all__ (as before)
+from .task import DiracCanaryClassifier, digits_canary_task, logit_change_score, loss_score
 from .task import LinearClassifier as LinearClassifier
-from .task import digits_canary_task, logit_change_score, loss_score
 from .training import BROKEN
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "epsilon_lower_bound",
     "BROKEN",
     "digits_canary_task",
+    "DiracCanaryClassifier",
     "logit_change_score",
     "loss_score",
     "plot_scores",

@@ -24,7 +24,7 @@ from ..errors import DPZooError
 from .gdp import gdp_lower_bound
 from .guesses import DEFAULT_GUESS_FRACTIONS, best_guesses
 from .report import AuditResult
-from .task import DIGITS_FEATURES, digits_canary_task, loss_score
+from .task import digits_canary_task, loss_score
 from .training import BROKEN, train_audited_model
 from .white_box import column_observer
 
@@ -41,7 +41,7 @@ def audit(
     delta: float = 1e-5,
     canaries: "int | tuple[torch.Tensor, torch.Tensor] | None" = None,
     epochs: int = 10,
-    batch_size: int = 64,
+    batch_size: "int | str" = 64,
     lr: float = 2.0,
     max_grad_norm: float = 1.0,
     clipping: str = "abadi",
@@ -76,7 +76,8 @@ def audit(
     more likely in; default :func:`loss_score`), ``loss_fn(output, y)`` (a batch mean; default
     cross-entropy; a custom loss needs a ``score_fn``), optional ``test_dataset`` for accuracy.
 
-    Training is the engine's public API: Poisson batches of expected size ``batch_size``, SGD
+    Training is the engine's public API: Poisson batches of expected size ``batch_size``
+    (``"full"``: the whole training set, q = 1, where a white-box audit comes closest to its claim), SGD
     at ``lr``, ``target_epsilon=epsilon`` at ``delta`` over ``epochs``, Abadi clipping at
     ``max_grad_norm``. ``broken="no-noise"`` / ``"unclipped"``: the positive controls
     (:mod:`dpzoo.audit.training`). ``seed`` fixes the canaries, their inclusion, the model's
@@ -136,6 +137,8 @@ def audit(
         g = torch.Generator().manual_seed(seed + 1)
         included = torch.rand(m, generator=g) < 0.5  # Algorithm 1: each canary in w.p. 1/2
         train_set: ConcatDataset[tuple] = ConcatDataset([train, TensorDataset(cx[included], cy[included])])
+        if batch_size == "full":
+            batch_size = len(train_set)
         model, claimed, mech = train_audited_model(
             train_set,
             model_fn,
@@ -153,7 +156,7 @@ def audit(
             sample_seed=sample_seed,
             log=log,
             progress=progress,
-            on_private=column_observer(DIGITS_FEATURES, cx, cy, observed) if white else None,
+            on_private=column_observer(cy, observed) if white else None,
             physical_batch_size=physical_batch_size,
             loss_scale=loss_scale,
         )
@@ -225,8 +228,8 @@ def _validate(epsilon, delta, epochs, batch_size, lr, max_grad_norm, broken, con
         raise DPZooError(f"delta must be in (0, 1), e.g. 1e-5, got {delta!r}.")
     if not (isinstance(epochs, int) and epochs >= 1):
         raise DPZooError(f"epochs must be an integer >= 1, got {epochs!r}.")
-    if not (isinstance(batch_size, int) and batch_size >= 1):
-        raise DPZooError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
+    if not (batch_size == "full" or (isinstance(batch_size, int) and batch_size >= 1)):
+        raise DPZooError(f"batch_size must be an integer >= 1 or 'full', got {batch_size!r}.")
     if not lr > 0:
         raise DPZooError(f"lr must be > 0, got {lr!r}.")
     if not max_grad_norm > 0:
