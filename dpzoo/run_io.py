@@ -176,8 +176,16 @@ def checkpoint_path(where: str | Path) -> Path:
 def save_checkpoint(path: Path, state: dict) -> None:
     """Write ``state`` to ``path`` atomically (a partial file never replaces a good one)."""
     tmp = path.with_name(path.name + ".tmp")
-    torch.save({"format": CHECKPOINT_FORMAT, "version": 1, **state}, tmp)
-    os.replace(tmp, path)
+    try:
+        torch.save({"format": CHECKPOINT_FORMAT, "version": 1, **state}, tmp)
+        os.replace(tmp, path)
+    except Exception as e:  # a full disk: torch raises RuntimeError ("PytorchStreamWriter failed ..."), not OSError
+        tmp.unlink(missing_ok=True)
+        kept = "the previous checkpoint is kept" if path.exists() else "no checkpoint was written"
+        raise CheckpointError(
+            f"Could not write the checkpoint {path} ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+            f"{kept}. Free disk space, or pass --checkpoint-every off."
+        ) from e
 
 
 def load_checkpoint(where: str | Path, *, mmap: bool = False) -> dict:

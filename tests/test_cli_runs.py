@@ -187,6 +187,27 @@ def test_checkpoint_every_n_steps(tmp_path):
     assert seen == {1: None, 2: None, 3: None, 4: 3}  # the callback runs before the step's checkpoint
 
 
+def test_a_full_disk_while_checkpointing_is_one_line_and_leaves_the_last_checkpoint(tmp_path, monkeypatch, capsys):
+    """torch.save on a full disk raises RuntimeError ("PytorchStreamWriter failed writing file") after
+    writing part of the file: before, a 35-line traceback and checkpoint.pt.tmp left behind."""
+    real_save, calls = torch.save, []
+
+    def full_disk(obj, f, *a, **kw):
+        calls.append(f)
+        if len(calls) > 1:  # the first checkpoint fits, the second does not
+            Path(f).write_bytes(b"partial")
+            raise RuntimeError("[enforce fail at inline_container.cc:603] . PytorchStreamWriter failed writing file")
+        return real_save(obj, f, *a, **kw)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    out = tmp_path / "run"
+    args = ["train", "cnn-tanh-gn", "--epochs", "2", "--checkpoint-every", "1", "--out", str(out), "--quiet"]
+    line = one_line_error(capsys, args)
+    assert "Could not write the checkpoint" in line and "previous checkpoint is kept" in line and "disk" in line
+    assert not list(out.glob("*.tmp")) and (out / "checkpoint.pt").is_file()
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["progress"]["step"] == 1
+
+
 @pytest.mark.slow
 def test_sigint_in_a_real_process_then_resume_keeps_the_accounting(tmp_path):
     """A real Ctrl-C (secret noise): the run stops after the current step, saves, exits 130; the

@@ -352,23 +352,24 @@ ZERO_B_INITS = (True, "gaussian")  # LoRA inits whose lora_B starts at exactly z
 
 
 def trained_adapters(model: nn.Module) -> list[str]:
-    """Adapters whose initialisation sets lora_B to zero but whose lora_B is not zero now: trained
-    before, here or elsewhere (loaded with ``PeftModel.from_pretrained`` or ``load_adapter``)."""
+    """Adapters whose initialisation sets a factor to zero (lora_B; AdaLoRA's lora_E, its lora_B
+    starts random) but whose factor is not zero now: trained before, here or elsewhere (loaded with
+    ``PeftModel.from_pretrained`` or ``load_adapter``)."""
     if _loaded_peft() is None:
         return []
-    zero_init = {
-        n
+    zero_init = {  # adapter name -> the factors that start at zero
+        n: ("lora_E",) if type(c).__name__ == "AdaLoraConfig" else ("lora_B", "lora_embedding_B")
         for m in model.modules()
         for n, c in _peft_configs(m).items()
         if getattr(c, "init_lora_weights", True) in ZERO_B_INITS
     }
     found = set()
     for layer in lora_layers(model).values():
-        for attr in ("lora_B", "lora_embedding_B"):
-            container = getattr(layer, attr, None)
-            if not isinstance(container, (nn.ModuleDict, nn.ParameterDict)):
-                continue
-            for name in zero_init & set(container.keys()):
+        for name, attrs in zero_init.items():
+            for attr in attrs:
+                container = getattr(layer, attr, None)
+                if not isinstance(container, (nn.ModuleDict, nn.ParameterDict)) or name not in container:
+                    continue
                 tensors = container[name].parameters() if isinstance(container, nn.ModuleDict) else [container[name]]
                 if any(bool(t.detach().ne(0).any()) for t in tensors):
                     found.add(name)

@@ -128,7 +128,7 @@ def _refuse_adapters_of_unknown_origin(module: nn.Module) -> None:
     names = trained_adapters(module)
     if names:
         raise PrivacyUsageError(
-            f"LoRA adapter {names[0]!r} already has trained weights (its lora_B is no longer the zero it starts at) "
+            f"LoRA adapter {names[0]!r} already has trained weights (a factor that starts at zero, lora_B or AdaLoRA's lora_E, is not) "
             "and no privacy record: if it comes from a DP run, compose its budget with model.dpzoo_privacy = "
             "dpzoo.integrations.transformers.read_privacy_metadata(ADAPTER_DIR); if it was trained on other data than this run's, "
             "set model.dpzoo_privacy = {} (recorded in the metadata as a stated assumption)."
