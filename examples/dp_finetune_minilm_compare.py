@@ -188,7 +188,10 @@ def main(argv=None):
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="model-initialisation seeds, one run each")
     p.add_argument("--methods", nargs="+", default=list(METHODS[:4]), choices=METHODS)
     p.add_argument("--lr", nargs="+", default=[], metavar="METHOD=LR", help="override a learning rate")
-    p.add_argument("--out", default=None, help="directory for results.json")
+    p.add_argument(
+        "--out", default=None, help="directory for results.json (and data.json: the split's sizes and classes)"
+    )
+    p.add_argument("--data-only", action="store_true", help="write data.json and stop (no training)")
     args = p.parse_args(argv)
     for item in args.lr:
         method, _, value = item.partition("=")
@@ -205,6 +208,14 @@ def main(argv=None):
         f"ε = {args.epsilon}, δ = {delta:.1e}, {args.epochs} epoch(s), seeds {args.seeds}",
         flush=True,
     )
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        description = {"train": len(train_ds), "test": len(test_ds), "test_class_counts": counts}
+        (Path(args.out) / "data.json").write_text(
+            json.dumps(description | {"families": list(FAMILIES)}, indent=1) + "\n"
+        )
+    if args.data_only:
+        return
     t0 = time.time()
     rows = [train(m, s, args, train_ds, test_ds, delta) for s in args.seeds for m in args.methods]
     print(table(rows))

@@ -1,7 +1,7 @@
 """dpzoo in a minute: a DP-ready zoo model trained with DP-SGD on the bundled digits (no
 download), its ε, and the model saved with its privacy metadata and loaded back.
 
-    python examples/quickstart.py      # ~15 s on 2 CPU cores, about 94% at ε = 8
+    python examples/quickstart.py      # ~15 s on 2 CPU cores, about 95% at ε = 8 (benchmarks/first_hour.py quickstart)
 """
 
 import tempfile

@@ -1,6 +1,7 @@
 """Every table of README.md and docs/ (RESULTS, BENCHMARKS, GUIDE) recomputes from its committed result files
-(benchmarks/doc_tables), and the check catches a changed figure, an unmarked table and a
-missing command."""
+(benchmarks/doc_tables), every figure in the prose of the same documents is supported by
+the files its marker names (doc_tables.prose), and the check catches a changed figure, an unmarked
+table or figure and a missing command."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ def copy_of_the_documents(tmp_path):
     for doc in doc_tables.DOCUMENTS:
         (tmp_path / doc).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / doc, tmp_path / doc)
-    for r in doc_tables.renderers().values():
+    sources = list(doc_tables.renderers().values()) + list(doc_tables.FIGURE_SOURCES.values())
+    for r in sources:
         for f in r.files:
             (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(ROOT / f, tmp_path / f)
@@ -77,3 +79,37 @@ def test_an_unmarked_table_and_a_missing_command_are_caught(copy_of_the_document
 def test_a_missing_result_file_is_caught(copy_of_the_documents):
     (copy_of_the_documents / doc_tables.renderers()["audit-sweep"].files[0]).unlink()
     assert any("reads missing files" in p for p in doc_tables.problems(copy_of_the_documents))
+
+
+def test_a_prose_figure_typed_by_hand_is_caught(copy_of_the_documents):
+    readme = copy_of_the_documents / "README.md"
+    mean = doc_tables.prose.fixed(
+        [doc_tables.prose.load(ROOT, "benchmarks/results/main_job/main_job.json")["mean_test_accuracy"]], 1, scale=100
+    ).pop()
+    edit(readme, f"**{mean}% test accuracy", f"**{float(mean) + 0.3:.1f}% test accuracy")
+    found = doc_tables.problems(copy_of_the_documents)
+    assert len(found) == 1 and "is not supported by main-job's files" in found[0], found
+
+
+def test_a_figure_under_no_marker_and_a_missing_command_are_caught(copy_of_the_documents):
+    results = copy_of_the_documents / "docs/RESULTS.md"
+    results.write_text(results.read_text() + "\n## A new section\n\nIt reached 12.5% in 3 s.\n")
+    edit(copy_of_the_documents / "README.md", "(`python benchmarks/main_job.py`,", "(")
+    found = doc_tables.problems(copy_of_the_documents)
+    assert sum("under no '<!-- figures: NAME -->' marker" in p for p in found) == 2  # 12.5 and 3
+    assert any("figures 'main-job': the section does not show" in p for p in found)
+
+
+@pytest.mark.parametrize(
+    "line, figures",
+    [
+        ("a mean of **94.6% test accuracy (94.4–94.7%)**", ["94.6", "94.4", "94.7"]),
+        ("about 2.3 minutes and 6.5 GB; 1.50–1.65× on GPT-2, 13 s of training", ["2.3", "6.5", "1.50", "1.65", "13"]),
+        ("93–95% of 1,438 runs, 327k parameters, 139 GiB, +1.4 points", ["93", "95", "327", "139", "+1.4"]),
+        ("ε = 8, δ = 1e-5, 30 epochs, 3 seeds, 2,500 canaries, a 2R clip at 1.5R", []),  # settings and counts
+        ("torch 2.14.1, transformers 5.24, Python 3.11, Claims 5.3–5.4, Table 1, 2026-11-26", []),
+        ("the code `lr=1e-2, 0.5` and <!-- 0.7 --> and [a link](x/1.5.md)", []),
+    ],
+)
+def test_what_counts_as_a_figure(line, figures):
+    assert doc_tables.prose.figure_tokens(line) == figures

@@ -1,4 +1,6 @@
-"""The tables of README.md and docs/ (RESULTS, BENCHMARKS, GUIDE), rendered from committed result files.
+"""The tables of README.md and docs/ (RESULTS, BENCHMARKS, GUIDE), rendered from committed result
+files, and the figures in the prose of the same documents, checked against them
+(:mod:`doc_tables.prose`).
 
 Every table in those documents is preceded by a marker line ``<!-- table: NAME -->``. NAME is a
 renderer registered here with :func:`table`: it reads its result files (paths relative to the
@@ -18,10 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from doc_tables import prose
+
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = ("README.md", "docs/RESULTS.md", "docs/BENCHMARKS.md", "docs/GUIDE.md")
 MARKER = re.compile(r"^<!-- table: (\S+) -->$")
-MODULES = ("gpu", "minilm", "audit", "seqrec")  # the renderer families, imported on first use
+# the renderer families, imported on first use
+MODULES = ("gpu", "minilm", "audit", "seqrec", "seqrec_figures", "first_hour", "benchmarks_figures", "summary")
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,30 @@ def table(name: str, *, files: tuple[str, ...] | list[str], command: str):
         if name in REGISTRY:
             raise ValueError(f"two renderers for table {name!r}")
         REGISTRY[name] = Renderer(name, fn, tuple(files), command)
+        return fn
+
+    return register
+
+
+@dataclass(frozen=True)
+class FigureSource:
+    name: str
+    supports: Callable[[Path], object]  # root -> the figures its files support, as printed
+    files: tuple[str, ...]
+    command: str
+
+
+FIGURE_SOURCES: dict[str, FigureSource] = {}
+
+
+def figures(name: str, *, files: tuple[str, ...] | list[str], command: str):
+    """Register ``fn(root) -> iterable of str`` as what the prose under ``<!-- figures: NAME -->`` may
+    state (see :mod:`doc_tables.prose`)."""
+
+    def register(fn):
+        if name in FIGURE_SOURCES:
+            raise ValueError(f"two figure sources named {name!r}")
+        FIGURE_SOURCES[name] = FigureSource(name, fn, tuple(files), command)
         return fn
 
     return register
@@ -110,7 +139,7 @@ def problems(root: Path = ROOT, documents=DOCUMENTS) -> list[str]:
             if expected != t.lines:
                 diff = next((a, b) for a, b in zip(t.lines + [""] * 99, expected + [""] * 99) if a != b)
                 out.append(f"{where}: table {t.name!r} differs from its files: document {diff[0]!r}, files {diff[1]!r}")
-    return out
+    return out + prose.problems(root, FIGURE_SOURCES, [d for d in documents if d in prose.FIGURE_DOCUMENTS])
 
 
 def write(root: Path = ROOT, documents=DOCUMENTS) -> list[str]:

@@ -1,15 +1,17 @@
 """Step-cost tables of ``benchmarks/bench_training_step.py`` JSON: docs/BENCHMARKS.md's CPU and H100
-tables and docs/RESULTS.md's H200 table (issue 30)."""
+tables and docs/RESULTS.md's H200 table, and the figures of the H200 section's prose."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import table as step_table
 from bench_modes import MODES  # benchmarks/table.py, the benchmark's own printer
 
-from doc_tables import table
+from doc_tables import figures, table
+from doc_tables.prose import fixed
 
 CPU = "benchmarks/results/training_step.json"
 H100 = {"fp32": "benchmarks/results/gpu/training_step.json", "bf16": "benchmarks/results/gpu/training_step_bf16.json"}
@@ -156,3 +158,29 @@ def cpu_memory(root: Path) -> str:
     head = "| peak memory / non-private full | bias-only | bk-mixopt | bk | instantiate | bitfit | Opacus hooks "
     head += "| Opacus ghost |"
     return "\n".join([head, "| --- " * 8 + "|"] + cpu_rows(root, cpu_memory_cell))
+
+
+PROFILE = "benchmarks/results/gpu_h200/profile_resnet50-gn-bias_224_bf16.txt"
+DEVICE_LOG = "benchmarks/results/gpu_h200/device_log.txt"
+SETTINGS = {"1.1"}  # the llama config's size in billions of parameters (llama-bias-1b, "the 1.1B llama")
+
+
+def profile_ms(root: Path) -> list[float]:
+    """The profile's per-mode totals (step, forward, optimizer) and its per-operator and per-source-line
+    device times, in ms."""
+    text = (root / PROFILE).read_text()
+    found = [float(x) for x in re.findall(r"^## [\w-]+: ([0-9.]+) ms/step.*?forward ([0-9.]+)", text, re.M) for x in x]
+    found += [float(x) for x in re.findall(r"optimizer ([0-9.]+)\)", text)]
+    return found + [float(x) for x in re.findall(r"^\s+([0-9.]+) ms ", text, re.M)]
+
+
+@figures("gpu-h200", files=[*(H200.format(precision="bf16", config=c) for _, c, _ in H200_ROWS[:6]), PROFILE, DEVICE_LOG],
+         command="bench_training_step.py --device cuda --rounds 5 --steps 2 --warmup 2")  # fmt: skip
+def h200_figures(root: Path) -> set[str]:
+    """bk-mixopt's bf16 time ratios, the ResNet-50 profile's times, the out-of-memory request and capacity."""
+    bf16 = [one_config(load(root, H200.format(precision=p, config=c))) for p, c, _ in H200_ROWS if p == "bf16"]
+    ratios = [e["time"]["modes"]["dpzoo-bk-mixopt"]["time_ratio"]["median"] for e in bf16]
+    log = (root / DEVICE_LOG).read_text()
+    memory = [float(x) for x in re.findall(r"Tried to allocate ([0-9.]+) GiB", log)]
+    capacity = [float(x) for x in re.findall(r"total capacity of ([0-9.]+)", log)]
+    return fixed(ratios, 1, 2) | fixed(profile_ms(root), 0, 1) | fixed(memory, 1) | fixed(capacity, 0) | SETTINGS

@@ -1,5 +1,6 @@
 """docs/RESULTS.md's MiniLM tables: DP-LoRA, DP-BiTFiT, DP-FROST and full DP fine-tuning at the same
-(ε, δ), from the ``results.json`` files of ``examples/dp_finetune_minilm_compare.py``."""
+(ε, δ), from the ``results.json`` files of ``examples/dp_finetune_minilm_compare.py``, and the
+figures of the section's prose."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import json
 import statistics
 from pathlib import Path
 
-from doc_tables import table
+from doc_tables import figures, table
+from doc_tables.prose import fixed
 
 DIR = "benchmarks/results/minilm"
 RUNS = {  # folder -> the command that wrote it (its options after the script name)
@@ -93,3 +95,34 @@ def frost_selection(root: Path) -> str:
             f"{per_epoch:.1f} |"
         )
     return "\n".join(lines)
+
+
+DATA = f"{DIR}/main/data.json"
+# The DP-FROST paper's settings the section states (Algorithm 1's ComputeSigma gives DP-SGD 0.9·ε;
+# γ = 0.25 and q_ps = 0.02 are the selection's settings in examples/dp_finetune_minilm_compare.py).
+SETTINGS = {"0.9", "0.25", "0.02"}
+
+
+def two_figures(x: float) -> str:
+    """``x`` to two significant figures, as prose rounds a ratio (200.6 → '200')."""
+    return f"{float(f'{x:.2g}'):g}"
+
+
+@figures("minilm", files=FILES + [DATA], command=RUNS["main"])
+def minilm_figures(root: Path) -> set[str]:
+    """Means, spreads and sizes the prose states, from the same runs as the tables."""
+    runs = by_method(root)
+    means = {m: statistics.mean(r["accuracy"] for r in rs) for m, rs in runs.items()}
+    full = [r["accuracy"] for r in runs["full"]]
+    lora_means = [statistics.mean(r["accuracy"] for r in rows(root, run)) for run in ("lora_lr5e-3", "lora_lr2e-2")]
+    size = {m: rs[0]["trainable_parameters"] for m, rs in runs.items()}
+    frost = runs["dp-frost"][0]
+    data = json.loads((root / DATA).read_text())
+    found = fixed(means.values(), 2, 3) | fixed(lora_means + [means["dp-lora"]], 3)
+    found |= fixed([max(means.values()) - min(means.values()), max(full) - min(full)], 0, 1, scale=100)
+    found |= fixed([size["dp-lora"] / size["full"]], 2, scale=100) | fixed([size["full"] / 1e6], 1)
+    found |= {
+        two_figures(frost["trainable_parameters"] / size["dp-bitfit"]),
+        two_figures(runs["dp-bitfit"][0]["lr"] / frost["lr"]),
+    }
+    return found | fixed([max(data["test_class_counts"]) / data["test"]], 1, scale=100) | SETTINGS
