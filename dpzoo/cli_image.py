@@ -1,5 +1,6 @@
 """The options of ``dpzoo train`` that only image classifiers take (``--image-size``,
-``--optimizer``, ``--full-size``); ``dpzoo.cli_train`` refuses them for sequence models."""
+``--optimizer``, ``--schedule``, ``--warmup``, ``--full-size``); ``dpzoo.cli_train`` refuses them for
+sequence models (whose schedule is the DPFormer recipe's: 20% warm-up, then linear decay)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import os
 from .cli_args import option, positive_int
 from .errors import InvalidArgumentError
 
-__all__ = ["add_image_options", "check_image_options"]
+__all__ = ["add_image_options", "check_image_options", "image_choices", "IMAGE_ONLY"]
+
+SCHEDULES = ("constant", "cosine", "linear")  # dpzoo.train.SCHEDULES (not imported: the parser loads no torch)
+IMAGE_ONLY = {  # dest -> (flag, the kind it is for)
+    dest: (f"--{dest.replace('_', '-')}", "image")
+    for dest in ("full_size", "image_size", "optimizer", "schedule", "warmup")
+}
 
 
 def add_image_options(s: argparse.ArgumentParser) -> None:
@@ -30,10 +37,30 @@ def add_image_options(s: argparse.ArgumentParser) -> None:
     )
     option(
         s,
+        "--schedule",
+        default=None,
+        choices=SCHEDULES,
+        help="image models: the learning rate over the run's steps, after --warmup (post-processing: any schedule "
+        "keeps ε); default: constant",
+    )
+    option(
+        s,
+        "--warmup",
+        type=float,
+        default=None,
+        help="image models: the fraction of the steps over which the learning rate rises linearly from 0; default 0",
+    )
+    option(
+        s,
         "--full-size",
         kind="flag",
         help="image models: the entry's full size instead of its small configuration (default: small)",
     )
+
+
+def image_choices(args: argparse.Namespace) -> dict:
+    """The optional image settings the user gave (unset ones keep the trainer's defaults)."""
+    return {k: getattr(args, k) for k in ("optimizer", "schedule", "warmup") if getattr(args, k) is not None}
 
 
 def check_image_options(args: argparse.Namespace, data: str) -> None:

@@ -36,7 +36,7 @@ from .cli_choices import (
     trainable_models_help,
     usable_accountants,
 )
-from .cli_image import add_image_options, check_image_options
+from .cli_image import IMAGE_ONLY, add_image_options, check_image_options, image_choices
 from .cli_seqrec import add_seqrec_options
 from .errors import DPZooError, InvalidArgumentError
 
@@ -46,9 +46,7 @@ KINDS = {"image-classification": "image", "sequential-recommendation": "seqrec"}
 KIND_WORDS = {"image": "an image classifier", "seqrec": "a sequence model"}
 # options of one kind only: dest -> (flag, the kind it is for)
 KIND_ONLY = {
-    "full_size": ("--full-size", "image"),
-    "image_size": ("--image-size", "image"),
-    "optimizer": ("--optimizer", "image"),
+    **IMAGE_ONLY,
     "max_len": ("--max-len", "seqrec"),
     "non_private": ("--non-private", "seqrec"),
     "amazon_columns": ("--amazon-columns", "seqrec"),
@@ -304,7 +302,7 @@ def _train_kwargs(kind: str, args: argparse.Namespace) -> dict:
         size = args.image_size or (16 if common["data"] == "digits" else 32)
         return {
             **common,
-            **({"optimizer": args.optimizer} if args.optimizer is not None else {}),
+            **image_choices(args),
             **({"weight_decay": args.weight_decay} if args.weight_decay is not None else {}),
             "delta": args.delta if args.delta is not None else 1e-5,
             "small": not args.full_size,

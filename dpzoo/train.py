@@ -11,6 +11,7 @@ and the model with its privacy metadata.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,7 +28,7 @@ from .run_io import open_run, write_json
 from .run_loop import TrainingLoop, check_loop_arguments, resolve_device
 from .run_plots import plot_metrics
 
-__all__ = ["train_image_classifier", "image_splits", "evaluate_accuracy", "IMAGE_DATASETS"]
+__all__ = ["train_image_classifier", "image_splits", "evaluate_accuracy", "lr_schedule", "IMAGE_DATASETS", "SCHEDULES"]
 
 IMAGE_DATASETS = ("digits",)
 # overrides the data fixes (10 classes of 16×16 images): --set cannot change them
@@ -46,8 +47,26 @@ def image_splits(data: str, image_size: int, seed: int = 0):
     return image_folder_splits(data, image_size, seed=seed)
 
 
-_DEFAULTS = {"optimizer": "adam", "weight_decay": 0.0}
+_DEFAULTS = {"optimizer": "adam", "weight_decay": 0.0, "schedule": "constant", "warmup": 0.0}
 OPTIMIZERS = ("sgd", "adam", "adamw")
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+def lr_schedule(optimizer, schedule: str, warmup: float, total_steps: int):
+    """The learning rate's factor per step (``torch.optim.lr_scheduler.LambdaLR``, stepped after each
+    logical step): a linear rise over the first ``warmup`` fraction of the steps, then ``schedule``
+    (constant, cosine or linear decay to 0 at the last step); None when it is constant throughout."""
+    if schedule == "constant" and warmup == 0:
+        return None
+    rise = max(1, round(warmup * total_steps)) if warmup > 0 else 0
+
+    def factor(step: int) -> float:
+        if step < rise:
+            return (step + 1) / rise
+        done = min(1.0, (step - rise) / max(1, total_steps - rise))
+        return {"constant": 1.0, "cosine": 0.5 * (1 + math.cos(math.pi * done)), "linear": 1 - done}[schedule]
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def _optimizer(name: str, params, lr: float, weight_decay: float) -> torch.optim.Optimizer:
@@ -83,6 +102,8 @@ def train_image_classifier(
     lr: float = 1e-3,
     optimizer: str = "adam",
     weight_decay: float = 0.0,
+    schedule: str = "constant",
+    warmup: float = 0.0,
     mode: str = "bk-mixopt",
     clipping: str = "automatic",
     max_grad_norm: float = 1.0,
@@ -143,7 +164,13 @@ def train_image_classifier(
         "sample_seed": sample_seed,
     }
     # recorded only when not the default, so runs from before these options resume unchanged
-    settings.update({k: v for k, v in (("optimizer", optimizer), ("weight_decay", weight_decay)) if v != _DEFAULTS[k]})
+    chosen = {"optimizer": optimizer, "weight_decay": weight_decay, "schedule": schedule, "warmup": warmup}
+    settings.update({k: v for k, v in chosen.items() if v != _DEFAULTS[k]})
+    if schedule not in SCHEDULES or not 0 <= warmup < 1:
+        raise InvalidArgumentError(
+            f"schedule must be one of {', '.join(SCHEDULES)} and warmup a fraction of the steps in [0, 1); got "
+            f"{schedule!r}, {warmup!r}."
+        )
     check_loop_arguments(epochs=epochs, eval_every=eval_every, checkpoint_every=checkpoint_every)
     card = model_card(name)
     if card.task != "image-classification":
@@ -209,6 +236,7 @@ def train_image_classifier(
         step_callback=step_callback,
         log=log,
         handle_sigint=handle_sigint,
+        scheduler=lr_schedule(opt, schedule, warmup, epochs * len(loader)),
     )
     if checkpoint is not None:
         loop.load_state_dict(checkpoint)

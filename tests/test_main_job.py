@@ -4,6 +4,11 @@ Seeded here so the outcome is fixed; a broken recipe, model or engine drops far 
 
 from __future__ import annotations
 
+import math
+
+import pytest
+import torch
+
 import dpzoo
 from dpzoo.cli import main
 from dpzoo.train import train_image_classifier
@@ -46,3 +51,53 @@ def test_sgd_with_weight_decay_trains_and_is_recorded():
         noise_seed=0, sample_seed=0, log=lambda m: None, progress=False,
     )  # fmt: skip
     assert (result["optimizer"], result["weight_decay"]) == ("sgd", 1e-4) and result["steps"] > 0
+
+
+def test_learning_rate_schedules_rise_over_the_warmup_then_follow_their_shape():
+    from dpzoo.train import lr_schedule
+
+    def factors(schedule, warmup, total=10):
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        sched = lr_schedule(opt, schedule, warmup, total)
+        seen = []
+        for _ in range(total):
+            seen.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return seen
+
+    assert lr_schedule(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), "constant", 0.0, 10) is None
+    assert factors("constant", 0.2) == pytest.approx([0.5, 1.0] + [1.0] * 8)
+    assert factors("linear", 0.0) == pytest.approx([1 - i / 10 for i in range(10)])
+    cosine = factors("cosine", 0.2)
+    assert cosine[:2] == pytest.approx([0.5, 1.0]) and cosine[2] == pytest.approx(1.0)
+    assert cosine[-1] == pytest.approx(0.5 * (1 + math.cos(math.pi * 7 / 8)))
+    assert all(a >= b for a, b in zip(cosine[1:], cosine[2:]))  # non-increasing after the warm-up
+
+
+def test_schedule_is_recorded_and_reaches_the_trainer_and_sequence_models_refuse_it(monkeypatch, capsys):
+    from cli_errors import one_line_error
+
+    from dpzoo.cli_image import SCHEDULES
+    from dpzoo.train import SCHEDULES as TRAINER_SCHEDULES
+
+    assert SCHEDULES == TRAINER_SCHEDULES
+    seen = {}
+    monkeypatch.setattr("dpzoo.train.train_image_classifier", lambda **kw: seen.update(kw) or _done(kw))
+    assert main(["train", "cnn-tanh-gn", "--schedule", "cosine", "--warmup", "0.1", "--quiet"]) == 0
+    assert (seen["schedule"], seen["warmup"]) == ("cosine", 0.1)
+    monkeypatch.undo()
+    assert "--schedule is for image classifiers" in one_line_error(
+        capsys, ["train", "gru-seqrec", "--schedule", "cosine"]
+    )
+
+
+def test_a_scheduled_run_records_its_schedule_and_a_wrong_one_is_refused(tmp_path):
+    result = train_image_classifier(
+        "cnn-tanh-gn", epochs=1, batch_size=256, lr=1e-2, schedule="linear", warmup=0.5, out=tmp_path,
+        noise_seed=0, sample_seed=0, log=lambda m: None, progress=False,
+    )  # fmt: skip
+    settings = torch.load(tmp_path / "checkpoint.pt", weights_only=True)["settings"]
+    assert (settings["schedule"], settings["warmup"]) == ("linear", 0.5) and result["steps"] > 1
+    with pytest.raises(dpzoo.DPZooError, match="schedule must be one of"):
+        train_image_classifier("cnn-tanh-gn", epochs=1, schedule="step", log=lambda m: None, progress=False)
