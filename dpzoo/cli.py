@@ -31,6 +31,7 @@ from pathlib import Path
 
 from .cli_args import Parser, key_value, nonnegative_int, option, positive_float, positive_int, unit_interval
 from .cli_choices import AUDIT_CONTROLS, usable_accountants
+from .cli_config import with_config
 from .cli_eval import add_eval_parser
 from .cli_train import add_train_parser
 from .errors import DPZooError
@@ -325,10 +326,14 @@ def _one_line_warning(message, category, filename, lineno, file=None, line=None)
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; returns its exit code (argparse's errors exit with 2 themselves)."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     with warnings.catch_warnings():
         warnings.showwarning = _one_line_warning
         try:
+            if getattr(args, "config", None) is not None:  # dpzoo train --config FILE
+                args = with_config(parser, argv, args)
             return args.fn(args)
         except DPZooError as e:
             print(f"dpzoo: error: {e}", file=sys.stderr)

@@ -36,6 +36,7 @@ from .cli_choices import (
     trainable_models_help,
     usable_accountants,
 )
+from .cli_config import add_config_option
 from .cli_image import IMAGE_ONLY, add_image_options, check_image_options, image_choices
 from .cli_seqrec import add_seqrec_options
 from .errors import DPZooError, InvalidArgumentError
@@ -65,7 +66,7 @@ PRIVACY_OPTIONS = {
     "sample_seed": "--sample-seed",
 }
 # what --resume may be given with (the rest is the checkpoint's)
-RESUME_OPTIONS = {"resume", "name", "quiet", "checkpoint_every", "device"}
+RESUME_OPTIONS = {"resume", "name", "quiet", "checkpoint_every", "device", "config"}
 # modes for models `dpzoo train` does not build: LoRA needs a PEFT model (dpzoo.integrations.peft)
 PEFT_MODES = {"lora"}
 DEFAULT_DATA = {"image": "digits", "seqrec": "synthetic"}
@@ -202,6 +203,7 @@ def add_train_parser(sub) -> None:
         "(with tensorboard installed), then metrics.json, metrics.png and model/; default: nothing saved",
     )
     option(s, "--overwrite", kind="flag", help="replace an earlier run's results in --out (default: refuse)")
+    add_config_option(s)
     option(
         s,
         "--checkpoint-every",
