@@ -93,7 +93,6 @@ SEPARABLE = {  # loss on the batch, the same loss of one sample (the batch's row
         "sum",
     ),
     "per-sample batched product": (lambda o, y: torch.bmm(o[:, :, None], o[:, None, :]).sum(), "sum"),
-    "a sum divided by len(batch), as a mean": (lambda o, y: _l(o, y).sum() / len(y), "mean"),
     "a loop over every row": (
         lambda o, y: sum(F.cross_entropy(o[i], y[i], reduction="sum") for i in range(len(y))),
         "sum",
@@ -103,6 +102,9 @@ SEPARABLE = {  # loss on the batch, the same loss of one sample (the batch's row
         "sum",
     ),
     "weights of ones": (lambda o, y: (_l(o, y) * torch.ones(len(y), dtype=F64)).sum(), "sum"),
+    # constants equal to the batch's 8 rows: refused by the first version of the reduction check
+    "a loss weight of 8": (lambda o, y: F.cross_entropy(o, y) * 8, "mean"),
+    "a sum times a constant 8": (lambda o, y: _l(o, y).sum() * 8, "sum"),
     "fixed class weights at each label": (
         lambda o, y: (torch.tensor([1.0, 5.0, 2.0], dtype=F64)[y] * _l(o, y)).sum(),
         "sum",
@@ -444,13 +446,7 @@ def test_training_loop_code_on_tracked_tensors_still_runs():
 SCALED_BY_THE_BATCH = {  # (loss, the engine's loss_reduction, what the refusal names)
     "a sum under loss_reduction='mean'": (lambda o, y: _l(o, y).sum(), "mean", "a sum over the batch's samples"),
     "a mean under loss_reduction='sum'": (lambda o, y: F.cross_entropy(o, y), "sum", "a mean over the batch's samples"),
-    "a sum divided by len(batch) under 'sum'": (lambda o, y: _l(o, y).sum() / len(y), "sum", "a mean over the batch's"),
-    "a mean times len(batch) under 'mean'": (
-        lambda o, y: F.cross_entropy(o, y) * len(y),
-        "mean",
-        "a sum over the batch's",
-    ),
-    "a mean divided by len(batch)": (lambda o, y: F.cross_entropy(o, y) / len(y), "mean", "equals the batch's 8"),
+    "a hand-written mean under 'mean'": (lambda o, y: _l(o, y).sum() / len(y), "mean", "a sum over the batch's"),
     "a mean plus a sum": (
         lambda o, y: F.cross_entropy(o, y) + 0.01 * (o**2).sum(),
         "mean",
@@ -476,6 +472,15 @@ BY_POSITION = {
     "a mask by position": (lambda o, y: _l(o, y)[torch.arange(len(y)) < 4].sum(), "by position"),
     "where by position": (lambda o, y: torch.where(torch.arange(len(y)) < 4, _l(o, y), 0.0).sum(), "by position"),
     "a row counted twice": (lambda o, y: _l(o, y).sum() + _l(o[0:1], y[0:1]).sum(), "counted twice"),
+    "slices scaled differently": (lambda o, y: _l(o, y)[:2].sum() * 2 + _l(o, y)[2:].sum(), "scaled differently"),
+    "weights from new_tensor": (
+        lambda o, y: (_l(o, y) * _l(o, y).new_tensor([float(i) for i in range(len(y))])).sum(),
+        "by position",
+    ),
+    "weights moved to the loss's dtype": (
+        lambda o, y: (_l(o, y) * torch.linspace(1, 3, len(y)).to(_l(o, y))).sum(),
+        "by position",
+    ),
 }
 
 
@@ -493,6 +498,9 @@ def _weights(losses):
 GRADIENT_REWRITES = {  # what reaches autograd beside the loss: each rewrites the samples' gradients
     "backward(gradient=weights)": lambda o, y: _l(o, y).backward(_weights(_l(o, y))),
     "autograd.backward with grad_tensors": lambda o, y: torch.autograd.backward([_l(o, y)], [_weights(_l(o, y))]),
+    "autograd.backward of a mean and a sum": lambda o, y: torch.autograd.backward(
+        [_l(o, y).mean(), (0.001 * _l(o, y)).sum()]
+    ),
     "a hook that centres the outputs' gradients": lambda o, y: (
         o.register_hook(lambda g: g - g.mean(0, keepdim=True)),
         _l(o, y).sum().backward(),

@@ -3,10 +3,9 @@ mean), it holds every sample once, and its reduction is the one the engine scale
 
 The engine turns the gradients its hooks see into each sample's gradient by the row count b of
 the batch (``loss_reduction="mean"``: the loss is (1/b)·Σ_i ℓ_i) or by 1 (``"sum"``). A loss
-reduced the other way, or multiplied by a number that follows the batch's size (``.sum() /
-len(y)`` under ``"sum"``, ``.mean() * len(y)`` under ``"mean"``), weighs every sample's clipped
-gradient by b, which a neighbouring batch changes for all of them: the released sum moves by up
-to about 2R. :func:`before_gradient` runs before autograd (from
+reduced the other way weighs every sample's clipped gradient by b, which a neighbouring batch
+changes for all of them: the released sum moves by up to about 2R. Python numbers that scale the
+loss are constants to dpzoo: one computed from the batch (``len(y)``) is not seen. :func:`before_gradient` runs before autograd (from
 :meth:`~.sample_rows.SampleRows.__torch_function__`), refuses what the engine cannot scale and
 leaves a record that :func:`check_reduction` compares with the engine's ``loss_reduction``.
 """
@@ -14,7 +13,6 @@ leaves a record that :func:`check_reduction` compares with the engine's ``loss_r
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
@@ -56,9 +54,13 @@ def before_gradient(func, args, kwargs) -> None:
         grads = kwargs.get("grad_tensors", args[1] if len(args) > 1 else None)
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         grads = [grads] * len(tensors) if grads is None or isinstance(grads, torch.Tensor) else list(grads)
+    reductions = set()
     for t, g in zip(tensors, grads):
         if getattr(t, "rows", None) is not None and t.requires_grad:
             note_loss(t, g)
+            reductions.add(RECORD["reduction"])
+    if len(reductions - {None}) > 1:  # autograd.backward([a.mean(), b.sum()]): one record for the step
+        refuse("backward() of a mean over samples together with a sum over samples")
 
 
 def note_loss(t, gradient) -> None:
@@ -90,31 +92,16 @@ def take_record() -> dict | None:
 
 
 def check_reduction(record: dict | None, loss_reduction: str, rows: int) -> None:
-    """Refuse a watched loss whose scaling over samples is not the engine's ``loss_reduction``. A sum
-    divided by the batch's size is a mean (``.sum() / len(y)``), a mean times it a sum; any other
-    factor equal to the size (``.mean() / len(y)``) follows the batch and is refused."""
+    """Refuse a watched loss reduced over samples otherwise than the engine's ``loss_reduction``.
+    Python numbers are constants here (what they were computed from is not seen): a mean written
+    as ``.sum() / len(y)`` is a sum to dpzoo, refused under ``"mean"`` (write ``.mean()``)."""
     if record is None or rows < 2:
         return  # not watched; or one row, where a sum and a mean agree
-    reduction = record["reduction"]
-    for s in record["scalars"]:
-        if not (s and math.isfinite(s)):
-            continue
-        if reduction == "sum" and math.isclose(1 / s, rows):
-            reduction = "mean"
-        elif reduction == "mean" and math.isclose(s, rows):
-            reduction = "sum"
-        elif math.isclose(s, rows) or math.isclose(1 / s, rows):
-            raise LossMixingError(
-                f"the loss is scaled by {s:g}, a factor that equals the batch's {rows} samples: a factor that "
-                "follows the batch's size weighs each sample by the others (false ε). dpzoo scales by the batch "
-                "size itself (loss_reduction); drop the factor. To accumulate gradients over micro-batches, pass "
-                "max_physical_batch_size to make_private instead of dividing the loss."
-            )
-    if reduction is not None and reduction != loss_reduction:
+    if record["reduction"] is not None and record["reduction"] != loss_reduction:
         other = "sum" if loss_reduction == "mean" else "mean"
         raise LossMixingError(
-            f"the loss is a {reduction} over the batch's samples, but make_private was given "
+            f"the loss is a {record['reduction']} over the batch's samples, but make_private was given "
             f"loss_reduction={loss_reduction!r}: each sample's clipped gradient would be scaled by the batch's size "
             f"(false ε). Pass loss_reduction={other!r}, or reduce the loss with .{loss_reduction}() "
-            "(a sum divided by len(batch) is a mean)."
+            "(not .sum() / len(batch), which dpzoo sees as a sum scaled by a constant)."
         )

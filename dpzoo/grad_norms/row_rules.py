@@ -16,6 +16,7 @@ the samples in order (``aligned``), a single sample's values (``row``) or a stat
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, NoReturn
 
 import torch
@@ -218,8 +219,10 @@ def merge_pooled(name: str, args, pooled: list, singles: list, base: State) -> S
     reductions = {t.rows.reduction for t in pooled} | ({"sum"} if singles else set())
     if len(reductions - {None}) > 1:
         refuse(f"{name} of a mean over samples and a sum over samples (a weight that follows the batch's size)")
-    scalars = tuple(s for t in pooled for s in t.rows.scalars) + scalars_of(name, args)
     covered = covered_rows(name, pooled, singles)
+    # the weight of the pooled rows: one product (the parts of a sum over slices must share it)
+    scalars = (math.prod(pooled[0].rows.scalars),) if pooled and pooled[0].rows.scalars else ()
+    scalars += scalars_of(name, args)
     return base._replace(sample_dim=None, pooled=True, reduction=next(iter(reductions - {None}), None),
                          scalars=scalars, covered=covered)  # fmt: skip
 
@@ -231,6 +234,10 @@ def covered_rows(name: str, pooled: list, singles: list) -> frozenset | None:
         return parts[0] if len(parts) == 1 else None
     if any(p is None for p in parts) or sum(len(p) for p in parts) != len(frozenset().union(*parts)):
         refuse(f"{name}: a sample's loss counted twice (a single row's values added to a pool that holds it)")
+    if len({math.prod(t.rows.scalars) for t in pooled} | ({1.0} if singles else set())) > 1:
+        refuse(
+            f"{name} of slices of the batch scaled differently (l[:k].sum() * 2 + l[k:].sum(): a weight by position)"
+        )
     return frozenset().union(*parts)
 
 

@@ -73,6 +73,8 @@ def op_name(func) -> str:
 def follow(func, args, kwargs, tracked: list, out):
     """``out`` with its tensors tagged, after refusing an operation that mixes samples."""
     name = op_name(func)
+    if name.startswith("new_") or (name in TEMPLATED and not isinstance(args[0], SampleRows)):
+        return out  # values given, the batch only lends its dtype, device or shape: not the batch's rows (plain)
     if name == "__iter__" and tracked[0].rows.sample_dim == 0 and args and args[0] is tracked[0]:
         return iter(per_row(args[0]))  # `for row in x`: each one sample's values
     outs = [o for o in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(o, torch.Tensor)]
@@ -114,6 +116,7 @@ def per_row(t: SampleRows) -> list:
         return [tag(r, t.rows._replace(sample_dim=None, row=start + i)) for i, r in enumerate(t.unbind(0))]
 
 
+TEMPLATED = ("to", "type_as", "expand_as", "view_as", "reshape_as")  # x.to(batch): x's values, the batch's dtype
 CALL: dict = {}  # the batch rows the model is being called on (note_call), for its outputs
 
 
