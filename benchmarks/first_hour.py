@@ -107,11 +107,13 @@ def tests() -> dict:
     summary = done.stdout.strip().splitlines()[-1]
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|xfailed|errors?)", summary)}
     seconds = float(re.search(r"in ([0-9.]+)s", summary).group(1))
+    failed = [line.split(" ")[1] for line in done.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
     return {
         "command": "python -m pytest -q",
         "summary": summary,
         "counts": counts,
         "seconds": seconds,
+        "failed": failed,
         "returncode": done.returncode,
     }
 

@@ -279,7 +279,7 @@ def _add_audit_command(sub) -> None:
         "--full-batch",
         kind="flag",
         help="every step trains on the whole training set (q = 1, --epochs steps): with --white-box, the setting "
-        "whose bound comes closest to the claim (docs/RESULTS.md)",
+        "whose bound comes closest to the claim (docs/RESULTS.md); default: Poisson batches of --batch-size",
     )
     option(s, "--lr", type=positive_float, default=2.0, help="SGD's learning rate")
     option(s, "--max-grad-norm", type=positive_float, default=1.0, help="the clipping bound R")

@@ -26,7 +26,7 @@ def add_config_option(s: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="a YAML or JSON file of these options (keys: their names, e.g. epochs: 30, set: {width: 16}); "
-        "options on the command line win",
+        "options on the command line win; default: none",
     )
 
 
