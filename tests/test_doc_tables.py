@@ -107,6 +107,7 @@ def test_a_figure_under_no_marker_and_a_missing_command_are_caught(copy_of_the_d
         ("about 2.3 minutes and 6.5 GB; 1.50–1.65× on GPT-2, 13 s of training", ["2.3", "6.5", "1.50", "1.65", "13"]),
         ("93–95% of 1,438 runs, 327k parameters, 139 GiB, +1.4 points", ["93", "95", "327", "139", "+1.4"]),
         ("ε = 8, δ = 1e-5, 30 epochs, 3 seeds, 2,500 canaries, a 2R clip at 1.5R", []),  # settings and counts
+        ("picks 31–34 of the 53 partitions, seeds 1 and 2", ["31", "34"]),  # a range is a figure
         ("torch 2.14.1, transformers 5.24, Python 3.11, Claims 5.3–5.4, Table 1, 2026-11-26", []),
         ("the code `lr=1e-2, 0.5` and <!-- 0.7 --> and [a link](x/1.5.md)", []),
     ],

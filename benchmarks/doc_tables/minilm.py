@@ -125,4 +125,6 @@ def minilm_figures(root: Path) -> set[str]:
         two_figures(frost["trainable_parameters"] / size["dp-bitfit"]),
         two_figures(runs["dp-bitfit"][0]["lr"] / frost["lr"]),
     }
+    picked = [len(r["selected"]) for r in runs["dp-frost"]]  # DP-FROST's partitions, per seed
+    found |= fixed([min(picked), max(picked)], 0)
     return found | fixed([max(data["test_class_counts"]) / data["test"]], 1, scale=100) | SETTINGS

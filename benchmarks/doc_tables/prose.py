@@ -3,8 +3,9 @@ their result files.
 
 A *figure* is a number in running text (not in code, a table, a heading or an HTML comment) that
 has a decimal point or a unit after it (with its sign when it has one: ``+1.4 points``) (``%``, ``×``, ``s``, ``ms``, ``min``, ``minutes``,
-``hours``, ``GB``, ``GiB``, ``MB``, ``points``, ``k``, ``M``, ``B``), ranges included (``94.4–94.7%``: both ends).
-Plain integers (counts, sizes of a dataset, settings such as ``ε = 8``) are not figures.
+``hours``, ``GB``, ``GiB``, ``MB``, ``points``, ``k``, ``M``, ``B``), and any range (``94.4–94.7%``,
+``31–34``: both ends). Single plain integers (counts, sizes of a dataset, settings such as ``ε = 8``)
+are not figures.
 
 Every paragraph with a figure lies under a marker line ``<!-- figures: NAME [NAME ...] -->``: the
 nearest one above it, up to the next heading. Each NAME is registered with
@@ -42,7 +43,7 @@ def figure_tokens(line: str) -> list[str]:
     found = []
     for m in FIGURE.finditer(text):
         first, second, unit = m.groups()
-        if NOT_A_FIGURE.search(text[: m.start()]) or not (unit or "." in first or (second and "." in second)):
+        if NOT_A_FIGURE.search(text[: m.start()]) or not (unit or second or "." in first):
             continue
         found += [n.replace(",", "") for n in (first, second) if n]
     return found
