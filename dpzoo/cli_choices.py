@@ -51,6 +51,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "vit-base-patch16": "image-classification",
     "vit-small-patch16": "image-classification",
     "vit-tiny-patch16": "image-classification",
+    "wrn16-4-gn": "image-classification",
 }
 # the built-in accountants whose ε is an upper bound, in registration order ("gdp" is not)
 BUILTIN_ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp", "prv", "opacus-rdp")
