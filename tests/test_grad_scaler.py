@@ -276,8 +276,9 @@ def crafted_step(flow, dtype, scale, r=0.01, d=16, t=100):
     )
     scaler = dpzoo.DPGradScaler(opt, scale, enabled=dtype == torch.float16)
     x, y = next(b for b in loader if len(b[0]) >= 2)
-    x, y = torch.zeros_like(x), torch.zeros_like(y)
-    x[0], y[0] = 1e-4 / d**0.5, 200.0 / scale / d**0.5
+    first = torch.zeros(len(x), 1, 1)
+    first[0] = 1  # sample 0 alone; built from the batch's rows (a write into them by position is refused)
+    x, y = x * 0 + first * (1e-4 / d**0.5), y * 0 + first * (200.0 / scale / d**0.5)
 
     def loss(sl):
         return scaler.scale((model(x[sl]).float() * y[sl]).sum())

@@ -473,6 +473,7 @@ BY_POSITION = {
     "where by position": (lambda o, y: torch.where(torch.arange(len(y)) < 4, _l(o, y), 0.0).sum(), "by position"),
     "a row counted twice": (lambda o, y: _l(o, y).sum() + _l(o[0:1], y[0:1]).sum(), "counted twice"),
     "slices scaled differently": (lambda o, y: _l(o, y)[:2].sum() * 2 + _l(o, y)[2:].sum(), "scaled differently"),
+    "weights written in place by position": (lambda o, y: (_l(o, y) * _first_two(y)).sum(), "written into"),
     "weights from new_tensor": (
         lambda o, y: (_l(o, y) * _l(o, y).new_tensor([float(i) for i in range(len(y))])).sum(),
         "by position",
@@ -489,6 +490,12 @@ def test_a_loss_that_weighs_samples_by_position_is_refused(name):
     loss_fn, reason = BY_POSITION[name]
     with pytest.raises(LossMixingError, match=reason):
         step(mlp(), classification(), loss_fn, loss_reduction="sum")
+
+
+def _first_two(y):
+    w = torch.zeros_like(y, dtype=F64)
+    w[:2] = 1
+    return w
 
 
 def _weights(losses):

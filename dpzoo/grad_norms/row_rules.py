@@ -61,6 +61,7 @@ class State(NamedTuple):
     reduction: str | None = None  # a pooled loss: "mean" or "sum" over the samples
     scalars: tuple = ()  # Python numbers a pooled loss was multiplied by after pooling (1/d for a division)
     covered: frozenset | None = None  # a sum of single samples' values: their rows (None: all rows)
+    written: bool = False  # values written in place by position (w[:2] = 1): weights by position
 
 
 def refuse(what: str) -> NoReturn:
@@ -76,7 +77,7 @@ def nograd_state(name: str, args, kwargs, tracked: list, out: torch.Tensor) -> S
     """The state of a result without gradient: rows still aligned, one sample's values, or a
     statistic of the batch (any operation across samples)."""
     first = tracked[0].rows
-    base = State(first.samples, owned=first.owned)
+    base = State(first.samples, owned=first.owned, written=any(t.rows.written for t in tracked))
     if any(t.rows.stat or t.rows.pooled for t in tracked):
         return base._replace(sample_dim=None, stat=True)
     rows = [t for t in tracked if t.rows.sample_dim is not None]
@@ -274,6 +275,8 @@ def check_positional(name: str, args, kwargs, lead) -> None:
 
 def check_meeting(name: str, args, kwargs, rows: list) -> None:
     """Several tensors with rows meet: the same samples, in the same order and place."""
+    if any(t.rows.written for t in rows if not t.requires_grad):
+        refuse(f"{name} with values written into the batch's rows by position (w[:2] = 1: a weight by position)")
     if not all(t.rows.aligned for t in rows) or len({window_of(t) for t in rows}) > 1:
         refuse(f"{name}: the batch's rows combined with a reordered or shifted copy of them (mixup, negatives)")
     if name in PRODUCTS:

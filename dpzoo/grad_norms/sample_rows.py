@@ -73,6 +73,8 @@ def op_name(func) -> str:
 def follow(func, args, kwargs, tracked: list, out):
     """``out`` with its tensors tagged, after refusing an operation that mixes samples."""
     name = op_name(func)
+    if name in POSITIONAL_WRITES and isinstance(args[0], SampleRows) and positional_write(name, args, kwargs):
+        args[0].rows = args[0].rows._replace(written=True)  # in place: the tensor now holds weights by position
     if name.startswith("new_") or (name in TEMPLATED and not isinstance(args[0], SampleRows)):
         return out  # values given, the batch only lends its dtype, device or shape: not the batch's rows (plain)
     if name == "__iter__" and tracked[0].rows.sample_dim == 0 and args and args[0] is tracked[0]:
@@ -114,6 +116,28 @@ def per_row(t: SampleRows) -> list:
     start = window_of(t)[0]
     with torch._C.DisableTorchFunctionSubclass():
         return [tag(r, t.rows._replace(sample_dim=None, row=start + i)) for i, r in enumerate(t.unbind(0))]
+
+
+POSITIONAL_WRITES = ("__setitem__", "index_fill_", "index_copy_", "index_add_", "index_put_")
+
+
+def positional_write(name: str, args, kwargs) -> bool:
+    """An in-place write into the sample rows chosen by position (an int, a slice, an index that
+    does not come from the batch), not by the batch's own values (``y[y == -1] = 0``)."""
+    target = args[0]
+    if target.rows.sample_dim != 0:
+        return False
+    if name == "__setitem__":
+        index = args[1] if len(args) > 1 else None
+        first = index[0] if isinstance(index, tuple) and index else index
+        if isinstance(first, slice) and first == slice(None) or first is Ellipsis or first is None:
+            return False
+        return not isinstance(getattr(first, "rows", None), State)
+    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+    index = kwargs.get("index", args[2] if len(args) > 2 else None)
+    if name == "index_put_":
+        dim, index = 0, (args[1][0] if len(args) > 1 and args[1] else None)
+    return dim == 0 and not isinstance(getattr(index, "rows", None), State)
 
 
 TEMPLATED = ("to", "type_as", "expand_as", "view_as", "reshape_as")  # x.to(batch): x's values, the batch's dtype
