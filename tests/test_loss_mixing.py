@@ -536,3 +536,30 @@ def test_backward_with_a_constant_gradient_scales_each_samples_loss():
     opt.step()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach() - before[n], expected[n], rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_ctc_loss_on_time_major_log_probabilities_trains_exactly(reduction):
+    """CTC takes (T, B, C) log-probabilities: the samples are dimension 1 there (refused before,
+    even with reduction='none'); its mean divides each sample's loss by its own target length."""
+    g = torch.Generator().manual_seed(2)
+    b, t, c = 6, 7, 5
+    x = torch.randn(b, t, 4, generator=g, dtype=F64) * 3
+    targets = torch.randint(1, c, (b, 3), generator=g)
+    data = TensorDataset(x, targets, torch.full((b,), t), torch.randint(1, 4, (b,), generator=g))
+    torch.manual_seed(0)
+    model = nn.Linear(4, c).double()
+
+    def ctc(out, tg, il, tl):
+        return F.ctc_loss(out.log_softmax(-1).transpose(0, 1), tg, il, tl, reduction=reduction, zero_infinity=True)
+
+    single = lambda m, x, tg, il, tl: ctc(m(x), tg, il, tl)  # noqa: E731
+    inputs = dict(zip(("x", "tg", "il", "tl"), data.tensors))
+    expected = dp_sgd_update(model, single, inputs, b, R, 0.0, None, "abadi", b if reduction == "mean" else None)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine, model, opt, loader = private(model, data, loss_reduction=reduction)
+    xb, tg, il, tl = next(iter(loader))
+    ctc(model(xb), tg, il, tl).backward()
+    opt.step()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach() - before[n], expected[n], rtol=1e-9, atol=1e-12)

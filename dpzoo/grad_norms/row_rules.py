@@ -152,7 +152,9 @@ def batch_rows(name: str, args, kwargs, rows: list, out, base: State) -> State:
         check_mean_loss(name, args, kwargs, lead)
     check_positional(name, args, kwargs, lead)
     if name in LOSSES:
-        if lead.rows.sample_dim != 0 or not all(t.rows.aligned for t in rows):
+        if any(t.rows.sample_dim != loss_sample_dim(name, args, t) for t in rows) or not all(
+            t.rows.aligned for t in rows
+        ):
             refuse(f"{name} on rows that are not the samples in order")
         if out.dim() == 0:
             if kwargs.get("reduction", "mean") != "sum" and any(t.rows.selected for t in rows):
@@ -282,8 +284,8 @@ def check_meeting(name: str, args, kwargs, rows: list) -> None:
     if name in PRODUCTS:
         check_product(name, args, rows)
         return
-    if name in LOSSES:  # input, target, weight: batch-first
-        if any(t.rows.sample_dim != 0 for t in rows):
+    if name in LOSSES:  # input, target, weight: batch-first (CTC's log-probabilities: time-major)
+        if any(t.rows.sample_dim != loss_sample_dim(name, args, t) for t in rows):
             refuse(f"{name} on tensors whose rows are not the samples")
         return
     if name in ("gather", "take_along_dim"):  # row i's index picks from row i, along another dimension
@@ -298,6 +300,11 @@ def check_meeting(name: str, args, kwargs, rows: list) -> None:
                                                              "broadcast_tensors"}  # fmt: skip
     if name not in ok:
         refuse(f"{name} of two tensors derived from the batch")
+
+
+def loss_sample_dim(name: str, args, t) -> int:
+    """Where a loss expects the samples: dimension 0, but 1 in CTC's (T, B, C) log-probabilities."""
+    return 1 if name == "ctc_loss" and args and t is args[0] else 0
 
 
 def check_product(name: str, args, rows: list) -> None:
