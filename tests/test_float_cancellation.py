@@ -46,9 +46,9 @@ def released_contribution(
         self_check=False,
     )
     x, y = next(b for b in loader if len(b[0]))
-    x, y = torch.zeros_like(x), torch.zeros_like(y)
-    x[0, 0] = x[0, 1] = xv
-    y[0, 0], y[0, 1] = dv, -(1 - eps) * dv
+    first = torch.zeros(len(x), 1, 1, dtype=dtype)
+    first[0] = 1  # sample 0 alone; built from the batch's rows (a write into them by position is refused)
+    x, y = x * 0 + first * xv, y * 0 + first * torch.stack([dv, -(1 - eps) * dv])
     (model(x) * y).sum().backward()
     opt.step()
     return model.weight.grad.norm().item() / r  # sample 0 alone has a gradient: its contribution, in R
