@@ -129,12 +129,10 @@ def problems(root: Path = ROOT, documents=DOCUMENTS) -> list[str]:
             if r is None:
                 out.append(f"{where}: no renderer registered for table {t.name!r}")
                 continue
-            missing = [f for f in r.files if not (root / f).exists()]
-            if missing:
-                out.append(f"{where}: table {t.name!r} reads missing files {missing}")
+            found = prose.evidence_problems(where, f"table {t.name!r}", r, root, t.section)
+            out += found
+            if any("missing files" in p for p in found):
                 continue
-            if r.command not in t.section:
-                out.append(f"{where}: table {t.name!r}: its section does not show the command {r.command!r}")
             expected = r.render(root).splitlines()
             if expected != t.lines:
                 diff = next((a, b) for a, b in zip(t.lines + [""] * 99, expected + [""] * 99) if a != b)

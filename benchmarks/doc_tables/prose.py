@@ -84,13 +84,10 @@ def problems(root: Path, sources: dict, documents=FIGURE_DOCUMENTS) -> list[str]
                     if source is None:
                         out.append(f"{doc}:{i + 1}: no figures renderer registered as {name!r}")
                         continue
-                    missing = [f for f in source.files if not (root / f).exists()]
-                    if missing:
-                        out.append(f"{doc}:{i + 1}: figures {name!r} read missing files {missing}")
-                        continue
-                    if source.command not in section:
-                        out.append(f"{doc}:{i + 1}: figures {name!r}: the section does not show {source.command!r}")
-                    supported |= {str(s) for s in source.supports(root)}
+                    found = evidence_problems(f"{doc}:{i + 1}", f"figures {name!r}", source, root, section)
+                    out += found
+                    if not any("missing files" in p for p in found):
+                        supported |= {str(s) for s in source.supports(root)}
                 continue
             if not in_prose:
                 continue
@@ -100,6 +97,16 @@ def problems(root: Path, sources: dict, documents=FIGURE_DOCUMENTS) -> list[str]
                 elif token not in supported:
                     out.append(f"{doc}:{i + 1}: figure {token} is not supported by {' '.join(names)}'s files")
     return out
+
+
+def evidence_problems(where: str, label: str, source, root: Path, section: str) -> list[str]:
+    """A renderer's files that are missing, or its command that its section does not show."""
+    missing = [f for f in source.files if not (root / f).exists()]
+    if missing:
+        return [f"{where}: {label} reads missing files {missing}"]
+    if source.command not in section:
+        return [f"{where}: {label}: the section does not show the command {source.command!r}"]
+    return []
 
 
 def _next_heading(lines: list[str], i: int) -> int:

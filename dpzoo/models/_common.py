@@ -82,3 +82,16 @@ def library_kwargs(entry: str, table: OverrideTable, overrides: Mapping[str, Any
 def reject_unknown(entry: str, given: Iterable[str], accepted: Iterable[str]) -> None:
     """:func:`dpzoo.registry.reject_unknown_overrides` with the patch options every entry takes."""
     reject_unknown_overrides(entry, given, set(accepted) | set(PATCH_OPTIONS))
+
+
+def from_scratch(card, build: Callable, pretrained: bool, pretrained_tag: str | None, weights, overrides: dict):
+    """A zoo entry written DP-ready and trained from scratch: no pretrained weights, no ``weights=``,
+    only the card's overrides (a misspelt one gets "did you mean")."""
+    from ..surgery import make_dp_ready
+
+    if pretrained or pretrained_tag is not None:
+        raise OverrideError(f"{card.name} has no pretrained weights: train it from scratch (dpzoo train {card.name}).")
+    if weights is not None:
+        raise OverrideError(f"{card.name} takes no weights=: restore a saved one with dpzoo.load(DIR).")
+    reject_unknown_overrides(card.name, overrides, card.overrides)
+    return make_dp_ready(build(**overrides))  # nothing to patch; records the (empty) patch report

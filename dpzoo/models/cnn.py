@@ -18,8 +18,8 @@ from __future__ import annotations
 from torch import nn
 
 from ..errors import OverrideError
-from ..registry import ModelCard, register_model, reject_unknown_overrides
-from ..surgery import make_dp_ready
+from ..registry import ModelCard, register_model
+from ._common import from_scratch
 
 __all__ = ["TanhCNN"]
 
@@ -81,9 +81,4 @@ _CARD = ModelCard(
 
 @register_model(NAME, card=_CARD)
 def cnn_tanh_gn(pretrained: bool = False, pretrained_tag: str | None = None, weights=None, **overrides) -> nn.Module:
-    if pretrained or pretrained_tag is not None:
-        raise OverrideError(f"{NAME} has no pretrained weights: train it from scratch (dpzoo train {NAME}).")
-    if weights is not None:
-        raise OverrideError(f"{NAME} takes no weights=: restore a saved one with dpzoo.load(DIR).")
-    reject_unknown_overrides(NAME, overrides, _CARD.overrides)  # a misspelt one gets "did you mean"
-    return make_dp_ready(TanhCNN(**overrides))  # nothing to patch; records the (empty) patch report
+    return from_scratch(_CARD, TanhCNN, pretrained, pretrained_tag, weights, overrides)
