@@ -6,6 +6,11 @@ positive controls; one JSON per claimed ε, the evidence of docs/RESULTS.md's au
     python benchmarks/audit_sweep.py --threat-model white-box --epsilon 2 --seeds 0 1 2 3 4
     python benchmarks/audit_sweep.py --threat-model white-box --epsilon 2 --seeds 0 1 2 3 4 --canaries 1000
     python benchmarks/audit_sweep.py --threat-model white-box --full-batch --epsilon 2 --canaries 50000 --seeds 0 1 2 3 4
+    python benchmarks/audit_sweep.py --threat-model white-box --epsilon 2 --seeds 0 1 2 3 4 \
+        --mechanisms noise-skipped-per-epoch group-outside-engine unclipped
+
+With ``--mechanisms`` the rows of the other mechanisms already in the file are kept (their
+commands stay listed in the file's ``meta.commands``).
 
 Each (mechanism, seed) is one ``dpzoo.audit(epsilon=E, seed=S, broken=B)`` with the built-in
 defaults (digits + 1,000 Dirac canaries, 2,500 in the white-box audit, 10 epochs, Abadi clipping at R = 1); the engine's noise
@@ -27,7 +32,16 @@ import dpzoo
 
 MECHANISMS = {  # None: dpzoo's engine as is
     "black-box": (None, "no-noise", "unclipped"),
-    "white-box": (None, "no-noise", "sensitivity-2x", "sensitivity-1.5x", "half-noise"),
+    "white-box": (
+        None,
+        "no-noise",
+        "sensitivity-2x",
+        "sensitivity-1.5x",
+        "half-noise",
+        "noise-skipped-per-epoch",
+        "group-outside-engine",
+        "unclipped",
+    ),
 }
 
 
@@ -76,6 +90,10 @@ def main(argv=None) -> int:
     name = "audit" if args.threat_model == "black-box" else "white_box"
     suffix = ("" if args.canaries is None else f"_m{args.canaries}") + ("_full" if args.full_batch else "")
     path = out / f"{name}_eps{args.epsilon:g}{suffix}.json"
+    if args.mechanisms and path.exists():  # a subset: keep the other mechanisms' rows
+        old = json.loads(path.read_text())
+        rows = [r for r in old["runs"] if r["broken"] not in mechanisms] + rows
+        meta["commands"] = old["meta"].get("commands", [old["meta"]["command"]]) + [meta["command"]]
     path.write_text(json.dumps({"meta": meta, "runs": rows}, indent=1) + "\n")
     print("wrote", path)
     return 0

@@ -9,7 +9,7 @@ dpzoo prepare NAME [--set k=v ...] [--weights PATH] [--out DIR]
 dpzoo cards --write DIR              (re)write the markdown model cards
 dpzoo train NAME [--data digits] [--epsilon 8] [--epochs 10] [--out DIR] [--resume DIR] ...
                                      private training on a built-in dataset (dpzoo.cli_train)
-dpzoo audit [--epsilon 2] [--delta 1e-5] [--canaries 1000|2500] [--epochs 10] [--full-batch]
+dpzoo audit [--epsilon 2] [--delta 1e-5] [--canaries 1000|2500] [--epochs 10] [--full-batch] [--mode auto]
             [--broken NAME | --with-controls] [--white-box] [--out DIR] [--seed 0]
                                      empirical lower bound on ε in one training run (exit 1
                                      when it exceeds the claimed ε)
@@ -30,7 +30,7 @@ import warnings
 from pathlib import Path
 
 from .cli_args import Parser, key_value, nonnegative_int, option, positive_float, positive_int, unit_interval
-from .cli_choices import AUDIT_CONTROLS, usable_accountants
+from .cli_choices import AUDIT_CONTROLS, mode_names, usable_accountants
 from .cli_config import with_config
 from .cli_eval import add_eval_parser
 from .cli_train import add_train_parser
@@ -169,6 +169,7 @@ def _cmd_audit(args) -> int:
             log=print,
             progress=False if args.quiet else None,
             threat_model="white-box" if args.white_box else "black-box",
+            mode=args.mode,
         )
         for line in r.lines():
             print(f"  {line}")
@@ -274,6 +275,13 @@ def _add_audit_command(sub) -> None:
         "the default black-box audit of the final model); controls: no-noise, sensitivity-2x",
     )
     option(s, "--batch-size", type=positive_int, default=64, help="expected Poisson batch size")
+    option(
+        s,
+        "--mode",
+        default="auto",
+        choices=mode_names(),
+        help="the engine's training mode audited (bitfit: the canaries are biases; lora: a PEFT LoRA adapter)",
+    )
     option(
         s,
         "--full-batch",

@@ -144,4 +144,12 @@ def max_len_help() -> str:
 
 
 # dpzoo.audit.BROKEN, spelled here so that `dpzoo --help` does not import torch (a test keeps them equal)
-AUDIT_CONTROLS = ["no-noise", "unclipped", "sensitivity-1.5x", "sensitivity-2x", "half-noise"]
+AUDIT_CONTROLS = [
+    "no-noise",
+    "unclipped",
+    "sensitivity-1.5x",
+    "sensitivity-2x",
+    "half-noise",
+    "noise-skipped-per-epoch",
+    "group-outside-engine",
+]

@@ -312,10 +312,70 @@ def test_white_box_engine_stays_below_its_claim_and_the_controls_rank_above_it()
 
 
 def test_white_box_refuses_what_it_cannot_observe():
-    with pytest.raises(dpzoo.DPZooError, match="unclipped.*black-box audit"):
-        dpzoo.audit(threat_model="white-box", broken="unclipped")
     with pytest.raises(dpzoo.DPZooError, match="threat_model must be"):
         dpzoo.audit(threat_model="grey-box")
+    with pytest.raises(dpzoo.DPZooError, match="white-box.*built-in task"):
+        dpzoo.audit(threat_model="white-box", dataset=[(torch.zeros(3), 0)], model_fn=lambda: None,
+                    canaries=(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long)))  # fmt: skip
+    with pytest.raises(dpzoo.DPZooError, match="mode must be one of"):
+        dpzoo.audit(mode="lora-all")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broken", ["noise-skipped-per-epoch", "group-outside-engine", "unclipped"])
+def test_white_box_controls_of_a_skipped_noise_draw_and_of_training_outside_the_engine_exceed_the_claim(broken):
+    """The realistic leaks the white-box audit must catch at its defaults: one noise draw per epoch
+    left out (a noiseless release: the in-canaries drawn in it are seen exactly), and the canaries'
+    parameter group trained by a plain optimizer (raw sums, observed where that optimizer steps)."""
+    with _seeded_noise_ok():
+        res = dpzoo.audit(epsilon=2.0, canaries=2500, epochs=5, threat_model="white-box", broken=broken,
+                          seed=0, noise_seed=5, sample_seed=6)  # fmt: skip
+    assert res.claimed_epsilon == pytest.approx(2.0, abs=0.02)  # what the engine reports
+    assert res.exceeds and res.epsilon_lower_bound > res.claimed_epsilon + 1, res.lines()
+    if broken == "noise-skipped-per-epoch":
+        from dpzoo.audit.white_box import EXACT
+
+        exact, member = torch.tensor(res.scores) > EXACT / 2, torch.tensor(res.membership)
+        assert exact.sum() > 50 and not (exact & ~member).any()  # every exact release is an in-canary's
+
+
+def _brute_gradient(model, x, y, params):
+    g = torch.autograd.grad(torch.nn.functional.cross_entropy(model(x), y), params)
+    return torch.cat([t.flatten() for t in g])
+
+
+@pytest.mark.parametrize("mode", ["auto", "bitfit", "lora"])
+def test_each_modes_canary_model_states_its_canaries_gradients_as_autograd_computes_them(mode):
+    """What the white-box scorer clips under the claim, per canary: its gradient on its own
+    coordinates (what the optimizer's .grad holds there after its backward alone) and the norm of
+    its whole gradient over the mode's trainable parameters: against autograd, one canary at a
+    time, at random weights, in float64; a digit reaches none of the canary coordinates."""
+    from dpzoo.audit.canary_models import canary_model
+    from dpzoo.privacy.modes import apply_mode
+
+    torch.manual_seed(0)
+    model = canary_model(mode, 4, 5, 3.0, 3).double()
+    apply_mode(mode, model)
+    params = [p for p in model.parameters() if p.requires_grad]
+    with torch.no_grad():
+        for p in params:
+            p.normal_(0, 0.5)
+    y = torch.tensor([0, 2, 1, 1, 0])
+    x = torch.zeros(6, 5, dtype=torch.float64)
+    x[:5, 4] = torch.arange(1, 6)
+    x[5, :4] = torch.rand(4)  # a digit: slot 0
+    own, full = model.canary_gradients(y)
+    for i in range(6):
+        model.zero_grad()
+        label = y[i : i + 1] if i < 5 else torch.tensor([1])
+        torch.nn.functional.cross_entropy(model(x[i : i + 1]), label).backward()
+        release = model.canary_release()
+        if i == 5:
+            assert release.abs().max() == 0
+            continue
+        torch.testing.assert_close(release[i], own[i])
+        assert release.norm(dim=1).count_nonzero() == 1  # no other canary's coordinates
+        assert float(full[i]) == pytest.approx(float(_brute_gradient(model, x[i : i + 1], label, params).norm()))
 
 
 def test_cli_audit_controls_are_the_audits():

@@ -1,11 +1,14 @@
 """Every training path audited end to end: the white-box audit of the mechanism that actually ran.
 
 For each path (Abadi and automatic clipping, micro-batching through ``BatchMemoryManager``,
-float16 autocast with ``DPGradScaler``) the same built-in canary task is trained twice: as
-dpzoo ships it, whose bound must stay below the claimed ε, and with a sensitivity bug injected
-into the engine itself (every clip factor doubled, so one sample moves the noisy sum by 2R
-while the claim is for R), whose bound must exceed it. The injected bug is in the engine's
-``DPOptimizer.clip_factors``, the step every path shares, not in the audit's own control.
+float16 autocast with ``DPGradScaler``, DP-BiTFiT's bias-only mode, DP-LoRA through PEFT, DDP
+and FSDP2 over 2 gloo processes) the same built-in canary task is trained twice: as dpzoo ships
+it, whose bound must stay below the claimed ε, and with a sensitivity bug injected into the
+engine itself (every clip factor doubled, so one sample moves the noisy sum by 2R while the claim
+is for R), whose bound must exceed it. The injected bug is in the engine's
+``DPOptimizer.clip_factors``, the step every path shares, not in the audit's own control. The
+bias-only and LoRA paths train their own canary models (:mod:`dpzoo.audit.canary_models`), so
+the mode's norms and trainable set are what carries the canaries.
 
 Seeds are fixed (canaries, inclusion, noise, sampling), so each outcome is deterministic;
 measured margins at these settings: dpzoo ≤ 0.6 against a claim of 2, the 2R bug 2.5–3.0.
@@ -13,12 +16,17 @@ measured margins at these settings: dpzoo ≤ 0.6 against a claim of 2, the 2R b
 
 from __future__ import annotations
 
+import os
+import socket
 import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 import dpzoo
+from dpzoo.audit.white_box import EXACT
 from dpzoo.privacy.optimizer import DPOptimizer
 
 # 2,500 canaries, 5 epochs: the 2R bug's Gaussian-DP bound is ~2.5 against a claim of 2
@@ -30,6 +38,8 @@ PATHS = {
     "micro-batched": {"physical_batch_size": 24},
     "float16-loss-scaling": {"loss_scale": 2.0**12},
     "full-batch": {"batch_size": "full"},
+    "dp-bitfit": {"mode": "bitfit"},
+    "dp-lora": {"mode": "lora"},
 }
 
 
@@ -63,6 +73,7 @@ def test_path_stays_below_its_claim(path):
     assert result.claimed_epsilon == pytest.approx(2.0, abs=0.01)
     assert set(result.estimators) == {"one-run", "gdp"}
     assert not result.exceeds, result.lines()
+    assert max(result.scores) < EXACT / 2  # no release of the engine is noiseless
 
 
 @pytest.mark.slow
@@ -81,3 +92,56 @@ def test_full_batch_white_box_audit_comes_close_to_its_claim():
                          noise_seed=5, sample_seed=6)  # fmt: skip
     assert result.mechanism["sample_rate"] == 1.0 and result.mechanism["steps"] == 10
     assert 5.0 <= result.epsilon_lower_bound < result.claimed_epsilon, result.lines()
+
+
+def _sharded_canary_model():
+    from torch.distributed.fsdp import fully_shard
+
+    from dpzoo.audit.canary_models import canary_model
+
+    model = canary_model("auto", 64, AUDIT["canaries"], 1000.0)
+    fully_shard(model)
+    return model
+
+
+def _distributed_audits(rank, world, port):
+    """On each rank: the audit of DDP-style training (replicated parameters) and of FSDP2, as
+    shipped and with the 2R bug; every rank must compute the same bounds."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    original = DPOptimizer.clip_factors
+    bounds = {}
+    try:
+        warnings.simplefilter("ignore", dpzoo.errors.ReproducibleNoiseWarning)
+        for path, extra in (("ddp", {}), ("fsdp2", {"model_fn": _sharded_canary_model})):
+            for bug in (False, True):
+                DPOptimizer.clip_factors = (lambda self, n: 2 * original(self, n)) if bug else original
+                r = dpzoo.audit(**AUDIT, **extra)
+                bounds[path, bug] = (r.epsilon_lower_bound, r.claimed_epsilon, r.mechanism["steps"], max(r.scores))
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, bounds)
+        if rank == 0:
+            torch.save(gathered, os.environ["DPZOO_AUDIT_OUT"])
+    finally:
+        DPOptimizer.clip_factors = original
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo in this torch build")
+def test_distributed_paths_stay_below_their_claim_and_their_2x_bug_exceeds_it(tmp_path, monkeypatch):
+    """DDP (each rank a shard of every Poisson batch, the noise added once on rank 0) and FSDP2
+    (every coordinate noised once by its owner), 2 gloo processes."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("DPZOO_AUDIT_OUT", str(tmp_path / "bounds.pt"))
+    mp.spawn(_distributed_audits, args=(2, port), nprocs=2, join=True)
+    ranks = torch.load(tmp_path / "bounds.pt", weights_only=False)
+    assert ranks[0] == ranks[1]  # both ranks observed the same releases
+    for path in ("ddp", "fsdp2"):
+        (shipped, claim, steps, top), (doubled, _, _, _) = ranks[0][path, False], ranks[0][path, True]
+        assert claim == pytest.approx(2.0, abs=0.01) and steps > 50
+        assert shipped < claim and top < EXACT / 2, path
+        assert doubled > claim + 0.25, path

@@ -78,6 +78,9 @@ WHITE_NAMES = {
     "sensitivity-2x": "sensitivity 2× (clips at 2R, noise σR)",
     "sensitivity-1.5x": "sensitivity 1.5×",
     "half-noise": "half the noise (σ/2)",
+    "noise-skipped-per-epoch": "one noise draw skipped per epoch",
+    "group-outside-engine": "canary parameter group outside the engine",
+    "unclipped": "model copy trained unclipped (noised)",
 }
 
 

@@ -61,6 +61,8 @@ class AuditResult:
 
     def lines(self) -> list[str]:
         mech = self.broken or "dpzoo engine"
+        if self.mechanism.get("mode", "auto") != "auto":
+            mech += f", mode {self.mechanism['mode']}"
         sigma = self.mechanism.get("noise_multiplier", float("nan"))
         claimed_sigma = self.mechanism.get("claimed_noise_multiplier", sigma)
         sigma_text = f"{sigma:.3g}" if sigma == claimed_sigma else f"{sigma:.3g} while claiming {claimed_sigma:.3g}"

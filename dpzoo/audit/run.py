@@ -63,6 +63,7 @@ def audit(
     threat_model: str = "black-box",
     physical_batch_size: int | None = None,
     loss_scale: float | None = None,
+    mode: str = "auto",
 ) -> AuditResult:
     """Insert canaries, train once with dpzoo's engine, return the empirical lower bound on ε.
 
@@ -86,15 +87,20 @@ def audit(
     unless ``noise_seed`` / ``sample_seed`` are passed on to ``make_private`` (tests only).
     ``progress``: a per-step bar with the loss and the ε spent (None: when stderr is a terminal).
     The training path: ``physical_batch_size`` micro-batches through ``BatchMemoryManager``;
-    ``loss_scale`` trains in float16 autocast with a ``DPGradScaler`` at that scale.
+    ``loss_scale`` trains in float16 autocast with a ``DPGradScaler`` at that scale; ``mode`` is
+    the engine's training mode (the built-in task then uses that mode's canary model:
+    ``"bitfit"`` moves canary biases, ``"lora"`` a PEFT LoRA adapter,
+    :mod:`dpzoo.audit.canary_models`). Run inside an initialised ``torch.distributed`` process
+    group (every rank calling :func:`audit` alike), training is dpzoo's distributed DP: each rank
+    a shard of every Poisson batch, the noise added once.
     Returns an :class:`AuditResult`; ``result.exceeds`` is True when the bound is above the
     claimed ε.
 
     Which guess counts to use is chosen after scoring, among ``guess_fractions`` of m (total
     guesses r, split evenly in / out), each tested at (1 - confidence) / len(guess_fractions).
     """
-    _validate(epsilon, delta, epochs, batch_size, lr, max_grad_norm, broken, confidence, guess_fractions)
-    white = _threat_model(threat_model, dataset, broken)
+    _validate(epsilon, delta, epochs, batch_size, lr, max_grad_norm, broken, confidence, guess_fractions, mode)
+    white = _threat_model(threat_model, dataset)
     if canaries is None and dataset is None:
         canaries = WHITE_BOX_CANARIES if white else 1000
     observed: list = []
@@ -107,7 +113,9 @@ def audit(
                 raise DPZooError(f"canaries must be an integer >= 2 for the built-in audit, got {canaries!r}.")
             if not canary_norm > 0:
                 raise DPZooError(f"canary_norm must be > 0, got {canary_norm}.")
-            train, test, cx, cy, default_model_fn, default_score = digits_canary_task(canaries, canary_norm, seed)
+            train, test, cx, cy, default_model_fn, default_score = digits_canary_task(
+                canaries, canary_norm, seed, mode=mode
+            )
             model_fn = model_fn or default_model_fn
             score_fn = score_fn or default_score
             test_dataset = test if test_dataset is None else test_dataset
@@ -159,6 +167,7 @@ def audit(
             on_private=column_observer(cy, observed) if white else None,
             physical_batch_size=physical_batch_size,
             loss_scale=loss_scale,
+            mode=mode,
         )
         model.eval()
         if white:  # every noisy update of the canaries' columns, not the final model
@@ -221,7 +230,11 @@ def _accuracy(model, dataset) -> float:
     return correct / len(dataset)
 
 
-def _validate(epsilon, delta, epochs, batch_size, lr, max_grad_norm, broken, confidence, guess_fractions):
+def _validate(epsilon, delta, epochs, batch_size, lr, max_grad_norm, broken, confidence, guess_fractions, mode):
+    from ..privacy.modes import TRAINING_MODES
+
+    if mode not in TRAINING_MODES:
+        raise DPZooError(f"mode must be one of {', '.join(TRAINING_MODES)} (the engine's training mode), got {mode!r}.")
     if not (isinstance(epsilon, (int, float)) and 0 < epsilon < math.inf):
         raise DPZooError(f"epsilon must be a finite number > 0 (the claimed ε), got {epsilon!r}.")
     if not (isinstance(delta, (int, float)) and 0 < delta < 1):
@@ -242,7 +255,7 @@ def _validate(epsilon, delta, epochs, batch_size, lr, max_grad_norm, broken, con
         raise DPZooError(f"guess_fractions must be fractions of the canaries in (0, 1], got {guess_fractions!r}.")
 
 
-def _threat_model(threat_model: str, dataset, broken) -> bool:
+def _threat_model(threat_model: str, dataset) -> bool:
     """True for the white-box audit, after refusing what it cannot observe."""
     if threat_model not in ("black-box", "white-box"):
         raise DPZooError(f"threat_model must be 'black-box' or 'white-box', got {threat_model!r}.")
@@ -250,10 +263,5 @@ def _threat_model(threat_model: str, dataset, broken) -> bool:
         raise DPZooError(
             "threat_model='white-box' observes the built-in task's isolated canary coordinates; with your own "
             "dataset use the black-box audit."
-        )
-    if threat_model == "white-box" and broken == "unclipped":
-        raise DPZooError(
-            "broken='unclipped' trains a copy outside the engine, which the white-box observer of the engine's "
-            "releases does not see: use it with the black-box audit, or broken='sensitivity-2x'."
         )
     return threat_model == "white-box"

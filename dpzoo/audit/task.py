@@ -9,10 +9,10 @@ relative to the all-zero input, isolates what training did because of that canar
 logits). Without noise an out canary scores exactly 0 and an in canary (if Poisson sampling
 drew it at least once) above 0; with DP noise the scores are noise-dominated. The model is a
 linear classifier whose canary weights start at zero. Its m canary coordinates are stored
-sparsely (:class:`DiracCanaryClassifier`: the 64 pixels plus one slot naming the canary, and an
-embedding row per canary in place of the weight column), so tens of thousands of canaries cost
-kilobytes, not an N × m input; the function computed, and each sample's gradient, are those of
-the dense linear model. Any other task is scored black-box by :func:`loss_score` unless it brings its own score.
+sparsely (the 64 pixels plus one slot naming the canary; :mod:`dpzoo.audit.canary_models`: an
+embedding row per canary in place of the weight column, or a bias, or a LoRA-adapted column, per
+training mode), so tens of thousands of canaries cost kilobytes, not an N × m input; the
+function computed, and each sample's gradient, are those of the dense linear model. Any other task is scored black-box by :func:`loss_score` unless it brings its own score.
 
 A score is the auditor's evidence in the one-run audit of Steinke, Nasr & Jagielski (2023),
 Algorithm 1: higher means more likely trained on.
@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from ..errors import DPZooError
+from .canary_models import DiracCanaryClassifier, canary_model
 
 __all__ = [
     "DIGITS_FEATURES",
@@ -39,29 +40,6 @@ __all__ = [
 DIGITS_FEATURES = 64
 
 
-class DiracCanaryClassifier(nn.Module):
-    """The linear classifier on 64 pixels and m Dirac canary coordinates, stored sparsely.
-
-    An input row is the 64 pixels and a slot: 0 for no canary, i + 1 for canary i (whose dense
-    input is ``canary_norm`` on coordinate 64 + i). The canary coordinates' weight columns are the
-    rows of ``canaries`` (an embedding, zero at the start): logits = fc(pixels) + canary_norm ·
-    canaries[i] for canary i, exactly the dense model's, and so are the per-sample gradients (a
-    canary's reaches only its row and the bias; a digit's never reaches ``canaries``)."""
-
-    def __init__(self, pixels: int, canaries: int, canary_norm: float, num_classes: int = 10):
-        super().__init__()
-        self.fc = nn.Linear(pixels, num_classes)
-        self.canaries = nn.Embedding(canaries, num_classes)
-        nn.init.zeros_(self.canaries.weight)
-        self.pixels, self.canary_norm = pixels, float(canary_norm)
-
-    def forward(self, x):
-        slot = x[:, self.pixels].round().long()
-        has_canary = (slot > 0).to(x.dtype)[:, None]
-        rows = self.canaries((slot - 1).clamp_min(0))
-        return self.fc(x[:, : self.pixels]) + self.canary_norm * has_canary * rows
-
-
 class LinearClassifier(nn.Module):
     """A plain linear classifier (kept for user code; the built-in task uses :class:`DiracCanaryClassifier`)."""
 
@@ -73,12 +51,15 @@ class LinearClassifier(nn.Module):
         return self.fc(x)
 
 
-def digits_canary_task(canaries: int, canary_norm: float = 1000.0, seed: int = 0, test_fraction: float = 0.2):
+def digits_canary_task(
+    canaries: int, canary_norm: float = 1000.0, seed: int = 0, test_fraction: float = 0.2, mode: str = "auto"
+):
     """The built-in audit task: (train, test, canary_x, canary_y, model_fn, score_fn).
 
     scikit-learn's digits as 64-d vectors in [0, 1]; canary i is ``canary_norm`` times the unit
     vector on coordinate 64 + i, with a random label. Rows are stored as :class:`DiracCanaryClassifier`
-    reads them: the pixels and a canary slot (0 for the digits, i + 1 for canary i).
+    reads them: the pixels and a canary slot (0 for the digits, i + 1 for canary i). ``model_fn``
+    builds the canary model of the engine's ``mode`` (:func:`~dpzoo.audit.canary_models.canary_model`).
     """
     try:
         from sklearn.datasets import load_digits
@@ -97,7 +78,7 @@ def digits_canary_task(canaries: int, canary_norm: float = 1000.0, seed: int = 0
     canary_y = torch.randint(0, 10, (canaries,), generator=g)
 
     def model_fn():
-        return DiracCanaryClassifier(DIGITS_FEATURES, canaries, canary_norm, 10)
+        return canary_model(mode, DIGITS_FEATURES, canaries, canary_norm, 10)
 
     return (
         TensorDataset(x[train], y[train]),

@@ -13,7 +13,12 @@ Training is the engine's public API (Poisson batches, SGD, ``target_epsilon`` at
   Large-norm canaries (``canary_norm``) make that unclipped gradient dwarf the noise;
 * ``"sensitivity-1.5x"`` / ``"sensitivity-2x"``: the engine clips at k·R with σ/k, so the noise
   is the claimed σR but one sample moves the sum by k·R (a clipping bug; true ε ≈ k²·ε at small ε);
-* ``"half-noise"``: the engine runs with σ/2 while claiming σ.
+* ``"half-noise"``: the engine runs with σ/2 while claiming σ;
+* ``"noise-skipped-per-epoch"``: the engine's noise draw of each epoch's first step is left out
+  (a restart or resume bug); the claimed ε is the engine's report;
+* ``"group-outside-engine"``: the canaries' own coordinates form a parameter group the engine
+  does not cover, trained by a plain optimizer on their raw summed gradients (no clipping, no
+  noise); the claimed ε is the engine's report for the rest.
 
 Both must end with a bound above the claim; dpzoo's engine must not (with probability ≥ 1 - β).
 """
@@ -32,20 +37,34 @@ from ..progress import StepBar
 
 __all__ = ["BROKEN", "train_audited_model"]
 
-BROKEN = ("no-noise", "unclipped", "sensitivity-1.5x", "sensitivity-2x", "half-noise")
+BROKEN = (
+    "no-noise",
+    "unclipped",
+    "sensitivity-1.5x",
+    "sensitivity-2x",
+    "half-noise",
+    "noise-skipped-per-epoch",
+    "group-outside-engine",
+)
 SCALED = {"sensitivity-1.5x": 1.5, "sensitivity-2x": 2.0}  # a clip that lets k·R of a sample through
+RECALIBRATED = ("no-noise", "half-noise", *SCALED)  # the engine runs another σ or R than the claim's
 
 
 class _OutsideEngine(nn.Module):
-    """The "unclipped" bug: ``side``'s output is added to the engine's model, and ``side`` is
-    trained by a plain optimizer on raw gradients (no clipping, no noise)."""
+    """The "unclipped" and "group-outside-engine" bugs: ``side``'s output is added to the engine's
+    model, and ``side`` is trained by a plain optimizer outside the engine. ``canaries_only``:
+    only side's canary part counts (its output at the input less its output with the canary slot
+    emptied), the coordinates the private model leaves to it."""
 
-    def __init__(self, private: nn.Module, side: nn.Module):
+    def __init__(self, private: nn.Module, side: nn.Module, canaries_only: bool = False):
         super().__init__()
-        self.private, self.side = private, side
+        self.private, self.side, self.canaries_only = private, side, canaries_only
 
     def forward(self, x):
-        return self.private(x) + self.side(x)
+        out = self.private(x) + self.side(x)
+        if self.canaries_only:
+            out = out - self.side(torch.cat([x[:, :-1], torch.zeros_like(x[:, -1:])], 1))
+        return out
 
 
 def train_audited_model(
@@ -69,28 +88,29 @@ def train_audited_model(
     on_private=None,
     physical_batch_size=None,
     loss_scale=None,
+    mode="auto",
 ):
     """One private training run with dpzoo's engine (or a deliberately broken variant).
 
     The training path under audit: ``physical_batch_size`` steps through dpzoo's
     ``BatchMemoryManager`` (micro-batches of at most that many examples, one noisy step per
     logical batch); ``loss_scale`` runs the forward pass in float16 autocast with a
-    ``DPGradScaler`` at that scale. Returns (released model, claimed ε at δ, mechanism settings)."""
+    ``DPGradScaler`` at that scale; ``mode`` is the engine's training mode (``"bitfit"``,
+    ``"lora"``, ...), with the optimizer over the parameters it trains. Returns (released model, claimed ε at δ, mechanism settings)."""
     from ..privacy import Accountant, PrivacyEngine, get_noise_multiplier
+    from ..privacy.fsdp import is_fsdp2
+    from ..privacy.modes import mode_trainable
 
     model = model_fn().train()
-    side = side_opt = None
-    if broken == "unclipped":
-        side = model_fn().train()
-        side_opt = torch.optim.SGD(side.parameters(), lr=lr)  # outside the engine: noised but unclipped
+    sharded = is_fsdp2(model)  # FSDP2: every rank runs every pass, and no single-sample self-check
+    side, side_opt, side_std = _outside_engine(model, model_fn, broken, lr)
     engine = PrivacyEngine(accountant=accountant)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    trained = mode_trainable(mode, model)
+    opt = torch.optim.SGD([p for p in model.parameters() if id(p) in trained], lr=lr)
     q = batch_size / len(train_set)
     steps_planned = epochs * max(1, round(len(train_set) / batch_size))
     claimed_sigma = (
-        get_noise_multiplier(epsilon, delta, q, steps_planned, accountant)
-        if broken not in (None, "unclipped")
-        else None
+        get_noise_multiplier(epsilon, delta, q, steps_planned, accountant) if broken in RECALIBRATED else None
     )
     noise = dict(target_epsilon=epsilon)
     clip = max_grad_norm
@@ -112,15 +132,19 @@ def train_audited_model(
             epochs=epochs,
             max_grad_norm=clip,
             clipping=clipping,
-            mode="auto",
+            mode=mode,
+            self_check=not sharded,
             **noise,
             **seeds,
         )
     intended = claimed_sigma if claimed_sigma is not None else engine.noise_multiplier
+    if broken == "noise-skipped-per-epoch":
+        _skip_noise_per_epoch(opt, len(loader))
     if on_private is not None:  # the white-box observer: the claimed mechanism, and the released sums
         claim = {"noise_multiplier": intended, "max_grad_norm": max_grad_norm, "sample_rate": q, "clipping": clipping}
-        on_private(model, opt, claim | {"sum_scale": engine.expected_batch_size})
-    released = _OutsideEngine(model, side) if side is not None else model
+        # a model trained outside the engine releases its own sums: the observer watches those
+        on_private(side or model, side_opt or opt, claim | {"sum_scale": engine.expected_batch_size})
+    released = _OutsideEngine(model, side, broken == "group-outside-engine") if side is not None else model
     log(
         f"training: {len(train_set)} examples, q = {q:.4f}, σ = {engine.noise_multiplier:.3f}"
         f"{f' (claimed: {intended:.3f})' if claimed_sigma is not None else ''}, R = {clip:g}, {epochs} epochs"
@@ -134,15 +158,18 @@ def train_audited_model(
         for _ in range(epochs):
             for x, y in batches:
                 loss = None
-                # an empty Poisson batch: no backward, the optimizer still adds noise and counts the step
-                if len(y):
+                # an empty Poisson batch: no backward (under FSDP2 one of 0 rows: the passes are
+                # collective), the optimizer still adds noise and counts the step
+                if len(y) or sharded:
                     with torch.autocast("cpu", dtype=torch.float16, enabled=loss_scale is not None):
                         loss = loss_fn(released(x), y)
                     backward(loss)
                 step()
                 opt.zero_grad()
                 if side_opt is not None:
-                    _noisy_unclipped_step(side, side_opt, len(y), engine.noise_multiplier * max_grad_norm, batch_size)
+                    _noisy_unclipped_step(
+                        side_opt, len(y), side_std * engine.noise_multiplier * max_grad_norm, batch_size
+                    )
                 bar.step(None if loss is None else loss.detach())
     engine.detach()
     steps = int(engine.steps)  # the accountant's count: logical steps, whatever the micro-batching
@@ -165,9 +192,8 @@ def train_audited_model(
         "lr": lr,
         "accountant": accountant,
         "optimizer": "SGD",
-        "outside_engine": (
-            "a model copy trained by plain SGD on noised, unclipped gradients" if side is not None else None
-        ),
+        "outside_engine": OUTSIDE.get(broken),
+        "mode": mode,
     }
     return released, claimed, mech
 
@@ -187,15 +213,52 @@ def _path(loader, opt, physical_batch_size, loss_scale):
         yield batches, backward, step
 
 
-def _noisy_unclipped_step(
-    side: nn.Module, opt: torch.optim.Optimizer, batch: int, std: float, expected_batch: float
-) -> None:
-    """The "unclipped" bug: DP-SGD's update without the clipping. The sum of the raw per-sample
-    gradients (``batch`` times the mean-loss gradient) plus the engine's noise N(0, σ²R²),
-    divided by the expected batch size as the engine does, then a plain optimizer step."""
+OUTSIDE = {
+    "unclipped": "a model copy trained by plain SGD on noised, unclipped gradients",
+    "group-outside-engine": "the canaries' coordinates, trained by plain SGD on raw gradients (no clipping, no noise)",
+}
+
+
+def _outside_engine(model: nn.Module, model_fn, broken, lr):
+    """(side model, its plain optimizer, its noise as a multiple of σR) for the controls that
+    train outside the engine, else Nones. "group-outside-engine": the private model's canary
+    coordinates are frozen and the side's are the only ones it trains."""
+    if broken not in OUTSIDE:
+        return None, None, 0.0
+    side = model_fn().train()
+    if broken == "unclipped":
+        return side, torch.optim.SGD(side.parameters(), lr=lr), 1.0
+    group = model.canary_parameters()
+    for p in group:
+        p.requires_grad_(False)
+    own = {id(p) for p in side.canary_parameters()}
+    for p in side.parameters():
+        p.requires_grad_(id(p) in own)
+    return side, torch.optim.SGD([p for p in side.parameters() if id(p) in own], lr=lr), 0.0
+
+
+def _skip_noise_per_epoch(opt, steps_per_epoch: int) -> None:
+    """The "noise-skipped-per-epoch" bug, injected into this engine's optimizer: the first step of
+    every epoch writes the clipped sum without its noise draw."""
+    noised = opt.replicated_grad
+
+    def replicated_grad(p, summed):
+        if opt.steps % steps_per_epoch == 0:
+            return torch.zeros_like(p) if summed is None else summed.to(p.dtype)
+        return noised(p, summed)
+
+    opt.replicated_grad = replicated_grad
+
+
+def _noisy_unclipped_step(opt: torch.optim.Optimizer, batch: int, std: float, expected_batch: float) -> None:
+    """The controls outside the engine: DP-SGD's update without the clipping. The sum of the raw
+    per-sample gradients (``batch`` times the mean-loss gradient) plus N(0, std²) (the engine's
+    σR for "unclipped", none for "group-outside-engine"), divided by the expected batch size as
+    the engine does, then a plain optimizer step."""
     with torch.no_grad():
-        for p in side.parameters():
-            total = p.grad * batch if p.grad is not None else torch.zeros_like(p)
-            p.grad = (total + std * torch.randn_like(p)) / expected_batch
+        for group in opt.param_groups:
+            for p in group["params"]:
+                total = p.grad * batch if p.grad is not None else torch.zeros_like(p)
+                p.grad = (total + std * torch.randn_like(p)) / expected_batch
     opt.step()
     opt.zero_grad()

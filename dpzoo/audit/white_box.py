@@ -5,10 +5,11 @@ which an audit can come close to the claim (Nasr, Hayes, Steinke, Balle, Tramèr
 Carlini & Terzis, "Tight Auditing of Differentially Private Machine Learning", USENIX Security
 2023, §4: gradient canaries, all iterates; the one-run estimator of Steinke, Nasr & Jagielski
 2023 turns the scores into a bound). The built-in task's canary i is ``canary_norm`` times the
-unit vector of input coordinate 64 + i, which no other example touches: in the linear model only
-canary i's gradient reaches weight column 64 + i (row i of the sparse model's canary embedding), so that column of the noisy sum the engine
-releases at step t is ``a_t·u_t·b_t + N(0, σ²R²·I)``, where ``u_t`` is the direction of the
-canary's clipped gradient on its column at the current weights (known to a white-box auditor),
+unit vector of input coordinate 64 + i, which no other example touches: only canary i's gradient
+reaches its isolated coordinates (weight column 64 + i of the linear model, stored per training
+mode by :mod:`dpzoo.audit.canary_models`), so their part of the noisy sum the engine releases at
+step t is ``a_t·u_t·b_t + N(0, σ²R²·I)``, where ``u_t`` is the direction of the
+canary's clipped gradient on those coordinates at the current weights (known to a white-box auditor),
 ``a_t`` its length under the *claimed* clipping, and ``b_t`` whether Poisson sampling drew it.
 
 The score of canary i is the log-likelihood ratio of "in" against "out" for the claimed
@@ -24,68 +25,66 @@ import math
 
 import torch
 
-__all__ = ["CanaryColumnScores", "column_observer"]
+__all__ = ["CanaryColumnScores", "column_observer", "EXACT"]
 
 
 class CanaryColumnScores:
-    """Accumulates each canary's log-likelihood-ratio score from the noisy sums of the built-in
-    model's canary weights (:class:`~dpzoo.audit.task.DiracCanaryClassifier`: canary i's weight
-    column is row i of ``model.canaries``), read in a step pre-hook of the engine's inner optimizer
-    (the DP optimizer has written the noisy gradient there, the weights are those it was computed
-    at)."""
+    """Accumulates each canary's log-likelihood-ratio score from the noisy sums on the canary
+    model's isolated coordinates (:mod:`dpzoo.audit.canary_models`: ``canary_release()`` and
+    ``canary_gradients()``), read in a step pre-hook of the optimizer that applies them (the DP
+    optimizer has written the noisy gradient there, the weights are those it was computed at).
+
+    A white-box auditor also sees a release that carries no noise at all: a canary whose column
+    equals its clipped gradient exactly (to float rounding; under the claimed Gaussian this has
+    probability 0) gets :data:`EXACT` added to its score, so a skipped noise draw is caught."""
 
     def __init__(self, model, canary_y, *, claimed):
-        self.weight, self.bias, self.x_norm = model.canaries.weight, model.fc.bias, model.canary_norm
-        self.canary_y = canary_y
+        self.model, self.canary_y = model, canary_y
         self.sigma, self.R = float(claimed["noise_multiplier"]), float(claimed["max_grad_norm"])
         self.q, self.clipping = float(claimed["sample_rate"]), claimed["clipping"]
         self.scale = float(claimed["sum_scale"])  # .grad × this = the noisy sum
         self.scores = torch.zeros(len(canary_y), dtype=torch.float64)
         self.steps = 0
 
-    def attach(self, dp_optimizer) -> None:
-        self.handle = dp_optimizer.original_optimizer.register_step_pre_hook(self.observe)
+    def attach(self, optimizer) -> None:
+        """Observe every step of ``optimizer`` (a DP optimizer: its inner one, after the noise)."""
+        inner = getattr(optimizer, "original_optimizer", optimizer)
+        self.handle = inner.register_step_pre_hook(self.observe)
 
     def detach(self) -> None:
         self.handle.remove()
 
     @torch.no_grad()
     def observe(self, optimizer, args, kwargs) -> None:
-        grad = self.weight.grad
-        noisy = torch.zeros(self.weight.shape[1], len(self.canary_y), dtype=torch.float64)
-        if grad is not None:
-            noisy = grad.T.double() * self.scale  # (classes, m): canary i's column
-        direction, length = self.canary_gradients()
-        z = (noisy * direction).sum(0)
+        own, full = self.model.canary_gradients(self.canary_y)
+        release = self.model.canary_release()
+        noisy = torch.zeros_like(own) if release is None else release * self.scale
+        if self.clipping == "automatic":
+            factor = self.R / (full + 0.01)
+        else:
+            factor = torch.clamp(self.R / full.clamp_min(1e-300), max=1.0)
+        own_norm = own.norm(dim=1)
+        length = factor * own_norm  # the clipped gradient's part on its own coordinates
+        direction = own / own_norm.clamp_min(1e-300)[:, None]
+        z = (noisy * direction).sum(1)
         s2 = (self.sigma * self.R) ** 2
         if s2 == 0:  # a claim of no noise: any observation is decisive; scores stay finite
             s2 = 1e-12
         log_in = math.log(self.q) + (length * z - length**2 / 2) / s2
         if self.q < 1:  # Poisson sampling may have left the canary out of this step
             log_in = torch.logaddexp(torch.full_like(log_in, math.log1p(-self.q)), log_in)
-        self.scores += log_in
+        exact = (noisy - length[:, None] * direction).norm(dim=1) <= EXACT_TOLERANCE * length
+        self.scores += log_in + EXACT * (exact & (length > EXACT_TOLERANCE * self.R))
         self.steps += 1
 
-    def canary_gradients(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per canary: the unit direction of its clipped gradient on its own column, and that part's
-        length under the claimed clipping (R and the clipping rule the claim was made for)."""
-        y = self.canary_y
-        # the linear model at a Dirac input: its column times the norm, plus the bias (no m × d forward)
-        logits = self.weight.double() * self.x_norm + self.bias.double()
-        residual = torch.softmax(logits, 1) - torch.nn.functional.one_hot(y, logits.shape[1]).double()
-        r_norm = residual.norm(dim=1)
-        full = r_norm * math.sqrt(self.x_norm**2 + 1)  # weight column and bias together
-        if self.clipping == "automatic":
-            factor = self.R / (full + 0.01)
-        else:
-            factor = torch.clamp(self.R / full.clamp_min(1e-300), max=1.0)
-        direction = (residual / r_norm.clamp_min(1e-300)[:, None]).T  # (classes, m)
-        return direction, factor * r_norm * self.x_norm
+
+EXACT = 1e6  # the score a noiseless in-release adds: above any Gaussian evidence
+EXACT_TOLERANCE = 1e-3  # float32 sums against float64 recomputation: far below one σR of noise
 
 
 def column_observer(canary_y, observed: list):
-    """The ``on_private`` callback of the training run: attaches a :class:`CanaryColumnScores` on
-    the built-in model's canary weights (appended to ``observed``)."""
+    """The ``on_private`` callback of the training run: attaches a :class:`CanaryColumnScores` to
+    the optimizer that applies the canary model's releases (appended to ``observed``)."""
 
     def attach(model, optimizer, claim) -> None:
         scores = CanaryColumnScores(model, canary_y, claimed=claim)
