@@ -2,7 +2,8 @@
 
 For each path (Abadi and automatic clipping, micro-batching through ``BatchMemoryManager``,
 float16 autocast with ``DPGradScaler``, DP-BiTFiT's bias-only mode, DP-LoRA through PEFT, DDP
-and FSDP2 over 2 gloo processes) the same built-in canary task is trained twice: as dpzoo ships
+and FSDP2 over 2 gloo processes, the Hugging Face ``DPTrainer``, DP-FROST's selection and
+training) the same built-in canary task is trained twice: as dpzoo ships
 it, whose bound must stay below the claimed ε, and with a sensitivity bug injected into the
 engine itself (every clip factor doubled, so one sample moves the noisy sum by 2R while the claim
 is for R), whose bound must exceed it. The injected bug is in the engine's
@@ -145,3 +146,127 @@ def test_distributed_paths_stay_below_their_claim_and_their_2x_bug_exceeds_it(tm
         assert claim == pytest.approx(2.0, abs=0.01) and steps > 50
         assert shipped < claim and top < EXACT / 2, path
         assert doubled > claim + 0.25, path
+
+
+def _trainer_audit(tmp_path, bug: bool):
+    """The built-in canary task trained by the Hugging Face ``DPTrainer`` (its Poisson loader, its
+    accumulation, its optimizer wrapped by accelerate), observed white-box through the public
+    pieces: the task, the scorer attached in a callback, :func:`dpzoo.audit.audit_from_scores`."""
+    import torch.nn.functional as F
+    from torch.utils.data import ConcatDataset, TensorDataset
+    from transformers import TrainerCallback, TrainingArguments
+
+    from dpzoo.audit import audit_from_scores, digits_canary_task
+    from dpzoo.audit.white_box import CanaryColumnScores
+    from dpzoo.integrations.transformers import DPArguments, DPTrainer
+
+    m, seed = AUDIT["canaries"], AUDIT["seed"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        train, _, cx, cy, model_fn, _ = digits_canary_task(m, 1000.0, seed)
+        included = torch.rand(m, generator=torch.Generator().manual_seed(seed + 1)) < 0.5
+        model = model_fn()
+    rows = ConcatDataset([train, TensorDataset(cx[included], cy[included])])
+    observed = []
+
+    class Examples(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(rows)
+
+        def __getitem__(self, i):
+            x, y = rows[i]
+            return {"x": x, "labels": y}
+
+    class CanaryTrainer(DPTrainer):
+        def per_sample_loss(self, model, inputs):
+            return F.cross_entropy(model(inputs["x"]), inputs["labels"], reduction="none")
+
+    class Observe(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            engine = trainer.privacy_engine
+            claim = {"noise_multiplier": engine.noise_multiplier, "max_grad_norm": 1.0, "clipping": "abadi",
+                     "sample_rate": engine.sample_rate, "sum_scale": engine.expected_batch_size}  # fmt: skip
+            observed.append(CanaryColumnScores(model, cy, claimed=claim))
+            observed[0].attach(engine.optimizer)
+
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=32, gradient_accumulation_steps=2,
+                             num_train_epochs=AUDIT["epochs"], learning_rate=2.0, lr_scheduler_type="constant",
+                             report_to=[], use_cpu=True, disable_tqdm=True, save_strategy="no", logging_steps=10**6,
+                             remove_unused_columns=False)  # fmt: skip
+    privacy = DPArguments(target_epsilon=AUDIT["epsilon"], target_delta=1e-5, per_sample_max_grad_norm=1.0,
+                          noise_seed=AUDIT["noise_seed"], sample_seed=AUDIT["sample_seed"])  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=2.0)
+    trainer = CanaryTrainer(model, args, train_dataset=Examples(), optimizers=(opt, None), privacy=privacy,
+                            callbacks=[Observe()])  # fmt: skip
+    original = DPOptimizer.clip_factors
+    if bug:
+        DPOptimizer.clip_factors = lambda self, n: 2 * original(self, n)
+    try:
+        trainer.train()
+    finally:
+        DPOptimizer.clip_factors = original
+    observed[0].detach()
+    assert observed[0].steps == trainer.privacy_engine.steps == trainer.state.global_step > 100
+    return audit_from_scores(observed[0].scores.float(), included, claimed_epsilon=trainer.get_epsilon(),
+                             delta=1e-5, white_box=True)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_hugging_face_trainer_path_stays_below_its_claim_and_its_2x_bug_exceeds_it(tmp_path):
+    pytest.importorskip("accelerate")
+    shipped, doubled = _trainer_audit(tmp_path / "a", False), _trainer_audit(tmp_path / "b", True)
+    assert shipped.claimed_epsilon == pytest.approx(2.0, abs=0.01)
+    assert not shipped.exceeds and max(shipped.scores) < EXACT / 2, shipped.lines()
+    assert doubled.epsilon_lower_bound > doubled.claimed_epsilon + 0.25, doubled.lines()
+
+
+def _frost_audit(bug: bool):
+    """DP-FROST end to end: the private selection of what to fine-tune (its partitions: the
+    canaries' table, beside the always-trained head ``fc``) and the DP-SGD that follows with the
+    selection's σ, on the selection's accountant; the claim is their composition."""
+    from torch.utils.data import ConcatDataset, DataLoader, TensorDataset
+
+    from dpzoo.audit import audit_from_scores, digits_canary_task
+    from dpzoo.audit.white_box import CanaryColumnScores
+
+    m, seed = AUDIT["canaries"], AUDIT["seed"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        train, _, cx, cy, model_fn, _ = digits_canary_task(m, 1000.0, seed)
+        included = torch.rand(m, generator=torch.Generator().manual_seed(seed + 1)) < 0.5
+        model = model_fn()
+    rows = ConcatDataset([train, TensorDataset(cx[included], cy[included])])
+    selection = dpzoo.frost.select(model, DataLoader(rows, batch_size=64), AUDIT["epsilon"], 1e-5, ratio=1.0,
+                                   epochs=AUDIT["epochs"], seed=7)  # fmt: skip
+    assert [p.params for p in selection.selected] == [("canaries.weight",)] and selection.always_train
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=2.0)
+    engine, model, opt, loader = selection.make_private(module=model, optimizer=opt, data_loader=DataLoader(rows, batch_size=64),
+                                                        max_grad_norm=1.0, noise_seed=AUDIT["noise_seed"],
+                                                        sample_seed=AUDIT["sample_seed"])  # fmt: skip
+    claim = {"noise_multiplier": selection.noise_multiplier, "max_grad_norm": 1.0, "clipping": "abadi",
+             "sample_rate": engine.sample_rate, "sum_scale": engine.expected_batch_size}  # fmt: skip
+    scores = CanaryColumnScores(model, cy, claimed=claim)
+    scores.attach(opt)
+    original = DPOptimizer.clip_factors
+    if bug:
+        DPOptimizer.clip_factors = lambda self, n: 2 * original(self, n)
+    try:
+        for _ in range(AUDIT["epochs"]):
+            for x, y in loader:
+                if len(y):
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+    finally:
+        DPOptimizer.clip_factors = original
+    scores.detach()
+    return audit_from_scores(scores.scores.float(), included, claimed_epsilon=engine.get_epsilon(1e-5), delta=1e-5,
+                             white_box=True)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_dp_frost_selection_and_training_stay_below_their_claim_and_the_2x_bug_exceeds_it():
+    shipped, doubled = _frost_audit(False), _frost_audit(True)
+    assert shipped.claimed_epsilon == pytest.approx(2.0, abs=0.02)  # selection and DP-SGD together
+    assert not shipped.exceeds and max(shipped.scores) < EXACT / 2, shipped.lines()
+    assert doubled.epsilon_lower_bound > doubled.claimed_epsilon + 0.25, doubled.lines()

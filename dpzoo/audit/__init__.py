@@ -18,7 +18,9 @@ Training Run*, NeurIPS 2023 (arXiv:2305.08846):
 The white-box audit (``threat_model="white-box"``) scores each canary from every noisy step
 (:mod:`dpzoo.audit.white_box`) and adds the Gaussian-DP estimator of Nasr et al. 2023
 (:mod:`dpzoo.audit.gdp`); each estimator is tested at half the error budget and the larger bound
-is reported.
+is reported. :func:`audit_from_scores` runs steps 3–4 on scores observed in your own training
+loop (the white-box observer attached to its optimizer, as ``tests/test_audit_paths.py`` does for
+the Hugging Face ``DPTrainer``).
 
 :func:`audit` runs the four steps (:mod:`dpzoo.audit.run`) and returns an :class:`AuditResult`
 (:mod:`dpzoo.audit.report`). This package's job is to gather those names in one place: every
@@ -29,7 +31,7 @@ from .bound import epsilon_lower_bound, one_run_p_value
 from .gdp import gdp_epsilon, gdp_lower_bound
 from .guesses import DEFAULT_GUESS_FRACTIONS
 from .report import AuditResult, plot_scores
-from .run import WHITE_BOX_CANARIES, audit
+from .run import WHITE_BOX_CANARIES, audit, audit_from_scores
 from .task import DIGITS_FEATURES as DIGITS_FEATURES  # importable from here, outside __all__ (as before)
 from .task import DiracCanaryClassifier, digits_canary_task, logit_change_score, loss_score
 from .task import LinearClassifier as LinearClassifier
@@ -37,6 +39,7 @@ from .training import BROKEN
 
 __all__ = [
     "audit",
+    "audit_from_scores",
     "AuditResult",
     "one_run_p_value",
     "epsilon_lower_bound",

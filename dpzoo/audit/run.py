@@ -28,7 +28,7 @@ from .task import digits_canary_task, loss_score
 from .training import BROKEN, train_audited_model
 from .white_box import column_observer
 
-__all__ = ["audit", "WHITE_BOX_CANARIES"]
+__all__ = ["audit", "audit_from_scores", "WHITE_BOX_CANARIES"]
 
 # the white-box default: at 2,500 canaries (about 7 s) a 2R clip exceeds a claim of ε = 2 in every measured run
 # (docs/RESULTS.md); at 1,000 it did in 3 of 5
@@ -182,9 +182,50 @@ def audit(
                 f"{tuple(scores.shape)}{'' if torch.isfinite(scores).all() else ' with non-finite values'}."
             )
         accuracy = _accuracy(model, test_dataset) if test_dataset is not None else None
+    return audit_from_scores(
+        scores,
+        included,
+        claimed_epsilon=claimed,
+        delta=delta,
+        confidence=confidence,
+        white_box=white,
+        mechanism=mech,
+        broken=broken,
+        guess_fractions=guess_fractions,
+        seed=seed,
+        test_accuracy=accuracy,
+        seconds=time.time() - t0,
+    )
+
+
+def audit_from_scores(
+    scores: torch.Tensor,
+    membership: torch.Tensor,
+    *,
+    claimed_epsilon: float,
+    delta: float,
+    confidence: float = 0.95,
+    white_box: bool = False,
+    mechanism: dict | None = None,
+    broken: str | None = None,
+    guess_fractions: Sequence[float] = DEFAULT_GUESS_FRACTIONS,
+    seed: int = 0,
+    test_accuracy: float | None = None,
+    seconds: float = 0.0,
+) -> AuditResult:
+    """Steps 3–4 of the audit for scores computed elsewhere (e.g. a
+    :class:`~dpzoo.audit.white_box.CanaryColumnScores` attached to your own training loop): the
+    one-run bound, and with ``white_box`` the Gaussian-DP bound too, each at half the error
+    budget so that the larger one holds at ``confidence``. ``membership``: which canaries were in
+    the training set (drawn independently with probability 1/2, before training)."""
+    scores, included = torch.as_tensor(scores).double().flatten(), torch.as_tensor(membership, dtype=torch.bool)
+    if scores.shape != included.shape or not torch.isfinite(scores).all():
+        raise DPZooError(
+            f"need one finite score per canary: {tuple(scores.shape)} scores for {tuple(included.shape)} canaries."
+        )
     tie = torch.Generator().manual_seed(seed + 2)
     # white-box: two estimators, each at half the error budget, so the larger bound holds at `confidence`
-    each = 1 - (1 - confidence) / 2 if white else confidence
+    each = 1 - (1 - confidence) / 2 if white_box else confidence
     candidates, best, max_auditable = best_guesses(scores, included, delta, each, guess_fractions, tie)
     estimators = {
         "one-run": {
@@ -193,19 +234,19 @@ def audit(
             "max_auditable_epsilon": max_auditable,
         }
     }
-    if white:
+    if white_box:
         gdp = gdp_lower_bound(scores, included, delta, each)
         estimators["gdp"] = gdp | {"confidence": each}
         max_auditable = max(max_auditable, gdp["max_auditable_epsilon"])
     reported = max(estimators, key=lambda k: estimators[k]["epsilon_lower_bound"])
     return AuditResult(
-        claimed_epsilon=claimed,
+        claimed_epsilon=claimed_epsilon,
         delta=delta,
         epsilon_lower_bound=estimators[reported]["epsilon_lower_bound"],
         confidence=confidence,
         estimator=reported,
         estimators=estimators,
-        canaries=m,
+        canaries=len(scores),
         guesses=best["k_plus"] + best["k_minus"],
         correct=best["correct"],
         k_plus=best["k_plus"],
@@ -213,10 +254,10 @@ def audit(
         included=int(included.sum()),
         broken=broken,
         max_auditable_epsilon=max_auditable,
-        mechanism=mech,
+        mechanism=mechanism or {},
         candidates=candidates,
-        test_accuracy=accuracy,
-        seconds=time.time() - t0,
+        test_accuracy=test_accuracy,
+        seconds=seconds,
         scores=scores.tolist(),
         membership=included.tolist(),
     )
