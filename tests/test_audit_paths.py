@@ -3,7 +3,7 @@
 For each path (Abadi and automatic clipping, micro-batching through ``BatchMemoryManager``,
 float16 autocast with ``DPGradScaler``, DP-BiTFiT's bias-only mode, DP-LoRA through PEFT, DDP
 and FSDP2 over 2 gloo processes, the Hugging Face ``DPTrainer``, DP-FROST's selection and
-training) the same built-in canary task is trained twice: as dpzoo ships
+training, user-level DPFormer training) the same canary task is trained twice: as dpzoo ships
 it, whose bound must stay below the claimed ε, and with a sensitivity bug injected into the
 engine itself (every clip factor doubled, so one sample moves the noisy sum by 2R while the claim
 is for R), whose bound must exceed it. The injected bug is in the engine's
@@ -268,5 +268,105 @@ def _frost_audit(bug: bool):
 def test_dp_frost_selection_and_training_stay_below_their_claim_and_the_2x_bug_exceeds_it():
     shipped, doubled = _frost_audit(False), _frost_audit(True)
     assert shipped.claimed_epsilon == pytest.approx(2.0, abs=0.02)  # selection and DP-SGD together
+    assert not shipped.exceeds and max(shipped.scores) < EXACT / 2, shipped.lines()
+    assert doubled.epsilon_lower_bound > doubled.claimed_epsilon + 0.25, doubled.lines()
+
+
+class _UserCanaries:
+    """The white-box view of DPFormer's user-level training: canary user i's sequence starts with
+    an item only that user has, so the noisy update of that item's embedding row is the
+    coordinates scored (tied to the output layer: every user's softmax also touches it, by the
+    small probability it gives that item, which only blurs the scores). Each canary's whole
+    per-user gradient is formed outside the engine, on a hook-free copy of the live weights,
+    with torch.func, one canary at a time (vmapped)."""
+
+    def __init__(self, live, shadow, rows, x, y):
+        self.live, self.shadow, self.rows, self.x, self.y = live, shadow, rows, x, y
+
+    def canary_release(self):
+        grad = self.live.item_emb.weight.grad
+        return None if grad is None else grad[self.rows].double()
+
+    def canary_gradients(self, labels):
+        from torch.func import functional_call, grad, vmap
+
+        from dpzoo.losses import SequenceCrossEntropy
+
+        self.shadow.load_state_dict(self.live.state_dict())
+        params = {k: v.detach() for k, v in self.shadow.named_parameters() if v.requires_grad}
+        crit = SequenceCrossEntropy(ignore_index=0, token_reduction="mean")
+
+        def loss(p, x, y):
+            return crit(functional_call(self.shadow, p, (x[None],)), y[None])
+
+        g = vmap(grad(loss), in_dims=(None, 0, 0))(params, self.x, self.y)
+        full = torch.sqrt(sum((t.double().flatten(1) ** 2).sum(1) for t in g.values()))
+        own = g["item_emb.weight"][torch.arange(len(self.rows)), self.rows].double()
+        return own, full
+
+
+def _dpformer_audit(bug: bool, m: int = 1200, epsilon: float = 8.0):
+    """``train_seqrec("dpformer", ...)`` as shipped (user-level: one sequence per user; automatic
+    clipping, Adam, warm-up, micro-batches, Re-Attention), on the synthetic users plus m canary
+    users, each in with probability 1/2; the engine it builds is observed at every step. Every
+    user in every step (q = 1) and a claim of ε = 8: with 1,200 canaries (the per-user gradients
+    are formed outside the engine at each step, so fewer than the other paths' 2,500), the
+    setting where the 2R bug clears its claim by a margin (measured: 5.1 shipped, 9.5 with the bug)."""
+    import copy
+
+    from dpzoo.audit import audit_from_scores
+    from dpzoo.audit.white_box import CanaryColumnScores
+    from dpzoo.seqrec import train as seqrec_train
+    from dpzoo.seqrec.dataset import SequenceDataset, sasrec_preprocess
+    from dpzoo.seqrec.synthetic import zipf_interactions
+
+    base = sasrec_preprocess(zipf_interactions(seed=0), name="synthetic")
+    g = torch.Generator().manual_seed(1)
+    included = torch.rand(m, generator=g) < 0.5
+    rows = base.num_items + 1 + torch.arange(m)  # canary i's own item
+    held_out = torch.randint(1, base.num_items + 1, (m, 2), generator=g)
+    # its own item twice: as the input and as the target, so most of its gradient is on that row
+    canaries = [[int(rows[i]), int(rows[i]), *held_out[i].tolist()] for i in range(m)]
+    ds = SequenceDataset(base.sequences + [c for c, inside in zip(canaries, included) if inside],
+                         num_items=base.num_items + m)  # fmt: skip
+    max_len = 8
+    x = torch.zeros(m, max_len, dtype=torch.long)
+    y = torch.zeros(m, max_len, dtype=torch.long)
+    x[:, -1], y[:, -1] = rows, rows  # the training part [own item, own item], left-padded
+    observed = []
+    make_private = seqrec_train.PrivacyEngine.make_private
+
+    def observed_make_private(engine, *, module, **kw):
+        shadow = copy.deepcopy(module)  # before the engine's hooks
+        model, opt, loader = make_private(engine, module=module, **kw)
+        claim = {"noise_multiplier": engine.noise_multiplier, "max_grad_norm": kw["max_grad_norm"],
+                 "clipping": kw["clipping"], "sample_rate": engine.sample_rate,
+                 "sum_scale": engine.expected_batch_size}  # fmt: skip
+        observed.append(CanaryColumnScores(_UserCanaries(module, shadow, rows, x, y), rows, claimed=claim))
+        observed[0].attach(opt)
+        return model, opt, loader
+
+    with pytest.MonkeyPatch.context() as patch:  # undone after this run, bug included
+        patch.setattr(seqrec_train, "get_dataset", lambda *a, **k: ds)
+        patch.setattr(seqrec_train.PrivacyEngine, "make_private", observed_make_private)
+        if bug:
+            original = DPOptimizer.clip_factors
+            patch.setattr(DPOptimizer, "clip_factors", lambda self, n: 2 * original(self, n))
+        users = len(ds.train_sequences())  # every user in every step (q = 1): the scores' strongest setting
+        result = seqrec_train.train_seqrec("dpformer", data="canaries", epsilon=epsilon, delta=1e-5, epochs=5,
+                                           batch_size=users, max_len=max_len, eval_every=5, item_prior="none",
+                                           log=lambda s: None, overrides={"d_model": 16, "num_heads": 2, "num_blocks": 1},
+                                           noise_seed=AUDIT["noise_seed"], sample_seed=AUDIT["sample_seed"],
+                                           progress=False)  # fmt: skip
+    observed[0].detach()
+    assert observed[0].steps == 5  # one step per epoch: every user in every step
+    return audit_from_scores(observed[0].scores.float(), included, claimed_epsilon=result["epsilon"], delta=1e-5,
+                             white_box=True)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_user_level_dpformer_training_stays_below_its_claim_and_its_2x_bug_exceeds_it():
+    shipped, doubled = _dpformer_audit(False), _dpformer_audit(True)
+    assert shipped.claimed_epsilon == pytest.approx(8.0, abs=0.02)
     assert not shipped.exceeds and max(shipped.scores) < EXACT / 2, shipped.lines()
     assert doubled.epsilon_lower_bound > doubled.claimed_epsilon + 0.25, doubled.lines()
