@@ -44,7 +44,7 @@ def _example_batch(card, batch_size=4):
 
     spec = card.example_input
     g = torch.Generator().manual_seed(0)
-    if spec.get("kind") == "image":
+    if spec.get("kind") in ("image", "features"):
         return (torch.randn(batch_size, *spec["shape"], generator=g),), {}
     if spec.get("kind") == "tokens":
         return (), {"input_ids": torch.randint(0, spec["vocab_size"], (batch_size, spec["seq_len"]), generator=g)}

@@ -42,6 +42,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "llama-bias": "causal-lm",
     "llama-tiny-bias": "causal-lm",
     "lstm-seqrec": "sequential-recommendation",
+    "mlp-tanh": "tabular-classification",
     "resnet18-gn-bias": "image-classification",
     "resnet34-gn-bias": "image-classification",
     "resnet50-gn-bias": "image-classification",
@@ -76,6 +77,7 @@ BUILTIN_DATASETS: dict[str, tuple[str, int]] = {
 # the tasks `dpzoo train` trains, and what it trains them on
 TRAINABLE_TASKS: dict[str, str] = {
     "image-classification": "image classifiers, on digits",
+    "tabular-classification": "tabular classifiers, on a CSV or Parquet file",
     "sequential-recommendation": "sequence models, user-level DP",
 }
 

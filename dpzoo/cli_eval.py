@@ -1,5 +1,6 @@
 """``dpzoo eval RUN``: a finished ``dpzoo train`` run's model, scored on its test split or on
-other data (the built-in digits or an image folder with the run's classes)."""
+other data (the built-in digits, an image folder with the run's classes, or a table with the
+run's classes and feature columns)."""
 
 from __future__ import annotations
 
@@ -20,14 +21,14 @@ def add_eval_parser(sub) -> None:
         description="Load the model of a `dpzoo train --out RUN` directory and report its test accuracy.",
     )
     s.add_argument(
-        "run", metavar="RUN", help="the --out directory of a finished dpzoo train run of an image classifier"
+        "run", metavar="RUN", help="the --out directory of a finished dpzoo train run of an image or tabular classifier"
     )
     option(
         s,
         "--data",
         default=None,
-        help="digits or an image folder (its val/ or test/ if it has one, else every image); default: the run's "
-        "own test split",
+        help="digits, an image folder (its val/ or test/ if it has one, else every image) or, for a tabular run, a "
+        ".csv or .parquet file (every row); default: the run's own test split",
     )
     option(s, "--json", kind="flag", help="print the result as one JSON object")
     s.set_defaults(fn=cmd_eval)
@@ -41,9 +42,9 @@ def _run_metrics(run: Path) -> dict:
             "(an unfinished one continues with `dpzoo train --resume`)."
         )
     metrics = json.loads(path.read_text())
-    if "classes" not in metrics or "image_size" not in metrics:
+    if "classes" not in metrics or not ("image_size" in metrics or "features" in metrics):
         raise InvalidArgumentError(
-            f"{run} is not a run of an image classifier (or was made by an older dpzoo): dpzoo eval scores image "
+            f"{run} is not a run of an image or tabular classifier (or was made by an older dpzoo): dpzoo eval scores "
             "classifiers; a sequence model's run has its test metrics in metrics.json."
         )
     return metrics
@@ -54,17 +55,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     metrics = _run_metrics(run)
     import torch
 
-    from .datasets import image_folder_eval_set
     from .hub import load
-    from .train import evaluate_accuracy, image_splits
+    from .train import evaluate_accuracy
 
-    size, data = int(metrics["image_size"]), args.data or metrics["data"]
-    if data != "digits" and Path(data).is_dir():
+    data = args.data or metrics["data"]
+    if data != "digits" and Path(data).exists():
         data = str(Path(data).resolve())  # as the run recorded it
-    if data == metrics["data"] or data == "digits":  # the run's own held-out split
-        _, test, classes = image_splits(data, size, int(metrics.get("seed", 0)))
-    else:
-        test, classes = image_folder_eval_set(data, size)
+    test, classes = _eval_set(metrics, data)
     if list(classes) != list(metrics["classes"]):
         raise InvalidArgumentError(
             f"--data {data} has the classes {classes[:5]}{'…' if len(classes) > 5 else ''}, the run was trained on "
@@ -76,7 +73,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         "run": str(run),
         "model": metrics.get("model"),
         "data": data,
-        "images": len(test),
+        ("rows" if "features" in metrics else "images"): len(test),
         "test_accuracy": accuracy,
         "epsilon": metrics.get("epsilon"),
         "delta": metrics.get("delta"),
@@ -85,5 +82,27 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         eps = f"ε = {result['epsilon']:.3g} at δ = {result['delta']:.3g}" if result["epsilon"] is not None else "no DP"
-        print(f"{result['model']} on {data}: test accuracy {accuracy:.4f} ({len(test)} images); trained with {eps}")
+        rows = "rows" if "features" in metrics else "images"
+        print(f"{result['model']} on {data}: test accuracy {accuracy:.4f} ({len(test)} {rows}); trained with {eps}")
     return 0
+
+
+def _eval_set(metrics: dict, data: str):
+    """(dataset, class names) to score: the run's own test split when ``data`` is the run's (or
+    digits), else every example of ``data`` (an image folder's val/ or test/ split if it has one)."""
+    from .datasets import image_folder_eval_set, table_eval_set
+    from .train import image_splits, table_data
+
+    seed, own = int(metrics.get("seed", 0)), data in (metrics["data"], "digits")
+    if "features" in metrics:  # a tabular run
+        if own:
+            _, test, classes, _ = table_data(data, metrics["label_column"], seed)
+            return test, classes
+        return table_eval_set(data, metrics["label_column"], metrics["classes"], metrics["features"]), metrics[
+            "classes"
+        ]
+    size = int(metrics["image_size"])
+    if own:
+        _, test, classes = image_splits(data, size, seed)
+        return test, classes
+    return image_folder_eval_set(data, size)

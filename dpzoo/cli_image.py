@@ -1,6 +1,7 @@
-"""The options of ``dpzoo train`` that only image classifiers take (``--image-size``,
-``--optimizer``, ``--schedule``, ``--warmup``, ``--full-size``); ``dpzoo.cli_train`` refuses them for
-sequence models (whose schedule is the DPFormer recipe's: 20% warm-up, then linear decay)."""
+"""The options of ``dpzoo train`` that only classifiers take: image and tabular (``--optimizer``,
+``--schedule``, ``--warmup``), image only (``--image-size``, ``--full-size``), tabular only
+(``--label-column``); ``dpzoo.cli_train`` refuses them for the other kinds (a sequence model's
+schedule is the DPFormer recipe's: 20% warm-up, then linear decay)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ import os
 from .cli_args import option, positive_int
 from .errors import InvalidArgumentError
 
-__all__ = ["add_image_options", "check_image_options", "image_choices", "IMAGE_ONLY"]
+__all__ = ["add_image_options", "check_image_options", "check_table_options", "image_choices", "CLASSIFIER_ONLY"]
 
 SCHEDULES = ("constant", "cosine", "linear")  # dpzoo.train.SCHEDULES (not imported: the parser loads no torch)
-IMAGE_ONLY = {  # dest -> (flag, the kind it is for)
-    dest: (f"--{dest.replace('_', '-')}", "image")
-    for dest in ("full_size", "image_size", "optimizer", "schedule", "warmup")
+CLASSIFIER_ONLY = {  # dest -> (flag, the kinds it is for)
+    **{dest: (f"--{dest.replace('_', '-')}", ("image",)) for dest in ("full_size", "image_size")},
+    **{dest: (f"--{dest}", ("image", "tabular")) for dest in ("optimizer", "schedule", "warmup")},
+    "label_column": ("--label-column", ("tabular",)),
 }
+TABLE_SUFFIXES = (".csv", ".parquet", ".pq")  # dpzoo.datasets.table's (not imported: no torch here)
 
 
 def add_image_options(s: argparse.ArgumentParser) -> None:
@@ -33,14 +36,14 @@ def add_image_options(s: argparse.ArgumentParser) -> None:
         "--optimizer",
         default=None,
         choices=("sgd", "adam", "adamw"),
-        help="image models: what the noisy gradient feeds (SGD with momentum 0.9; any choice keeps ε); default: adam",
+        help="image and tabular models: what the noisy gradient feeds (SGD with momentum 0.9; any choice keeps ε); default: adam",
     )
     option(
         s,
         "--schedule",
         default=None,
         choices=SCHEDULES,
-        help="image models: the learning rate over the run's steps, after --warmup (post-processing: any schedule "
+        help="image and tabular models: the learning rate over the run's steps, after --warmup (post-processing: any schedule "
         "keeps ε); default: constant",
     )
     option(
@@ -48,7 +51,7 @@ def add_image_options(s: argparse.ArgumentParser) -> None:
         "--warmup",
         type=float,
         default=None,
-        help="image models: the fraction of the steps over which the learning rate rises linearly from 0; default 0",
+        help="image and tabular models: the fraction of the steps over which the learning rate rises linearly from 0; default 0",
     )
     option(
         s,
@@ -56,11 +59,19 @@ def add_image_options(s: argparse.ArgumentParser) -> None:
         kind="flag",
         help="image models: the entry's full size instead of its small configuration (default: small)",
     )
+    option(
+        s,
+        "--label-column",
+        default=None,
+        help="tabular models: the column of a CSV or Parquet --data that holds the class (default: label); every "
+        "other column is a numeric feature, used as it is",
+    )
 
 
 def image_choices(args: argparse.Namespace) -> dict:
-    """The optional image settings the user gave (unset ones keep the trainer's defaults)."""
-    return {k: getattr(args, k) for k in ("optimizer", "schedule", "warmup") if getattr(args, k) is not None}
+    """The optional classifier settings the user gave (unset ones keep the trainer's defaults)."""
+    keys = ("optimizer", "schedule", "warmup", "label_column")
+    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
 def check_image_options(args: argparse.Namespace, data: str) -> None:
@@ -75,3 +86,20 @@ def check_image_options(args: argparse.Namespace, data: str) -> None:
             f"--data {data}: image classifiers train on digits or an image folder "
             "(a directory with one subfolder per class); no such dataset or directory."
         )
+
+
+def check_table_options(args: argparse.Namespace, data: str) -> None:
+    """Refuse what a tabular classifier cannot take, before anything is built."""
+    if args.max_physical_batch_size == "auto":
+        raise InvalidArgumentError(
+            "--max-physical-batch-size auto is for sequence models; give a tabular classifier a number of "
+            "samples (default: whole batches)."
+        )
+    if data == "digits":
+        return
+    if not data.lower().endswith(TABLE_SUFFIXES):
+        raise InvalidArgumentError(
+            f"--data {data}: tabular classifiers train on digits (64 features) or a .csv or .parquet file."
+        )
+    if not os.path.isfile(data):
+        raise InvalidArgumentError(f"--data {data}: no such file.")

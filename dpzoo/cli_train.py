@@ -37,22 +37,23 @@ from .cli_choices import (
     usable_accountants,
 )
 from .cli_config import add_config_option
-from .cli_image import IMAGE_ONLY, add_image_options, check_image_options, image_choices
+from .cli_image import CLASSIFIER_ONLY, add_image_options, check_image_options, check_table_options, image_choices
 from .cli_seqrec import add_seqrec_options
 from .errors import DPZooError, InvalidArgumentError
 
 __all__ = ["add_train_parser", "cmd_train"]
 
-KINDS = {"image-classification": "image", "sequential-recommendation": "seqrec"}
-KIND_WORDS = {"image": "an image classifier", "seqrec": "a sequence model"}
-# options of one kind only: dest -> (flag, the kind it is for)
+KINDS = {"image-classification": "image", "tabular-classification": "tabular", "sequential-recommendation": "seqrec"}
+KIND_WORDS = {"image": "an image classifier", "tabular": "a tabular classifier", "seqrec": "a sequence model"}
+KIND_PLURALS = {"image": "image classifiers", "tabular": "tabular classifiers", "seqrec": "sequence models"}
+CLASSIFIER_KINDS = ("image", "tabular")  # trained by dpzoo.train.train_image_classifier
+# options of some kinds only: dest -> (flag, the kinds it is for)
 KIND_ONLY = {
-    **IMAGE_ONLY,
-    "max_len": ("--max-len", "seqrec"),
-    "non_private": ("--non-private", "seqrec"),
-    "amazon_columns": ("--amazon-columns", "seqrec"),
-    "item_prior": ("--item-prior", "seqrec"),
-    "item_prior_noise": ("--item-prior-noise", "seqrec"),
+    **CLASSIFIER_ONLY,
+    **{
+        dest: (f"--{dest.replace('_', '-')}", ("seqrec",))
+        for dest in ("max_len", "non_private", "amazon_columns", "item_prior", "item_prior_noise")
+    },
 }
 PRIVACY_OPTIONS = {
     "epsilon": "--epsilon",
@@ -69,12 +70,12 @@ PRIVACY_OPTIONS = {
 RESUME_OPTIONS = {"resume", "name", "quiet", "checkpoint_every", "device", "config"}
 # modes for models `dpzoo train` does not build: LoRA needs a PEFT model (dpzoo.integrations.peft)
 PEFT_MODES = {"lora"}
-DEFAULT_DATA = {"image": "digits", "seqrec": "synthetic"}
-DEFAULT_EVAL_EVERY = {"image": 1, "seqrec": 5}
-# the recipes: images as before; sequence models the ε = 5 MovieLens-1M recipe (docs/RESULTS.md);
-# a sequence model's batch size is chosen by train_seqrec from the data (None)
+DEFAULT_DATA = {"image": "digits", "tabular": "digits", "seqrec": "synthetic"}
+DEFAULT_EVAL_EVERY = {"image": 1, "tabular": 1, "seqrec": 5}
+# the recipes; sequence models: the ε = 5 MovieLens-1M recipe (docs/RESULTS.md), batch size from the data (None)
 DEFAULT_STEPS: dict[str, dict[str, Any]] = {
     "image": {"epochs": 10, "batch_size": 64, "lr": 2e-3},
+    "tabular": {"epochs": 10, "batch_size": 64, "lr": 2e-3},
     "seqrec": {"epochs": 20, "batch_size": None, "lr": 1e-2},
 }
 
@@ -93,7 +94,8 @@ def add_train_parser(sub) -> None:
         "--data",
         default=None,
         help="image models: digits (bundled with scikit-learn; the default) or an image folder (ROOT/<class>/"
-        "<image>, or ROOT/train/ and ROOT/val/); sequence models: synthetic (the "
+        "<image>, or ROOT/train/ and ROOT/val/); tabular models: digits (64 features; the default) or a .csv or "
+        ".parquet file (see --label-column); sequence models: synthetic (the "
         f"default), {datasets_help()} or a file path (dpzoo.seqrec.register_dataset adds names)",
     )
     option(s, "--epsilon", type=positive_float, default=8.0, help="the privacy budget ε the noise is calibrated to")
@@ -230,24 +232,23 @@ def add_train_parser(sub) -> None:
 
 
 def model_kind(name: str) -> str:
-    """The kind of a zoo entry ``dpzoo train`` trains ("image" or "seqrec"); others are refused."""
+    """The kind of a zoo entry ``dpzoo train`` trains ("image", "tabular" or "seqrec"); others are refused."""
     from .registry import model_card
 
     task = model_card(name).task
     if task not in KINDS:
         raise DPZooError(
-            f"dpzoo train {name}: only image classifiers and sequence models train on built-in data for now "
+            f"dpzoo train {name}: only image and tabular classifiers and sequence models train from the CLI for now "
             f"({name} is {task}); `dpzoo train --help` lists them."
         )
     return KINDS[task]
 
 
 def _check_options(kind: str, args: argparse.Namespace, opts: set[str]) -> None:
-    for dest, (flag, for_kind) in KIND_ONLY.items():
-        if dest in opts and for_kind != kind:
+    for dest, (flag, kinds) in KIND_ONLY.items():
+        if dest in opts and kind not in kinds:
             raise InvalidArgumentError(
-                f"{flag} is for {'sequence models' if for_kind == 'seqrec' else 'image classifiers'}; "
-                f"{args.name} is {KIND_WORDS[kind]}."
+                f"{flag} is for {' and '.join(KIND_PLURALS[k] for k in kinds)}; {args.name} is {KIND_WORDS[kind]}."
             )
     if args.mode in PEFT_MODES:
         raise InvalidArgumentError(
@@ -270,6 +271,8 @@ def _check_options(kind: str, args: argparse.Namespace, opts: set[str]) -> None:
     data = args.data or DEFAULT_DATA[kind]
     if kind == "image":
         return check_image_options(args, data)
+    if kind == "tabular":
+        return check_table_options(args, data)
     from .seqrec.downloads import DATASETS
 
     if data in DATASETS or data == "synthetic":
@@ -300,15 +303,14 @@ def _train_kwargs(kind: str, args: argparse.Namespace) -> dict:
         "noise_seed": args.noise_seed,
         "sample_seed": args.sample_seed,
     }
-    if kind == "image":
+    if kind in CLASSIFIER_KINDS:
         size = args.image_size or (16 if common["data"] == "digits" else 32)
         return {
             **common,
             **image_choices(args),
             **({"weight_decay": args.weight_decay} if args.weight_decay is not None else {}),
             "delta": args.delta if args.delta is not None else 1e-5,
-            "small": not args.full_size,
-            "image_size": size,
+            **({"small": not args.full_size, "image_size": size} if kind == "image" else {}),
         }
     return {
         **common,
@@ -377,7 +379,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .run_io import no_empty_out_left
 
     with no_empty_out_left(kwargs.get("out")):
-        if kind == "image":
+        if kind in CLASSIFIER_KINDS:
             from .train import train_image_classifier
 
             result = train_image_classifier(**kwargs)

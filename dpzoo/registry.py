@@ -59,7 +59,7 @@ class ModelCard:
     # A small configuration for tests and quick experiments on a CPU.
     test_overrides: dict[str, Any] = field(default_factory=dict)
     # The input the model expects, for smoke tests: {"kind": "image", "shape": [3, 32, 32]}
-    # or {"kind": "tokens", "vocab_size": 256, "seq_len": 16}.
+    # or {"kind": "tokens", "vocab_size": 256, "seq_len": 16}, or {"kind": "features", "shape": [64]}.
     example_input: dict[str, Any] = field(default_factory=dict)
     # `dpzoo train`'s defaults for this entry where it has its own recipe (epochs, batch_size, lr)
     train_defaults: dict[str, Any] = field(default_factory=dict)

@@ -1,8 +1,9 @@
-"""``dpzoo train`` for image classifiers: private training of a zoo model on a built-in dataset.
+"""``dpzoo train`` for classifiers: private training of a zoo model on a built-in dataset or the user's.
 
 Image classifiers (ResNet-GN, ViT, EfficientNet-GN) train on scikit-learn's digits (bundled,
-no download) or on the user's image folder (:mod:`dpzoo.datasets.image_folder`), privately,
-with dpzoo's engine. The run (:class:`dpzoo.run_loop.TrainingLoop`)
+no download) or on the user's image folder (:mod:`dpzoo.datasets.image_folder`); tabular
+classifiers (``mlp-tanh``) on the digits as 64 features or on the user's CSV or Parquet file
+(:mod:`dpzoo.datasets.table`); privately, with dpzoo's engine. The run (:class:`dpzoo.run_loop.TrainingLoop`)
 shows a progress bar with the loss and the ε spent, evaluates the test accuracy every
 ``eval_every`` epochs into ``metrics.csv`` (and TensorBoard when installed), saves checkpoints
 it can resume from with the same ε bookkeeping, and at the end writes metrics.json, a plot
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from .datasets import digits_dataset, image_folder_splits, is_image_folder
+from .datasets import digits_dataset, digits_features, image_folder_splits, is_image_folder, is_table, table_splits
 from .errors import DPZooError, InvalidArgumentError
 from .hub import load, save
 from .privacy import PrivacyEngine
@@ -28,7 +29,16 @@ from .run_io import open_run, write_json
 from .run_loop import TrainingLoop, check_loop_arguments, resolve_device
 from .run_plots import plot_metrics
 
-__all__ = ["train_image_classifier", "image_splits", "evaluate_accuracy", "lr_schedule", "IMAGE_DATASETS", "SCHEDULES"]
+__all__ = [
+    "train_image_classifier",
+    "image_splits",
+    "table_data",
+    "evaluate_accuracy",
+    "lr_schedule",
+    "IMAGE_DATASETS",
+    "SCHEDULES",
+    "CLASSIFIER_TASKS",
+]
 
 IMAGE_DATASETS = ("digits",)
 # overrides the data fixes (10 classes of 16×16 images): --set cannot change them
@@ -36,7 +46,9 @@ _DATA_OVERRIDES = {
     "num_classes": "the number of classes is the data's",
     "num_labels": "the number of classes is the data's",
     "img_size": "the images are image_size pixels",
+    "in_features": "the features are the table's columns",
 }
+CLASSIFIER_TASKS = ("image-classification", "tabular-classification")
 
 
 def image_splits(data: str, image_size: int, seed: int = 0):
@@ -47,7 +59,16 @@ def image_splits(data: str, image_size: int, seed: int = 0):
     return image_folder_splits(data, image_size, seed=seed)
 
 
-_DEFAULTS = {"optimizer": "adam", "weight_decay": 0.0, "schedule": "constant", "warmup": 0.0}
+def table_data(data: str, label_column: str = "label", seed: int = 0):
+    """(train, test, class names, feature names) of ``data``: the built-in digits as 64 features, or
+    a CSV / Parquet file whose ``label_column`` is the class."""
+    if data == "digits":
+        train, test = digits_features(seed=seed)
+        return train, test, [str(i) for i in range(10)], [f"pixel{i}" for i in range(64)]
+    return table_splits(data, label_column, seed=seed)
+
+
+_DEFAULTS = {"optimizer": "adam", "weight_decay": 0.0, "schedule": "constant", "warmup": 0.0, "label_column": "label"}
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "linear")
 
@@ -125,8 +146,13 @@ def train_image_classifier(
     progress: bool | None = None,
     step_callback: Callable[[int], None] | None = None,
     handle_sigint: bool = False,
+    label_column: str = "label",
 ) -> dict:
     """Train ``name`` with DP on ``data``; returns the metrics (also written to ``out``).
+
+    An image classifier trains on ``"digits"`` or an image folder (``image_size`` pixels); a
+    tabular one (``mlp-tanh``) on ``"digits"`` as 64 features or a CSV / Parquet file whose
+    ``label_column`` is the class (every other column a numeric feature, used as it is).
 
     ``seed`` fixes the initialisation and the data split; Poisson membership and noise are
     secret unless ``sample_seed`` / ``noise_seed`` are given (tests only: recorded in the
@@ -139,7 +165,7 @@ def train_image_classifier(
     which must be the ones given here; the accountant's history continues, so the final ε is the
     one of an uninterrupted run. ``step_callback(step)`` runs after every logical step;
     ``progress`` shows a progress bar (None: when stderr is a terminal)."""
-    if data != "digits" and is_image_folder(data):
+    if data != "digits" and (is_image_folder(data) or is_table(data)):
         data = str(Path(data).resolve())  # a resumed run finds it from any directory
     settings: dict[str, Any] = {
         "kind": "image",
@@ -164,7 +190,13 @@ def train_image_classifier(
         "sample_seed": sample_seed,
     }
     # recorded only when not the default, so runs from before these options resume unchanged
-    chosen = {"optimizer": optimizer, "weight_decay": weight_decay, "schedule": schedule, "warmup": warmup}
+    chosen = {
+        "optimizer": optimizer,
+        "weight_decay": weight_decay,
+        "schedule": schedule,
+        "warmup": warmup,
+        "label_column": label_column,
+    }
     settings.update({k: v for k, v in chosen.items() if v != _DEFAULTS[k]})
     if schedule not in SCHEDULES or not 0 <= warmup < 1:
         raise InvalidArgumentError(
@@ -173,11 +205,15 @@ def train_image_classifier(
         )
     check_loop_arguments(epochs=epochs, eval_every=eval_every, checkpoint_every=checkpoint_every)
     card = model_card(name)
-    if card.task != "image-classification":
-        raise DPZooError(
-            f"dpzoo train {name}: only image classifiers train on built-in data for now ({name} is {card.task})."
+    tabular = card.task == "tabular-classification"
+    if card.task not in CLASSIFIER_TASKS:
+        raise DPZooError(f"dpzoo train {name}: this trains image and tabular classifiers ({name} is {card.task}).")
+    if tabular and data != "digits" and not is_table(data):
+        raise InvalidArgumentError(
+            f"Unknown dataset {data!r} for a tabular classifier: 'digits' (built in, 64 features) or a .csv or "
+            ".parquet file."
         )
-    if data not in IMAGE_DATASETS and not is_image_folder(data):
+    if not tabular and data not in IMAGE_DATASETS and not is_image_folder(data):
         raise InvalidArgumentError(
             f"Unknown dataset {data!r} for an image classifier: 'digits' (built in) or an image folder (a directory "
             "with one subfolder per class)."
@@ -188,16 +224,22 @@ def train_image_classifier(
     dev = resolve_device(device)
     run_dir, checkpoint = open_run(out, settings, resume=resume, overwrite=overwrite)
     torch.manual_seed(seed)
-    train, test, classes = image_splits(data, image_size, seed)
+    if tabular:
+        train, test, classes, features = table_data(data, label_column, seed)
+    else:
+        (train, test, classes), features = image_splits(data, image_size, seed), None
+    rows = "rows" if tabular else "images"
     if batch_size > len(train):
         raise InvalidArgumentError(
-            f"batch_size {batch_size} is larger than the {len(train)} training images (the sample rate would "
+            f"batch_size {batch_size} is larger than the {len(train)} training {rows} (the sample rate would "
             f"exceed 1): use at most {len(train)}."
         )
     kwargs = dict(card.test_overrides) if small else {}
     kwargs.update(num_classes=len(classes), **settings["overrides"])
     if "img_size" in card.overrides:
         kwargs["img_size"] = image_size
+    if features is not None:
+        kwargs["in_features"] = len(features)
     model = load(name, **kwargs).train().to(dev)
     opt = _optimizer(optimizer, model.parameters(), lr, weight_decay)
     engine = PrivacyEngine(accountant=accountant)
@@ -241,7 +283,7 @@ def train_image_classifier(
     if checkpoint is not None:
         loop.load_state_dict(checkpoint)
     log(
-        f"{name} on {data}: {len(train)} train / {len(test)} test images, mode {mode}, "
+        f"{name} on {data}: {len(train)} train / {len(test)} test {rows}, mode {mode}, "
         f"σ = {engine.noise_multiplier:.3f}, q = {engine.sample_rate:.4f}, {loop.total_steps} steps, "
         f"target ε = {epsilon} at δ = {delta}"
         + (f" (resumed after step {loop.step}, ε = {loop.epsilon():.3g} so far)" if checkpoint is not None else "")
@@ -265,7 +307,7 @@ def train_image_classifier(
         "model": name,
         "data": data,
         "classes": classes,
-        "image_size": image_size,
+        **({"features": features, "label_column": label_column} if tabular else {"image_size": image_size}),
         "mode": mode,
         "clipping": clipping,
         "epochs": epochs,

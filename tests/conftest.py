@@ -15,7 +15,7 @@ def example_batch(card, batch_size: int = 2, seed: int = 0):
     """(args, kwargs, loss_fn) for a zoo entry's example input in its small config."""
     g = torch.Generator().manual_seed(seed)
     spec = card.example_input
-    if spec["kind"] == "image":
+    if spec["kind"] in ("image", "features"):
         x = torch.randn(batch_size, *spec["shape"], generator=g)
         return (x,), {}
     if spec["kind"] == "tokens":

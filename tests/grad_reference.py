@@ -60,7 +60,7 @@ def zoo_model_and_inputs(name, b=3, seed=0):
     model = dpzoo.load(name, **card.test_overrides).double().eval()  # eval: no dropout
     spec = card.example_input
     g = torch.Generator().manual_seed(seed + 1)
-    if spec["kind"] == "image":
+    if spec["kind"] in ("image", "features"):
         x = torch.randn(b, *spec["shape"], generator=g, dtype=torch.float64)
         y = torch.randint(0, card.test_overrides["num_classes"], (b,), generator=g)
 

@@ -146,7 +146,9 @@ def test_train_help_lists_the_registries():
     subs = subcommands()
     text = " ".join(subs["train"].format_help().split())
     for name, task in BUILTIN_MODELS.items():
-        assert (name in text) == (task in ("image-classification", "sequential-recommendation")), name
+        assert (name in text) == (
+            task in ("image-classification", "tabular-classification", "sequential-recommendation")
+        ), name
     for name in [*BUILTIN_MODES, *BUILTIN_ACCOUNTANTS, *BUILTIN_DATASETS, "synthetic", "digits"]:
         assert name in text
     assert "(default: 8)" in text and "(default: bk-mixopt)" in text

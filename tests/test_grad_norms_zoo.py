@@ -14,6 +14,7 @@ from dpzoo.grad_norms import attach_norm_hooks
 
 ENTRIES = [
     "cnn-tanh-gn",
+    "mlp-tanh",
     "wrn16-4-gn",
     "resnet18-gn-bias",
     "vit-tiny-patch16",

@@ -269,6 +269,16 @@ def image_folder(root: Path) -> set[str]:
     return fixed([float(fraction)], 0, scale=100)
 
 
+TABLE = "dpzoo/datasets/table.py"
+
+
+@figures("table", files=[TABLE], command="--data PATH/TO/TABLE.csv")
+def table_file(root: Path) -> set[str]:
+    """A setting: the share of a table's rows held out for testing, in % (``table_splits``' default)."""
+    (fraction,) = re.findall(r"test_fraction: float = ([0-9.]+)", (root / TABLE).read_text())
+    return fixed([float(fraction)], 0, scale=100)
+
+
 @figures("guide-minilm", files=MINILM_FILES[:2] + [MINILM_DATA], command="examples/dp_finetune_minilm_compare.py")
 def guide_minilm(root: Path) -> set[str]:
     """Each method's mean test accuracy in %, the majority class's share of the test split, and the

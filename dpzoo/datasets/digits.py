@@ -30,3 +30,21 @@ def digits_dataset(size: int = 32, test_fraction: float = 0.2, seed: int = 0) ->
     n_test = int(len(y) * test_fraction)
     test, train = perm[:n_test], perm[n_test:]
     return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
+
+
+def digits_features(test_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+    """(train, test) of the same digits as 64 features in [0, 1] (the 8×8 pixels / 16, row by row),
+    the same split as :func:`digits_dataset`: the built-in table of tabular classifiers."""
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise MissingDependencyError(
+            "The digits dataset ships with scikit-learn, which is not installed: pip install scikit-learn."
+        ) from None
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(data.target, dtype=torch.long)
+    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
+    n_test = int(len(y) * test_fraction)
+    test, train = perm[:n_test], perm[n_test:]
+    return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test])
