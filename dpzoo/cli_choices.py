@@ -78,6 +78,7 @@ BUILTIN_DATASETS: dict[str, tuple[str, int]] = {
 TRAINABLE_TASKS: dict[str, str] = {
     "image-classification": "image classifiers, on digits",
     "tabular-classification": "tabular classifiers, on a CSV or Parquet file",
+    "sequence-classification": "text classifiers, on your CSV or Parquet texts, from pretrained weights",
     "sequential-recommendation": "sequence models, user-level DP",
 }
 

@@ -42,7 +42,7 @@ def _run_metrics(run: Path) -> dict:
             "(an unfinished one continues with `dpzoo train --resume`)."
         )
     metrics = json.loads(path.read_text())
-    if "classes" not in metrics or not ("image_size" in metrics or "features" in metrics):
+    if "classes" not in metrics or not any(k in metrics for k in ("image_size", "features", "text")):
         raise InvalidArgumentError(
             f"{run} is not a run of an image or tabular classifier (or was made by an older dpzoo): dpzoo eval scores "
             "classifiers; a sequence model's run has its test metrics in metrics.json."
@@ -61,19 +61,23 @@ def cmd_eval(args: argparse.Namespace) -> int:
     data = args.data or metrics["data"]
     if data != "digits" and Path(data).exists():
         data = str(Path(data).resolve())  # as the run recorded it
-    test, classes = _eval_set(metrics, data)
+    test, classes = _eval_set(metrics, data, run)
     if list(classes) != list(metrics["classes"]):
         raise InvalidArgumentError(
             f"--data {data} has the classes {classes[:5]}{'…' if len(classes) > 5 else ''}, the run was trained on "
             f"{metrics['classes'][:5]}{'…' if len(metrics['classes']) > 5 else ''}: give data with the same class folders."
         )
     model = load(run)
+    if "text" in metrics:  # packed (ids, mask) inputs, as the run trained it
+        from .datasets.text import PackedTextClassifier
+
+        model = PackedTextClassifier(model)
     accuracy = evaluate_accuracy(model, test, torch.device("cpu"))
     result = {
         "run": str(run),
         "model": metrics.get("model"),
         "data": data,
-        ("rows" if "features" in metrics else "images"): len(test),
+        ("images" if "image_size" in metrics else "rows"): len(test),
         "test_accuracy": accuracy,
         "epsilon": metrics.get("epsilon"),
         "delta": metrics.get("delta"),
@@ -82,18 +86,28 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     else:
         eps = f"ε = {result['epsilon']:.3g} at δ = {result['delta']:.3g}" if result["epsilon"] is not None else "no DP"
-        rows = "rows" if "features" in metrics else "images"
+        rows = "images" if "image_size" in metrics else "rows"
         print(f"{result['model']} on {data}: test accuracy {accuracy:.4f} ({len(test)} {rows}); trained with {eps}")
     return 0
 
 
-def _eval_set(metrics: dict, data: str):
+def _eval_set(metrics: dict, data: str, run: Path):
     """(dataset, class names) to score: the run's own test split when ``data`` is the run's (or
     digits), else every example of ``data`` (an image folder's val/ or test/ split if it has one)."""
     from .datasets import image_folder_eval_set, table_eval_set
     from .train import image_splits, table_data
 
     seed, own = int(metrics.get("seed", 0)), data in (metrics["data"], "digits")
+    if "text" in metrics:  # a text run: the tokenizer saved beside its model
+        from .datasets.text import load_tokenizer, text_eval_set, text_splits
+
+        tokenizer = load_tokenizer(run / "model")
+        column, length = metrics["text"]["column"], int(metrics["text"]["max_length"])
+        if own:
+            _, test, classes = text_splits(data, column, metrics["label_column"], tokenizer, length, seed=seed)
+            return test, classes
+        test = text_eval_set(data, column, metrics["label_column"], metrics["classes"], tokenizer, length)
+        return test, metrics["classes"]
     if "features" in metrics:  # a tabular run
         if own:
             _, test, classes, _ = table_data(data, metrics["label_column"], seed)

@@ -37,24 +37,29 @@ from .cli_choices import (
     usable_accountants,
 )
 from .cli_config import add_config_option
-from .cli_image import CLASSIFIER_ONLY, add_image_options, check_image_options, check_table_options, image_choices
+from .cli_image import (
+    add_image_options,
+    check_image_options,
+    check_table_options,
+    check_text_options,
+    image_choices,
+    text_choices,
+)
+from .cli_kinds import (
+    CLASSIFIER_KINDS,
+    DEFAULT_DATA,
+    DEFAULT_EVAL_EVERY,
+    DEFAULT_STEPS,
+    KIND_ONLY,
+    KIND_PLURALS,
+    KIND_WORDS,
+    model_kind,
+)
 from .cli_seqrec import add_seqrec_options
-from .errors import DPZooError, InvalidArgumentError
+from .errors import InvalidArgumentError
 
 __all__ = ["add_train_parser", "cmd_train"]
 
-KINDS = {"image-classification": "image", "tabular-classification": "tabular", "sequential-recommendation": "seqrec"}
-KIND_WORDS = {"image": "an image classifier", "tabular": "a tabular classifier", "seqrec": "a sequence model"}
-KIND_PLURALS = {"image": "image classifiers", "tabular": "tabular classifiers", "seqrec": "sequence models"}
-CLASSIFIER_KINDS = ("image", "tabular")  # trained by dpzoo.train.train_image_classifier
-# options of some kinds only: dest -> (flag, the kinds it is for)
-KIND_ONLY = {
-    **CLASSIFIER_ONLY,
-    **{
-        dest: (f"--{dest.replace('_', '-')}", ("seqrec",))
-        for dest in ("max_len", "non_private", "amazon_columns", "item_prior", "item_prior_noise")
-    },
-}
 PRIVACY_OPTIONS = {
     "epsilon": "--epsilon",
     "delta": "--delta",
@@ -70,14 +75,6 @@ PRIVACY_OPTIONS = {
 RESUME_OPTIONS = {"resume", "name", "quiet", "checkpoint_every", "device", "config"}
 # modes for models `dpzoo train` does not build: LoRA needs a PEFT model (dpzoo.integrations.peft)
 PEFT_MODES = {"lora"}
-DEFAULT_DATA = {"image": "digits", "tabular": "digits", "seqrec": "synthetic"}
-DEFAULT_EVAL_EVERY = {"image": 1, "tabular": 1, "seqrec": 5}
-# the recipes; sequence models: the ε = 5 MovieLens-1M recipe (docs/RESULTS.md), batch size from the data (None)
-DEFAULT_STEPS: dict[str, dict[str, Any]] = {
-    "image": {"epochs": 10, "batch_size": 64, "lr": 2e-3},
-    "tabular": {"epochs": 10, "batch_size": 64, "lr": 2e-3},
-    "seqrec": {"epochs": 20, "batch_size": None, "lr": 1e-2},
-}
 
 
 def add_train_parser(sub) -> None:
@@ -231,19 +228,6 @@ def add_train_parser(sub) -> None:
     s.set_defaults(fn=cmd_train)
 
 
-def model_kind(name: str) -> str:
-    """The kind of a zoo entry ``dpzoo train`` trains ("image", "tabular" or "seqrec"); others are refused."""
-    from .registry import model_card
-
-    task = model_card(name).task
-    if task not in KINDS:
-        raise DPZooError(
-            f"dpzoo train {name}: only image and tabular classifiers and sequence models train from the CLI for now "
-            f"({name} is {task}); `dpzoo train --help` lists them."
-        )
-    return KINDS[task]
-
-
 def _check_options(kind: str, args: argparse.Namespace, opts: set[str]) -> None:
     for dest, (flag, kinds) in KIND_ONLY.items():
         if dest in opts and kind not in kinds:
@@ -273,6 +257,8 @@ def _check_options(kind: str, args: argparse.Namespace, opts: set[str]) -> None:
         return check_image_options(args, data)
     if kind == "tabular":
         return check_table_options(args, data)
+    if kind == "text":
+        return check_text_options(args, data)
     from .seqrec.downloads import DATASETS
 
     if data in DATASETS or data == "synthetic":
@@ -311,6 +297,7 @@ def _train_kwargs(kind: str, args: argparse.Namespace) -> dict:
             **({"weight_decay": args.weight_decay} if args.weight_decay is not None else {}),
             "delta": args.delta if args.delta is not None else 1e-5,
             **({"small": not args.full_size, "image_size": size} if kind == "image" else {}),
+            **({"text": text_choices(args)} if kind == "text" else {}),
         }
     return {
         **common,

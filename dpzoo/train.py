@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from .datasets import digits_dataset, digits_features, image_folder_splits, is_image_folder, is_table, table_splits
+from .datasets.text import PackedTextClassifier, load_tokenizer, text_splits
 from .errors import DPZooError, InvalidArgumentError
 from .hub import load, save
 from .privacy import PrivacyEngine
@@ -48,7 +49,7 @@ _DATA_OVERRIDES = {
     "img_size": "the images are image_size pixels",
     "in_features": "the features are the table's columns",
 }
-CLASSIFIER_TASKS = ("image-classification", "tabular-classification")
+CLASSIFIER_TASKS = ("image-classification", "tabular-classification", "sequence-classification")
 
 
 def image_splits(data: str, image_size: int, seed: int = 0):
@@ -71,6 +72,56 @@ def table_data(data: str, label_column: str = "label", seed: int = 0):
 _DEFAULTS = {"optimizer": "adam", "weight_decay": 0.0, "schedule": "constant", "warmup": 0.0, "label_column": "label"}
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULES = ("constant", "cosine", "linear")
+
+
+def _check_data(card, data: str, text: dict | None) -> None:
+    """Refuse data the entry's task cannot train on, before anything is read."""
+    task = card.task
+    if task not in CLASSIFIER_TASKS:
+        raise DPZooError(f"dpzoo train {card.name}: this trains classifiers ({card.name} is {task}).")
+    if task == "sequence-classification":
+        if not is_table(data) or text is None or not (text.get("weights") or text.get("pretrained")):
+            raise InvalidArgumentError(
+                f"{card.name} trains on a .csv or .parquet file with a text column, from pretrained weights: "
+                "--data FILE --text-column NAME and --weights DIR (a Hugging Face directory) or --pretrained."
+            )
+    elif task == "tabular-classification" and data != "digits" and not is_table(data):
+        raise InvalidArgumentError(
+            f"Unknown dataset {data!r} for a tabular classifier: 'digits' (built in, 64 features) or a .csv or "
+            ".parquet file."
+        )
+    elif task == "image-classification" and data not in IMAGE_DATASETS and not is_image_folder(data):
+        raise InvalidArgumentError(
+            f"Unknown dataset {data!r} for an image classifier: 'digits' (built in) or an image folder (a directory "
+            "with one subfolder per class)."
+        )
+
+
+def _data_and_model(card, data, image_size, small, seed, label_column, text, overrides):
+    """(train, test, class names, model, what metrics.json records about the data, tokenizer or
+    None) for the entry's task."""
+    task, kwargs = card.task, dict(overrides)
+    if task == "sequence-classification":
+        assert text is not None  # _check_data
+        source = text.get("weights") or next(iter(card.pretrained_tags))
+        tokenizer = load_tokenizer(source)
+        max_length = int(text.get("max_length", 128))
+        train, test, classes = text_splits(data, text["column"], label_column, tokenizer, max_length, seed=seed)
+        weights = {"weights": text["weights"]} if text.get("weights") else {"pretrained": True}
+        model = PackedTextClassifier(load(card.name, num_classes=len(classes), **weights, **kwargs))
+        recorded = {"text": {"column": text["column"], "max_length": max_length}, "label_column": label_column}
+        return train, test, classes, model, recorded, tokenizer
+    if small:
+        kwargs = {**card.test_overrides, **kwargs}
+    if task == "tabular-classification":
+        train, test, classes, features = table_data(data, label_column, seed)
+        model = load(card.name, **{**kwargs, "num_classes": len(classes), "in_features": len(features)})
+        return train, test, classes, model, {"features": features, "label_column": label_column}, None
+    train, test, classes = image_splits(data, image_size, seed)
+    if "img_size" in card.overrides:
+        kwargs["img_size"] = image_size
+    model = load(card.name, **{**kwargs, "num_classes": len(classes)})
+    return train, test, classes, model, {"image_size": image_size}, None
 
 
 def lr_schedule(optimizer, schedule: str, warmup: float, total_steps: int):
@@ -147,12 +198,17 @@ def train_image_classifier(
     step_callback: Callable[[int], None] | None = None,
     handle_sigint: bool = False,
     label_column: str = "label",
+    text: dict | None = None,
 ) -> dict:
     """Train ``name`` with DP on ``data``; returns the metrics (also written to ``out``).
 
     An image classifier trains on ``"digits"`` or an image folder (``image_size`` pixels); a
     tabular one (``mlp-tanh``) on ``"digits"`` as 64 features or a CSV / Parquet file whose
-    ``label_column`` is the class (every other column a numeric feature, used as it is).
+    ``label_column`` is the class (every other column a numeric feature, used as it is); a
+    sequence classifier (``bert-base``, ``roberta-base``) on a CSV / Parquet file with a text
+    column, ``text = {"column": "text", "max_length": 128, "weights": DIR}`` (or ``"pretrained":
+    True``: the card's hub weights), tokenized by those weights' own tokenizer
+    (:mod:`dpzoo.datasets.text`).
 
     ``seed`` fixes the initialisation and the data split; Poisson membership and noise are
     secret unless ``sample_seed`` / ``noise_seed`` are given (tests only: recorded in the
@@ -197,6 +253,8 @@ def train_image_classifier(
         "warmup": warmup,
         "label_column": label_column,
     }
+    if text is not None:
+        settings["text"] = dict(text)
     settings.update({k: v for k, v in chosen.items() if v != _DEFAULTS[k]})
     if schedule not in SCHEDULES or not 0 <= warmup < 1:
         raise InvalidArgumentError(
@@ -205,42 +263,23 @@ def train_image_classifier(
         )
     check_loop_arguments(epochs=epochs, eval_every=eval_every, checkpoint_every=checkpoint_every)
     card = model_card(name)
-    tabular = card.task == "tabular-classification"
-    if card.task not in CLASSIFIER_TASKS:
-        raise DPZooError(f"dpzoo train {name}: this trains image and tabular classifiers ({name} is {card.task}).")
-    if tabular and data != "digits" and not is_table(data):
-        raise InvalidArgumentError(
-            f"Unknown dataset {data!r} for a tabular classifier: 'digits' (built in, 64 features) or a .csv or "
-            ".parquet file."
-        )
-    if not tabular and data not in IMAGE_DATASETS and not is_image_folder(data):
-        raise InvalidArgumentError(
-            f"Unknown dataset {data!r} for an image classifier: 'digits' (built in) or an image folder (a directory "
-            "with one subfolder per class)."
-        )
+    _check_data(card, data, text)
     fixed = sorted(set(settings["overrides"]) & set(_DATA_OVERRIDES))
     if fixed:
         raise InvalidArgumentError(f"override {fixed[0]!r} is set by the data ({_DATA_OVERRIDES[fixed[0]]}): drop it.")
     dev = resolve_device(device)
     run_dir, checkpoint = open_run(out, settings, resume=resume, overwrite=overwrite)
     torch.manual_seed(seed)
-    if tabular:
-        train, test, classes, features = table_data(data, label_column, seed)
-    else:
-        (train, test, classes), features = image_splits(data, image_size, seed), None
-    rows = "rows" if tabular else "images"
+    train, test, classes, model, recorded, tokenizer = _data_and_model(
+        card, data, image_size, small, seed, label_column, text, settings["overrides"]
+    )
+    model = model.train().to(dev)
+    rows = "images" if card.task == "image-classification" else "rows"
     if batch_size > len(train):
         raise InvalidArgumentError(
             f"batch_size {batch_size} is larger than the {len(train)} training {rows} (the sample rate would "
             f"exceed 1): use at most {len(train)}."
         )
-    kwargs = dict(card.test_overrides) if small else {}
-    kwargs.update(num_classes=len(classes), **settings["overrides"])
-    if "img_size" in card.overrides:
-        kwargs["img_size"] = image_size
-    if features is not None:
-        kwargs["in_features"] = len(features)
-    model = load(name, **kwargs).train().to(dev)
     opt = _optimizer(optimizer, model.parameters(), lr, weight_decay)
     engine = PrivacyEngine(accountant=accountant)
     # a resumed run keeps the checkpoint's σ (calibrated once, for the whole run)
@@ -307,7 +346,7 @@ def train_image_classifier(
         "model": name,
         "data": data,
         "classes": classes,
-        **({"features": features, "label_column": label_column} if tabular else {"image_size": image_size}),
+        **recorded,
         "mode": mode,
         "clipping": clipping,
         "epochs": epochs,
@@ -335,6 +374,9 @@ def train_image_classifier(
             written.append("metrics.png")
         if (run_dir / "tensorboard").is_dir():
             written.append("tensorboard/")
-        save(model, run_dir / "model", privacy=engine.privacy_metadata(delta))
+        inner = model.model if isinstance(model, PackedTextClassifier) else model
+        save(inner, run_dir / "model", privacy=engine.privacy_metadata(delta))
+        if tokenizer is not None:  # dpzoo eval tokenizes new texts with it
+            tokenizer.save_pretrained(run_dir / "model")
         log(f"saved the model (with its privacy metadata), {', '.join(written)} to {run_dir}")
     return result

@@ -78,7 +78,7 @@ def test_sequence_training_mistakes_are_one_line(capsys, argv, says):
 
 
 def test_other_mistakes_are_one_line(capsys, tmp_path):
-    assert "only image classifiers and sequence models" in one_line_error(capsys, ["train", "gpt2"])
+    assert "only image, tabular and text classifiers and sequence models" in one_line_error(capsys, ["train", "gpt2"])
     assert "needs a model NAME" in one_line_error(capsys, ["train"])
     assert "Did you mean: resnet18-gn-bias" in one_line_error(capsys, ["train", "resnet18-gnbias"])
     assert "invalid choice" in one_line_error(capsys, ["trian"])
@@ -147,7 +147,13 @@ def test_train_help_lists_the_registries():
     text = " ".join(subs["train"].format_help().split())
     for name, task in BUILTIN_MODELS.items():
         assert (name in text) == (
-            task in ("image-classification", "tabular-classification", "sequential-recommendation")
+            task
+            in (
+                "image-classification",
+                "tabular-classification",
+                "sequence-classification",
+                "sequential-recommendation",
+            )
         ), name
     for name in [*BUILTIN_MODES, *BUILTIN_ACCOUNTANTS, *BUILTIN_DATASETS, "synthetic", "digits"]:
         assert name in text

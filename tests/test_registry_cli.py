@@ -123,7 +123,7 @@ def test_cli_train_saves_model_with_privacy_metadata(tmp_path, capsys):
 
 def test_cli_train_rejects_non_image_models(capsys):
     assert main(["train", "gpt2", "--epochs", "1"]) == 2
-    assert "only image and tabular classifiers and sequence models" in capsys.readouterr().err
+    assert "only image, tabular and text classifiers and sequence models" in capsys.readouterr().err
 
 
 def test_cli_trains_a_sequence_model_on_synthetic_data(tmp_path, capsys):

@@ -1,7 +1,9 @@
-"""Your own table as a private training set: a CSV or Parquet file of numeric features and a label.
+"""Your own table as a private training set: a CSV or Parquet file of numeric features (or of a
+text column) and a label.
 
 One row per example; the column ``label_column`` (default ``"label"``) is the class, every other
-column (or the ``feature_columns`` named) a numeric feature. The classes are the label values
+column (or the ``feature_columns`` named) a numeric feature; or, for text classifiers
+(:func:`read_text_table`), ``text_column`` holds each example's text. The classes are the label values
 sorted (numerically when they are all integers). The file is split into train and test by a fixed
 seed. Features are used as they are: no statistic of the data (a mean, a standard deviation, a
 range) is computed from it, since one would be released outside the DP mechanism; scale them
@@ -20,7 +22,7 @@ from torch.utils.data import TensorDataset
 
 from ..errors import InvalidArgumentError, MissingDependencyError
 
-__all__ = ["TABLE_SUFFIXES", "is_table", "read_table", "table_splits", "table_eval_set"]
+__all__ = ["TABLE_SUFFIXES", "is_table", "read_table", "read_text_table", "table_splits", "table_eval_set"]
 
 TABLE_SUFFIXES = (".csv", ".parquet", ".pq")
 
@@ -75,6 +77,49 @@ def _sorted_labels(values: Sequence) -> list[str]:
         return names
 
 
+def _label_indices(
+    path: Path, columns: dict, label_column: str, classes: Sequence[str] | None
+) -> tuple[torch.Tensor, list[str]]:
+    """(label index per row, class names) of ``label_column``."""
+    if label_column not in columns:
+        raise InvalidArgumentError(
+            f"--data {path}: no column {label_column!r} (columns: {', '.join(list(columns)[:8])}); name the class "
+            "column with --label-column."
+        )
+    labels = [str(v) for v in columns[label_column]]
+    classes = list(classes) if classes is not None else _sorted_labels(labels)
+    index = {c: i for i, c in enumerate(classes)}
+    unknown = next((v for v in labels if v not in index), None)
+    if unknown is not None:
+        raise InvalidArgumentError(f"--data {path}: label {unknown!r} is not one of the run's classes {classes[:8]}.")
+    return torch.tensor([index[v] for v in labels]), classes
+
+
+def _read(path: str | Path) -> tuple[Path, dict[str, list]]:
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidArgumentError(f"--data {path}: no such file (a table is a .csv or .parquet file).")
+    return path, _columns(path)
+
+
+def read_text_table(
+    path: str | Path, text_column: str = "text", label_column: str = "label", classes: Sequence[str] | None = None
+) -> tuple[list[str], torch.Tensor, list[str]]:
+    """(texts, labels (N,), class names) of a CSV or Parquet file with a text column."""
+    path, columns = _read(path)
+    if text_column not in columns:
+        raise InvalidArgumentError(
+            f"--data {path}: no column {text_column!r} (columns: {', '.join(list(columns)[:8])}); name the text "
+            "column with --text-column."
+        )
+    texts = columns[text_column]
+    empty = next((i for i, t in enumerate(texts) if not isinstance(t, str) or not t.strip()), None)
+    if empty is not None:
+        raise InvalidArgumentError(f"--data {path}: column {text_column!r}, row {empty + 1} has no text.")
+    y, classes = _label_indices(path, columns, label_column, classes)
+    return list(texts), y, classes
+
+
 def read_table(
     path: str | Path,
     label_column: str = "label",
@@ -83,27 +128,14 @@ def read_table(
 ) -> tuple[torch.Tensor, torch.Tensor, list[str], list[str]]:
     """(features float32 (N, F), labels (N,), class names, feature names) of a CSV or Parquet file.
     ``classes``: the label values to number (a trained run's), else the file's own, sorted."""
-    path = Path(path)
-    if not path.is_file():
-        raise InvalidArgumentError(f"--data {path}: no such file (a table is a .csv or .parquet file).")
-    columns = _columns(path)
-    if label_column not in columns:
-        raise InvalidArgumentError(
-            f"--data {path}: no column {label_column!r} (columns: {', '.join(list(columns)[:8])}); name the class "
-            "column with --label-column."
-        )
+    path, columns = _read(path)
+    y, classes = _label_indices(path, columns, label_column, classes)
     names = list(feature_columns) if feature_columns is not None else [c for c in columns if c != label_column]
     missing = [c for c in names if c not in columns]
     if missing or not names:
         raise InvalidArgumentError(f"--data {path}: no feature column{f' {missing[0]!r}' if missing else 's'}.")
-    labels = [str(v) for v in columns[label_column]]
-    classes = list(classes) if classes is not None else _sorted_labels(labels)
-    index = {c: i for i, c in enumerate(classes)}
-    unknown = next((v for v in labels if v not in index), None)
-    if unknown is not None:
-        raise InvalidArgumentError(f"--data {path}: label {unknown!r} is not one of the run's classes {classes[:8]}.")
-    x = torch.tensor([[_number(columns[c][r], c, r, path) for c in names] for r in range(len(labels))])
-    return x.float(), torch.tensor([index[v] for v in labels]), classes, names
+    x = torch.tensor([[_number(columns[c][r], c, r, path) for c in names] for r in range(len(y))])
+    return x.float(), y, classes, names
 
 
 def table_splits(
