@@ -319,6 +319,19 @@ def test_white_box_refuses_what_it_cannot_observe():
                     canaries=(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long)))  # fmt: skip
     with pytest.raises(dpzoo.DPZooError, match="mode must be one of"):
         dpzoo.audit(mode="lora-all")
+    for broken in ("group-outside-engine", "unclipped"):  # the mode would re-enable the frozen group
+        with pytest.raises(dpzoo.DPZooError, match="drop mode='bitfit'"):
+            dpzoo.audit(broken=broken, mode="bitfit", canaries=10, epochs=1)
+
+
+def test_canaries_sit_anywhere_in_the_training_set():
+    from dpzoo.audit import with_canaries
+
+    train = torch.utils.data.TensorDataset(torch.zeros(50, 1), torch.zeros(50, dtype=torch.long))
+    cx, cy = torch.ones(20, 1), torch.ones(20, dtype=torch.long)
+    rows = with_canaries(train, cx, cy, torch.arange(20) % 2 == 0, seed=0)
+    where = [i for i in range(len(rows)) if rows[i][1] == 1]
+    assert len(rows) == 60 and len(where) == 10 and where != list(range(50, 60))
 
 
 @pytest.mark.slow

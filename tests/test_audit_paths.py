@@ -12,7 +12,15 @@ bias-only and LoRA paths train their own canary models (:mod:`dpzoo.audit.canary
 the mode's norms and trainable set are what carries the canaries.
 
 Seeds are fixed (canaries, inclusion, noise, sampling), so each outcome is deterministic;
-measured margins at these settings: dpzoo ≤ 0.6 against a claim of 2, the 2R bug 2.5–3.0.
+measured at these settings: dpzoo ≤ 0.9 against a claim of 2, the 2R bug above 2.25 on every path.
+
+What these audits cannot see (an independent review injected path-specific bugs): a canary's
+gradient is almost all on its own coordinates, so a norm dropped elsewhere (the head's, LoRA's
+``B``, sized large on purpose so that the canaries' signal stays on their column of ``A``) barely
+moves its sensitivity; the canary inputs have no token dimension, so rules that sum over tokens
+are not exercised; leaks below about 1.5× of the sensitivity are not reliably caught at these
+sizes (docs/RESULTS.md). The per-sample norms themselves are tested against brute force
+elsewhere (tests/test_grad_norms_*.py).
 """
 
 from __future__ import annotations
@@ -153,10 +161,9 @@ def _trainer_audit(tmp_path, bug: bool):
     accumulation, its optimizer wrapped by accelerate), observed white-box through the public
     pieces: the task, the scorer attached in a callback, :func:`dpzoo.audit.audit_from_scores`."""
     import torch.nn.functional as F
-    from torch.utils.data import ConcatDataset, TensorDataset
     from transformers import TrainerCallback, TrainingArguments
 
-    from dpzoo.audit import audit_from_scores, digits_canary_task
+    from dpzoo.audit import audit_from_scores, digits_canary_task, with_canaries
     from dpzoo.audit.white_box import CanaryColumnScores
     from dpzoo.integrations.transformers import DPArguments, DPTrainer
 
@@ -166,7 +173,7 @@ def _trainer_audit(tmp_path, bug: bool):
         train, _, cx, cy, model_fn, _ = digits_canary_task(m, 1000.0, seed)
         included = torch.rand(m, generator=torch.Generator().manual_seed(seed + 1)) < 0.5
         model = model_fn()
-    rows = ConcatDataset([train, TensorDataset(cx[included], cy[included])])
+    rows = with_canaries(train, cx, cy, included, seed)
     observed = []
 
     class Examples(torch.utils.data.Dataset):
@@ -221,12 +228,13 @@ def test_hugging_face_trainer_path_stays_below_its_claim_and_its_2x_bug_exceeds_
 
 
 def _frost_audit(bug: bool):
-    """DP-FROST end to end: the private selection of what to fine-tune (its partitions: the
-    canaries' table, beside the always-trained head ``fc``) and the DP-SGD that follows with the
-    selection's σ, on the selection's accountant; the claim is their composition."""
-    from torch.utils.data import ConcatDataset, DataLoader, TensorDataset
+    """DP-FROST's training as its selection leaves it: the DP-SGD that follows the private selection
+    (one partition, the canaries' table, beside the always-trained head ``fc``, so the selection's
+    outcome is fixed and its own release is not what is audited), with the σ ComputeSigma split
+    off, on the selection's accountant; the claim is their composition."""
+    from torch.utils.data import DataLoader
 
-    from dpzoo.audit import audit_from_scores, digits_canary_task
+    from dpzoo.audit import audit_from_scores, digits_canary_task, with_canaries
     from dpzoo.audit.white_box import CanaryColumnScores
 
     m, seed = AUDIT["canaries"], AUDIT["seed"]
@@ -235,7 +243,7 @@ def _frost_audit(bug: bool):
         train, _, cx, cy, model_fn, _ = digits_canary_task(m, 1000.0, seed)
         included = torch.rand(m, generator=torch.Generator().manual_seed(seed + 1)) < 0.5
         model = model_fn()
-    rows = ConcatDataset([train, TensorDataset(cx[included], cy[included])])
+    rows = with_canaries(train, cx, cy, included, seed)
     selection = dpzoo.frost.select(model, DataLoader(rows, batch_size=64), AUDIT["epsilon"], 1e-5, ratio=1.0,
                                    epochs=AUDIT["epochs"], seed=7)  # fmt: skip
     assert [p.params for p in selection.selected] == [("canaries.weight",)] and selection.always_train
@@ -265,7 +273,7 @@ def _frost_audit(bug: bool):
 
 
 @pytest.mark.slow
-def test_dp_frost_selection_and_training_stay_below_their_claim_and_the_2x_bug_exceeds_it():
+def test_dp_frost_training_after_its_selection_stays_below_the_claim_and_the_2x_bug_exceeds_it():
     shipped, doubled = _frost_audit(False), _frost_audit(True)
     assert shipped.claimed_epsilon == pytest.approx(2.0, abs=0.02)  # selection and DP-SGD together
     assert not shipped.exceeds and max(shipped.scores) < EXACT / 2, shipped.lines()
@@ -327,8 +335,9 @@ def _dpformer_audit(bug: bool, m: int = 1200, epsilon: float = 8.0):
     held_out = torch.randint(1, base.num_items + 1, (m, 2), generator=g)
     # its own item twice: as the input and as the target, so most of its gradient is on that row
     canaries = [[int(rows[i]), int(rows[i]), *held_out[i].tolist()] for i in range(m)]
-    ds = SequenceDataset(base.sequences + [c for c, inside in zip(canaries, included) if inside],
-                         num_items=base.num_items + m)  # fmt: skip
+    users = base.sequences + [c for c, inside in zip(canaries, included) if inside]
+    order = torch.randperm(len(users), generator=g).tolist()  # canary users anywhere in a batch
+    ds = SequenceDataset([users[i] for i in order], num_items=base.num_items + m)
     max_len = 8
     x = torch.zeros(m, max_len, dtype=torch.long)
     y = torch.zeros(m, max_len, dtype=torch.long)

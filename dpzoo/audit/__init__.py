@@ -31,7 +31,7 @@ from .bound import epsilon_lower_bound, one_run_p_value
 from .gdp import gdp_epsilon, gdp_lower_bound
 from .guesses import DEFAULT_GUESS_FRACTIONS
 from .report import AuditResult, plot_scores
-from .run import WHITE_BOX_CANARIES, audit, audit_from_scores
+from .run import WHITE_BOX_CANARIES, audit, audit_from_scores, with_canaries
 from .task import DIGITS_FEATURES as DIGITS_FEATURES  # importable from here, outside __all__ (as before)
 from .task import DiracCanaryClassifier, digits_canary_task, logit_change_score, loss_score
 from .task import LinearClassifier as LinearClassifier
@@ -40,6 +40,7 @@ from .training import BROKEN
 __all__ = [
     "audit",
     "audit_from_scores",
+    "with_canaries",
     "AuditResult",
     "one_run_p_value",
     "epsilon_lower_bound",

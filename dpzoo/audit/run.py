@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import ConcatDataset, DataLoader, Dataset, TensorDataset
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset, TensorDataset
 
 from ..errors import DPZooError
 from .gdp import gdp_lower_bound
@@ -28,7 +28,7 @@ from .task import digits_canary_task, loss_score
 from .training import BROKEN, train_audited_model
 from .white_box import column_observer
 
-__all__ = ["audit", "audit_from_scores", "WHITE_BOX_CANARIES"]
+__all__ = ["audit", "audit_from_scores", "with_canaries", "WHITE_BOX_CANARIES"]
 
 # the white-box default: at 2,500 canaries (about 7 s) a 2R clip exceeds a claim of ε = 2 in every measured run
 # (docs/RESULTS.md); at 1,000 it did in 3 of 5
@@ -144,7 +144,7 @@ def audit(
         m = len(cx)
         g = torch.Generator().manual_seed(seed + 1)
         included = torch.rand(m, generator=g) < 0.5  # Algorithm 1: each canary in w.p. 1/2
-        train_set: ConcatDataset[tuple] = ConcatDataset([train, TensorDataset(cx[included], cy[included])])
+        train_set = with_canaries(train, cx, cy, included, seed)
         if batch_size == "full":
             batch_size = len(train_set)
         model, claimed, mech = train_audited_model(
@@ -198,6 +198,15 @@ def audit(
     )
 
 
+def with_canaries(train: Dataset, canary_x, canary_y, included: torch.Tensor, seed: int = 0) -> Dataset:
+    """``train`` plus the included canaries, in a random order (``seed``): a canary sits anywhere in
+    a Poisson batch and in its micro-batches, not always at the end, so a bug that depends on a
+    sample's position in the batch reaches canaries and digits alike."""
+    rows: ConcatDataset[tuple] = ConcatDataset([train, TensorDataset(canary_x[included], canary_y[included])])
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed + 3))
+    return Subset(rows, order.tolist())
+
+
 def audit_from_scores(
     scores: torch.Tensor,
     membership: torch.Tensor,
@@ -216,7 +225,8 @@ def audit_from_scores(
     """Steps 3–4 of the audit for scores computed elsewhere (e.g. a
     :class:`~dpzoo.audit.white_box.CanaryColumnScores` attached to your own training loop): the
     one-run bound, and with ``white_box`` the Gaussian-DP bound too, each at half the error
-    budget so that the larger one holds at ``confidence``. ``membership``: which canaries were in
+    budget so that the larger one holds at ``confidence`` (the Gaussian-DP bound under its own
+    assumptions, :mod:`dpzoo.audit.gdp`; the one-run bound needs none). ``membership``: which canaries were in
     the training set (drawn independently with probability 1/2, before training)."""
     scores, included = torch.as_tensor(scores).double().flatten(), torch.as_tensor(membership, dtype=torch.bool)
     if scores.shape != included.shape or not torch.isfinite(scores).all():

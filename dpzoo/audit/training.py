@@ -20,7 +20,8 @@ Training is the engine's public API (Poisson batches, SGD, ``target_epsilon`` at
   does not cover, trained by a plain optimizer on their raw summed gradients (no clipping, no
   noise); the claimed ε is the engine's report for the rest.
 
-Both must end with a bound above the claim; dpzoo's engine must not (with probability ≥ 1 - β).
+Every control must end with a bound above the claim (the white-box audit at its defaults; the
+black-box one sees the extreme ones only); dpzoo's engine must not (with probability ≥ 1 - β).
 """
 
 from __future__ import annotations
@@ -98,16 +99,19 @@ def train_audited_model(
     ``DPGradScaler`` at that scale; ``mode`` is the engine's training mode (``"bitfit"``,
     ``"lora"``, ...), with the optimizer over the parameters it trains. Returns (released model, claimed ε at δ, mechanism settings)."""
     from ..privacy import Accountant, PrivacyEngine, get_noise_multiplier
+    from ..privacy.distributed import world_and_rank
     from ..privacy.fsdp import is_fsdp2
     from ..privacy.modes import mode_trainable
 
     model = model_fn().train()
     sharded = is_fsdp2(model)  # FSDP2: every rank runs every pass, and no single-sample self-check
+    _refuse_control(broken, mode, sharded)
     side, side_opt, side_std = _outside_engine(model, model_fn, broken, lr)
     engine = PrivacyEngine(accountant=accountant)
     trained = mode_trainable(mode, model)
     opt = torch.optim.SGD([p for p in model.parameters() if id(p) in trained], lr=lr)
-    q = batch_size / len(train_set)
+    world, _ = world_and_rank()  # under DDP each rank draws its shard at the same expected batch size
+    q = min(1.0, batch_size * world / len(train_set))
     steps_planned = epochs * max(1, round(len(train_set) / batch_size))
     claimed_sigma = (
         get_noise_multiplier(epsilon, delta, q, steps_planned, accountant) if broken in RECALIBRATED else None
@@ -137,6 +141,7 @@ def train_audited_model(
             **noise,
             **seeds,
         )
+    q = engine.sample_rate  # the rate the engine samples at (under DDP, over all ranks)
     intended = claimed_sigma if claimed_sigma is not None else engine.noise_multiplier
     if broken == "noise-skipped-per-epoch":
         _skip_noise_per_epoch(opt, len(loader))
@@ -217,6 +222,18 @@ OUTSIDE = {
     "unclipped": "a model copy trained by plain SGD on noised, unclipped gradients",
     "group-outside-engine": "the canaries' coordinates, trained by plain SGD on raw gradients (no clipping, no noise)",
 }
+
+
+def _refuse_control(broken, mode: str, sharded: bool) -> None:
+    """Controls a path would silently undo: the bias-only and LoRA modes re-enable the group frozen
+    for "group-outside-engine"; FSDP2's sharded noise does not pass the hook "noise-skipped-per-epoch"
+    patches."""
+    from ..errors import DPZooError
+
+    if broken in OUTSIDE and mode in ("bitfit", "lora"):
+        raise DPZooError(f"broken={broken!r} trains a copy outside the engine in the default mode; drop mode={mode!r}.")
+    if broken == "noise-skipped-per-epoch" and sharded:
+        raise DPZooError("broken='noise-skipped-per-epoch' patches the replicated-parameter noise; not under FSDP2.")
 
 
 def _outside_engine(model: nn.Module, model_fn, broken, lr):

@@ -25,6 +25,8 @@ import math
 
 import torch
 
+from ..privacy.clipping import AUTOMATIC_GAMMA
+
 __all__ = ["CanaryColumnScores", "column_observer", "EXACT"]
 
 
@@ -35,8 +37,10 @@ class CanaryColumnScores:
     optimizer has written the noisy gradient there, the weights are those it was computed at).
 
     A white-box auditor also sees a release that carries no noise at all: a canary whose column
-    equals its clipped gradient exactly (to float rounding; under the claimed Gaussian this has
-    probability 0) gets :data:`EXACT` added to its score, so a skipped noise draw is caught."""
+    equals its clipped gradient to within :data:`EXACT_TOLERANCE` of its length (float rounding;
+    under the claimed Gaussian a chance of about (1e-3/σ)^k for k coordinates, negligible) gets
+    :data:`EXACT` added to its score, so a skipped noise draw is caught. Any score the auditor
+    computes from the releases keeps the bound valid; this one only adds power."""
 
     def __init__(self, model, canary_y, *, claimed):
         self.model, self.canary_y = model, canary_y
@@ -60,7 +64,7 @@ class CanaryColumnScores:
         release = self.model.canary_release()
         noisy = torch.zeros_like(own) if release is None else release * self.scale
         if self.clipping == "automatic":
-            factor = self.R / (full + 0.01)
+            factor = self.R / (full + AUTOMATIC_GAMMA)
         else:
             factor = torch.clamp(self.R / full.clamp_min(1e-300), max=1.0)
         own_norm = own.norm(dim=1)
