@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names __getattr__ imports o
     from .hub import create_model, load, privacy_metadata, read_config, save
     from .privacy import DPGradScaler, PrivacyEngine, register_accountant, unregister_accountant
     from .privacy.verify import verify
+    from .privacy_card import privacy_statement
     from .summary import ModelSummary, summary
     from .surgery import check_dp_ready, find_inplace_ops, find_tied_parameters, make_dp_ready
 
@@ -60,6 +61,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     **{n: (".hub", n) for n in ("create_model", "load", "privacy_metadata", "read_config", "save")},
     **{n: (".privacy", n) for n in ("PrivacyEngine", "DPGradScaler", "register_accountant", "unregister_accountant")},
     "verify": (".privacy.verify", "verify"),
+    "privacy_statement": (".privacy_card", "privacy_statement"),
     **{n: (".summary", n) for n in ("ModelSummary", "summary")},
     **{n: (".surgery", n) for n in ("check_dp_ready", "find_inplace_ops", "find_tied_parameters", "make_dp_ready")},
 }
@@ -101,6 +103,7 @@ __all__ = [
     "save",
     "read_config",
     "privacy_metadata",
+    "privacy_statement",
     "list_models",
     "register_model",
     "unregister_model",

@@ -1,7 +1,7 @@
 """The ``dpzoo`` command line: its parser, the commands other than ``train``, and one-line errors.
 
 dpzoo list [PATTERN]                 zoo entries
-dpzoo card NAME                      the model card
+dpzoo card NAME|DIR                  the model card, or a saved model's privacy statement
 dpzoo summary NAME [--set k=v ...]   parameters, bias share, norms, ties
 dpzoo prepare NAME [--set k=v ...] [--weights PATH] [--out DIR]
                                      build a DP-ready model, check it, run one
@@ -60,6 +60,12 @@ def _cmd_list(args) -> int:
 
 
 def _cmd_card(args) -> int:
+    """A zoo entry's model card, or a saved model's (or a run's) privacy statement."""
+    if Path(args.name).is_dir():
+        from .privacy_card import privacy_statement
+
+        print(privacy_statement(args.name))
+        return 0
     from .registry import model_card
 
     print(model_card(args.name).to_markdown(), end="")
@@ -208,8 +214,13 @@ def _add_model_commands(sub) -> None:
     s = sub.add_parser("list", help="list zoo entries", description="List the zoo's entries with a one-line summary.")
     s.add_argument("pattern", nargs="?", default="*", help="an fnmatch pattern of names, e.g. 'vit*' (default: *)")
     s.set_defaults(fn=_cmd_list)
-    s = sub.add_parser("card", help="print a model card", description="Print a zoo entry's model card (markdown).")
-    s.add_argument("name", help="a zoo entry (`dpzoo list` lists them)")
+    s = sub.add_parser(
+        "card",
+        help="print a model card, or a saved model's privacy statement",
+        description="Print a zoo entry's model card (markdown), or the privacy guarantee of a saved model in plain "
+        "words (a dpzoo.save or DPTrainer directory, or a dpzoo train --out run).",
+    )
+    s.add_argument("name", help="a zoo entry (`dpzoo list` lists them) or a saved model's directory")
     s.set_defaults(fn=_cmd_card)
     for cmd, fn, hlp in (
         ("summary", _cmd_summary, "parameter counts, bias share, norms, ties"),

@@ -28,6 +28,7 @@ from .errors import CheckpointError, OverrideError, SaveError
 from .integrations.opacus import unwrap_for_save
 from .integrations.peft_layers import refuse_save as refuse_peft_save
 from .privacy.engine import engine_of
+from .privacy_card import CARD_NAME, check_saved_card, render_card
 from .privacy_record import PRIVACY_FIELDS, check_privacy, privacy_from_header, privacy_from_json, privacy_to_json
 from .registry import LOAD_KEYWORDS, OVERRIDE_SYNONYMS, get_entry, is_model, reject_unknown_overrides, split_name
 from .sharded_save import save_if_sharded
@@ -41,6 +42,7 @@ __all__ = [
     "PRIVACY_FIELDS",
     "CONFIG_NAME",
     "WEIGHTS_NAME",
+    "run_model_directory",
 ]
 
 CONFIG_NAME = "dpzoo_config.json"
@@ -104,7 +106,7 @@ def load(
     ``model.dpzoo_patch_report`` (what dpzoo changed).
     """
     _refuse_dtype(overrides)
-    name_or_dir = _run_model(name_or_dir)
+    name_or_dir = run_model_directory(name_or_dir)
     if _is_saved_directory(name_or_dir):
         if pretrained or pretrained_tag is not None or weights is not None:
             raise OverrideError(
@@ -169,7 +171,7 @@ def _privacy_of_weights(path: Path) -> dict[str, Any] | None:
     return privacy_from_header(header, f"weights={str(path)!r}")
 
 
-def _run_model(name_or_dir):
+def run_model_directory(name_or_dir):
     """The model of a ``dpzoo train --out`` directory (its ``model/``), else ``name_or_dir``."""
     path = Path(name_or_dir)
     if not path.is_dir() or (path / CONFIG_NAME).is_file():
@@ -257,6 +259,7 @@ def save(
     try:
         safetensors.torch.save_model(model, str(tmp / WEIGHTS_NAME), metadata=st_meta)
         (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True, allow_nan=False) + "\n")
+        (tmp / CARD_NAME).write_text(render_card(config["model_name"], privacy), encoding="utf-8")
         _write_library_config(model, tmp)
         give_default_permissions(tmp)  # mkdtemp made it 0700: as mkdir/open would, under the umask
         if directory.exists():
@@ -308,6 +311,7 @@ def read_config(directory: str | os.PathLike) -> dict[str, Any]:
             raise SaveError(
                 f"{cfg_path}: its privacy record is invalid ({e}); it cannot be composed into a new ε."
             ) from None
+    check_saved_card(directory, cfg.get("privacy"), directory / WEIGHTS_NAME)
     return cfg
 
 

@@ -23,6 +23,7 @@ PRIVACY_FIELDS = {
     "noise_multiplier": float,
     "max_grad_norm": float,
     "privacy_unit": str,
+    "clipping": str,  # "abadi" (min(1, R/‖g‖)) or "automatic" (R/(‖g‖ + γ))
     "noise": str,
     "sampling": str,
     "self_check": str,

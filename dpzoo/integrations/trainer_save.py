@@ -25,6 +25,7 @@ from torch import nn
 
 from ..errors import SaveError
 from ..hub import CONFIG_NAME, PRIVACY_FIELDS, WEIGHTS_NAME, privacy_metadata, save
+from ..privacy_card import CARD_NAME, check_card, read_card, render_card
 
 __all__ = ["PRIVACY_FILE", "write_privacy_files", "read_privacy_metadata", "is_zoo_model"]
 
@@ -64,13 +65,20 @@ def write_privacy_files(
     target = directory / PRIVACY_FILE
     if zoo_files and is_zoo_model(model):
         _save_zoo_files(model, directory, privacy)
+    card = directory / CARD_NAME
     if privacy is None:
         target.unlink(missing_ok=True)
+        if (read_card(directory) or {}).get("library_name") == "dpzoo":
+            card.unlink()  # our card of an earlier save: its claim must not outlive its model
         return
     text = json.dumps(_checked(privacy), indent=2, sort_keys=True, allow_nan=False) + "\n"
     tmp = target.with_name(f".{PRIVACY_FILE}.tmp-{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, target)
+    name = (vars(model).get("dpzoo_config") or {}).get("model_name") or type(model).__name__
+    tmp = card.with_name(f".{CARD_NAME}.tmp-{os.getpid()}")
+    tmp.write_text(render_card(name, dict(privacy)), encoding="utf-8")
+    os.replace(tmp, card)
 
 
 def _save_zoo_files(model: nn.Module, directory: Path, privacy: Mapping[str, Any] | None) -> None:
@@ -103,7 +111,9 @@ def read_privacy_metadata(directory: str | os.PathLike) -> dict[str, Any] | None
             raise SaveError(f"{path} does not hold a JSON object of privacy fields.")
         if meta.get("epsilon") == INFINITE:
             meta["epsilon"] = math.inf
-        return _checked_read(meta, path)
+        record = _checked_read(meta, path)
+        check_card(directory, record, record)  # a card beside it must say the same
+        return record
     if (directory / CONFIG_NAME).exists():
         return privacy_metadata(directory)
     return None

@@ -68,6 +68,7 @@ def engine_record(engine: "PrivacyEngine", delta: float | None) -> dict[str, Any
         "noise_multiplier": float(engine.noise_multiplier),
         "max_grad_norm": float(engine.max_grad_norm),
         "privacy_unit": "sample",
+        **({"clipping": optimizer.clipping} if optimizer is not None else {}),
         "noise": noise,
         "sampling": sampling,
         "self_check": check,

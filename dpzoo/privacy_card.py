@@ -1,0 +1,268 @@
+"""The privacy card of a saved model: its guarantee in a machine-readable block and in plain words.
+
+:func:`dpzoo.save` writes ``README.md`` beside the weights: YAML front matter in the Hugging Face
+model-card format (``library_name``, ``tags``) with a ``privacy:`` block (:func:`privacy_block`)
+whose first fields are the concepts of the Differential Privacy Deployments Registry (Nanayakkara,
+Ghazi & Vadhan, arXiv:2509.13509; OpenDP, November 2025): the DP flavour, ε and δ, the unit of
+privacy and what it means here, the trust model, the accounting and the implementation, then
+dpzoo's training fields (σ, q, steps, clipping, sampling, noise source, self-check, public
+statistics, the composed history). The body is the plain-language statement
+(:func:`privacy_statement`), which also bounds what a membership-inference attacker can achieve
+under the stated (ε, δ). ``docs/PRIVACY_CARD.md`` holds the schema (``docs/privacy_card.schema.json``)
+and the field mapping.
+
+:func:`check_card` is run on load: a card whose numbers disagree with the saved privacy record
+(the JSON and the safetensors header), or whose ε does not recompute from its history with its
+accountant, is refused.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from . import __version__
+from .errors import CheckpointError
+
+__all__ = [
+    "CARD_NAME",
+    "privacy_block",
+    "privacy_statement",
+    "statement_from_record",
+    "membership_tpr_bound",
+    "render_card",
+    "read_card",
+    "check_card",
+]
+
+CARD_NAME = "README.md"
+# privacy_unit -> (the unit's name on the card, what one unit is)
+UNITS = {
+    "sample": ("example", "one training example: adding or removing any one example"),
+    "user": ("user", "one user: adding or removing all of one user's examples at once"),
+    "sequence": ("sequence", "one sequence: adding or removing any one training sequence"),
+}
+# the fields a card must agree on with the record it was written from
+CHECKED = ("epsilon", "delta", "accountant", "steps", "sample_rate", "noise_multiplier", "max_grad_norm")
+FLAVOUR = "approximate DP, (ε, δ)"
+TRUST_MODEL = "central: one trusted party trains on the raw data and releases the model"
+
+
+def membership_tpr_bound(epsilon: float, delta: float, fpr: float = 0.01) -> float:
+    """The largest true-positive rate any membership test can reach at false-positive rate ``fpr``
+    against an (ε, δ)-DP mechanism: min(e^ε·α + δ, 1 − e^−ε·(1 − δ − α)) (the hypothesis-testing
+    region of (ε, δ)-DP; Kairouz, Oh & Viswanath, ICML 2015, Thm. 2.1)."""
+    if not math.isfinite(epsilon):
+        return 1.0
+    return float(min(1.0, math.exp(epsilon) * fpr + delta, 1 - math.exp(-epsilon) * (1 - delta - fpr)))
+
+
+def _accounting(accountant: str) -> dict[str, Any]:
+    from .privacy.accounting_registry import accountant_spec
+
+    try:
+        spec = accountant_spec(accountant)
+    except Exception:  # noqa: BLE001 - an accountant registered in another process
+        return {"accountant": accountant, "library": "not registered here", "library_version": None}
+    library = "opacus" if spec.requires and spec.requires.startswith("opacus") else "dp-accounting"
+    if not spec.description.startswith(("dp-accounting", "Opacus")):
+        library = spec.description or "user-registered"
+    try:
+        version = importlib.metadata.version(library)
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    return {"accountant": accountant, "library": library, "library_version": version}
+
+
+def privacy_block(record: Mapping[str, Any], audit: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The card's ``privacy:`` block of a saved privacy record (``dpzoo.privacy_metadata``)."""
+    unit, meaning = UNITS.get(record.get("privacy_unit", "sample"), (record.get("privacy_unit"), "one unit"))
+    eps = record["epsilon"]
+    block: dict[str, Any] = {
+        "flavour": FLAVOUR,
+        "epsilon": eps if math.isfinite(eps) else "inf",
+        "delta": record["delta"],
+        "unit_of_privacy": unit,
+        "unit_meaning": meaning,
+        "trust_model": TRUST_MODEL,
+        "accounting": _accounting(record["accountant"]),
+        "implementation": {"name": "dpzoo", "version": __version__, "mechanism": "DP-SGD (Gaussian, Poisson sampling)"},
+        "accountant": record["accountant"],
+        "steps": record["steps"],
+        "sample_rate": record["sample_rate"],
+    }
+    for key in ("noise_multiplier", "max_grad_norm", "clipping", "sampling", "noise", "self_check", "history"):
+        if key in record:
+            block[key] = record[key]
+    block["public_statistics"] = record.get("public_statistics", "none recorded")
+    if "delta_note" in record:
+        block["delta_note"] = record["delta_note"]
+    if audit is not None:
+        block["audit"] = dict(audit)
+    return block
+
+
+def privacy_statement(model_or_dir: Any, fpr: float = 0.01) -> str:
+    """The privacy guarantee of a model in plain words: ``model_or_dir`` is a model (trained by
+    dpzoo's engine, or loaded with its record), a directory (``dpzoo.save``'s, a ``dpzoo train
+    --out`` run, or a Hugging Face directory ``DPTrainer`` saved), or a privacy record itself."""
+    return statement_from_record(_record_of(model_or_dir), fpr)
+
+
+def _record_of(obj: Any) -> Mapping[str, Any] | None:
+    if obj is None or isinstance(obj, Mapping):
+        return obj
+    if isinstance(obj, (str, Path)):
+        from .hub import run_model_directory
+        from .integrations.trainer_save import read_privacy_metadata
+
+        return read_privacy_metadata(run_model_directory(obj))
+    from .privacy.engine import engine_of
+
+    engine = engine_of(obj)
+    if engine is not None and engine.steps > 0:
+        return engine.privacy_metadata()
+    return getattr(obj, "dpzoo_privacy", None)
+
+
+def statement_from_record(record: Mapping[str, Any] | None, fpr: float = 0.01) -> str:
+    """The guarantee of a privacy record in plain words (None: a model without one)."""
+    if record is None:
+        return "No differential-privacy guarantee is recorded for this model: treat it as trained without DP."
+    eps, delta = record["epsilon"], record["delta"]
+    _, meaning = UNITS.get(record.get("privacy_unit", "sample"), (None, f"one {record.get('privacy_unit')}"))
+    acc = _accounting(record["accountant"])
+    library = f"{acc['library']} {acc['library_version'] or ''}".strip()
+    if not math.isfinite(eps):
+        strength = "No guarantee: ε is infinite (the run added no noise)."
+    else:
+        tpr = membership_tpr_bound(eps, delta, fpr)
+        strength = (
+            f"How strongly: (ε = {eps:.3g}, δ = {delta:.3g})-differential privacy, from the {record['accountant']} "
+            f"accountant ({library}) over {record['steps']} steps at sampling rate q = {record['sample_rate']:.4g}"
+            + (f" and noise multiplier σ = {record['noise_multiplier']:.4g}" if "noise_multiplier" in record else "")
+            + (f", clipping norm R = {record['max_grad_norm']:g}" if "max_grad_norm" in record else "")
+            + f". For a membership-inference attacker this means: at a {fpr:.0%} false-positive rate, no test "
+            f"can reach a true-positive rate above {tpr:.1%} (a guess reaches {fpr:.0%})"
+            + (
+                "; at this ε the (ε, δ) statement alone does not limit such an attacker at that rate."
+                if tpr > 0.5
+                else "."
+            )
+        )
+    covered = record.get("public_statistics")
+    lines = [
+        f"Trained with differential privacy by dpzoo {__version__} (DP-SGD).",
+        f"What is protected: {meaning}.",
+        "Against whom: anyone who sees the released model, and even anyone who saw every noisy update during "
+        "training (DP-SGD's analysis covers all of them); the party that trained it holds the data (central DP).",
+        strength,
+        "Not covered: "
+        + (f"{covered} (stated public by the user, used outside ε)." if covered else "nothing recorded outside ε.")
+        + (f" Note: {record['delta_note']}." if "delta_note" in record else ""),
+        f"Noise: {record.get('noise', 'not recorded')}; sampling: {record.get('sampling', 'not recorded')}; "
+        f"self-check: {record.get('self_check', 'not recorded')}.",
+    ]
+    return "\n".join(lines)
+
+
+def render_card(model_name: str, record: Mapping[str, Any] | None, audit: Mapping[str, Any] | None = None) -> str:
+    """README.md of a saved model: front matter (the privacy block when there is a record) and the statement."""
+    front: dict[str, Any] = {
+        "library_name": "dpzoo",
+        "tags": ["dpzoo", *(["differential-privacy", "dp-sgd"] if record is not None else [])],
+        "dpzoo_model": model_name,
+    }
+    if record is not None:
+        front["privacy"] = privacy_block(record, audit)
+    body = yaml.safe_dump(front, sort_keys=False, allow_unicode=True)
+    return f"---\n{body}---\n\n# {model_name}\n\n{statement_from_record(record)}\n"
+
+
+def read_card(directory: str | Path) -> dict[str, Any] | None:
+    """The front matter of ``directory``'s card, or None when it has none."""
+    path = Path(directory) / CARD_NAME
+    if not path.is_file():
+        return None
+    text = path.read_text(encoding="utf-8")
+    if not text.startswith("---\n") or "\n---\n" not in text[4:]:
+        return None
+    try:
+        front = yaml.safe_load(text[4 : text.index("\n---\n", 4)])
+    except yaml.YAMLError as e:
+        raise CheckpointError(f"{path}: its front matter is not YAML ({str(e).splitlines()[0]}).") from None
+    return front if isinstance(front, dict) else None
+
+
+def check_card(directory: str | Path, record: Mapping[str, Any] | None, header: Mapping[str, Any] | None) -> None:
+    """Refuse a card that says something else than the saved record and the weights' header, or
+    whose ε does not recompute from its history with its accountant (when that accountant is
+    registered in this process)."""
+    front = read_card(directory)
+    card = (front or {}).get("privacy")
+    path = Path(directory) / CARD_NAME
+    if card is None:
+        if record is not None and front is not None:
+            raise CheckpointError(
+                f"{path} states no privacy guarantee, but the model carries one: rewrite it with dpzoo.save."
+            )
+        return
+    for source, other in (("dpzoo_config.json", record), ("the safetensors header", header)):
+        if other is None:
+            raise CheckpointError(f"{path} states a privacy guarantee that {source} does not hold.")
+        for key in CHECKED:
+            mine, theirs = card.get(key), other.get(key)
+            mine = math.inf if mine == "inf" else mine
+            if theirs is not None and not _same(mine, theirs):
+                raise CheckpointError(
+                    f"{path} says {key} = {mine!r} but {source} says {theirs!r}: the card was edited or belongs to "
+                    "other weights; rewrite it with dpzoo.save."
+                )
+    _recompute(path, card)
+
+
+def check_saved_card(directory: Path, record: Mapping[str, Any] | None, weights: Path) -> None:
+    """:func:`check_card` for a directory :func:`dpzoo.save` wrote (``weights``: its safetensors file;
+    a sharded checkpoint has no single header, and the record stands for it)."""
+    from safetensors import SafetensorError, safe_open
+
+    from .privacy_record import privacy_from_header
+
+    header = record
+    if weights.is_file():
+        try:
+            with safe_open(str(weights), framework="pt") as f:
+                header = privacy_from_header(f.metadata(), str(weights))
+        except SafetensorError:
+            return  # a corrupt weights file is refused when the weights are read
+    check_card(directory, record, header)
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return a == b or (math.isfinite(a) and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12))
+    return a == b
+
+
+def _recompute(path: Path, card: Mapping[str, Any]) -> None:
+    from .privacy.accountant import Accountant
+    from .privacy.accounting_registry import accountant_spec
+
+    history, eps = card.get("history"), card.get("epsilon")
+    if not history or eps == "inf":
+        return
+    try:
+        accountant_spec(card["accountant"])
+    except Exception:  # noqa: BLE001 - registered elsewhere: nothing to recompute with here
+        return
+    acc = Accountant(card["accountant"], [list(h) for h in history])
+    again = acc.get_epsilon(card["delta"])
+    if not math.isclose(again, eps, rel_tol=1e-6, abs_tol=1e-9):
+        raise CheckpointError(
+            f"{path} says ε = {eps} but its history gives ε = {again:.6g} with the {card['accountant']} accountant: "
+            "the card was edited; rewrite it with dpzoo.save."
+        )
