@@ -259,7 +259,8 @@ def save(
     try:
         safetensors.torch.save_model(model, str(tmp / WEIGHTS_NAME), metadata=st_meta)
         (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True, allow_nan=False) + "\n")
-        (tmp / CARD_NAME).write_text(render_card(config["model_name"], privacy), encoding="utf-8")
+        base = config.get("pretrained_tag") if config.get("pretrained") else None
+        (tmp / CARD_NAME).write_text(render_card(config["model_name"], privacy, base_model=base), encoding="utf-8")
         _write_library_config(model, tmp)
         give_default_permissions(tmp)  # mkdtemp made it 0700: as mkdir/open would, under the umask
         if directory.exists():

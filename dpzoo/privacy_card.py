@@ -170,13 +170,21 @@ def statement_from_record(record: Mapping[str, Any] | None, fpr: float = 0.01) -
     return "\n".join(lines)
 
 
-def render_card(model_name: str, record: Mapping[str, Any] | None, audit: Mapping[str, Any] | None = None) -> str:
-    """README.md of a saved model: front matter (the privacy block when there is a record) and the statement."""
+def render_card(
+    model_name: str,
+    record: Mapping[str, Any] | None,
+    audit: Mapping[str, Any] | None = None,
+    base_model: str | None = None,
+) -> str:
+    """README.md of a saved model: front matter (``base_model``: the pretrained tag it started from;
+    the privacy block when there is a record) and the statement."""
     front: dict[str, Any] = {
         "library_name": "dpzoo",
         "tags": ["dpzoo", *(["differential-privacy", "dp-sgd"] if record is not None else [])],
         "dpzoo_model": model_name,
     }
+    if base_model:
+        front["base_model"] = base_model
     if record is not None:
         front["privacy"] = privacy_block(record, audit)
     body = yaml.safe_dump(front, sort_keys=False, allow_unicode=True)

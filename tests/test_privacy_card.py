@@ -56,6 +56,18 @@ def test_the_card_validates_against_the_schema_and_states_the_engines_numbers(tm
     assert statement == dpzoo.privacy_statement(dpzoo.load(directory))  # the loaded model says the same
 
 
+def test_a_pretrained_start_is_the_cards_base_model():
+    jsonschema = pytest.importorskip("jsonschema")
+    import yaml
+
+    from dpzoo.privacy_card import render_card
+
+    text = render_card("bert-base", None, base_model="google-bert/bert-base-uncased")
+    front = yaml.safe_load(text.split("---\n")[1])
+    jsonschema.validate(front, SCHEMA)
+    assert front["base_model"] == "google-bert/bert-base-uncased" and "privacy" not in front
+
+
 def test_membership_bound_is_the_hypothesis_testing_region_of_eps_delta():
     # e^ε·α + δ binds at small ε, 1 - e^-ε(1 - δ - α) at large ε; no DP: anything
     assert membership_tpr_bound(1.0, 1e-5, 0.01) == pytest.approx(math.e * 0.01 + 1e-5)
