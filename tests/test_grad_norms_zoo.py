@@ -20,6 +20,8 @@ ENTRIES = [
     "vit-tiny-patch16",
     "gpt2",
     "llama-tiny-bias",
+    "qwen2-bias",
+    "mistral-bias",
     "bert-base",
     "roberta-base",
     "efficientnet-lite0-gn-bias",

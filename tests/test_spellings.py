@@ -425,7 +425,7 @@ def test_saved_files_follow_the_umask(mask, tmp_path):
             out = dpzoo.save(model, tmp_path / "m")
             assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~mask
             files = sorted(out.iterdir())
-            assert {f.name for f in files} == {"model.safetensors", "dpzoo_config.json", "config.json"}
+            assert {f.name for f in files} == {"model.safetensors", "dpzoo_config.json", "config.json", "README.md"}
             for f in files:
                 assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~mask, f.name
     finally:

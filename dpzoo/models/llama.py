@@ -1,4 +1,5 @@
-"""LLaMA with BiTFiT-Add biases (DP-BiTFiT paper §3.4: LLaMA has no bias terms)."""
+"""LLaMA with BiTFiT-Add biases (DP-BiTFiT paper §3.4: LLaMA has no bias terms), and the card and
+builder shared by the LLaMA-family decoders (:mod:`dpzoo.models.qwen2`, :mod:`dpzoo.models.mistral`)."""
 
 from __future__ import annotations
 
@@ -54,23 +55,26 @@ _TINY = {
 }
 
 
-def _card(name, summary, default, test):
+def decoder_card(name, summary, default, test, *, hub, hub_note, tags, licence, papers, cls="LlamaForCausalLM"):
+    """The card of a LLaMA-family decoder with BiTFiT-Add biases: ``cls`` its transformers class,
+    ``hub`` the checkpoint ``pretrained=True`` loads (``hub_note``: what to know first), ``tags``
+    the card's pretrained tags."""
     return ModelCard(
         name=name,
         summary=summary,
-        architecture=f"transformers `LlamaForCausalLM` ({default})",
+        architecture=f"transformers `{cls}` ({default})",
         library="transformers",
         task="causal-lm",
         patches=_PATCHES,
         bias_exempt=("lm_head",),
         weight_source=(
-            "random initialisation; `pretrained=True`: hub `meta-llama/Llama-2-7b-hf` (gated: "
-            "accept Meta's licence first); `weights=DIR`: a Hugging Face directory; any hub id is a tag too: "
-            f'`dpzoo.load("{name}.org/model", pretrained=True)` or `pretrained_tag="org/model"`'
+            f"random initialisation; `pretrained=True`: hub `{hub}`{hub_note}; `weights=DIR`: a Hugging Face "
+            f'directory; any hub id is a tag too: `dpzoo.load("{name}.org/model", pretrained=True)` or '
+            '`pretrained_tag="org/model"`'
         ),
-        pretrained_tags={"meta-llama/Llama-2-7b-hf": "Hugging Face hub (gated)"} if name == "llama-bias" else {},
-        license="Llama 2 Community Licence (weights); Apache-2.0 (transformers code)",
-        papers=("Touvron et al., Llama 2, 2023", "Bu et al., DP-BiTFiT, ICML 2024: §3.4 (BiTFiT-Add)"),
+        pretrained_tags=tags,
+        license=licence,
+        papers=(*papers, "Bu et al., DP-BiTFiT, ICML 2024: §3.4 (BiTFiT-Add)"),
         overrides=_OVERRIDES,
         test_overrides=test,
         example_input={"kind": "tokens", "vocab_size": test.get("vocab_size", 256), "seq_len": 16},
@@ -78,11 +82,27 @@ def _card(name, summary, default, test):
     )
 
 
-def _build(name, base, pretrained, pretrained_tag, weights, overrides):
+def _card(name, summary, default, test):
+    hub = "meta-llama/Llama-2-7b-hf"
+    return decoder_card(
+        name,
+        summary,
+        default,
+        test,
+        hub=hub,
+        hub_note=" (gated: accept Meta's licence first)",
+        tags={hub: "Hugging Face hub (gated)"} if name == "llama-bias" else {},
+        licence="Llama 2 Community Licence (weights); Apache-2.0 (transformers code)",
+        papers=("Touvron et al., Llama 2, 2023",),
+    )
+
+
+def build_decoder(name, model_cls, config_cls, base, pretrained, pretrained_tag, weights, overrides, hub_id=None):
+    """A LLaMA-family decoder from transformers, made DP-ready with BiTFiT-Add biases."""
     return build_hf(
         name,
-        LlamaForCausalLM,
-        LlamaConfig,
+        model_cls,
+        config_cls,
         pretrained=pretrained,
         pretrained_tag=pretrained_tag,
         weights=weights,
@@ -91,8 +111,13 @@ def _build(name, base, pretrained, pretrained_tag, weights, overrides):
         base_config=base,
         head_keys=(),
         bias_exempt=("lm_head",),
-        hub_id="meta-llama/Llama-2-7b-hf" if name == "llama-bias" else None,
+        hub_id=hub_id,
     )
+
+
+def _build(name, base, pretrained, pretrained_tag, weights, overrides):
+    hub = "meta-llama/Llama-2-7b-hf" if name == "llama-bias" else None
+    return build_decoder(name, LlamaForCausalLM, LlamaConfig, base, pretrained, pretrained_tag, weights, overrides, hub)
 
 
 @register_model(
