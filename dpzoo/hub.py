@@ -15,7 +15,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import safetensors.torch
 import torch
@@ -203,7 +203,12 @@ def _model_dtype(model: nn.Module) -> str | None:
 
 
 def save(
-    model: nn.Module, directory: str | os.PathLike, *, privacy: Mapping[str, Any] | None = None, overwrite: bool = True
+    model: nn.Module,
+    directory: str | os.PathLike,
+    *,
+    privacy: Mapping[str, Any] | None = None,
+    overwrite: bool = True,
+    datasets: Sequence[str] | None = None,
 ) -> Path:
     """Write ``model`` to ``directory`` (safetensors + JSON), atomically (through a temporary directory).
 
@@ -211,6 +216,8 @@ def save(
     optionally noise_multiplier, max_grad_norm, privacy_unit); it goes into the JSON and
     into the safetensors header. A model trained by dpzoo's engine fills it in itself; one Opacus
     wrapped is unwrapped and needs ``privacy=dpzoo.integrations.opacus.privacy_metadata(engine, delta, data_loader=loader)``.
+    ``datasets``: names of the (public, named) datasets it was trained on, for its card's front matter
+    (``README.md``, :mod:`dpzoo.privacy_card`; never a private file's path).
     """
     if (sharded := save_if_sharded(model, directory, save, privacy, overwrite)) is not None:
         return sharded  # FSDP2: every rank gathers, rank 0 writes (dpzoo.sharded_save)
@@ -260,7 +267,8 @@ def save(
         safetensors.torch.save_model(model, str(tmp / WEIGHTS_NAME), metadata=st_meta)
         (tmp / CONFIG_NAME).write_text(json.dumps(meta, indent=2, sort_keys=True, allow_nan=False) + "\n")
         base = config.get("pretrained_tag") if config.get("pretrained") else None
-        (tmp / CARD_NAME).write_text(render_card(config["model_name"], privacy, base_model=base), encoding="utf-8")
+        card = render_card(config["model_name"], privacy, base_model=base, datasets=datasets)
+        (tmp / CARD_NAME).write_text(card, encoding="utf-8")
         _write_library_config(model, tmp)
         give_default_permissions(tmp)  # mkdtemp made it 0700: as mkdir/open would, under the umask
         if directory.exists():

@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib.metadata
 import math
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import yaml
 
@@ -175,9 +175,11 @@ def render_card(
     record: Mapping[str, Any] | None,
     audit: Mapping[str, Any] | None = None,
     base_model: str | None = None,
+    datasets: Sequence[str] | None = None,
 ) -> str:
     """README.md of a saved model: front matter (``base_model``: the pretrained tag it started from;
-    the privacy block when there is a record) and the statement."""
+    ``datasets``: the named datasets it was trained on; the privacy block when there is a record)
+    and the statement."""
     front: dict[str, Any] = {
         "library_name": "dpzoo",
         "tags": ["dpzoo", *(["differential-privacy", "dp-sgd"] if record is not None else [])],
@@ -185,6 +187,8 @@ def render_card(
     }
     if base_model:
         front["base_model"] = base_model
+    if datasets:
+        front["datasets"] = list(datasets)
     if record is not None:
         front["privacy"] = privacy_block(record, audit)
     body = yaml.safe_dump(front, sort_keys=False, allow_unicode=True)

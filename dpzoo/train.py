@@ -375,7 +375,8 @@ def train_image_classifier(
         if (run_dir / "tensorboard").is_dir():
             written.append("tensorboard/")
         inner = model.model if isinstance(model, PackedTextClassifier) else model
-        save(inner, run_dir / "model", privacy=engine.privacy_metadata(delta))
+        named = [data] if data in IMAGE_DATASETS else None  # a user's path stays off the card
+        save(inner, run_dir / "model", privacy=engine.privacy_metadata(delta), datasets=named)
         if tokenizer is not None:  # dpzoo eval tokenizes new texts with it
             tokenizer.save_pretrained(run_dir / "model")
         log(f"saved the model (with its privacy metadata), {', '.join(written)} to {run_dir}")

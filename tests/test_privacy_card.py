@@ -103,6 +103,7 @@ def _set_epsilon(text, value):
 def test_a_card_claiming_privacy_for_a_model_without_a_record_is_refused(tmp_path):
     directory, _ = _trained(tmp_path)
     plain = dpzoo.save(dpzoo.load("mlp-tanh", in_features=4, num_classes=2, width=8), tmp_path / "plain")
+    assert "datasets" not in read_card(plain)
     assert "No differential-privacy guarantee" in (plain / "README.md").read_text()
     assert read_card(plain).get("privacy") is None and dpzoo.load(plain) is not None
     (plain / "README.md").write_text((directory / "README.md").read_text())
@@ -117,6 +118,7 @@ def test_cli_card_prints_the_statement_of_a_run(tmp_path, capsys):
     assert main(["card", str(out)]) == 0
     text = capsys.readouterr().out
     meta = json.loads((out / "metrics.json").read_text())
+    assert read_card(out / "model")["datasets"] == ["digits"]
     assert text.startswith("Trained with differential privacy") and f"ε = {meta['epsilon']:.3g}" in text
     assert (out / "model" / "README.md").is_file()
 

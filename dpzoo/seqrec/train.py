@@ -370,6 +370,7 @@ def train_seqrec(
             written.append("metrics.png")
         if (run_dir / "tensorboard").is_dir():
             written.append("tensorboard/")
-        save(model, run_dir / "model", privacy=privacy)
+        named = [data] if data in DATASETS or data == "synthetic" else None  # a user's path stays off the card
+        save(model, run_dir / "model", privacy=privacy, datasets=named)
         log(f"saved the model{' (with its privacy metadata)' if privacy else ''}, {', '.join(written)} to {run_dir}")
     return result
