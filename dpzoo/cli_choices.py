@@ -37,6 +37,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "cnn-tanh-gn": "image-classification",
     "dpformer": "sequential-recommendation",
     "efficientnet-lite0-gn-bias": "image-classification",
+    "gemma-bias": "causal-lm",
     "gpt2": "causal-lm",
     "gru-seqrec": "sequential-recommendation",
     "llama-bias": "causal-lm",

@@ -1,6 +1,6 @@
 """The LLaMA-family decoders load real checkpoints unchanged: a Hugging Face directory of the same
 layout as the hub's (transformers' own class, saved by save_pretrained, built here offline) loads
-into llama-tiny-bias, qwen2-bias and mistral-bias with every tensor kept, the BiTFiT-Add biases at
+into llama-tiny-bias, qwen2-bias, mistral-bias and gemma-bias with every tensor kept, the BiTFiT-Add biases at
 zero and the same logits; through ``weights=DIR`` and through the pretrained path (``pretrained=True``
 with the directory as its tag, which is what the hub id resolves to once downloaded)."""
 
@@ -22,8 +22,11 @@ def _original(kind):
         "llama-tiny-bias": ("LlamaForCausalLM", "LlamaConfig"),
         "qwen2-bias": ("Qwen2ForCausalLM", "Qwen2Config"),
         "mistral-bias": ("MistralForCausalLM", "MistralConfig"),
+        "gemma-bias": ("GemmaForCausalLM", "GemmaConfig"),
     }[kind]
-    extra = {"tie_word_embeddings": True} if kind == "qwen2-bias" else {}
+    extra = {"tie_word_embeddings": True} if kind in ("qwen2-bias", "gemma-bias") else {}
+    if kind == "gemma-bias":
+        extra["head_dim"] = 8
     torch.manual_seed(0)
     model = getattr(transformers, cls)(getattr(transformers, config)(**TINY, **extra)).eval()
     with torch.no_grad():
@@ -33,7 +36,7 @@ def _original(kind):
     return model
 
 
-@pytest.mark.parametrize("name", ["llama-tiny-bias", "qwen2-bias", "mistral-bias"])
+@pytest.mark.parametrize("name", ["llama-tiny-bias", "qwen2-bias", "mistral-bias", "gemma-bias"])
 @pytest.mark.parametrize("path", ["weights", "pretrained"])
 def test_a_checkpoint_of_the_hub_layout_loads_unchanged(tmp_path, name, path):
     original = _original(name)
@@ -54,6 +57,8 @@ def test_a_checkpoint_of_the_hub_layout_loads_unchanged(tmp_path, name, path):
     added = model.dpzoo_patch_report.biases_added
     assert added and all(float(mine[f"{m}.bias"].detach().abs().max()) == 0 for m in added)
     assert "model.layers.0.self_attn.o_proj" in added
+    if name == "gemma-bias":  # its (1 + w) RMSNorms replaced by dpzoo's in that arithmetic
+        assert model.model.layers[0].input_layernorm.style == "gemma"
     if name == "qwen2-bias":  # its own q/k/v biases kept (and loaded, above); the tied head recorded
         assert (
             "model.layers.0.self_attn.q_proj" not in added

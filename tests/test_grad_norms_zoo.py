@@ -22,6 +22,7 @@ ENTRIES = [
     "llama-tiny-bias",
     "qwen2-bias",
     "mistral-bias",
+    "gemma-bias",
     "bert-base",
     "roberta-base",
     "efficientnet-lite0-gn-bias",

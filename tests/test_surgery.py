@@ -568,18 +568,27 @@ class GemmaLikeRMSNorm(nn.Module):
         return (h * (1.0 + self.weight.float())).type_as(x)
 
 
-def test_gemma_like_rmsnorm_is_not_replaced():
+def test_gemma_like_rmsnorm_is_replaced_in_its_own_arithmetic():
+    """(1 + w) ⊙ x̂ in float32, cast back: replaced by dpzoo's RMSNorm in the "gemma" style, bit for
+    bit, with a zero bias; an RMSNorm of any other arithmetic is left alone and reported."""
     norm = GemmaLikeRMSNorm(16)
     _randomize_(norm, seed=25)
     ref = copy.deepcopy(norm)
     model = nn.Sequential(nn.Linear(16, 16), norm)
     report = add_missing_biases(model)
-    assert model[1] is norm
-    assert report.added == [] and report.replaced_norms == []
-    assert "1" in report.not_patched
+    assert isinstance(model[1], RMSNorm) and model[1].style == "gemma" and report.replaced_norms == ["1"]
     x = torch.randn(2, 16, generator=_gen(26))
-    assert torch.equal(norm(x), ref(x))
-    assert getattr(norm, "bias", None) is None
+    assert torch.equal(model[1](x), ref(x)) and torch.equal(model[1].weight, ref.weight)
+    assert model[1].bias is not None and model[1].bias.abs().max() == 0
+
+    class OtherRMSNorm(GemmaLikeRMSNorm):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    other = OtherRMSNorm(16)
+    model = nn.Sequential(nn.Linear(16, 16), other)
+    report = add_missing_biases(model)
+    assert model[1] is other and "1" in report.not_patched
 
 
 def _meta_model():

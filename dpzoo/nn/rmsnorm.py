@@ -17,7 +17,10 @@ class RMSNorm(nn.Module):
 
     * ``"llama"``: Hugging Face ``LlamaRMSNorm`` (normalise in float32, cast back to the
       input dtype, then scale): ``w ⊙ cast(x / sqrt(mean(x²) + eps)) + b``;
-    * ``"torch"``: ``torch.nn.RMSNorm`` (``F.rms_norm``), plus ``b``.
+    * ``"torch"``: ``torch.nn.RMSNorm`` (``F.rms_norm``), plus ``b``;
+    * ``"gemma"``: Hugging Face ``GemmaRMSNorm``, which scales by ``1 + w`` (its ``w`` starts at 0)
+      in float32 and casts the product back: ``cast(x / sqrt(mean(x²) + eps) ⊙ (1 + w)) + b``.
+      The per-sample gradient of ``w`` is the same as for ``w ⊙ x̂``.
     """
 
     def __init__(
@@ -32,13 +35,14 @@ class RMSNorm(nn.Module):
         dtype=None,
     ):
         super().__init__()
-        if style not in ("llama", "torch"):
+        if style not in ("llama", "torch", "gemma"):
             raise InvalidArgumentError(
-                f"RMSNorm style={style!r} is not supported; pass style='llama' or style='torch'."
+                f"RMSNorm style={style!r} is not supported; pass style='llama', 'torch' or 'gemma'."
             )
         factory = {"device": device, "dtype": dtype}
         self.hidden_size, self.eps, self.style = int(hidden_size), eps, style
-        self.weight = nn.Parameter(torch.ones(hidden_size, **factory)) if elementwise_affine else None
+        start = torch.zeros if style == "gemma" else torch.ones  # the identity scale either way
+        self.weight = nn.Parameter(start(hidden_size, **factory)) if elementwise_affine else None
         self.bias = nn.Parameter(torch.zeros(hidden_size, **factory)) if bias else None
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,6 +56,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.style == "torch":
             out = F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
+        elif self.style == "gemma":
+            h = x.to(torch.float32)
+            h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+            out = (h * (1.0 + self.weight.float()) if self.weight is not None else h).type_as(x)
         else:
             out = self.normalize(x)
             if self.weight is not None:

@@ -71,15 +71,20 @@ def _rmsnorm_replacement(m: nn.Module) -> RMSNorm | None:
         if len(shape) != 1 or w is None:
             return None
         new = RMSNorm(shape[0], m.eps, style="torch", device="cpu")
-    else:
-        eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
-        if not isinstance(eps, float):
-            return None
-        new = RMSNorm(w.shape[0], eps, style="llama", device="cpu")
-    # Numerical proof on a CPU copy with random weights: same outputs, bit for bit. (`new` is
-    # built on the CPU explicitly: an ambient `with torch.device("meta")` would put it on meta.)
+        with torch.device("cpu"):  # also inside a `with torch.device("meta")` block
+            return _proven_replacement(m, new, w)
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    if not isinstance(eps, float):
+        return None
+    # Numerical proof on a CPU copy with random weights: same outputs, bit for bit, for the first
+    # arithmetic that matches (LLaMA's w ⊙ x̂, or Gemma's (1 + w) ⊙ x̂). (Built on the CPU
+    # explicitly: an ambient `with torch.device("meta")` would put it on meta.)
     with torch.device("cpu"):  # also inside a `with torch.device("meta")` block
-        return _proven_replacement(m, new, w)
+        for style in ("llama", "gemma"):
+            proven = _proven_replacement(m, RMSNorm(w.shape[0], eps, style=style, device="cpu"), w)
+            if proven is not None:
+                return proven
+    return None
 
 
 def _proven_replacement(m: nn.Module, new: RMSNorm, w: torch.Tensor) -> RMSNorm | None:

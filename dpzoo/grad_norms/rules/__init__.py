@@ -14,4 +14,5 @@ from . import (  # noqa: F401
     loose,
     norms,
     prelu,
+    scaled_embedding,
 )

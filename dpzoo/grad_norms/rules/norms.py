@@ -1,4 +1,4 @@
-"""LayerNorm, GroupNorm (and timm's GroupNormAct), RMSNorm (dpzoo's, torch's, LLaMA's, T5's).
+"""LayerNorm, GroupNorm (and timm's GroupNormAct), RMSNorm (dpzoo's, torch's, LLaMA's, Gemma's, T5's).
 
 Weight: Σ_t g_t ⊙ x̂_t with x̂ the normalised input (recomputed from the stored input);
 bias: Σ_t g_t, activation-free (DP-BiTFiT Algorithm 1). Both are small: per-sample
@@ -135,6 +135,20 @@ except ImportError:  # pragma: no cover
     LlamaRMSNorm = None
 if LlamaRMSNorm is not None:
     register_rule(LlamaRMSNorm, params=("weight",))(_rms_rule(_llama_normalize))
+
+
+def _gemma_normalize(module, x):
+    # GemmaRMSNorm scales x̂ by (1 + w): ∂/∂w is x̂, as for LLaMA's w ⊙ x̂
+    h = x.to(torch.float32)
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.eps)).to(x.dtype)
+
+
+try:
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+except ImportError:  # pragma: no cover
+    GemmaRMSNorm = None
+if GemmaRMSNorm is not None:
+    register_rule(GemmaRMSNorm, params=("weight",))(_rms_rule(_gemma_normalize))
 
 
 def _t5_normalize(module, x):
