@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 CARD_NAME = "README.md"
+CARD_VERSION = 1  # the wording of the statement: bump it when statement_from_record's text changes
 # privacy_unit -> (the unit's name on the card, what one unit is)
 UNITS = {
     "sample": ("example", "one training example: adding or removing any one example"),
@@ -61,6 +62,9 @@ def membership_tpr_bound(epsilon: float, delta: float, fpr: float = 0.01) -> flo
     return float(min(1.0, math.exp(epsilon) * fpr + delta, 1 - math.exp(-epsilon) * (1 - delta - fpr)))
 
 
+MECHANISM = "DP-SGD (Gaussian, Poisson sampling)"
+
+
 def _accounting(accountant: str) -> dict[str, Any]:
     from .privacy.accounting_registry import accountant_spec
 
@@ -78,8 +82,20 @@ def _accounting(accountant: str) -> dict[str, Any]:
     return {"accountant": accountant, "library": library, "library_version": version}
 
 
-def privacy_block(record: Mapping[str, Any], audit: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def _versions(record: Mapping[str, Any], versions: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The software that wrote a card: this process's, or (``versions``, read back from a card) the
+    accounting library and dpzoo versions it recorded; every other field comes from the record."""
+    if versions is None:
+        acc = _accounting(record["accountant"])
+        return {"library": acc["library"], "library_version": acc["library_version"], "dpzoo": __version__}
+    return dict(versions)
+
+
+def privacy_block(
+    record: Mapping[str, Any], audit: Mapping[str, Any] | None = None, versions: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The card's ``privacy:`` block of a saved privacy record (``dpzoo.privacy_metadata``)."""
+    v = _versions(record, versions)
     unit, meaning = UNITS.get(record.get("privacy_unit", "sample"), (record.get("privacy_unit"), "one unit"))
     eps = record["epsilon"]
     block: dict[str, Any] = {
@@ -89,8 +105,12 @@ def privacy_block(record: Mapping[str, Any], audit: Mapping[str, Any] | None = N
         "unit_of_privacy": unit,
         "unit_meaning": meaning,
         "trust_model": TRUST_MODEL,
-        "accounting": _accounting(record["accountant"]),
-        "implementation": {"name": "dpzoo", "version": __version__, "mechanism": "DP-SGD (Gaussian, Poisson sampling)"},
+        "accounting": {
+            "accountant": record["accountant"],
+            "library": v["library"],
+            "library_version": v["library_version"],
+        },
+        "implementation": {"name": "dpzoo", "version": v["dpzoo"], "mechanism": MECHANISM},
         "accountant": record["accountant"],
         "steps": record["steps"],
         "sample_rate": record["sample_rate"],
@@ -129,43 +149,72 @@ def _record_of(obj: Any) -> Mapping[str, Any] | None:
     return getattr(obj, "dpzoo_privacy", None)
 
 
-def statement_from_record(record: Mapping[str, Any] | None, fpr: float = 0.01) -> str:
+SCOPE = (
+    "This statement covers the model's weights. A training run's own outputs (its metrics: accuracy on "
+    "held-out data, the dataset's size) are not protected by it."
+)
+
+
+def _strength(record: Mapping[str, Any], v: Mapping[str, Any], fpr: float) -> str:
+    eps, delta, history = record["epsilon"], record["delta"], record.get("history") or []
+    library = f"{v['library']} {v['library_version'] or ''}".strip()
+    if len(history) > 1:  # e.g. a private item prior, or an earlier run on the same data, composed
+        source = (
+            f"over {len(history)} composed releases ({sum(int(h[2]) for h in history)} steps in all; each one's "
+            "noise multiplier, sampling rate and steps are in the card's history)"
+        )
+    else:
+        source = f"over {record['steps']} steps at sampling rate q = {record['sample_rate']:.4g}" + (
+            f" and noise multiplier σ = {record['noise_multiplier']:.4g}" if "noise_multiplier" in record else ""
+        )
+    tpr = membership_tpr_bound(eps, delta, fpr)
+    return (
+        f"How strongly: (ε = {eps:.3g}, δ = {delta:.3g})-differential privacy, from the {record['accountant']} "
+        f"accountant ({library}) {source}"
+        + (f", clipping norm R = {record['max_grad_norm']:g}" if "max_grad_norm" in record else "")
+        + f". For a membership-inference attacker this means: at a {fpr:.0%} false-positive rate, no test "
+        f"can reach a true-positive rate above {tpr:.1%} (a guess reaches {fpr:.0%})"
+        + ("; at this ε the (ε, δ) statement alone does not limit such an attacker at that rate." if tpr > 0.5 else ".")
+    )
+
+
+def statement_from_record(
+    record: Mapping[str, Any] | None, fpr: float = 0.01, versions: Mapping[str, Any] | None = None
+) -> str:
     """The guarantee of a privacy record in plain words (None: a model without one)."""
     if record is None:
         return "No differential-privacy guarantee is recorded for this model: treat it as trained without DP."
-    eps, delta = record["epsilon"], record["delta"]
-    _, meaning = UNITS.get(record.get("privacy_unit", "sample"), (None, f"one {record.get('privacy_unit')}"))
-    acc = _accounting(record["accountant"])
-    library = f"{acc['library']} {acc['library_version'] or ''}".strip()
-    if not math.isfinite(eps):
-        strength = "No guarantee: ε is infinite (the run added no noise)."
-    else:
-        tpr = membership_tpr_bound(eps, delta, fpr)
-        strength = (
-            f"How strongly: (ε = {eps:.3g}, δ = {delta:.3g})-differential privacy, from the {record['accountant']} "
-            f"accountant ({library}) over {record['steps']} steps at sampling rate q = {record['sample_rate']:.4g}"
-            + (f" and noise multiplier σ = {record['noise_multiplier']:.4g}" if "noise_multiplier" in record else "")
-            + (f", clipping norm R = {record['max_grad_norm']:g}" if "max_grad_norm" in record else "")
-            + f". For a membership-inference attacker this means: at a {fpr:.0%} false-positive rate, no test "
-            f"can reach a true-positive rate above {tpr:.1%} (a guess reaches {fpr:.0%})"
-            + (
-                "; at this ε the (ε, δ) statement alone does not limit such an attacker at that rate."
-                if tpr > 0.5
-                else "."
-            )
+    v = _versions(record, versions)
+    seeded = [k for k in ("noise", "sampling") if "reproducible" in str(record.get(k, ""))]
+    failed = str(record.get("self_check", "")).startswith("failed")
+    lines = []
+    if not math.isfinite(record["epsilon"]):
+        lines.append(
+            f"Trained by dpzoo {v['dpzoo']} with DP-SGD's clipping but without noise: NO differential-privacy "
+            "guarantee (ε is infinite). Treat it as trained without DP."
         )
+    else:
+        _, meaning = UNITS.get(record.get("privacy_unit", "sample"), (None, f"one {record.get('privacy_unit')}"))
+        lines += [
+            f"Trained with differential privacy by dpzoo {v['dpzoo']} (DP-SGD).",
+            f"What is protected: {meaning}.",
+            "Against whom: anyone who sees the released model, and even anyone who saw every noisy update during "
+            "training (DP-SGD's analysis covers all of them); the party that trained it holds the data (central DP)"
+            + (
+                f"; NOT against anyone who holds the {' and '.join(seeded)} seed (recorded as reproducible)."
+                if seeded
+                else "."
+            ),
+            _strength(record, v, fpr),
+        ]
     covered = record.get("public_statistics")
-    lines = [
-        f"Trained with differential privacy by dpzoo {__version__} (DP-SGD).",
-        f"What is protected: {meaning}.",
-        "Against whom: anyone who sees the released model, and even anyone who saw every noisy update during "
-        "training (DP-SGD's analysis covers all of them); the party that trained it holds the data (central DP).",
-        strength,
+    lines += [
         "Not covered: "
-        + (f"{covered} (stated public by the user, used outside ε)." if covered else "nothing recorded outside ε.")
+        + (f"{covered} (used outside ε, assumed public)." if covered else "nothing recorded outside ε.")
         + (f" Note: {record['delta_note']}." if "delta_note" in record else ""),
         f"Noise: {record.get('noise', 'not recorded')}; sampling: {record.get('sampling', 'not recorded')}; "
-        f"self-check: {record.get('self_check', 'not recorded')}.",
+        f"self-check: {record.get('self_check', 'not recorded')}" + (": the stated ε may not hold." if failed else "."),
+        SCOPE,
     ]
     return "\n".join(lines)
 
@@ -180,10 +229,12 @@ def render_card(
     """README.md of a saved model: front matter (``base_model``: the pretrained tag it started from;
     ``datasets``: the named datasets it was trained on; the privacy block when there is a record)
     and the statement."""
+    private = record is not None and math.isfinite(record["epsilon"])
     front: dict[str, Any] = {
         "library_name": "dpzoo",
-        "tags": ["dpzoo", *(["differential-privacy", "dp-sgd"] if record is not None else [])],
+        "tags": ["dpzoo", *(["differential-privacy", "dp-sgd"] if private else [])],
         "dpzoo_model": model_name,
+        "dpzoo_card_version": CARD_VERSION,
     }
     if base_model:
         front["base_model"] = base_model
@@ -195,46 +246,81 @@ def render_card(
     return f"---\n{body}---\n\n# {model_name}\n\n{statement_from_record(record)}\n"
 
 
-def read_card(directory: str | Path) -> dict[str, Any] | None:
-    """The front matter of ``directory``'s card, or None when it has none."""
+def _card_parts(directory: str | Path) -> tuple[dict[str, Any] | None, str] | None:
+    """(front matter or None, the text after it) of ``directory``'s card; None without a card. A
+    byte-order mark and Windows line endings are read as what they are."""
     path = Path(directory) / CARD_NAME
     if not path.is_file():
         return None
-    text = path.read_text(encoding="utf-8")
-    if not text.startswith("---\n") or "\n---\n" not in text[4:]:
-        return None
+    text = path.read_bytes().decode("utf-8-sig", errors="replace").replace("\r\n", "\n")
+    if not text.startswith("---\n") or "\n---\n" not in text[3:]:
+        return None, text
+    end = text.index("\n---\n", 3)
     try:
-        front = yaml.safe_load(text[4 : text.index("\n---\n", 4)])
+        front = yaml.safe_load(text[4:end])
     except yaml.YAMLError as e:
         raise CheckpointError(f"{path}: its front matter is not YAML ({str(e).splitlines()[0]}).") from None
-    return front if isinstance(front, dict) else None
+    return (front if isinstance(front, dict) else None), text[end + 5 :]
+
+
+def read_card(directory: str | Path) -> dict[str, Any] | None:
+    """The front matter of ``directory``'s card, or None when it has none."""
+    parts = _card_parts(directory)
+    return None if parts is None else parts[0]
 
 
 def check_card(directory: str | Path, record: Mapping[str, Any] | None, header: Mapping[str, Any] | None) -> None:
-    """Refuse a card that says something else than the saved record and the weights' header, or
+    """Refuse a card that says something else than the saved record and the weights' header (its
+    privacy block, field by field, and, for a card of this :data:`CARD_VERSION`, its statement), or
     whose ε does not recompute from its history with its accountant (when that accountant is
-    registered in this process)."""
-    front = read_card(directory)
+    registered in this process). A missing card claims nothing."""
+    parts = _card_parts(directory)
+    if parts is None:
+        return
+    front, body = parts
     card = (front or {}).get("privacy")
     path = Path(directory) / CARD_NAME
-    if card is None:
-        if record is not None and front is not None:
-            raise CheckpointError(
-                f"{path} states no privacy guarantee, but the model carries one: rewrite it with dpzoo.save."
-            )
+    if record is None:
+        if card is not None:
+            raise CheckpointError(f"{path} states a privacy guarantee that dpzoo_config.json does not hold.")
         return
-    for source, other in (("dpzoo_config.json", record), ("the safetensors header", header)):
+    if card is None:
+        raise CheckpointError(
+            f"{path} states no privacy guarantee, but the model carries one: rewrite it with dpzoo.save."
+        )
+    versions = _card_versions(card)
+    expected = privacy_block(record, card.get("audit"), versions)
+    for source, other in (("the saved record", expected), ("the safetensors header", header)):
         if other is None:
             raise CheckpointError(f"{path} states a privacy guarantee that {source} does not hold.")
-        for key in CHECKED:
+        keys = expected if source == "the saved record" else {k: None for k in CHECKED if k in other}
+        for key in [*keys, *(k for k in card if k not in expected)]:
             mine, theirs = card.get(key), other.get(key)
-            mine = math.inf if mine == "inf" else mine
-            if theirs is not None and not _same(mine, theirs):
+            if key in ("epsilon",) and mine == "inf":
+                mine = math.inf
+            if source != "the saved record" and key == "epsilon" and theirs == "inf":
+                theirs = math.inf
+            if not _same(mine, theirs):
                 raise CheckpointError(
                     f"{path} says {key} = {mine!r} but {source} says {theirs!r}: the card was edited or belongs to "
                     "other weights; rewrite it with dpzoo.save."
                 )
+    # the statement's wording is this dpzoo version's: a card another version wrote keeps its own
+    same_version = versions["dpzoo"] == __version__
+    if same_version and " ".join(statement_from_record(record, versions=versions).split()) not in " ".join(
+        body.split()
+    ):
+        raise CheckpointError(
+            f"{path}: its text does not state the saved record's guarantee (edited?); rewrite it with dpzoo.save."
+        )
     _recompute(path, card)
+
+
+def _card_versions(card: Mapping[str, Any]) -> dict[str, Any]:
+    acc, impl = card.get("accounting") or {}, card.get("implementation") or {}
+    if not isinstance(acc, Mapping) or not isinstance(impl, Mapping):
+        return {"library": None, "library_version": None, "dpzoo": None}
+    return {"library": acc.get("library"), "library_version": acc.get("library_version"), "dpzoo": impl.get("version")}
 
 
 def check_saved_card(directory: Path, record: Mapping[str, Any] | None, weights: Path) -> None:
@@ -255,6 +341,16 @@ def check_saved_card(directory: Path, record: Mapping[str, Any] | None, weights:
 
 
 def _same(a, b) -> bool:
+    """Equal, numbers up to float rounding (and a number another YAML writer left as a string)."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, str) and isinstance(b, (int, float)) and not isinstance(b, bool):
+        try:
+            a = float(a)
+        except ValueError:
+            return False
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
         return a == b or (math.isfinite(a) and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12))
     return a == b

@@ -89,7 +89,8 @@ def test_resume_continues_on_the_same_table(tmp_path):
     "content, extra, message",
     [
         ("x,label\n1,a\nfoo,b\n" + "1,a\n" * 10, [], "'foo' is not a finite number"),
-        ("x,label\n1,a\n2\n", [], "row 3 has 1 fields"),
+        ("x,label\n1,a\n2\n", [], "data row 2 has 1 fields"),
+        ("a,a,label\n" + "1,2,x\n" * 10, [], "'a' appears twice"),
         ("x,y\n1,a\n2,b\n", [], "no column 'label'"),
         ("x,label\n" + "1,a\n" * 10, [], "1 class"),
         ("x,label\n1,a\nnan,b\n" + "1,b\n" * 10, [], "'nan' is not a finite number"),
@@ -98,6 +99,10 @@ def test_resume_continues_on_the_same_table(tmp_path):
 def test_bad_tables_are_one_line_errors(tmp_path, capsys, content, extra, message):
     path = tmp_path / "bad.csv"
     path.write_text(content)
+    _one_line_error(tmp_path, capsys, path, extra, message)
+
+
+def _one_line_error(tmp_path, capsys, path, extra, message):
     out = tmp_path / "run"
     assert main([*TRAIN, "--data", str(path), "--out", str(out), *extra]) == 2
     err = capsys.readouterr().err.strip()
@@ -112,3 +117,19 @@ def test_options_of_other_kinds_are_refused(capsys):
     assert "--label-column is for tabular classifiers" in capsys.readouterr().err
     assert main(["train", "mlp-tanh", "--data", "notes.txt"]) == 2
     assert "a .csv or .parquet file" in capsys.readouterr().err
+
+
+def test_a_latin1_file_is_a_one_line_error_and_a_bom_and_blank_lines_are_read(tmp_path, capsys):
+    path = tmp_path / "latin.csv"
+    path.write_bytes("x,label\n1,caf\xe9\n".encode("latin-1") + b"2,b\n" * 10)
+    _one_line_error(tmp_path, capsys, path, [], "not UTF-8 text")
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes(b"\xef\xbb\xbf" + b"label,x\n" + b"a,1\nb,2\n" * 5 + b"\n\n")
+    x, y, classes, names = read_table(bom)
+    assert names == ["x"] and classes == ["a", "b"] and len(y) == 10
+
+
+def test_numeric_labels_are_one_class_per_value_not_per_spelling(tmp_path):
+    path = _csv(tmp_path / "n.csv", [(0, 0, "1"), (0, 0, "1.0"), (0, 0, "2"), (0, 0, " 2")])
+    _, y, classes, _ = read_table(path, "target")
+    assert classes == ["1", "2"] and y.tolist() == [0, 0, 1, 1]

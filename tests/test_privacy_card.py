@@ -83,16 +83,46 @@ def test_membership_bound_is_the_hypothesis_testing_region_of_eps_delta():
     [
         (lambda t: t.replace("steps: 4", "steps: 40"), "says steps = 40"),
         (lambda t: _set_epsilon(t, 0.5), "says epsilon = 0.5"),
-        (lambda t: t.replace("  - - ", "  - - 9", 1), "history gives"),
+        (lambda t: t.replace("  - - ", "  - - 9", 1), "says history"),
         (lambda t: t[: t.index("privacy:")] + "---\n", "states no privacy guarantee"),
+        (lambda t: "\ufeff" + _set_epsilon(t, 0.5), "says epsilon = 0.5"),  # a byte-order mark
+        (lambda t: _set_epsilon(t, 0.5).replace("\n", "\r\n"), "says epsilon = 0.5"),  # Windows line endings
+        (lambda t: t[t.index("\n---\n", 3) + 5 :], "states no privacy guarantee"),  # front matter removed
+        (lambda t: t.replace("unit_of_privacy: example", "unit_of_privacy: user"), "says unit_of_privacy"),
+        (lambda t: t.replace("trust_model: 'central", "trust_model: 'local"), "says trust_model"),
+        (lambda t: t.replace("public_statistics: none recorded", "public_statistics: none"), "says public_statistics"),
+        (lambda t: t.replace("  accountant: rdp\n  steps", "  accountant: rdp\n  extra: 1\n  steps"), "says extra"),
+        (lambda t: t.replace("What is protected: one training example", "What is protected: everything"), "its text"),
     ],
 )
 def test_a_hand_edited_card_is_refused_on_load(tmp_path, edit, message):
     directory, _ = _trained(tmp_path)
     card = directory / "README.md"
-    card.write_text(edit(card.read_text()))
+    card.write_bytes(edit(card.read_text()).encode("utf-8"))
     with pytest.raises(dpzoo.DPZooError, match=message):
         dpzoo.load(directory)
+
+
+def test_the_statement_says_when_there_is_no_guarantee_or_a_seed_breaks_it():
+    from dpzoo.privacy_card import statement_from_record
+
+    base = {
+        "epsilon": 2.0,
+        "delta": 1e-5,
+        "accountant": "rdp",
+        "steps": 10,
+        "sample_rate": 0.1,
+        "noise_multiplier": 1.0,
+    }
+    none = statement_from_record({**base, "epsilon": math.inf})
+    assert none.startswith("Trained by dpzoo") and "NO differential-privacy guarantee" in none
+    assert "What is protected" not in none and "Against whom" not in none
+    seeded = statement_from_record({**base, "noise": "reproducible (not private against anyone holding the seed)"})
+    assert "NOT against anyone who holds the noise seed" in seeded
+    composed = statement_from_record({**base, "history": [[5.0, 1.0, 1], [1.0, 0.1, 10]]})
+    assert "over 2 composed releases (11 steps in all" in composed and "q = 0.1 and" not in composed
+    failed = statement_from_record({**base, "self_check": "failed: a difference of 3e-1"})
+    assert "the stated ε may not hold" in failed
 
 
 def _set_epsilon(text, value):

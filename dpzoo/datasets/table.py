@@ -33,27 +33,46 @@ def is_table(path: str | Path) -> bool:
 
 
 def _columns(path: Path) -> dict[str, list]:
-    """The file's columns by name, in file order."""
+    """The file's columns by name, in file order (blank lines skipped; a byte-order mark dropped)."""
     if path.suffix.lower() == ".csv":
-        with path.open(newline="", encoding="utf-8") as f:
-            rows = list(csv.reader(f))
+        try:
+            with path.open(newline="", encoding="utf-8-sig") as f:
+                rows = [r for r in csv.reader(f) if r]
+        except UnicodeDecodeError as e:
+            raise InvalidArgumentError(
+                f"--data {path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8."
+            ) from None
+        except csv.Error as e:
+            raise InvalidArgumentError(f"--data {path}: not a readable CSV ({e}).") from None
         if len(rows) < 2:
             raise InvalidArgumentError(f"--data {path}: a CSV needs a header row and at least one row of data.")
         header, body = rows[0], rows[1:]
         short = next((i for i, r in enumerate(body) if len(r) != len(header)), None)
         if short is not None:
             raise InvalidArgumentError(
-                f"--data {path}: row {short + 2} has {len(body[short])} fields, the header {len(header)}."
+                f"--data {path}: data row {short + 1} has {len(body[short])} fields, the header {len(header)}."
             )
+        _refuse_duplicates(path, header)
         return {name: [r[i] for r in body] for i, name in enumerate(header)}
     try:
         import pyarrow.parquet as pq
     except ImportError:
         raise MissingDependencyError("Parquet files are read with pyarrow: pip install 'dpzoo[tables]'.") from None
     try:
-        return pq.read_table(path).to_pydict()
+        table = pq.read_table(path)
     except Exception as e:  # noqa: BLE001 - pyarrow's errors are many; one line says which file
         raise InvalidArgumentError(f"--data {path}: not a readable Parquet file ({str(e).splitlines()[0]}).") from None
+    _refuse_duplicates(path, table.column_names)
+    return table.to_pydict()
+
+
+def _refuse_duplicates(path: Path, names: Sequence[str]) -> None:
+    seen: set[str] = set()
+    twice = next((n for n in names if n in seen or seen.add(n)), None)  # type: ignore[func-returns-value]
+    if twice is not None:
+        raise InvalidArgumentError(
+            f"--data {path}: the column name {twice!r} appears twice; give each column its own name."
+        )
 
 
 def _number(value, column: str, row: int, path: Path) -> float:
@@ -67,6 +86,18 @@ def _number(value, column: str, row: int, path: Path) -> float:
             "numeric; name the label with --label-column, or drop the column)."
         )
     return x
+
+
+def _canonical_labels(labels: list[str]) -> list[str]:
+    """Labels that are all whole numbers written as numbers ("1", "1.0", " 2") as "1", "1", "2":
+    one class per value, not per spelling."""
+    try:
+        values = [float(v) for v in labels]
+    except ValueError:
+        return labels
+    if all(math.isfinite(v) and v == int(v) for v in values):
+        return [str(int(v)) for v in values]
+    return labels
 
 
 def _sorted_labels(values: Sequence) -> list[str]:
@@ -86,7 +117,7 @@ def _label_indices(
             f"--data {path}: no column {label_column!r} (columns: {', '.join(list(columns)[:8])}); name the class "
             "column with --label-column."
         )
-    labels = [str(v) for v in columns[label_column]]
+    labels = _canonical_labels([str(v) for v in columns[label_column]])
     classes = list(classes) if classes is not None else _sorted_labels(labels)
     index = {c: i for i, c in enumerate(classes)}
     unknown = next((v for v in labels if v not in index), None)

@@ -22,6 +22,8 @@ _CLASSES = (
     ("transformers.models.gemma3.modeling_gemma3", "Gemma3TextScaledWordEmbedding"),
 )
 _EMBEDDING_FORWARD = inspect.getattr_static(nn.Embedding, "forward")
+# the whole body of the forward the rule was written for, whitespace removed
+_FORWARD_BODY = "returnsuper().forward(input_ids)*self.embed_scale.to(self.weight.dtype)"
 
 
 def scaled_embedding_check(module) -> str | None:
@@ -29,8 +31,11 @@ def scaled_embedding_check(module) -> str | None:
     nn.Embedding.forward, or a forward that is not lookup × embed_scale), or None."""
     if inspect.getattr_static(nn.Embedding, "forward") is not _EMBEDDING_FORWARD:
         return "nn.Embedding.forward, which its forward calls, was replaced after dpzoo's rules were registered"
-    source = inspect.getsource(type(module).forward)
-    if "super().forward(input_ids) * self.embed_scale" not in source:
+    try:
+        source = "".join(inspect.getsource(type(module).forward).split())
+    except (OSError, TypeError):
+        return f"the source of {type(module).__name__}.forward is unavailable, so its arithmetic cannot be checked"
+    if not source.endswith(_FORWARD_BODY):
         return f"{type(module).__name__}.forward is not the lookup times embed_scale this rule was written for"
     return embedding_check(module)
 
