@@ -156,16 +156,10 @@ def test_distributed_paths_stay_below_their_claim_and_their_2x_bug_exceeds_it(tm
         assert doubled > claim + 0.25, path
 
 
-def _trainer_audit(tmp_path, bug: bool):
-    """The built-in canary task trained by the Hugging Face ``DPTrainer`` (its Poisson loader, its
-    accumulation, its optimizer wrapped by accelerate), observed white-box through the public
-    pieces: the task, the scorer attached in a callback, :func:`dpzoo.audit.audit_from_scores`."""
-    import torch.nn.functional as F
-    from transformers import TrainerCallback, TrainingArguments
-
-    from dpzoo.audit import audit_from_scores, digits_canary_task, with_canaries
-    from dpzoo.audit.white_box import CanaryColumnScores
-    from dpzoo.integrations.transformers import DPArguments, DPTrainer
+def _canary_task():
+    """(training set with the included canaries, canary labels, membership, fresh model) of the
+    built-in task at AUDIT's seed, as dpzoo.audit builds them."""
+    from dpzoo.audit import digits_canary_task, with_canaries
 
     m, seed = AUDIT["canaries"], AUDIT["seed"]
     with torch.random.fork_rng(devices=[]):
@@ -173,7 +167,21 @@ def _trainer_audit(tmp_path, bug: bool):
         train, _, cx, cy, model_fn, _ = digits_canary_task(m, 1000.0, seed)
         included = torch.rand(m, generator=torch.Generator().manual_seed(seed + 1)) < 0.5
         model = model_fn()
-    rows = with_canaries(train, cx, cy, included, seed)
+    return with_canaries(train, cx, cy, included, seed), cy, included, model
+
+
+def _trainer_audit(tmp_path, bug: bool):
+    """The built-in canary task trained by the Hugging Face ``DPTrainer`` (its Poisson loader, its
+    accumulation, its optimizer wrapped by accelerate), observed white-box through the public
+    pieces: the task, the scorer attached in a callback, :func:`dpzoo.audit.audit_from_scores`."""
+    import torch.nn.functional as F
+    from transformers import TrainerCallback, TrainingArguments
+
+    from dpzoo.audit import audit_from_scores
+    from dpzoo.audit.white_box import CanaryColumnScores
+    from dpzoo.integrations.transformers import DPArguments, DPTrainer
+
+    rows, cy, included, model = _canary_task()
     observed = []
 
     class Examples(torch.utils.data.Dataset):
@@ -234,16 +242,10 @@ def _frost_audit(bug: bool):
     off, on the selection's accountant; the claim is their composition."""
     from torch.utils.data import DataLoader
 
-    from dpzoo.audit import audit_from_scores, digits_canary_task, with_canaries
+    from dpzoo.audit import audit_from_scores
     from dpzoo.audit.white_box import CanaryColumnScores
 
-    m, seed = AUDIT["canaries"], AUDIT["seed"]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        train, _, cx, cy, model_fn, _ = digits_canary_task(m, 1000.0, seed)
-        included = torch.rand(m, generator=torch.Generator().manual_seed(seed + 1)) < 0.5
-        model = model_fn()
-    rows = with_canaries(train, cx, cy, included, seed)
+    rows, cy, included, model = _canary_task()
     selection = dpzoo.frost.select(model, DataLoader(rows, batch_size=64), AUDIT["epsilon"], 1e-5, ratio=1.0,
                                    epochs=AUDIT["epochs"], seed=7)  # fmt: skip
     assert [p.params for p in selection.selected] == [("canaries.weight",)] and selection.always_train

@@ -126,6 +126,16 @@ def _t5_layernorm(rng):
     return Head(T5LayerNorm(d, eps=1e-6)), rng.choice([(d,), (rng.randint(1, 5), d)])
 
 
+def _gemma_rmsnorm(rng):
+    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+
+    d = rng.randint(2, 8)
+    norm = GemmaRMSNorm(d, eps=1e-6)
+    with torch.no_grad():  # it starts at 0 (a scale of 1 + w): a random w tests the rule's (1 + w)
+        norm.weight.uniform_(-1, 1, generator=torch.Generator().manual_seed(rng.randint(0, 999)))
+    return Head(norm), rng.choice([(d,), (rng.randint(1, 5), d)])
+
+
 RULE_CASES = {
     **{f"conv-transpose-{i}": (lambda i=i: _conv_transpose(random.Random(i))) for i in range(10)},
     "conv-transpose-output-size": lambda: _conv_transpose_output_size(None),
@@ -133,6 +143,7 @@ RULE_CASES = {
     **{f"instance-norm-{i}": (lambda i=i: _instance_norm(random.Random(80 + i))) for i in range(4)},
     "instance-norm-running-stats-eval": lambda: _instance_norm(random.Random(90), eval_running=True),
     **{f"t5-layernorm-{i}": (lambda i=i: _t5_layernorm(random.Random(95 + i))) for i in range(2)},
+    **{f"gemma-rmsnorm-{i}": (lambda i=i: _gemma_rmsnorm(random.Random(97 + i))) for i in range(2)},
 }
 
 

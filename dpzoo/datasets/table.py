@@ -22,7 +22,15 @@ from torch.utils.data import TensorDataset
 
 from ..errors import InvalidArgumentError, MissingDependencyError
 
-__all__ = ["TABLE_SUFFIXES", "is_table", "read_table", "read_text_table", "table_splits", "table_eval_set"]
+__all__ = [
+    "TABLE_SUFFIXES",
+    "is_table",
+    "read_table",
+    "read_text_table",
+    "table_splits",
+    "table_eval_set",
+    "split_rows",
+]
 
 TABLE_SUFFIXES = (".csv", ".parquet", ".pq")
 
@@ -174,14 +182,22 @@ def table_splits(
 ) -> tuple[TensorDataset, TensorDataset, list[str], list[str]]:
     """(train, test, class names, feature names): the file's rows split at random (``seed``)."""
     x, y, classes, features = read_table(path, label_column)
+    train, test = split_rows(path, len(y), classes, label_column, test_fraction, seed)
+    return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test]), classes, features
+
+
+def split_rows(
+    path, rows: int, classes: Sequence[str], label_column: str, test_fraction: float, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, test) row indices of a table, at random (``seed``), after refusing a table that has
+    one class or too few rows to split."""
     if len(classes) < 2:
         raise InvalidArgumentError(f"--data {path}: {len(classes)} class in {label_column!r}; a classifier needs 2.")
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    n_test = int(len(y) * test_fraction)
-    if n_test < 1 or len(y) - n_test < 2:
-        raise InvalidArgumentError(f"--data {path}: {len(y)} rows are too few to split into train and test.")
-    test, train = perm[:n_test], perm[n_test:]
-    return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test]), classes, features
+    perm = torch.randperm(rows, generator=torch.Generator().manual_seed(seed))
+    n_test = int(rows * test_fraction)
+    if n_test < 1 or rows - n_test < 2:
+        raise InvalidArgumentError(f"--data {path}: {rows} rows are too few to split into train and test.")
+    return perm[n_test:], perm[:n_test]
 
 
 def table_eval_set(

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from ..errors import InvalidArgumentError
-from .table import read_text_table
+from .table import read_text_table, split_rows
 
 __all__ = ["PackedTextClassifier", "load_tokenizer", "tokenize", "text_splits", "text_eval_set"]
 
@@ -67,14 +67,8 @@ def text_splits(
 ) -> tuple[TensorDataset, TensorDataset, list[str]]:
     """(train, test, class names): the file's rows, tokenized, split at random (``seed``)."""
     texts, y, classes = read_text_table(path, text_column, label_column)
-    if len(classes) < 2:
-        raise InvalidArgumentError(f"--data {path}: {len(classes)} class in {label_column!r}; a classifier needs 2.")
-    perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(seed))
-    n_test = int(len(y) * test_fraction)
-    if n_test < 1 or len(y) - n_test < 2:
-        raise InvalidArgumentError(f"--data {path}: {len(y)} rows are too few to split into train and test.")
+    train, test = split_rows(path, len(y), classes, label_column, test_fraction, seed)
     x = tokenize(tokenizer, texts, max_length)
-    test, train = perm[:n_test], perm[n_test:]
     return TensorDataset(x[train], y[train]), TensorDataset(x[test], y[test]), classes
 
 

@@ -7,6 +7,7 @@ gradients are instantiated (Dense).
 
 from __future__ import annotations
 
+import importlib
 from typing import cast
 
 import torch
@@ -129,26 +130,23 @@ def _llama_normalize(module, x):
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)).to(x.dtype)
 
 
-try:
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-except ImportError:  # pragma: no cover
-    LlamaRMSNorm = None
-if LlamaRMSNorm is not None:
-    register_rule(LlamaRMSNorm, params=("weight",))(_rms_rule(_llama_normalize))
-
-
 def _gemma_normalize(module, x):
     # GemmaRMSNorm scales x̂ by (1 + w): ∂/∂w is x̂, as for LLaMA's w ⊙ x̂
     h = x.to(torch.float32)
     return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + module.eps)).to(x.dtype)
 
 
-try:
-    from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
-except ImportError:  # pragma: no cover
-    GemmaRMSNorm = None
-if GemmaRMSNorm is not None:
-    register_rule(GemmaRMSNorm, params=("weight",))(_rms_rule(_gemma_normalize))
+def _register_hf_rmsnorm(module_path: str, class_name: str, normalize) -> None:
+    """The RMSNorm rule for a transformers class (weight only, no bias), if this version has it."""
+    try:
+        cls = getattr(importlib.import_module(module_path), class_name)
+    except (ImportError, AttributeError):  # pragma: no cover
+        return
+    register_rule(cls, params=("weight",))(_rms_rule(normalize))
+
+
+_register_hf_rmsnorm("transformers.models.llama.modeling_llama", "LlamaRMSNorm", _llama_normalize)
+_register_hf_rmsnorm("transformers.models.gemma.modeling_gemma", "GemmaRMSNorm", _gemma_normalize)
 
 
 def _t5_normalize(module, x):
