@@ -193,3 +193,57 @@ def test_an_underflowing_sample_is_clipped_through_make_private():
     opt.step()
     released = next(p for p in model.parameters()).grad.double().norm().item() / r
     assert released <= 1 + 1e-5  # 1.11 R with a width-blind underflow allowance (unclipped: 30 R)
+
+
+def test_a_half_precision_parameter_is_noised_in_float32_then_cast():
+    """The mechanism for a bfloat16 parameter is float32: sum + noise there, one cast after. In
+    the parameter's dtype the sum was rounded before the noise (a sample could read (1 + 2⁻⁹) R)."""
+    from dpzoo.privacy.distributed import noised_all_reduce
+
+    p = torch.zeros(4096, dtype=torch.bfloat16)
+    summed = torch.randn(4096, generator=torch.Generator().manual_seed(1)) / 3
+    out = noised_all_reduce(p, summed, 1.0, torch.Generator().manual_seed(0))
+    noise = torch.empty(4096).normal_(0.0, 1.0, generator=torch.Generator().manual_seed(0))
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, (summed + noise).to(torch.bfloat16))
+    assert torch.equal(noised_all_reduce(p, None, 0.0), p)
+
+
+def test_a_bfloat16_model_releases_the_float32_mechanism_through_make_private():
+    """A bfloat16 Linear trained through make_private: its gradient is the cast of (the float64
+    brute-force clipped sum + float32 noise from the seeded generator), within the float32 sum's rounding."""
+    torch.manual_seed(0)
+    model = nn.Linear(64, 8).to(torch.bfloat16)
+    data = TensorDataset(torch.randn(32, 64).to(torch.bfloat16) * 4)
+    r, sigma = 0.7, 0.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, loader = dpzoo.PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+            data_loader=DataLoader(data, batch_size=8),
+            noise_multiplier=sigma,
+            max_grad_norm=r,
+            loss_reduction="sum",
+            noise_seed=3,
+            sample_seed=1,
+            self_check=False,
+        )
+    (x,) = next(b for b in loader if len(b[0]) > 1)
+    w = torch.randn(8, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)  # a linear loss:
+    reference = [p.detach().double().clone().requires_grad_() for p in model.parameters()]  # output rounding
+    per_sample = []  # does not reach its gradient
+    for row in x:
+        out = torch.nn.functional.linear(row.double(), *reference)
+        per_sample.append(torch.autograd.grad((out * w.double()).sum(), reference))
+    (model(x) * w).sum().backward()
+    opt.step()
+    gen = torch.Generator().manual_seed(3)
+    for i, p in enumerate(model.parameters()):
+        norms = [torch.sqrt(sum(g.square().sum() for g in grads)) for grads in per_sample]
+        clipped = sum(g[i] * min(1.0, r / float(n)) for g, n in zip(per_sample, norms))
+        noise = torch.empty(p.shape).normal_(0.0, sigma * r, generator=gen)
+        expected = (clipped.float() + noise).double()
+        assert p.grad.dtype == torch.bfloat16
+        # one bfloat16 rounding of the float32 value (2⁻⁸ relative), not two
+        assert torch.allclose(p.grad.double(), expected, rtol=2**-8, atol=1e-6)

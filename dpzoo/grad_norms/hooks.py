@@ -56,6 +56,7 @@ from .float_guard import round_up
 from .ghost import ghost_differentiate, wrap_outputs
 from .loss_pool import unwatched
 from .plan import plan_model
+from .rounding import mechanism_dtype
 from .rules.loose import (
     BROADCAST_LOOKUPS,
     LOOSE_CHECKS,
@@ -230,10 +231,14 @@ class NormHooks:
         return round_up(torch.stack([s.double() for s in sq]).sum(0).sqrt(), dtype)
 
     @no_autocast()
-    def clipped_sum(self, scale: torch.Tensor, drop: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def clipped_sum(
+        self, scale: torch.Tensor, drop: torch.Tensor | None = None, mechanism_precision: bool = False
+    ) -> dict[str, torch.Tensor]:
         """{parameter name: Σ_i scale[i] · ∂L_i/∂θ} (book-keeping: no second backward). Samples
         where ``drop`` (bool Tensor[B]) is True contribute exactly 0, even if their gradients are
-        not finite (float16 overflow under a loss scale)."""
+        not finite (float16 overflow under a loss scale). Each sum is in its parameter's dtype, or
+        with ``mechanism_precision`` in :func:`~dpzoo.grad_norms.rounding.mechanism_dtype` (float32
+        for half-precision parameters: add the noise there, then cast)."""
         grads = self._grads()
         b = self._batch_size(grads)
         if scale.dim() != 1 or scale.shape[0] != b:
@@ -251,7 +256,8 @@ class NormHooks:
                     f"The clipped sum of {name} failed on what its layer recorded ({str(e).splitlines()[0][:160]}): "
                     "the module does not compute what its rule assumes."
                 ) from e
-            out[name] = total.to(self._plan.params[name].dtype)
+            dtype = self._plan.params[name].dtype
+            out[name] = total.to(mechanism_dtype(dtype) if mechanism_precision else dtype)
         return out
 
     @no_autocast()

@@ -26,9 +26,17 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GRAM_CHUNK", "unit_roundoff", "gamma", "sum_per_sample", "pair_length", "error_bound"]
+__all__ = ["GRAM_CHUNK", "mechanism_dtype", "unit_roundoff", "gamma", "sum_per_sample", "pair_length", "error_bound"]
 
 GRAM_CHUNK = 256  # Gram matrices are summed over chunks of this many features (reps._gram)
+
+
+def mechanism_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the DP mechanism forms a parameter's clipped sum and noise in: float32 for a
+    half-precision parameter (in bfloat16 a sample's rounded contribution could read (1 + 2⁻⁹) R),
+    else the parameter's own. The noisy sum is cast to the parameter's dtype afterwards, which is
+    post-processing of the float32 mechanism."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
 from ..errors import PrivacyUsageError
+from ..grad_norms.rounding import mechanism_dtype
 from .data import dataset_fingerprint, secret_generator
 
 __all__ = ["world_and_rank", "shard", "same_on_every_rank", "noised_all_reduce"]
@@ -62,22 +63,24 @@ def noised_all_reduce(
 ) -> torch.Tensor:
     """A replicated parameter's private gradient: this rank's clipped sum (zeros if none), plus
     N(0, std²) drawn on rank 0 alone, all-reduced, so the global sum holds the noise exactly once
-    per coordinate. ``generator``: a seeded one for reproducible noise (None: secret, fresh OS
+    per coordinate. Sum and noise are in :func:`~dpzoo.grad_norms.rounding.mechanism_dtype` (float32
+    for a half-precision parameter), the result cast to the parameter's dtype. ``generator``: a seeded one for reproducible noise (None: secret, fresh OS
     entropy); ``every_rank_draws`` (reproducible noise) draws on every rank and keeps rank 0's, so
     seeded generators stay in step."""
     world, rank = world_and_rank()
     # contiguous: a collective sums storage in memory order, so two ranks holding the same values
     # in different layouts (a transposed view from one path, a fresh tensor from another) would
     # add mismatched coordinates
-    summed = None if summed is None else summed.to(p.dtype)
+    dtype = mechanism_dtype(p.dtype)
+    summed = None if summed is None else summed.to(dtype)
     g = None
     if std > 0 and (rank == 0 or every_rank_draws):
-        noise = torch.empty(p.shape, device=p.device, dtype=p.dtype)  # contiguous
+        noise = torch.empty(p.shape, device=p.device, dtype=dtype)  # contiguous
         noise.normal_(0.0, std, generator=generator if generator is not None else secret_generator(p.device))
         if rank == 0:  # the noise is fresh and contiguous: add the sum into it (no copy of the sum)
             g = noise if summed is None else noise.add_(summed)
     if g is None:
-        g = torch.zeros_like(p, memory_format=torch.contiguous_format) if summed is None else summed.contiguous()
+        g = torch.zeros(p.shape, device=p.device, dtype=dtype) if summed is None else summed.contiguous()
     if world > 1:
         dist.all_reduce(g)
-    return g
+    return g.to(p.dtype)

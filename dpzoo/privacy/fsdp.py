@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import PrivacyUsageError, UnsupportedModuleError
+from ..grad_norms.rounding import mechanism_dtype
 from ..grad_norms.sharded import is_dtensor
 from .data import secret_generator
 
@@ -145,7 +146,8 @@ class ShardedGrads:
         mesh, world = p.device_mesh, p.device_mesh.size()
         group, rank = mesh.get_group(), mesh.get_local_rank()
         local_shape = tuple(p.to_local().shape)
-        full = torch.zeros(p.shape, dtype=p.dtype, device=p.device) if summed is None else summed.to(p.dtype)
+        dtype = mechanism_dtype(p.dtype)  # float32 for half-precision shards: cast after the noise
+        full = torch.zeros(p.shape, dtype=dtype, device=p.device) if summed is None else summed.to(dtype)
         rows = full.shape[0]
         chunk = -(-rows // world)  # FSDP2's Shard(0): torch.chunk's rows, the last ranks may get fewer or none
         padded = full.new_zeros((chunk * world, *full.shape[1:]))
@@ -163,11 +165,12 @@ class ShardedGrads:
         if std > 0:
             if opt.noise_seed is not None:  # the shared generator, in step with one process: keep my rows
                 noise = torch.normal(
-                    0.0, std, size=tuple(p.shape), generator=opt.generator_for(p.device), dtype=p.dtype, device=p.device
+                    0.0, std, size=tuple(p.shape), generator=opt.generator_for(p.device), dtype=dtype, device=p.device
                 )[start:stop]
             else:  # secret: this rank alone noises the rows it owns
                 noise = torch.normal(
-                    0.0, std, size=local_shape, generator=secret_generator(p.device), dtype=p.dtype, device=p.device
+                    0.0, std, size=local_shape, generator=secret_generator(p.device), dtype=dtype, device=p.device
                 )
             mine = mine + noise.to(p.device)
+        mine = mine.to(p.dtype)
         return DTensor.from_local(mine.contiguous(), mesh, p.placements, shape=p.shape, stride=p.stride())

@@ -252,7 +252,7 @@ class DPOptimizer(WrappedOptimizer):
             if drop is not None:  # a sample whose gradient is not finite contributes exactly 0
                 factors = factors.masked_fill(drop, 0.0)
             scale = factors * b if self.loss_reduction == "mean" else factors
-            for name, g in self.hooks.clipped_sum((scale / self.loss_scale).detach(), drop).items():
+            for name, g in self.hooks.clipped_sum((scale / self.loss_scale).detach(), drop, True).items():
                 self._summed[name] = self._summed[name] + g if name in self._summed else g
             self.last_per_sample_norms = true_norms.detach()
             if self.on_first_step is not None and self._first_capture is None and self.capture_inputs is not None:
