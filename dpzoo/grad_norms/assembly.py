@@ -19,6 +19,7 @@ from .capture import Step
 from .cost import plan_uses
 from .plan import ModelPlan
 from .sharded import planned
+from .units import group_rep
 
 __all__ = ["assemble", "rep_shape", "common_dtype"]
 
@@ -104,6 +105,8 @@ def assemble(
         p = plan.params[n]
         b = next(iter(batch)) if batch else 0
         by_param[n] = [R.Dense(torch.zeros(b, *p.shape, dtype=p.dtype, device=p.device))]
+    if step.groups is not None:  # privacy units of several rows: each unit's gradient, before any plan
+        by_param = {n: [group_rep(r, step.groups) for r in rs] for n, rs in by_param.items()}
     if ghost is not None:  # forced: every use on one path
         step.costs = {
             n: [replace(c, ghost=ghost, why="forced") for c in cs] for n, cs in plan_uses(by_param, 0.0).items()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -72,6 +72,7 @@ class Step:
     calls: list = field(default_factory=list)  # per root forward call: its output tensors (real ones)
     cotangents: dict = field(default_factory=dict)  # id(real output) -> its gradient (ghost_backward)
     aliases: dict = field(default_factory=dict)  # id(stand-in) -> (stand-in, planned parameter): FSDP2
+    groups: Any = None  # units.UnitLayout: rows clipped together as one privacy unit (a user's examples)
 
 
 class Recorder:

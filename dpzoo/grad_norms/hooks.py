@@ -23,17 +23,15 @@ How it works (BK paper, Algorithm 1):
    planner of :mod:`.cost`) and clipped sums Σ_i C_i g_i are computed on request.
 
 Parameters used several times (tied embeddings, modules called twice) get exact norms from
-all cross terms (:mod:`dpzoo.grad_norms.reps`, Phantom Clipping). Trainable "loose"
-tensors a module owns directly (ViT ``cls_token``, ``pos_embed``) with a leading dimension
-of 1 are swapped, for the module's forward, for per-sample copies whose gradients are the
-per-sample gradients, if the owner's type is declared in :data:`LOOSE_TENSORS`
-(:func:`register_loose_tensors`, :mod:`dpzoo.grad_norms.rules.loose`). Anything else raises
+all cross terms (Phantom Clipping). Trainable "loose" tensors a module owns directly (ViT
+``cls_token``) are swapped for per-sample copies if the owner's type is declared in
+:data:`LOOSE_TENSORS` (:mod:`dpzoo.grad_norms.rules.loose`). Anything else raises
 :class:`~dpzoo.UnsupportedModuleError`, and so does, each step, a use of a trainable parameter
 dpzoo did not record (counted in the autograd graph).
 
-Privacy unit: one sample = one row of the batch (batch-first); for sequence models the
-whole sequence. Losses must be per-sample losses *summed* (``reduction="sum"``); with a
-mean, every per-sample gradient is divided by B.
+Privacy unit: one row of the batch (batch-first; a whole sequence), or the rows
+:meth:`NormHooks.group_rows` puts together (a user's examples). Losses are per-sample losses
+*summed* (``reduction="sum"``); with a mean, every per-sample gradient is divided by B.
 """
 
 from __future__ import annotations
@@ -64,19 +62,10 @@ from .rules.loose import (
     register_broadcast_lookup,
     register_loose_tensors,
 )
+from .units import unit_layout
 
-__all__ = [
-    "attach_norm_hooks",
-    "attached_norm_hooks",
-    "NormHooks",
-    "MODES",
-    "output_tensors",
-    "LOOSE_TENSORS",
-    "LOOSE_CHECKS",
-    "register_loose_tensors",
-    "BROADCAST_LOOKUPS",
-    "register_broadcast_lookup",
-]
+__all__ = ["attach_norm_hooks", "attached_norm_hooks", "NormHooks", "MODES", "output_tensors"]
+__all__ += ["LOOSE_TENSORS", "LOOSE_CHECKS", "register_loose_tensors", "BROADCAST_LOOKUPS", "register_broadcast_lookup"]
 
 MODES = ("auto", "ghost", "instantiate")
 
@@ -340,6 +329,13 @@ class NormHooks:
     @property
     def batch_size(self) -> int:
         return self._batch_size(self._grads())
+
+    def group_rows(self, groups) -> None:
+        """Clip this step's rows in privacy units: ``groups[i]`` (ids 0 … U−1) is row i's unit (a
+        user); norms and sums are then per unit (:mod:`dpzoo.grad_norms.units`). Before the first norm."""
+        if self._rec.step.grads is not None:
+            raise PrivacyUsageError("group_rows after this step's norms were taken: call it before the first norm.")
+        self._rec.step.groups = unit_layout(groups)
 
     def clear(self) -> None:
         """Drop the stored activations and gradients of the current step."""
