@@ -115,7 +115,10 @@ def privacy_block(
         "steps": record["steps"],
         "sample_rate": record["sample_rate"],
     }
-    for key in ("noise_multiplier", "max_grad_norm", "clipping", "sampling", "noise", "self_check", "history"):
+    for key in ("users", "max_examples_per_user", "noise_multiplier", "max_grad_norm", "clipping", "sampling"):
+        if key in record:
+            block[key] = record[key]
+    for key in ("noise", "self_check", "history"):
         if key in record:
             block[key] = record[key]
     block["public_statistics"] = record.get("public_statistics", "none recorded")

@@ -22,7 +22,9 @@ PRIVACY_FIELDS = {
     "sample_rate": float,
     "noise_multiplier": float,
     "max_grad_norm": float,
-    "privacy_unit": str,
+    "privacy_unit": str,  # "sample" (one example), "user" (all of one user's examples), "sequence"
+    "users": int,  # privacy_unit "user": how many users the data has (N for δ < 1/N)
+    "max_examples_per_user": int,  # privacy_unit "user": k, the most examples of a user in one step
     "clipping": str,  # "abadi" (min(1, R/‖g‖)) or "automatic" (R/(‖g‖ + γ))
     "noise": str,
     "sampling": str,

@@ -123,3 +123,163 @@ def test_groups_after_the_norms_are_refused_and_a_wrong_length_too():
             hooks.group_rows(torch.tensor([0, 1, 0]))
     finally:
         hooks.detach()
+
+
+# -- through make_private: user-level sampling and the DP step -----------------------------------
+
+
+def _private(model, n=60, users=9, k=3, batch_size=4, sigma=0.0, physical=None, reduction="sum", **kw):
+    """make_private at the user level on 60 examples of 9 users (6 or 7 each), k = 3."""
+    import warnings
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import dpzoo
+
+    gen = torch.Generator().manual_seed(5)
+    data = TensorDataset(
+        torch.randn(n, 6, generator=gen, dtype=torch.float64), torch.randint(0, 3, (n,), generator=gen)
+    )
+    ids = kw.pop("user_ids", [f"user-{(i * 7) % users}" for i in range(n)])  # users of 6 or 7 examples
+    engine = dpzoo.PrivacyEngine()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # σ = 0 and a fixed sample seed: wanted here
+        out = engine.make_private(
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+            data_loader=DataLoader(data, batch_size=batch_size),
+            noise_multiplier=sigma,
+            max_grad_norm=0.05,
+            loss_reduction=reduction,
+            sample_seed=3,
+            max_physical_batch_size=physical,
+            privacy_unit=kw.pop("privacy_unit", "user"),
+            user_ids=ids,
+            max_examples_per_user=k,
+            **kw,
+        )
+    return engine, *out
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+
+
+@pytest.mark.parametrize("physical, reduction", [(None, "sum"), (4, "mean"), (3, "sum")])
+def test_a_user_level_step_is_the_per_user_clipped_sum(physical, reduction):
+    """Each logical step's update, σ = 0, against clipping each user's summed gradient to R by hand;
+    micro-batches (max_physical_batch_size) are split between users only."""
+    import torch.nn.functional as F
+
+    reference_model = _mlp()
+    engine, model, opt, loader = _private(_mlp(), physical=physical, reduction=reduction)
+    params = list(reference_model.parameters())
+    steps = 0
+    expected: list = [torch.zeros_like(p) for p in params]
+    for x, y in loader:
+        groups = loader.signal.groups
+        assert groups is not None and len(groups) == len(x) and len(x) <= (physical or len(x))
+        loss = F.cross_entropy(model(x), y, reduction=reduction)
+        loss.backward()
+        for u in range(int(groups.max()) + 1):
+            mine = groups == u
+            g = torch.autograd.grad(F.cross_entropy(reference_model(x[mine]), y[mine], reduction="sum"), params)
+            norm = torch.sqrt(sum(t.square().sum() for t in g))
+            factor = min(1.0, 0.05 / float(norm))
+            expected = [e + factor * t for e, t in zip(expected, g)]
+        if loader.signal.last_physical:
+            opt.step()
+            if reduction == "mean":
+                expected = [e / engine.expected_batch_size for e in expected]
+            for p, e in zip(model.parameters(), expected):
+                assert_close(p.grad, e, 1e-6, "user-level update")
+            expected = [torch.zeros_like(p) for p in params]
+            steps += 1
+        else:
+            opt.step()
+        opt.zero_grad()
+    assert steps == engine.steps > 0
+
+
+def test_user_level_sampling_takes_users_at_rate_q_and_at_most_k_of_their_examples():
+    from dpzoo.privacy.users import UserPoissonBatchSampler, user_units
+
+    ids = [i % 5 for i in range(23)] + [7] * 9  # five users of 4-5 examples, one of 9
+    units = user_units("user", ids, 3, len(ids), None)
+    assert units.num_users == 6
+    sampler = UserPoissonBatchSampler(units, 0.3, steps=4000, generator=torch.Generator().manual_seed(0))
+    seen_users = torch.zeros(6)
+    seen_rows = torch.zeros(len(ids))
+    for batch in sampler:
+        users = [int(units.unit[i]) for i in batch]
+        counts = sampler.last_counts
+        assert sum(counts) == len(batch) and all(1 <= c <= 3 for c in counts)
+        starts = [sum(counts[:j]) for j in range(len(counts))]
+        assert len({users[s] for s in starts}) == len(counts)  # one run of rows per user
+        for s, c in zip(starts, counts):
+            assert len(set(users[s : s + c])) == 1 and len(set(batch[s : s + c])) == c
+        for u in {users[s] for s in starts}:
+            seen_users[u] += 1
+        seen_rows[batch] += 1
+    assert torch.allclose(seen_users / 4000, torch.full((6,), 0.3), atol=0.03)
+    big = torch.tensor([u == 7 for u in ids])  # its 9 examples are chosen uniformly: q · 3/9 each
+    assert torch.allclose(seen_rows[big] / 4000, torch.full((9,), 0.1), atol=0.025)
+
+
+def test_user_level_metadata_counts_users_and_states_k():
+    engine, *_ = _private(_mlp(), sigma=1.0)
+    record = engine.privacy_metadata(1e-2)
+    assert record["privacy_unit"] == "user" and record["users"] == 9 and record["max_examples_per_user"] == 3
+    assert record["sample_rate"] == pytest.approx(4 / 9)
+    assert "Poisson over users" in record["sampling"]
+    with pytest.raises(DPZooError, match="1/N"):
+        engine.get_epsilon(0.2)  # δ ≥ 1/9: N counts users, not the 60 examples
+
+
+@pytest.mark.parametrize(
+    "kw, why",
+    [
+        ({"user_ids": [0] * 59 + [None]}, "missing for example"),
+        ({"user_ids": [0] * 10}, "10 entries for a dataset of 60"),
+        ({"k": 0}, "max_examples_per_user must be an integer >= 1"),
+        ({"k": 5, "physical": 4}, "exceeds max_physical_batch_size=4"),
+        ({"privacy_unit": "person"}, "privacy_unit must be one of"),
+    ],
+)
+def test_user_level_arguments_are_refused_with_the_fix(kw, why):
+    with pytest.raises(DPZooError, match=why):
+        _private(_mlp(), **kw)
+
+
+def test_user_ids_without_the_user_unit_are_refused():
+    import dpzoo
+
+    with pytest.raises(DPZooError, match="need privacy_unit='user'"):
+        dpzoo.PrivacyEngine().make_private(
+            module=_mlp(),
+            optimizer=torch.optim.SGD(_mlp().parameters(), lr=0.1),
+            data_loader=torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 6)), batch_size=2),
+            noise_multiplier=1.0,
+            user_ids=list(range(8)),
+        )
+
+
+def test_a_batch_memory_manager_below_k_is_refused_and_at_k_splits_between_users():
+    import torch.nn.functional as F
+
+    from dpzoo.privacy.batch_memory import BatchMemoryManager
+
+    engine, model, opt, loader = _private(_mlp(), batch_size=6)
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=opt) as small:
+        with pytest.raises(DPZooError, match="micro-batches hold at most 2 rows"):
+            for x, y in small:
+                F.cross_entropy(model(x), y, reduction="sum").backward()
+                opt.step()
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=3, optimizer=opt) as mem:
+        for x, y in mem:
+            assert len(x) <= 3 and int(loader.signal.groups.max()) + 1 <= 3
+            F.cross_entropy(model(x), y, reduction="sum").backward()
+            opt.step()
+            opt.zero_grad()
+    assert engine.steps > 0

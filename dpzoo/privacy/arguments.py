@@ -176,6 +176,8 @@ def check_loader(data_loader) -> int:
         raise PrivacyUsageError(
             "The data loader needs a fixed batch_size (no batch_sampler): it sets the expected Poisson batch size."
         )
+    if len(data_loader.dataset) < 1:
+        raise PrivacyUsageError("The data loader's dataset is empty.")
     return batch_size
 
 

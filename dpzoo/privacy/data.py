@@ -29,6 +29,7 @@ from ..errors import InvalidArgumentError, PrivacyUsageError, UnsupportedBatchEr
 from ..grad_norms.sample_rows import track_batch
 
 __all__ = ["PoissonBatchSampler", "DPDataLoader", "StepSignal", "secret_generator", "dataset_fingerprint"]
+__all__ += ["split_between_users"]
 
 
 def secret_generator(device: "torch.device | str" = "cpu") -> torch.Generator:
@@ -46,6 +47,7 @@ class StepSignal:
     last_physical: bool = True
     logical_batch_size: int = 0
     logical_index: int = -1  # counts the logical batches the loader produced (-1: none yet)
+    groups: torch.Tensor | None = None  # user-level DP: each row's user in the current micro-batch
     # set by the engine: called for an empty logical batch instead of yielding it (noise-only step)
     on_empty: Callable[[], None] | None = None
 
@@ -122,11 +124,13 @@ class DPDataLoader:
         generator: torch.Generator | None = None,
         signal: StepSignal | None = None,
         indices: Sequence[int] | None = None,
+        batch_sampler: Sampler | None = None,
         **loader_kwargs,
     ):
         self.dataset = dataset
         self.sample_rate = sample_rate
-        self.batch_sampler = PoissonBatchSampler(len(dataset), sample_rate, steps, generator, indices)
+        # batch_sampler: another Poisson sampler (users: dpzoo.privacy.users), else over examples
+        self.batch_sampler = batch_sampler or PoissonBatchSampler(len(dataset), sample_rate, steps, generator, indices)
         self.collate_fn = collate_fn or default_collate
         self.max_physical_batch_size = max_physical_batch_size
         self.signal = signal or StepSignal()
@@ -152,7 +156,11 @@ class DPDataLoader:
 
     @property
     def expected_batch_size(self) -> float:
-        """Expected size of this loader's logical batches (of this rank's shard, if sharded)."""
+        """Expected size of this loader's logical batches (of this rank's shard, if sharded), in
+        privacy units: examples, or users when the loader samples users."""
+        users = getattr(self.batch_sampler, "users", None)
+        if users is not None:
+            return self.sample_rate * len(users)
         n = len(self.batch_sampler.indices) if self.batch_sampler.indices is not None else len(self.dataset)
         return self.sample_rate * n
 
@@ -169,7 +177,7 @@ class DPDataLoader:
         self._sizes.clear()
         for batch in self._loader:
             # the sampler's count, not dim 0 of whatever the collate built (a (T, B) padded layout)
-            size = self._sizes.popleft()
+            size, users = self._sizes.popleft()
             sig.logical_index += 1
             sig.logical_batch_size = size
             if size == 0 and sig.on_empty is not None:
@@ -179,20 +187,62 @@ class DPDataLoader:
                 sig.on_empty()
                 continue
             chunk = self.max_physical_batch_size
+            if users is not None:  # user-level: micro-batches split between users only
+                yield from self._by_users(batch, size, users)
+                continue
+            sig.groups = None
             if not chunk or size <= chunk:
                 sig.last_physical = True
                 yield track_batch(batch, size)  # row i is sample i: mixing rows is seen (sample_rows)
                 continue
-            if _batch_len(batch) != size:
-                raise PrivacyUsageError(
-                    f"The collated batch has {_batch_len(batch)} rows in dimension 0 for {size} sampled samples: "
-                    "max_physical_batch_size splits dimension 0, so the collate must put the batch there "
-                    "(e.g. pad_sequence(..., batch_first=True))."
-                )
+            self._check_len(batch, size)
             starts = list(range(0, size, chunk))
             for i, s in enumerate(starts):
                 sig.last_physical = i == len(starts) - 1
                 yield track_batch(_slice(batch, s, s + chunk), min(chunk, size - s))
+
+    def _by_users(self, batch, size: int, counts: list[int]):
+        sig = self.signal
+        pieces = split_between_users(counts, self.max_physical_batch_size)
+        if len(pieces) > 1:
+            self._check_len(batch, size)
+        for i, (start, stop, groups) in enumerate(pieces):
+            sig.last_physical, sig.groups = i == len(pieces) - 1, groups
+            yield track_batch(batch if len(pieces) == 1 else _slice(batch, start, stop), stop - start)
+
+    @staticmethod
+    def _check_len(batch, size: int) -> None:
+        if _batch_len(batch) != size:
+            raise PrivacyUsageError(
+                f"The collated batch has {_batch_len(batch)} rows in dimension 0 for {size} sampled samples: "
+                "max_physical_batch_size splits dimension 0, so the collate must put the batch there "
+                "(e.g. pad_sequence(..., batch_first=True))."
+            )
+
+
+def split_between_users(counts: list[int], chunk: int | None) -> list[tuple[int, int, torch.Tensor]]:
+    """A logical batch whose users have ``counts`` examples (in order) as micro-batches of at
+    most ``chunk`` rows, split only between users: [(start, stop, each row's user 0 … u−1)]."""
+    if chunk and counts and max(counts) > chunk:
+        raise PrivacyUsageError(
+            f"A user has {max(counts)} examples in this step but micro-batches hold at most {chunk} rows: a user's "
+            "examples must be clipped together in one micro-batch. Use max_physical_batch_size >= "
+            "max_examples_per_user."
+        )
+    pieces: list[tuple[int, int, torch.Tensor]] = []
+    start, current = 0, list[int]()
+    for c in counts:
+        if current and chunk and sum(current) + c > chunk:
+            pieces.append(_piece(start, current))
+            start, current = start + sum(current), []
+        current.append(c)
+    pieces.append(_piece(start, current))
+    return pieces
+
+
+def _piece(start: int, counts: list[int]) -> tuple[int, int, torch.Tensor]:
+    groups = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts, dtype=torch.long))
+    return start, start + sum(counts), groups
 
 
 class _Counting(Sampler[list[int]]):
@@ -206,8 +256,8 @@ class _Counting(Sampler[list[int]]):
         return len(self.inner)
 
     def __iter__(self):
-        for idx in self.inner:
-            self.sizes.append(len(idx))
+        for idx in self.inner:  # and each user's examples in it, when the sampler samples users
+            self.sizes.append((len(idx), getattr(self.inner, "last_counts", None)))
             yield idx
 
 

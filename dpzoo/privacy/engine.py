@@ -19,12 +19,9 @@ faster by a cost model within a memory budget (:mod:`dpzoo.grad_norms.cost`,
 ``"lora"`` trains only the LoRA adapters of a PEFT model (:mod:`dpzoo.integrations.peft`).
 
 This module's job is the engine's set-up and what it answers for (mode switches, ε, metadata,
-checkpoints); each part it wires has its own module: the argument refusals
-(:mod:`~dpzoo.privacy.arguments`), the sample rate and σ (:mod:`~dpzoo.privacy.budget`),
-ranks and shards (:mod:`~dpzoo.privacy.distributed`), DP-BiTFiT's trainable set
-(:mod:`~dpzoo.privacy.bitfit`), the checks that keep ε true (:mod:`~dpzoo.privacy.guards`),
-the duties around each forward and step (:mod:`~dpzoo.privacy.watch`), the optimizer
-(:mod:`~dpzoo.privacy.optimizer`).
+checkpoints); each part it wires has its own module: argument refusals (``arguments``), sample
+rate and σ (``budget``), ranks (``distributed``), users (``users``), DP-BiTFiT (``bitfit``), the
+checks that keep ε true (``guards``), each forward's and step's duties (``watch``), the optimizer.
 """
 
 from __future__ import annotations
@@ -61,6 +58,8 @@ from .model_call import attach_call_hooks
 from .modes import MODES, apply_mode, mode_trainable
 from .opacus_parity import OpacusParity, opacus_arguments
 from .optimizer import DPOptimizer
+from .protocols import notify_noise
+from .users import user_units
 from .watch import TrainingWatch
 
 __all__ = ["PrivacyEngine", "MODES", "freeze_all_but_biases", "sample_mixing_modules", "engine_of"]
@@ -93,7 +92,8 @@ class PrivacyEngine(OpacusParity):
         self.module: nn.Module | None = None
         self.public_statistics: list[str] = []
         self.target_delta: float | None = None
-        self.dataset_size: int | None = None  # N, for the δ < 1/N check
+        self.dataset_size: int | None = None  # N (examples, or users), for the δ < 1/N check
+        self.unit_record: dict = {"privacy_unit": "sample"}  # the privacy unit, for the metadata
         self.accept_large_delta = False
         self.mode: str | None = None
         self.memory_budget: float | None = None
@@ -127,6 +127,9 @@ class PrivacyEngine(OpacusParity):
         self_check_samples: int = 3,
         memory_budget: float | None = None,
         accept_large_delta: bool = False,
+        privacy_unit: str = "sample",
+        user_ids: Iterable | None = None,
+        max_examples_per_user: int | None = None,
     ):
         """Make ``module``, ``optimizer`` and ``data_loader`` private. Returns all three, wrapped.
 
@@ -147,6 +150,11 @@ class PrivacyEngine(OpacusParity):
         half of the device's free memory; 0: ghost norm everywhere; :meth:`plan` shows the choices).
         A δ ≥ 1/N (N samples) is refused (it allows releasing a sample outright) unless
         ``accept_large_delta=True``, which the privacy metadata records.
+
+        User-level DP (``privacy_unit="user"``, :mod:`dpzoo.privacy.users`): ``user_ids`` gives each
+        example's user; each step samples users (the loader's ``batch_size``: expected users per
+        step; q = batch_size / users), at most ``max_examples_per_user`` examples each, and clips
+        each user's summed gradient to R; ε is then per user and N, for δ, counts users.
         """
         if self.module is not None:
             raise PrivacyUsageError("This PrivacyEngine already made a model private; use a new engine.")
@@ -173,10 +181,9 @@ class PrivacyEngine(OpacusParity):
         )
         batch_size = check_loader(data_loader)
         check_layers(module)
-        dataset = data_loader.dataset
-        n = len(dataset)
-        if n < 1:
-            raise PrivacyUsageError("The data loader's dataset is empty.")
+        n = len(dataset := data_loader.dataset)
+        users = user_units(privacy_unit, user_ids, max_examples_per_user, n, max_physical_batch_size)
+        units = users.num_users if users is not None else n  # the privacy units: q and δ < 1/N count them
         # 2. this rank's shard, the same data and settings on every rank
         world, rank = world_and_rank()
         indices = None
@@ -200,11 +207,11 @@ class PrivacyEngine(OpacusParity):
                 accept_large_delta=accept_large_delta,
             )
         if target_delta is not None:
-            check_delta(target_delta, n, accept_large_delta)
+            check_delta(target_delta, units, accept_large_delta)
         # 3. the Poisson-sampling loader, then σ for its steps, composed after what the model spent
         earlier = engine_of(module)
         prior = prior_spending(module, earlier.accountant.history if earlier is not None else [])
-        sample_rate = compute_sample_rate(batch_size, world, n)
+        sample_rate = compute_sample_rate(batch_size, world, units)
         signal = StepSignal()
         gen = torch.Generator().manual_seed(sample_seed + rank) if sample_seed is not None else None
         loader = DPDataLoader(
@@ -216,6 +223,7 @@ class PrivacyEngine(OpacusParity):
             generator=gen,
             signal=signal,
             indices=indices,
+            batch_sampler=users.sampler(sample_rate, None, gen) if users is not None else None,
         )
         noise_multiplier = calibrate(
             self.accountant,
@@ -234,13 +242,13 @@ class PrivacyEngine(OpacusParity):
         check_optimizer_parameters(module, optimizer, trainable)
         warn_seeds(noise_seed, sample_seed)
         # 5. record the mechanism, attach the hooks and the DP optimizer, watch every step
-        self.target_delta, self.dataset_size, self.accept_large_delta = target_delta, n, bool(accept_large_delta)
+        self.target_delta, self.dataset_size, self.accept_large_delta = target_delta, units, bool(accept_large_delta)
+        self.unit_record = users.metadata() if users is not None else {"privacy_unit": "sample"}
         self.sample_rate, self.noise_multiplier = sample_rate, float(noise_multiplier)
         self.max_grad_norm, self.clipping, self.loss_reduction = float(max_grad_norm), clipping, loss_reduction
         self.noise_seed, self.sample_seed = noise_seed, sample_seed
         self.memory_budget = check_budget(memory_budget)
-        # each rank samples its shard of the one dataset at rate q: the expected global batch is q · N
-        self.expected_batch_size = sample_rate * n
+        self.expected_batch_size = sample_rate * units  # every rank samples its shard at q: q · N in all
         self._attach(module, optimizer, mode, train_head, signal)
         self._watch = TrainingWatch(
             self,
@@ -267,7 +275,12 @@ class PrivacyEngine(OpacusParity):
         self.module = module
         self.public_statistics = stated_assumptions(module)  # what the user stated, outside ε
         try:
-            self._notify_noise()
+            notify_noise(
+                module,
+                noise_multiplier=self.noise_multiplier,
+                max_grad_norm=self.max_grad_norm,
+                expected_batch_size=self.expected_batch_size,
+            )
             self._set_mode(mode, train_head)
             self.optimizer = DPOptimizer(
                 optimizer,
@@ -289,19 +302,6 @@ class PrivacyEngine(OpacusParity):
             for p, r in requires.items():
                 p.requires_grad_(r)
             raise
-
-    def _notify_noise(self) -> None:
-        """Tell every :class:`~dpzoo.privacy.protocols.NoiseAware` module (e.g. DPFormer's
-        Re-Attention) what the optimizer adds: σ, R and the expected batch size."""
-        from .protocols import NoiseAware
-
-        for m in self.module.modules():  # idempotent: a module reached twice just sets it twice
-            if isinstance(m, NoiseAware) and callable(m.set_dp_noise):  # the protocol checks the name only
-                m.set_dp_noise(
-                    noise_multiplier=self.noise_multiplier,
-                    max_grad_norm=self.max_grad_norm,
-                    expected_batch_size=self.expected_batch_size,
-                )
 
     def _set_mode(self, mode: str, train_head) -> None:
         """Attach the norm hooks of ``mode`` (replacing any), first freezing everything outside the

@@ -48,10 +48,12 @@ def engine_record(engine: "PrivacyEngine", delta: float | None) -> dict[str, Any
         noise = "secret (OS entropy)"
     else:
         noise = "reproducible (not private against anyone holding the seed)"
+    unit = engine.unit_record
+    sampling = "Poisson" if unit["privacy_unit"] == "sample" else "Poisson over users, at most k examples each"
     if engine.sample_seed is None:
-        sampling = "Poisson, secret (OS entropy)"
+        sampling += ", secret (OS entropy)"
     else:
-        sampling = "Poisson, reproducible (membership predictable from the seed)"
+        sampling += ", reproducible (membership predictable from the seed)"
     optimizer = engine.optimizer
     if optimizer is not None and optimizer.refusal is not None:
         check = engine.self_check_result or f"failed: {optimizer.refusal}"  # and no step was taken since
@@ -67,7 +69,7 @@ def engine_record(engine: "PrivacyEngine", delta: float | None) -> dict[str, Any
         "sample_rate": float(engine.sample_rate),
         "noise_multiplier": float(engine.noise_multiplier),
         "max_grad_norm": float(engine.max_grad_norm),
-        "privacy_unit": "sample",
+        **unit,  # privacy_unit; for users also their number and k (max_examples_per_user)
         **({"clipping": optimizer.clipping} if optimizer is not None else {}),
         "noise": noise,
         "sampling": sampling,

@@ -2,11 +2,12 @@
 
 One logical step (BK paper Algorithm 1, lines 6–12):
 
-1. for each physical micro-batch, per-sample norms ‖g_i‖ from the hooks, clip factors
-   C_i (Abadi: min(1, R/‖g_i‖); automatic: R/(‖g_i‖ + 0.01), Bu et al.), and the clipped sum
-   Σ_i C_i g_i by book-keeping (no second backward), accumulated (:meth:`clip_and_accumulate`;
-   a micro-batch is taken when the next forward pass starts or at ``step()``, so several
-   forward/backward passes before one ``step()`` add up instead of overwriting each other);
+1. for each physical micro-batch, per-sample norms ‖g_i‖ from the hooks (per user, g_U = Σ_{i∈U} g_i,
+   when the loader samples users: :mod:`dpzoo.privacy.users`), clip factors C_i (Abadi:
+   min(1, R/‖g_i‖); automatic: R/(‖g_i‖ + 0.01), Bu et al.), and the clipped sum Σ_i C_i g_i by
+   book-keeping (no second backward), accumulated (:meth:`clip_and_accumulate`; a micro-batch
+   is taken when the next forward pass starts or at ``step()``, so several forward/backward
+   passes before one ``step()`` add up instead of overwriting each other);
 2. at the end of the logical batch the step is checked: its micro-batches clipped exactly the
    rows of one logical batch of the loader, once (:meth:`check_step`); then under
    ``torch.distributed`` the sums are all-reduced and rank 0 alone adds the noise, so the global
@@ -16,9 +17,8 @@ One logical step (BK paper Algorithm 1, lines 6–12):
    size q·N (Poisson sampling), as in Opacus (:meth:`scale_grad`); ``"sum"`` leaves it a sum;
 4. the wrapped optimizer steps; the accountant records (σ, q).
 
-Like Opacus' ``DPOptimizer`` this is a :class:`torch.optim.Optimizer` sharing the wrapped
-optimizer's ``param_groups`` and ``state`` (``lr_scheduler`` works on it), and its clip / noise /
-scale steps are methods a subclass can override (clipping functions: :mod:`dpzoo.privacy.clipping`).
+Like Opacus' ``DPOptimizer`` this is a :class:`torch.optim.Optimizer` sharing the wrapped optimizer's
+``param_groups`` and ``state``; its clip / noise / scale steps are methods a subclass can override.
 
 Noise is secret: each logical step draws it from a generator seeded with 64 fresh bits of OS
 entropy (``os.urandom``). ``noise_seed`` makes it reproducible instead, for tests only: anyone
@@ -91,18 +91,17 @@ class DPOptimizer(WrappedOptimizer):
         self._warned_no_grad: set[str] = set()
         self._reached: set[str] = set()  # parameters some sample's gradient reached in this logical step
         self._step_hooks: list[Callable[["DPOptimizer"], None]] = []
-        self.samples_in_step = 0
-        self.micro_batches_in_step = 0
+        self.samples_in_step = self.micro_batches_in_step = 0
         self._step_batch: int | None = None  # logical_index of the micro-batches taken in this step
         self._pending_batch: int | None = None  # logical_index of the forward whose records the hooks hold
+        self._pending_groups: torch.Tensor | None = None  # and its rows' privacy units (user-level DP)
         self._last_stepped: int | None = None  # logical_index of the last completed step
         self.steps = 0
         self.last_per_sample_norms: torch.Tensor | None = None
         # set by DPGradScaler: the loss's scale; drop (not refuse) samples whose gradient is not finite
         self.loss_scale, self.drop_nonfinite = 1.0, False
         self.nonfinite_samples = 0  # dropped so far (private: a count over raw samples, never released)
-        # set by the engine: its first-step self-check, what that check re-runs, and a per-step
-        # check that the optimizer still trains exactly the hooked parameters
+        # set by the engine: its first-step self-check, its inputs, the per-step parameter check
         self.on_first_step: Callable[[], None] | None = None
         self.capture_inputs: Callable[[], tuple] | None = None
         self._first_capture: tuple | None = None
@@ -194,7 +193,7 @@ class DPOptimizer(WrappedOptimizer):
             self.hooks.clear()
             self._pending_batch = None
         if self._pending_batch is None:
-            self._pending_batch = self.signal.logical_index
+            self._pending_batch, self._pending_groups = self.signal.logical_index, self.signal.groups
 
     @contextlib.contextmanager
     def _aborting(self):
@@ -206,16 +205,17 @@ class DPOptimizer(WrappedOptimizer):
             self.hooks.clear()
             self._summed, self._reached = {}, set()
             self.samples_in_step = self.micro_batches_in_step = 0
-            self._step_batch = self._pending_batch = None
+            self._step_batch = self._pending_batch = self._pending_groups = None
             raise
 
     def clip_and_accumulate(self) -> None:
         """Add the current micro-batch's clipped sum to the logical step."""
         if not self.hooks.step_ready:
             return  # no backward for this micro-batch
-        batch_tag, self._pending_batch = self._pending_batch, None
+        batch_tag, groups = self._pending_batch, self._pending_groups
+        self._pending_batch = self._pending_groups = None
         if batch_tag is None:  # a forward the engine did not see (its hooks detached): the current batch
-            batch_tag = self.signal.logical_index
+            batch_tag, groups = self.signal.logical_index, self.signal.groups
         if self._step_batch is not None and batch_tag != self._step_batch:
             self.hooks.clear()
             raise PrivacyUsageError(
@@ -236,11 +236,12 @@ class DPOptimizer(WrappedOptimizer):
                         "per-sample gradient cannot be clipped; compute every use inside the model, or "
                         "use the optimizer's weight_decay for penalties."
                     )
+        if groups is not None:  # user-level DP: a user's rows are one unit, its gradient their sum
+            self.hooks.group_rows(groups)
         norms = self.hooks.per_sample_norms()
-        b = norms.shape[0]
+        b = norms.shape[0] if groups is None else groups.numel()  # rows (examples); norms: one per unit
         drop = nonfinite_samples(norms, self.drop_nonfinite)
-        if drop is not None:
-            self.nonfinite_samples += int(drop.sum())
+        self.nonfinite_samples += int(drop.sum()) if drop is not None else 0
         if b:
             check_reduction(take_record(), self.loss_reduction, b)  # a watched loss, reduced as the engine scales
             unreached = set(self.hooks.unreached_parameters())
@@ -324,8 +325,7 @@ class DPOptimizer(WrappedOptimizer):
         """Once per parameter: trainable, yet no sample of a whole logical step reached it (unused
         in forward, or its path was detached). Still private (it gets noise like every
         parameter), but almost always a bug that silently stops it from learning."""
-        new = [n for n in names if n not in self._warned_no_grad]
-        if not new:
+        if not (new := [n for n in names if n not in self._warned_no_grad]):
             return
         self._warned_no_grad.update(new)
         shown = ", ".join(new[:8]) + (f" and {len(new) - 8} more" if len(new) > 8 else "")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-__all__ = ["NoiseAware"]
+__all__ = ["NoiseAware", "notify_noise"]
 
 
 @runtime_checkable
@@ -24,3 +24,13 @@ class NoiseAware(Protocol):
     def set_dp_noise(self, *, noise_multiplier: float, max_grad_norm: float, expected_batch_size: float) -> None:
         """Record the noise: multiplier σ, clipping norm R, expected batch size B (> 0)."""
         ...
+
+
+def notify_noise(module, *, noise_multiplier: float, max_grad_norm: float, expected_batch_size: float) -> None:
+    """Tell every :class:`NoiseAware` module of ``module`` (e.g. DPFormer's Re-Attention) what the
+    optimizer adds: σ, R and the expected batch size."""
+    for m in module.modules():  # idempotent: a module reached twice just sets it twice
+        if isinstance(m, NoiseAware) and callable(m.set_dp_noise):  # the protocol checks the name only
+            m.set_dp_noise(
+                noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm, expected_batch_size=expected_batch_size
+            )

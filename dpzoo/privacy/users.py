@@ -1,0 +1,133 @@
+"""User-level DP by user-level sampling: the privacy unit is a user, all of whose examples
+neighbouring datasets differ in.
+
+Each logical step includes every user independently with probability q (Poisson over users),
+then takes at most k of each included user's examples, chosen uniformly at random afresh each
+step (Charles et al., "Fine-Tuning Large Language Models with User-Level Differential Privacy",
+SaTML 2025, §3: user-level sampling, ULS). The examples of one user in the step are clipped
+together: the clipped quantity is their summed gradient, ‖C_U Σ_{i∈U} g_i‖ ≤ R
+(:mod:`dpzoo.grad_norms.units`). So one user moves the step's sum by at most R whatever the
+number of examples they have, and only when they are sampled, with probability q: this is the
+Poisson-subsampled Gaussian mechanism of example-level DP-SGD with users in place of examples,
+and every accountant's ε for (σ, q over users, steps) is a user-level ε. The choice of k
+examples depends on that user's data alone, so it is part of the per-user mechanism.
+
+The loader keeps each user's examples next to each other in the batch and splits a logical
+batch into micro-batches only between users (a user's gradient must be whole before its norm:
+:func:`dpzoo.privacy.data.split_between_users`).
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+from torch.utils.data import Sampler
+
+from ..errors import InvalidArgumentError, PrivacyUsageError
+from .data import secret_generator
+from .distributed import world_and_rank
+
+__all__ = ["UserUnits", "user_units", "UserPoissonBatchSampler"]
+
+PRIVACY_UNITS = ("sample", "user")
+
+
+@dataclass(frozen=True)
+class UserUnits:
+    """The users of a dataset: ``unit[i]`` is example i's user (0 … num_users − 1)."""
+
+    unit: torch.Tensor  # (N,) long
+    num_users: int
+    max_examples: int  # k: at most this many of a sampled user's examples per step
+
+    def sampler(self, sample_rate: float, steps: int | None, generator, users: Sequence[int] | None = None):
+        return UserPoissonBatchSampler(self, sample_rate, steps, generator, users)
+
+    def metadata(self) -> dict:
+        return {"privacy_unit": "user", "users": self.num_users, "max_examples_per_user": self.max_examples}
+
+
+def user_units(
+    privacy_unit: str, user_ids, max_examples_per_user, n: int, max_physical: int | None
+) -> UserUnits | None:
+    """Check make_private's user-level arguments; None for example-level DP (``"sample"``)."""
+    if privacy_unit not in PRIVACY_UNITS:
+        raise InvalidArgumentError(f"privacy_unit must be one of {PRIVACY_UNITS}, got {privacy_unit!r}")
+    if privacy_unit == "sample":
+        if user_ids is not None or max_examples_per_user is not None:
+            raise InvalidArgumentError(
+                "user_ids / max_examples_per_user need privacy_unit='user' (they would be ignored): pass it, "
+                "or drop them for example-level DP."
+            )
+        return None
+    if user_ids is None:
+        raise InvalidArgumentError(
+            "privacy_unit='user' needs user_ids: one user id per example of the dataset, in dataset order."
+        )
+    k = max_examples_per_user
+    if not isinstance(k, numbers.Integral) or isinstance(k, bool) or k < 1:
+        raise InvalidArgumentError(
+            f"max_examples_per_user must be an integer >= 1 (k: the most examples of one user in a step), got {k!r}"
+        )
+    if max_physical is not None and k > max_physical:
+        raise InvalidArgumentError(
+            f"max_examples_per_user={k} exceeds max_physical_batch_size={max_physical}: a user's examples are "
+            "clipped together in one micro-batch, so the micro-batch must hold k examples."
+        )
+    if world_and_rank()[0] > 1:
+        raise PrivacyUsageError("privacy_unit='user' is not supported under torch.distributed yet: train on one rank.")
+    ids = list(user_ids.tolist() if hasattr(user_ids, "tolist") else user_ids)
+    if len(ids) != n:
+        raise InvalidArgumentError(
+            f"user_ids has {len(ids)} entries for a dataset of {n} examples: give one per example."
+        )
+    missing = [i for i, u in enumerate(ids) if u is None or (isinstance(u, float) and u != u)]
+    if missing:
+        raise InvalidArgumentError(
+            f"user_ids is missing for example(s) {missing[:8]} ({len(missing)} in all): every example needs its user "
+            "(an example without one cannot be accounted to anyone); drop those examples or give each its own id."
+        )
+    index: dict = {}
+    unit = torch.tensor([index.setdefault(u, len(index)) for u in ids], dtype=torch.long)
+    return UserUnits(unit, len(index), int(k))
+
+
+class UserPoissonBatchSampler(Sampler[list[int]]):
+    """``steps`` batches: every user (of ``users``, default all) with probability ``sample_rate``,
+    then at most k of their examples at random; each user's examples next to each other.
+    After yielding a batch, :attr:`last_counts` holds the number of examples of each user in it."""
+
+    def __init__(self, units: UserUnits, sample_rate: float, steps: int | None, generator=None, users=None):
+        if not 0 < sample_rate <= 1:
+            raise InvalidArgumentError(f"need 0 < sample_rate <= 1, got {sample_rate}")
+        self.units, self.sample_rate, self.generator = units, sample_rate, generator
+        self.steps = steps if steps is not None else max(1, round(1 / sample_rate))
+        self.users = torch.arange(units.num_users) if users is None else torch.as_tensor(list(users), dtype=torch.long)
+        order = torch.argsort(units.unit, stable=True)  # examples grouped by user
+        counts = torch.bincount(units.unit, minlength=units.num_users)
+        self._members, self._counts = order, counts
+        self._starts = torch.cumsum(counts, 0) - counts
+        self.last_counts: list[int] = []
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Iterator[list[int]]:
+        gen = self.generator if self.generator is not None else secret_generator()
+        k = self.units.max_examples
+        for _ in range(self.steps):
+            picked = self.users[torch.rand(len(self.users), generator=gen) < self.sample_rate]
+            batch: list[int] = []
+            counts: list[int] = []
+            for u in picked.tolist():
+                start, count = int(self._starts[u]), int(self._counts[u])
+                rows = self._members[start : start + count]
+                if count > k:
+                    rows = rows[torch.randperm(count, generator=gen)[:k]]
+                batch.extend(rows.tolist())
+                counts.append(len(rows))
+            self.last_counts = counts
+            yield batch
