@@ -19,6 +19,7 @@ batch's longest sequence for a model that attends to padding.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import MutableMapping
 
 import torch
@@ -36,6 +37,7 @@ class SampleRows(torch.Tensor):
     the model's outputs, and what derives from them (see the module docstring)."""
 
     rows: State
+    view_of: "weakref.ref[SampleRows]"  # a view made by indexing: the tracked tensor it writes into
 
     def __deepcopy__(self, memo):  # a copy is a plain tensor: it is no longer the step's batch
         with torch._C.DisableTorchFunctionSubclass():
@@ -75,6 +77,8 @@ def follow(func, args, kwargs, tracked: list, out):
     name = op_name(func)
     if name in POSITIONAL_WRITES and isinstance(args[0], SampleRows) and positional_write(name, args, kwargs):
         args[0].rows = args[0].rows._replace(written=True)  # in place: the tensor now holds weights by position
+    if name == "__setitem__" and len(args) > 2 and isinstance(args[2], SampleRows):
+        written_rows(args[0], args[1], args[2].rows)  # returns None: the target must learn what it now holds
     if name.startswith("new_") or (name in TEMPLATED and not isinstance(args[0], SampleRows)):
         return out  # values given, the batch only lends its dtype, device or shape: not the batch's rows (plain)
     if name == "__iter__" and tracked[0].rows.sample_dim == 0 and args and args[0] is tracked[0]:
@@ -92,7 +96,53 @@ def follow(func, args, kwargs, tracked: list, out):
     if isinstance(out, (tuple, list)) and name in ("unbind", "chunk", "split", "tensor_split"):
         if not state.stat and tracked[0].rows.sample_dim == 0 and over_first(args, kwargs, name):
             return type(out)(pieces(out, tracked[0], state, name == "unbind"))
-    return tree_map(lambda o: tag(o, state) if isinstance(o, torch.Tensor) else o, out)
+    base = getattr(args[0], "view_of", None) if IN_PLACE(name) else None
+    if base is not None and base() is not None and mixed(state):
+        written_rows(base(), slice(None), state)  # x2[:, :2].add_(x.flip(0)[:, :2]): the view's base too
+    out = tree_map(lambda o: tag(o, state) if isinstance(o, torch.Tensor) else o, out)
+    if name == "__getitem__" and isinstance(out, SampleRows) and isinstance(args[0], SampleRows):
+        if out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr():
+            out.view_of = weakref.ref(args[0])  # an in-place op on this view writes into args[0]
+    return out
+
+
+def IN_PLACE(name: str) -> bool:  # noqa: N802 (read as a set)
+    return (name.endswith("_") and not name.startswith("_")) or name in (
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__itruediv__",
+    )
+
+
+def mixed(rows: State) -> bool:
+    return rows.stat or rows.pooled or not rows.aligned or rows.sample_dim != 0
+
+
+def written_rows(target, index, value: State) -> None:
+    """``target[index] = value`` with values of the batch: the target now holds them too (as after
+    ``copy_``). Other samples' rows (a patch from ``x.flip(0)``, shuffled labels) make it misaligned,
+    a statistic of the batch makes it one; sample i's own values written into row i change nothing.
+    A plain tensor cannot be tracked: writing other samples' values into one with the batch's rows is refused."""
+    first = index[0] if isinstance(index, tuple) and index else index
+    full = not isinstance(first, torch.Tensor) and (first is Ellipsis or first is None or first == slice(None))
+    if isinstance(target, SampleRows):
+        window = window_of(target)
+        if not mixed(value) and full and (value.window or (0, value.samples)) == window:
+            return
+        if value.row is not None and not value.stat and isinstance(first, int) and first >= 0:
+            if window[0] + first == value.row:
+                return  # x2[i] = f(x[i]): sample i's own values, in its own row
+        target.rows = (
+            target.rows._replace(stat=True) if value.stat or value.pooled else target.rows._replace(aligned=False)
+        )
+        return
+    batch_like = target.dim() > 0 and target.shape[0] == value.samples  # a stand-in for the batch (not counts[y])
+    if batch_like and (mixed(value) or not full or value.window is not None):
+        refuse(
+            "writing other samples' values or a batch statistic into a tensor in place "
+            "(t[:, :2] = x.flip(0)[:, :2], t[:] = y.flip(0))"
+        )
 
 
 def over_first(args, kwargs, name: str) -> bool:
