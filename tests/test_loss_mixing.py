@@ -669,3 +669,17 @@ def test_each_samples_own_values_written_in_place_train_exactly():
     opt.step()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach() - before[n], expected[n], rtol=1e-9, atol=1e-12)
+
+
+def test_a_gradient_with_respect_to_the_parameters_is_refused_with_a_dpzoo_error():
+    """A gradient-norm penalty or SAM's ascent step: torch raised "appears to not have been used in
+    the graph" (ghost differentiation forms no parameter gradient); now a one-line refusal."""
+    from dpzoo.errors import PrivacyUsageError
+
+    engine, model, opt, loader = private(mlp(), classification())
+    x, y = next(iter(loader))
+    loss = F.cross_entropy(model(x), y, reduction="sum")
+    with pytest.raises(PrivacyUsageError, match="with respect to parameters"):
+        torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
+    with pytest.raises(PrivacyUsageError, match="SAM"):
+        torch.autograd.grad(loss, next(model.parameters()))

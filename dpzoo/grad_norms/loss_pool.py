@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from ..errors import LossMixingError
+from ..errors import LossMixingError, PrivacyUsageError
 from .row_rules import FIX, refuse
 
 __all__ = ["before_gradient", "take_record", "check_reduction", "unwatched"]
@@ -39,6 +39,16 @@ def before_gradient(func, args, kwargs) -> None:
     """``register_hook`` on a watched tensor, or ``backward`` of one (``loss.backward(gradient)``,
     ``torch.autograd.backward(tensors, grad_tensors)``): refuse or record."""
     if INTERNAL:
+        return
+    if func is torch.autograd.grad:
+        inputs = args[1] if len(args) > 1 else kwargs.get("inputs", ())
+        if any(isinstance(t, torch.nn.Parameter) for t in ([inputs] if isinstance(inputs, torch.Tensor) else inputs)):
+            raise PrivacyUsageError(
+                "torch.autograd.grad of a private step's loss with respect to parameters: dpzoo forms no batch "
+                "gradient of the parameters (its hooks take each sample's from the layers), and one would not be "
+                "clipped per sample. Losses that need it (a gradient-norm penalty, SAM's ascent step) are not "
+                "supported: call loss.backward() and optimizer.step()."
+            )
         return
     if getattr(func, "__name__", "") == "register_hook":
         if getattr(args[0], "rows", None) is not None and args[0].requires_grad:

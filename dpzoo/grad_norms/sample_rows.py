@@ -50,7 +50,7 @@ class SampleRows(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if op_name(func) in ("backward", "register_hook"):  # before autograd runs: what the engine must know
+        if op_name(func) in ("backward", "register_hook") or func is torch.autograd.grad:  # before autograd runs
             before_gradient(func, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():  # also for the bookkeeping below (.dim(), .shape)
             out = func(*args, **kwargs)
@@ -97,7 +97,7 @@ def follow(func, args, kwargs, tracked: list, out):
         if not state.stat and tracked[0].rows.sample_dim == 0 and over_first(args, kwargs, name):
             return type(out)(pieces(out, tracked[0], state, name == "unbind"))
     base = getattr(args[0], "view_of", None) if IN_PLACE(name) else None
-    if base is not None and base() is not None and mixed(state):
+    if base is not None and base() is not None and moved(args[0].rows, state):
         written_rows(base(), slice(None), state)  # x2[:, :2].add_(x.flip(0)[:, :2]): the view's base too
     out = tree_map(lambda o: tag(o, state) if isinstance(o, torch.Tensor) else o, out)
     if name == "__getitem__" and isinstance(out, SampleRows) and isinstance(args[0], SampleRows):
@@ -117,6 +117,13 @@ def IN_PLACE(name: str) -> bool:  # noqa: N802 (read as a set)
 
 def mixed(rows: State) -> bool:
     return rows.stat or rows.pooled or not rows.aligned or rows.sample_dim != 0
+
+
+def moved(old: State, new: State) -> bool:
+    """An in-place op on a view changed which samples it holds (``x[0] *= 2`` keeps row 0's own)."""
+    if (new.stat or new.pooled) and not (old.stat or old.pooled):
+        return True
+    return (new.row, new.aligned, new.window, new.sample_dim) != (old.row, old.aligned, old.window, old.sample_dim)
 
 
 def written_rows(target, index, value: State) -> None:
