@@ -29,21 +29,19 @@ from .integrations.opacus import unwrap_for_save
 from .integrations.peft_layers import refuse_save as refuse_peft_save
 from .privacy.engine import engine_of
 from .privacy_card import CARD_NAME, check_saved_card, render_card
-from .privacy_record import PRIVACY_FIELDS, check_privacy, privacy_from_header, privacy_from_json, privacy_to_json
+from .privacy_record import (
+    PRIVACY_FIELDS,
+    check_privacy,
+    privacy_from_header,
+    privacy_from_json,
+    privacy_to_json,
+    spending_of,
+)
 from .registry import LOAD_KEYWORDS, OVERRIDE_SYNONYMS, get_entry, is_model, reject_unknown_overrides, split_name
 from .sharded_save import save_if_sharded
 
-__all__ = [
-    "load",
-    "create_model",
-    "save",
-    "read_config",
-    "privacy_metadata",
-    "PRIVACY_FIELDS",
-    "CONFIG_NAME",
-    "WEIGHTS_NAME",
-    "run_model_directory",
-]
+__all__ = ["load", "create_model", "save", "read_config", "privacy_metadata", "PRIVACY_FIELDS", "CONFIG_NAME"]
+__all__ += ["WEIGHTS_NAME", "run_model_directory"]
 
 CONFIG_NAME = "dpzoo_config.json"
 WEIGHTS_NAME = "model.safetensors"
@@ -269,7 +267,7 @@ def save(
         base = config.get("pretrained_tag") if config.get("pretrained") else None
         card = render_card(config["model_name"], privacy, base_model=base, datasets=datasets)
         (tmp / CARD_NAME).write_text(card, encoding="utf-8")
-        _write_library_config(model, tmp)
+        _write_library_config(model, tmp, privacy)
         give_default_permissions(tmp)  # mkdtemp made it 0700: as mkdir/open would, under the umask
         if directory.exists():
             old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
@@ -284,12 +282,14 @@ def save(
     return directory
 
 
-def _write_library_config(model: nn.Module, directory: Path) -> None:
-    """A transformers model's own ``config.json``: its sizes came from the checkpoint it was loaded from
-    (not from dpzoo's overrides), and :func:`load` rebuilds it from that config."""
+def _write_library_config(model: nn.Module, directory: Path, privacy: Mapping[str, Any] | None) -> None:
+    """A transformers model's own ``config.json`` (its sizes came from its checkpoint; :func:`load`
+    rebuilds it from it), with the spending ``from_pretrained`` of any copy composes (``dpzoo_privacy``)."""
     config = getattr(model, "config", None)
-    if callable(getattr(config, "to_json_file", None)) and callable(getattr(model, "save_pretrained", None)):
-        config.to_json_file(str(directory / HF_CONFIG_NAME))
+    if callable(getattr(config, "to_json_string", None)) and callable(getattr(model, "save_pretrained", None)):
+        data = json.loads(config.to_json_string())
+        data.update({"dpzoo_privacy": spending_of(privacy)} if privacy else {})
+        (directory / HF_CONFIG_NAME).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def read_config(directory: str | os.PathLike) -> dict[str, Any]:

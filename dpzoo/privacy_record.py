@@ -10,7 +10,14 @@ from typing import Any, Mapping
 
 from .errors import CheckpointError, SaveError
 
-__all__ = ["PRIVACY_FIELDS", "check_privacy", "privacy_to_json", "privacy_from_json", "privacy_from_header"]
+__all__ = [
+    "PRIVACY_FIELDS",
+    "check_privacy",
+    "privacy_to_json",
+    "privacy_from_json",
+    "privacy_from_header",
+    "spending_of",
+]
 HEADER_PREFIX = "dpzoo.privacy."
 
 # Privacy metadata a DP-trained model carries (the engine fills it; users may too).
@@ -133,3 +140,15 @@ def privacy_from_header(metadata: Mapping[str, str] | None, source: str) -> dict
             f"{source} carries a dpzoo privacy record that cannot be read back ({e}); a model trained from it "
             "would not compose that spending into its ε. Load it with dpzoo.load(<its saved directory>) instead."
         ) from None
+
+
+def spending_of(privacy: Mapping[str, Any]) -> dict[str, Any]:
+    """What a Hugging Face ``config.json`` carries of a record (``dpzoo_privacy``): the accountant and
+    the whole (σ, q, steps) history that later runs compose; the record itself (JSON-safe) when it has
+    no σ to compose with, which a later run then refuses to ignore."""
+    history = privacy.get("history")
+    if not history and privacy.get("noise_multiplier") is not None and privacy.get("steps"):
+        history = [[privacy["noise_multiplier"], privacy["sample_rate"], privacy["steps"]]]
+    if history:
+        return {"accountant": privacy["accountant"], "history": [list(h) for h in history]}
+    return privacy_to_json(dict(privacy)) or {}

@@ -54,17 +54,21 @@ class SpendingLink:
 
 
 def link_spending(module: nn.Module, accountant: Accountant) -> None:
-    """Record on ``module`` that ``accountant`` holds its spending: ``module.dpzoo_spending``, and for
-    a Hugging Face model ``config.dpzoo_privacy`` (the accountant's live history: ``save_pretrained``
+    """Record on ``module`` and on each of its layers with trainable parameters that ``accountant``
+    holds their spending: ``dpzoo_spending``, and for a Hugging Face model (or one inside) ``config.dpzoo_privacy`` (the accountant's live history: ``save_pretrained``
     writes it into config.json, so a ``from_pretrained`` of any copy of the weights composes it)."""
-    link = getattr(module, "dpzoo_spending", None)
-    if isinstance(link, SpendingLink):  # updated, not replaced: deep copies that share it follow along
-        link.accountant = accountant
-    else:
-        object.__setattr__(module, "dpzoo_spending", SpendingLink(accountant))
-    config = getattr(module, "config", None)
-    if config is not None and hasattr(config, "to_json_string"):
-        config.dpzoo_privacy = {"accountant": accountant.name, "history": accountant.history}
+    for m in module.modules():  # the model, and every layer it trains (a layer can be reused elsewhere)
+        if m is not module and not any(p.requires_grad for p in m.parameters(recurse=False)):
+            continue
+        link = getattr(m, "dpzoo_spending", None)
+        if isinstance(link, SpendingLink):  # updated, not replaced: deep copies that share it follow along
+            link.accountant = accountant
+        else:
+            object.__setattr__(m, "dpzoo_spending", SpendingLink(accountant))
+    for m in module.modules():  # a backbone inside the model is saved on its own too (backbone.save_pretrained)
+        config = getattr(m, "config", None)
+        if config is not None and hasattr(config, "to_json_string"):
+            config.dpzoo_privacy = {"accountant": accountant.name, "history": accountant.history}
 
 
 def recorded_origin(module: nn.Module) -> tuple[dict, str] | None:
@@ -83,7 +87,7 @@ def recorded_origin(module: nn.Module) -> tuple[dict, str] | None:
             if meta:  # a full record first: it has ε, δ and the rest, not only the history
                 return meta, path
         record = getattr(config, "dpzoo_privacy", None)
-        if carried is None and isinstance(record, dict) and record.get("history"):
+        if carried is None and isinstance(record, dict) and record:
             carried = (record, "the model's config")
     return carried
 
@@ -97,17 +101,40 @@ def prior_spending(module: nn.Module, earlier: list) -> list:
     (new data disjoint from the earlier run's)."""
     if earlier:
         return [list(h) for h in earlier]
-    link = getattr(module, "dpzoo_spending", None)
-    if isinstance(link, SpendingLink) and link.history:
-        return link.history
-    meta = getattr(module, "dpzoo_privacy", None)
-    if meta is None:
-        found = recorded_origin(module)
-        meta = found[0] if found else None
+    if getattr(module, "dpzoo_privacy", None) == {}:
+        return []  # the user stated the new data disjoint from what the model was trained on
+    found = spent_inside(module)
+    if found:
+        return found
+    meta = recorded_origin(module)
     if meta is None:
         _refuse_adapters_of_unknown_origin(module)
-    if not meta:
         return []
+    return history_of(meta[0])
+
+
+def spent_inside(module: nn.Module) -> list:
+    """What the model or any module inside it spent (a DP-trained model reused in a new one, a
+    layer of it): every engine's :class:`SpendingLink` and every record ``dpzoo.load`` attached,
+    composed; a history that another one contains (a link composed after that record) once."""
+    found: list[list] = []
+    for m in module.modules():
+        link = getattr(m, "dpzoo_spending", None)
+        meta = getattr(m, "dpzoo_privacy", None)
+        if isinstance(link, SpendingLink) and link.history:
+            found.append(link.history)
+        elif meta:
+            found.append(history_of(meta))
+    distinct: list[list] = []
+    for h in sorted(found, key=len, reverse=True):
+        if not any(d[i : i + len(h)] == h for d in distinct for i in range(len(d) - len(h) + 1)):
+            distinct.append(h)
+    return [entry for h in distinct for entry in h]
+
+
+def history_of(meta: dict) -> list:
+    """The (σ, q, steps) history of a privacy record: the whole one when recorded, else its last
+    σ, q and step count; refused when it has no σ to compose with."""
     if meta.get("history"):  # every release composed into the saved ε, not only the last (σ, q)
         return [list(h) for h in meta["history"]]
     if meta.get("noise_multiplier") is None or not meta.get("steps"):
@@ -172,6 +199,7 @@ def calibrate(
                 int(epochs) * steps_per_epoch,
                 accountant.name,
                 history=accountant.history,
+                group=accountant.group,
             )
         except ValueError as e:
             if isinstance(e, DPZooError):
