@@ -88,18 +88,18 @@ def check_privacy(privacy: Mapping[str, Any] | None) -> dict[str, Any] | None:
 def _check_history(history: list) -> list:
     rows = []
     for row in history:
-        ok = isinstance(row, (list, tuple)) and len(row) == 3
+        ok = isinstance(row, (list, tuple)) and len(row) in (3, 4)  # [σ, q, steps, k]: k examples per user
         if ok:
-            sigma, q, steps = row
-            ok = (
-                all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (sigma, q))
-                and isinstance(steps, int)
-                and not isinstance(steps, bool)
+            sigma, q, *counts = row
+            ok = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (sigma, q)) and all(
+                isinstance(c, int) and not isinstance(c, bool) for c in counts
             )
-            ok = ok and sigma >= 0 and 0 < q <= 1 and steps >= 0
+            ok = ok and sigma >= 0 and 0 < q <= 1 and counts[0] >= 0 and (len(counts) == 1 or counts[1] >= 2)
         if not ok:
-            raise SaveError(f"privacy history rows must be [σ >= 0, 0 < q <= 1, steps >= 0], got {row!r}.")
-        rows.append([float(row[0]), float(row[1]), int(row[2])])
+            raise SaveError(
+                f"privacy history rows must be [σ >= 0, 0 < q <= 1, steps >= 0] or [σ, q, steps, k >= 2], got {row!r}."
+            )
+        rows.append([float(row[0]), float(row[1]), *(int(c) for c in row[2:])])
     return rows
 
 

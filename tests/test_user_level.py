@@ -141,7 +141,7 @@ def _private(model, n=60, users=9, k=3, batch_size=4, sigma=0.0, physical=None, 
         torch.randn(n, 6, generator=gen, dtype=torch.float64), torch.randint(0, 3, (n,), generator=gen)
     )
     ids = kw.pop("user_ids", [f"user-{(i * 7) % users}" for i in range(n)])  # users of 6 or 7 examples
-    engine = dpzoo.PrivacyEngine()
+    engine = dpzoo.PrivacyEngine(accountant=kw.pop("accountant_name", "rdp"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # σ = 0 and a fixed sample seed: wanted here
         out = engine.make_private(
@@ -206,7 +206,7 @@ def test_user_level_sampling_takes_users_at_rate_q_and_at_most_k_of_their_exampl
     from dpzoo.privacy.users import UserPoissonBatchSampler, user_units
 
     ids = [i % 5 for i in range(23)] + [7] * 9  # five users of 4-5 examples, one of 9
-    units = user_units("user", ids, 3, len(ids), None)
+    units = user_units("user", ids, 3, len(ids), None, "users", None)
     assert units.num_users == 6
     sampler = UserPoissonBatchSampler(units, 0.3, steps=4000, generator=torch.Generator().manual_seed(0))
     seen_users = torch.zeros(6)
@@ -283,3 +283,158 @@ def test_a_batch_memory_manager_below_k_is_refused_and_at_k_splits_between_users
             opt.step()
             opt.zero_grad()
     assert engine.steps > 0
+
+
+# -- example-level sampling with at most k examples per user (ELS): the mixture-of-Gaussians account --
+
+
+def _mog_reference_epsilon(sigma: float, q: float, k: int, delta: float) -> float:
+    """ε at δ of one step, by numerical integration: a user with k examples each sampled at q
+    shifts N(0, σ²) by j ~ Binomial(k, q); δ(ε) is the larger hockey-stick divergence of the two
+    directions, solved for ε by bisection. Independent of dp-accounting."""
+    import math
+
+    from scipy import integrate, optimize, stats
+
+    probs = [math.comb(k, j) * q**j * (1 - q) ** (k - j) for j in range(k + 1)]
+
+    def p(x):
+        return sum(pj * stats.norm.pdf(x, j, sigma) for j, pj in enumerate(probs))
+
+    def q0(x):
+        return stats.norm.pdf(x, 0, sigma)
+
+    def delta_at(eps):
+        lim = (-12 * sigma, k + 12 * sigma)
+        one = integrate.quad(lambda x: max(0.0, p(x) - math.exp(eps) * q0(x)), *lim, limit=400)[0]
+        two = integrate.quad(lambda x: max(0.0, q0(x) - math.exp(eps) * p(x)), *lim, limit=400)[0]
+        return max(one, two)
+
+    return optimize.brentq(lambda e: delta_at(e) - delta, 1e-6, 50.0, xtol=1e-6)
+
+
+@pytest.mark.parametrize("k, q, sigma", [(3, 0.2, 0.9)])
+def test_a_k_example_entry_is_the_mixture_of_gaussians_of_an_independent_integration(k, q, sigma):
+    from dpzoo.privacy.accountant import Accountant
+
+    got = Accountant("pld", [[sigma, q, 1, k]]).get_epsilon(1e-3)
+    want = _mog_reference_epsilon(sigma, q, k, 1e-3)
+    assert want <= got <= want + 0.02  # PLD's pessimistic discretisation: an upper bound, close
+
+
+def test_a_k_example_account_lies_between_example_level_and_group_privacy():
+    """k = 1 is the Poisson-subsampled Gaussian exactly; for k > 1 the user-level ε is above the
+    example-level one and below group privacy's (kε, k·e^((k−1)ε)·δ) bound (Dwork & Roth, Thm 2.2)."""
+    import math
+
+    from dpzoo.privacy.accountant import Accountant
+
+    sigma, q, steps, k, delta = 1.2, 0.02, 50, 3, 1e-6
+    example = Accountant("pld", [[sigma, q, steps]]).get_epsilon(delta)
+    assert Accountant("pld", [[sigma, q, steps, 1]]).get_epsilon(delta) == example
+    user = Accountant("pld", [[sigma, q, steps, k]])
+    eps1 = example
+    group_delta = k * math.exp((k - 1) * eps1) * delta
+    assert example < user.get_epsilon(delta) and user.get_epsilon(group_delta) <= k * eps1
+
+
+@pytest.mark.parametrize("name", ["rdp", "prv"])
+def test_other_accountants_refuse_k_example_entries_naming_pld(name):
+    from dpzoo.errors import AccountingError
+    from dpzoo.privacy.accountant import Accountant, get_noise_multiplier
+
+    with pytest.raises(AccountingError, match="use accountant='pld'"):
+        Accountant(name, [[1.0, 0.1, 10, 2]])
+    with pytest.raises(AccountingError, match="use accountant='pld'"):
+        get_noise_multiplier(2.0, 1e-5, 0.1, 10, name, group=2)
+
+
+def test_noise_for_a_target_covers_the_k_examples_and_entries_merge_by_k():
+    from dpzoo.privacy.accountant import Accountant, get_noise_multiplier
+
+    sigma = get_noise_multiplier(3.0, 1e-5, 0.05, 5, "pld", tolerance=0.05, group=2)
+    acc = Accountant("pld", group=2)
+    acc.step(sigma, 0.05, 5)
+    assert 2.95 <= acc.get_epsilon(1e-5) <= 3.0
+    assert sigma > get_noise_multiplier(3.0, 1e-5, 0.05, 5, "pld", tolerance=0.05)  # one example per user: less
+    acc.step(sigma, 0.05, 2)
+    acc.group = 1
+    acc.step(sigma, 0.05, 2)
+    assert acc.history == [[sigma, 0.05, 7, 2], [sigma, 0.05, 2]]
+
+
+def test_example_level_sampling_keeps_k_examples_per_user_and_records_the_mixture():
+    import torch.nn.functional as F
+
+    engine, model, opt, loader = _private(
+        _mlp(), sigma=1.0, user_sampling="examples", accountant_name="pld", batch_size=6, physical=None
+    )
+    ids = [f"user-{(i * 7) % 9}" for i in range(60)]
+    seen: dict = {}
+    for _ in range(1):
+        for x, y in loader:
+            assert loader.signal.groups is None  # clipped example by example
+            F.cross_entropy(model(x), y, reduction="sum").backward()
+            opt.step()
+            opt.zero_grad()
+    kept = loader.batch_sampler.indices.tolist()
+    for i in kept:
+        seen.setdefault(ids[i], set()).add(i)
+    assert len(kept) == 27 and all(len(v) == 3 for v in seen.values())  # 9 users, k = 3 each
+    record = engine.privacy_metadata(1e-3)
+    assert record["history"] == [[1.0, 6 / 27, engine.steps, 3]] and record["accountant"] == "pld"
+    assert record["sampling"].startswith("Poisson over examples, at most k per user")
+    assert record["epsilon"] > dpzoo_epsilon_one_per_user(engine.steps)
+
+
+def dpzoo_epsilon_one_per_user(steps):
+    from dpzoo.privacy.accountant import Accountant
+
+    return Accountant("pld", [[1.0, 6 / 27, steps]]).get_epsilon(1e-3)
+
+
+def test_example_level_sampling_with_an_accountant_that_cannot_account_it_is_refused():
+    with pytest.raises(DPZooError, match="use accountant='pld'"):
+        _private(_mlp(), sigma=1.0, user_sampling="examples")
+
+
+@pytest.mark.parametrize("sampling", ["users", "examples"])
+def test_a_user_level_model_saves_a_card_that_states_the_unit_and_loads_back(tmp_path, sampling):
+    """The card validates against the schema, says "user", the number of users and k, and its ε
+    recomputes from the history (the [σ, q, steps, k] entries of example-level sampling too)."""
+    import json
+    import warnings
+    from pathlib import Path
+
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import dpzoo
+    from dpzoo.privacy_card import read_card
+
+    jsonschema = pytest.importorskip("jsonschema")
+    torch.manual_seed(0)
+    model = dpzoo.load("mlp-tanh", in_features=4, num_classes=2, width=8)
+    data = TensorDataset(torch.randn(40, 4), torch.randint(0, 2, (40,)))
+    engine = dpzoo.PrivacyEngine(accountant="pld")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, loader = engine.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            data_loader=DataLoader(data, batch_size=3), noise_multiplier=1.5, max_grad_norm=1.0,
+            privacy_unit="user", user_ids=[i % 8 for i in range(40)], max_examples_per_user=2, user_sampling=sampling,
+        )  # fmt: skip
+        for x, y in loader:
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    directory = dpzoo.save(model, tmp_path / "model", privacy=engine.privacy_metadata(1e-2))
+    front = read_card(directory)
+    jsonschema.validate(
+        front, json.loads((Path(__file__).parents[1] / "docs" / "privacy_card.schema.json").read_text())
+    )
+    block = front["privacy"]
+    assert block["unit_of_privacy"] == "user" and block["users"] == 8 and block["max_examples_per_user"] == 2
+    assert (len(block["history"][0]) == 4) == (sampling == "examples")
+    assert "one user" in dpzoo.privacy_statement(directory)
+    assert dpzoo.load(directory).dpzoo_privacy["epsilon"] == pytest.approx(engine.get_epsilon(1e-2))

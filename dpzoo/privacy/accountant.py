@@ -47,6 +47,7 @@ __all__ = [
 ]
 
 _MULTI = "use accountant='pld' or 'rdp' (dp-accounting) or 'prv' (Opacus), which compose every entry"
+GROUP_ACCOUNTANTS = ("pld",)  # compose [σ, q, steps, k] entries (dp-accounting's mixture-of-Gaussians PLD)
 
 
 def _number(value, arg: str) -> float:
@@ -58,8 +59,10 @@ def _number(value, arg: str) -> float:
     return float(value)
 
 
-def _entry(noise_multiplier, sample_rate, steps) -> list:
-    """A validated [σ, q, steps] history entry."""
+def _entry(noise_multiplier, sample_rate, steps, group=1) -> list:
+    """A validated [σ, q, steps] history entry, or [σ, q, steps, k] for steps where each of a
+    user's k examples is Poisson-sampled at q (user-level DP by example-level sampling: the
+    user's contribution is a mixture of Gaussians, :mod:`dpzoo.privacy.accounting_backends`)."""
     sigma = _number(noise_multiplier, "noise_multiplier")
     if not (math.isfinite(sigma) and sigma >= 0):
         raise AccountingError(f"noise_multiplier must be a finite number >= 0 (0 = no noise, ε = ∞), got {sigma}.")
@@ -69,15 +72,22 @@ def _entry(noise_multiplier, sample_rate, steps) -> list:
     n = _number(steps, "steps")
     if not (math.isfinite(n) and n >= 0 and n == int(n)):
         raise AccountingError(f"steps must be a whole number >= 0, got {steps!r}.")
-    return [sigma, q, int(n)]
+    k = _number(group, "group")
+    if not (k >= 1 and k == int(k)):
+        raise AccountingError(f"the examples per user of a history entry must be a whole number >= 1, got {group!r}.")
+    return [sigma, q, int(n)] if k == 1 else [sigma, q, int(n), int(k)]
 
 
 def _row(h) -> list:
     try:
-        sigma, q, steps = h
+        sigma, q, steps, *group = h
     except (TypeError, ValueError):
-        raise AccountingError(f"a history entry must be (noise_multiplier, sample_rate, steps), got {h!r}.") from None
-    return _entry(sigma, q, steps)
+        group = [None, None]
+    if len(group) > 1:
+        raise AccountingError(
+            f"a history entry must be (noise_multiplier, sample_rate, steps[, examples per user]), got {h!r}."
+        )
+    return _entry(sigma, q, steps, *group)
 
 
 def _check_delta(delta, arg: str = "delta") -> float:
@@ -108,7 +118,14 @@ def _composes(name: str) -> bool:
 
 def _check_single(name: str, history: list) -> None:
     """An accountant that does not compose (``"gdp"``: Opacus reads ``history[-1]`` only): refuse
-    a history with more than one (σ, q), which it would under-report."""
+    a history with more than one (σ, q), which it would under-report. Entries of k examples per
+    user need an accountant of the mixture of Gaussians (:data:`GROUP_ACCOUNTANTS`)."""
+    if name not in GROUP_ACCOUNTANTS and any(len(h) > 3 for h in _spent(history)):
+        raise AccountingError(
+            f"{_label(name)} cannot account steps where a user's k examples are each sampled (user-level DP by "
+            "example-level sampling: a mixture of Gaussians): use accountant='pld' (dp-accounting), or "
+            "user-level sampling (user_sampling='users'), which any accountant composes."
+        )
     if _composes(name):
         return
     distinct = list(dict.fromkeys((h[0], h[1]) for h in _spent(history)))
@@ -122,7 +139,7 @@ def _check_single(name: str, history: list) -> None:
 class Accountant:
     """History of subsampled Gaussian steps and the library that turns it into (ε, δ)."""
 
-    def __init__(self, name: str = "rdp", history: Iterable = ()):
+    def __init__(self, name: str = "rdp", history: Iterable = (), group: int = 1):
         spec = accountant_spec(name)
         if spec.requires:
             try:
@@ -134,6 +151,7 @@ class Accountant:
                 ) from None
         self.name = name
         self.history: list[list] = [_row(h) for h in history]
+        self.group = group  # k of the steps :meth:`step` records (1: one unit per sampled row)
         _check_single(name, self.history)
 
     def check(self, noise_multiplier: float, sample_rate: float) -> None:
@@ -141,18 +159,20 @@ class Accountant:
         (bad values, or an accountant that does not compose, such as ``"gdp"``, with another (σ, q)
         in the history); records nothing. For set-up
         code that wants the refusal before the first step."""
-        entry = _entry(noise_multiplier, sample_rate, 1)
+        entry = _entry(noise_multiplier, sample_rate, 1, self.group)
         _check_single(self.name, self.history + [entry])
 
     def step(self, noise_multiplier: float, sample_rate: float, steps: int = 1) -> None:
-        """Record ``steps`` steps of the Poisson-subsampled Gaussian mechanism (σ, q).
+        """Record ``steps`` steps of the Poisson-subsampled Gaussian mechanism (σ, q), with each of
+        a user's :attr:`group` examples sampled at q when it is > 1.
 
         With an accountant that does not compose (``"gdp"``), a (σ, q) other than the history's is
         refused here, before it is recorded (dpzoo's optimizer records a step before applying it)."""
-        entry = _entry(noise_multiplier, sample_rate, steps)
+        entry = _entry(noise_multiplier, sample_rate, steps, self.group)
         if entry[2] > 0:
             _check_single(self.name, self.history + [entry])
-        if self.history and self.history[-1][0] == entry[0] and self.history[-1][1] == entry[1]:
+        last = self.history[-1] if self.history else None
+        if last is not None and [last[0], last[1], *last[3:]] == [entry[0], entry[1], *entry[3:]]:
             self.history[-1][2] += entry[2]
         else:
             self.history.append(entry)
@@ -220,6 +240,7 @@ def get_noise_multiplier(
     accountant: str = "rdp",
     tolerance: float = 0.01,
     history: Iterable = (),
+    group: int = 1,
 ) -> float:
     """The smallest σ (to ``tolerance`` in ε) whose ε after ``steps`` steps is ≤ ``target_epsilon``.
 
@@ -228,7 +249,8 @@ def get_noise_multiplier(
     ``target_epsilon`` (RDP serves only as a first guess, and only without a history).
     ``history`` ((σ, q, steps) triples) is what has already been spent, e.g. DP-FROST's parameter
     selection: the new mechanism is composed after it (DP-FROST App. C, Algorithm 2). An accountant
-    that cannot compose (``"gdp"``) refuses a non-empty history.
+    that cannot compose (``"gdp"``) refuses a non-empty history. ``group``: k examples of a user,
+    each sampled at q (user-level DP by example-level sampling; accountant ``"pld"``).
     """
     accountant_spec(accountant)  # an unknown name: AccountingError
     eps_target = _number(target_epsilon, "target_epsilon")
@@ -238,11 +260,12 @@ def get_noise_multiplier(
     tol = _number(tolerance, "tolerance")
     if not (math.isfinite(tol) and tol > 0):
         raise AccountingError(f"tolerance (in ε) must be a finite number > 0, got {tolerance!r}.")
-    new = _entry(1.0, sample_rate, steps)
+    new = _entry(1.0, sample_rate, steps, group)
     if new[2] < 1:
         raise AccountingError(f"steps must be a whole number >= 1 (the steps to calibrate σ for), got {steps!r}.")
     sample_rate, steps = new[1], new[2]
     base = Accountant(accountant, history)
+    _check_single(accountant, base.history + [new])
     history = base.history
     if _spent(history):
         if not _composes(accountant):
@@ -261,13 +284,13 @@ def get_noise_multiplier(
 
     def eps(sigma: float) -> float:
         if sigma not in cache:
-            a = Accountant(accountant, history)
+            a = Accountant(accountant, history, group)
             a.step(sigma, sample_rate, steps)
             cache[sigma] = a.get_epsilon(target_delta)
         return cache[sigma]
 
     lo, hi = 0.0, 1.0
-    if not _spent(history) and accountant not in ("rdp", "opacus-rdp"):
+    if not _spent(history) and accountant not in ("rdp", "opacus-rdp") and len(new) == 3:
         # Speed-up only: dp-accounting's RDP σ for this single mechanism is a good first guess
         # (RDP's ε upper-bounds the tighter accountants'). Both brackets are checked with
         # `accountant` itself below. Not used after a history: RDP may find it already spent.

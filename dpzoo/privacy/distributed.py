@@ -11,7 +11,11 @@ from ..errors import PrivacyUsageError
 from ..grad_norms.rounding import mechanism_dtype
 from .data import dataset_fingerprint, secret_generator
 
-__all__ = ["world_and_rank", "shard", "same_on_every_rank", "noised_all_reduce"]
+__all__ = ["world_and_rank", "shard", "same_on_every_rank", "noised_all_reduce", "RANK_SETTINGS"]
+
+# make_private's arguments every rank must pass alike (with the accountant and its history)
+RANK_SETTINGS = ("batch_size", "noise_multiplier", "target_epsilon", "target_delta", "epochs", "max_grad_norm",
+                 "clipping", "mode", "loss_reduction", "max_physical_batch_size", "self_check", "accept_large_delta")  # fmt: skip
 
 
 def world_and_rank() -> tuple[int, int]:

@@ -50,7 +50,7 @@ from .arguments import (
 from .bitfit import freeze_all_but_biases
 from .budget import calibrate, compute_sample_rate, link_spending, prior_spending, stated_assumptions
 from .data import DPDataLoader, StepSignal
-from .distributed import same_on_every_rank, shard, world_and_rank
+from .distributed import RANK_SETTINGS, same_on_every_rank, shard, world_and_rank
 from .fsdp import ShardedGrads, check_fsdp_settings, check_sharding
 from .guards import check_optimizer_parameters, check_step_parameters
 from .metadata import check_delta, engine_record
@@ -130,6 +130,7 @@ class PrivacyEngine(OpacusParity):
         privacy_unit: str = "sample",
         user_ids: Iterable | None = None,
         max_examples_per_user: int | None = None,
+        user_sampling: str = "users",
     ):
         """Make ``module``, ``optimizer`` and ``data_loader`` private. Returns all three, wrapped.
 
@@ -152,9 +153,11 @@ class PrivacyEngine(OpacusParity):
         ``accept_large_delta=True``, which the privacy metadata records.
 
         User-level DP (``privacy_unit="user"``, :mod:`dpzoo.privacy.users`): ``user_ids`` gives each
-        example's user; each step samples users (the loader's ``batch_size``: expected users per
-        step; q = batch_size / users), at most ``max_examples_per_user`` examples each, and clips
-        each user's summed gradient to R; ε is then per user and N, for δ, counts users.
+        example's user; ``user_sampling="users"`` samples users (the loader's ``batch_size``: expected
+        users per step; q = batch_size / users), at most ``max_examples_per_user`` = k examples each,
+        and clips each user's summed gradient to R; ``"examples"`` keeps k examples per user for the
+        run and samples and clips examples (ε of a mixture of Gaussians: ``accountant="pld"``). ε
+        is per user either way, and N, for δ, counts users.
         """
         if self.module is not None:
             raise PrivacyUsageError("This PrivacyEngine already made a model private; use a new engine.")
@@ -182,36 +185,25 @@ class PrivacyEngine(OpacusParity):
         batch_size = check_loader(data_loader)
         check_layers(module)
         n = len(dataset := data_loader.dataset)
-        users = user_units(privacy_unit, user_ids, max_examples_per_user, n, max_physical_batch_size)
-        units = users.num_users if users is not None else n  # the privacy units: q and δ < 1/N count them
+        keep = torch.Generator().manual_seed(sample_seed) if sample_seed is not None else None  # ELS's k per user
+        users = user_units(
+            privacy_unit, user_ids, max_examples_per_user, n, max_physical_batch_size, user_sampling, keep
+        )
+        units = users.num_users if users is not None else n  # the privacy units: δ < 1/N counts them
         # 2. this rank's shard, the same data and settings on every rank
         world, rank = world_and_rank()
         indices = None
         if world > 1:
             indices = shard(data_loader, n, world, rank)
-            same_on_every_rank(
-                world,
-                batch_size=batch_size,
-                noise_multiplier=noise_multiplier,
-                target_epsilon=target_epsilon,
-                target_delta=target_delta,
-                epochs=epochs,
-                max_grad_norm=max_grad_norm,
-                clipping=clipping,
-                mode=mode,
-                loss_reduction=loss_reduction,
-                accountant=self.accountant.name,
-                history=self.accountant.history,
-                max_physical_batch_size=max_physical_batch_size,
-                self_check=self_check,
-                accept_large_delta=accept_large_delta,
-            )
+            given = {k: v for k, v in locals().items() if k in RANK_SETTINGS}  # make_private's own arguments
+            same_on_every_rank(world, accountant=self.accountant.name, history=self.accountant.history, **given)
         if target_delta is not None:
             check_delta(target_delta, units, accept_large_delta)
         # 3. the Poisson-sampling loader, then σ for its steps, composed after what the model spent
         earlier = engine_of(module)
         prior = prior_spending(module, earlier.accountant.history if earlier is not None else [])
-        sample_rate = compute_sample_rate(batch_size, world, units)
+        sample_rate = compute_sample_rate(batch_size, world, users.population if users is not None else n)
+        self.accountant.group = users.group if users is not None else 1  # k examples per user sampled (ELS)
         signal = StepSignal()
         gen = torch.Generator().manual_seed(sample_seed + rank) if sample_seed is not None else None
         loader = DPDataLoader(
@@ -223,7 +215,7 @@ class PrivacyEngine(OpacusParity):
             generator=gen,
             signal=signal,
             indices=indices,
-            batch_sampler=users.sampler(sample_rate, None, gen) if users is not None else None,
+            batch_sampler=users.sampler(sample_rate, gen) if users is not None else None,
         )
         noise_multiplier = calibrate(
             self.accountant,
@@ -248,7 +240,7 @@ class PrivacyEngine(OpacusParity):
         self.max_grad_norm, self.clipping, self.loss_reduction = float(max_grad_norm), clipping, loss_reduction
         self.noise_seed, self.sample_seed = noise_seed, sample_seed
         self.memory_budget = check_budget(memory_budget)
-        self.expected_batch_size = sample_rate * units  # every rank samples its shard at q: q · N in all
+        self.expected_batch_size = sample_rate * (users.population if users is not None else n)  # q · N, all ranks
         self._attach(module, optimizer, mode, train_head, signal)
         self._watch = TrainingWatch(
             self,

@@ -48,8 +48,8 @@ def engine_record(engine: "PrivacyEngine", delta: float | None) -> dict[str, Any
         noise = "secret (OS entropy)"
     else:
         noise = "reproducible (not private against anyone holding the seed)"
-    unit = engine.unit_record
-    sampling = "Poisson" if unit["privacy_unit"] == "sample" else "Poisson over users, at most k examples each"
+    unit = dict(engine.unit_record)
+    sampling = unit.pop("sampling", "Poisson")
     if engine.sample_seed is None:
         sampling += ", secret (OS entropy)"
     else:

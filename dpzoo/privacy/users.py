@@ -1,20 +1,24 @@
-"""User-level DP by user-level sampling: the privacy unit is a user, all of whose examples
-neighbouring datasets differ in.
+"""User-level DP: the privacy unit is a user, all of whose examples neighbouring datasets differ in.
+Two ways to sample (Charles et al., "Fine-Tuning Large Language Models with User-Level
+Differential Privacy", SaTML 2025, §3–4), each with its accounting:
 
-Each logical step includes every user independently with probability q (Poisson over users),
-then takes at most k of each included user's examples, chosen uniformly at random afresh each
-step (Charles et al., "Fine-Tuning Large Language Models with User-Level Differential Privacy",
-SaTML 2025, §3: user-level sampling, ULS). The examples of one user in the step are clipped
-together: the clipped quantity is their summed gradient, ‖C_U Σ_{i∈U} g_i‖ ≤ R
-(:mod:`dpzoo.grad_norms.units`). So one user moves the step's sum by at most R whatever the
-number of examples they have, and only when they are sampled, with probability q: this is the
-Poisson-subsampled Gaussian mechanism of example-level DP-SGD with users in place of examples,
-and every accountant's ε for (σ, q over users, steps) is a user-level ε. The choice of k
-examples depends on that user's data alone, so it is part of the per-user mechanism.
+* **user-level sampling** (``user_sampling="users"``, ULS): each logical step includes every user
+  independently with probability q, then at most k of each included user's examples, chosen
+  uniformly at random afresh each step. The examples of one user in the step are clipped
+  together: the clipped quantity is their summed gradient, ‖C_U Σ_{i∈U} g_i‖ ≤ R
+  (:mod:`dpzoo.grad_norms.units`). One user moves the step's sum by at most R, and only when
+  sampled, with probability q: the Poisson-subsampled Gaussian with users in place of examples,
+  so every accountant's ε for (σ, q over users, steps) is a user-level ε;
+* **example-level sampling** (``user_sampling="examples"``, ELS): at most k examples of each user
+  are kept for the whole run (chosen at random once), then examples are Poisson-sampled at q and
+  clipped one by one. A user's j ~ Binomial(k, q) sampled examples move the sum by at most j·R:
+  a mixture of Gaussians, which dp-accounting's PLD accounts tightly (the paper's ELS accountant;
+  history entries [σ, q, steps, k], :mod:`dpzoo.privacy.accounting_backends`).
 
-The loader keeps each user's examples next to each other in the batch and splits a logical
-batch into micro-batches only between users (a user's gradient must be whole before its norm:
-:func:`dpzoo.privacy.data.split_between_users`).
+Which of a user's examples are taken depends on that user's data alone, so it is part of the
+per-user mechanism. The loader keeps each user's examples next to each other in the batch (ULS)
+and splits a logical batch into micro-batches only between users (a user's gradient must be whole
+before its norm: :func:`dpzoo.privacy.data.split_between_users`).
 """
 
 from __future__ import annotations
@@ -27,39 +31,61 @@ import torch
 from torch.utils.data import Sampler
 
 from ..errors import InvalidArgumentError, PrivacyUsageError
-from .data import secret_generator
+from .data import PoissonBatchSampler, secret_generator
 from .distributed import world_and_rank
 
-__all__ = ["UserUnits", "user_units", "UserPoissonBatchSampler"]
+__all__ = ["UserUnits", "user_units", "UserPoissonBatchSampler", "USER_SAMPLING"]
 
 PRIVACY_UNITS = ("sample", "user")
+USER_SAMPLING = ("users", "examples")  # ULS, ELS (the module docstring)
 
 
 @dataclass(frozen=True)
 class UserUnits:
-    """The users of a dataset: ``unit[i]`` is example i's user (0 … num_users − 1)."""
+    """The users of a dataset: ``unit[i]`` is example i's user (0 … num_users − 1); ``kept``: the
+    examples example-level sampling keeps (at most k per user; None for user-level sampling)."""
 
     unit: torch.Tensor  # (N,) long
     num_users: int
-    max_examples: int  # k: at most this many of a sampled user's examples per step
+    max_examples: int  # k
+    kept: torch.Tensor | None = None
 
-    def sampler(self, sample_rate: float, steps: int | None, generator, users: Sequence[int] | None = None):
-        return UserPoissonBatchSampler(self, sample_rate, steps, generator, users)
+    @property
+    def population(self) -> int:
+        """What q is a rate over: users (ULS), or the examples kept (ELS)."""
+        return self.num_users if self.kept is None else len(self.kept)
+
+    @property
+    def group(self) -> int:
+        """k of the accountant's entries: 1 for ULS (a user is one sampled unit), k for ELS."""
+        return 1 if self.kept is None else self.max_examples
+
+    def sampler(self, sample_rate: float, generator, users: Sequence[int] | None = None) -> Sampler:
+        if self.kept is None:
+            return UserPoissonBatchSampler(self, sample_rate, None, generator, users)
+        return PoissonBatchSampler(len(self.unit), sample_rate, None, generator, self.kept.tolist())
 
     def metadata(self) -> dict:
-        return {"privacy_unit": "user", "users": self.num_users, "max_examples_per_user": self.max_examples}
+        how = "Poisson over users, at most k examples each" if self.kept is None else (
+            "Poisson over examples, at most k per user in the whole run (chosen at random once)"
+        )  # fmt: skip
+        return {"privacy_unit": "user", "users": self.num_users, "max_examples_per_user": self.max_examples,
+                "sampling": how}  # fmt: skip
 
 
 def user_units(
-    privacy_unit: str, user_ids, max_examples_per_user, n: int, max_physical: int | None
+    privacy_unit: str, user_ids, max_examples_per_user, n: int, max_physical: int | None, sampling: str, generator
 ) -> UserUnits | None:
-    """Check make_private's user-level arguments; None for example-level DP (``"sample"``)."""
+    """Check make_private's user-level arguments; None for example-level DP (``"sample"``). For
+    example-level sampling, the k examples kept per user are drawn with ``generator`` (None: secret)."""
     if privacy_unit not in PRIVACY_UNITS:
         raise InvalidArgumentError(f"privacy_unit must be one of {PRIVACY_UNITS}, got {privacy_unit!r}")
+    if sampling not in USER_SAMPLING:
+        raise InvalidArgumentError(f"user_sampling must be one of {USER_SAMPLING}, got {sampling!r}")
     if privacy_unit == "sample":
-        if user_ids is not None or max_examples_per_user is not None:
+        if user_ids is not None or max_examples_per_user is not None or sampling != "users":
             raise InvalidArgumentError(
-                "user_ids / max_examples_per_user need privacy_unit='user' (they would be ignored): pass it, "
+                "user_ids / max_examples_per_user / user_sampling need privacy_unit='user' (they would be ignored): pass it, "
                 "or drop them for example-level DP."
             )
         return None
@@ -72,7 +98,7 @@ def user_units(
         raise InvalidArgumentError(
             f"max_examples_per_user must be an integer >= 1 (k: the most examples of one user in a step), got {k!r}"
         )
-    if max_physical is not None and k > max_physical:
+    if max_physical is not None and k > max_physical and sampling == "users":
         raise InvalidArgumentError(
             f"max_examples_per_user={k} exceeds max_physical_batch_size={max_physical}: a user's examples are "
             "clipped together in one micro-batch, so the micro-batch must hold k examples."
@@ -92,7 +118,18 @@ def user_units(
         )
     index: dict = {}
     unit = torch.tensor([index.setdefault(u, len(index)) for u in ids], dtype=torch.long)
-    return UserUnits(unit, len(index), int(k))
+    if sampling == "users":
+        return UserUnits(unit, len(index), int(k))
+    return UserUnits(unit, len(index), int(k), _keep_at_most(unit, int(k), generator or secret_generator()))
+
+
+def _keep_at_most(unit: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
+    """At most k examples of each user, uniformly at random (a random order, then each user's first k)."""
+    order = torch.randperm(len(unit), generator=generator)
+    by_user = order[torch.argsort(unit[order], stable=True)]
+    counts = torch.bincount(unit)
+    rank = torch.arange(len(unit)) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    return torch.sort(by_user[rank < k]).values
 
 
 class UserPoissonBatchSampler(Sampler[list[int]]):
