@@ -179,3 +179,44 @@ def test_ranks_holding_clipped_sums_in_different_layouts_add_the_same_coordinate
     want = 2 * torch.arange(12, dtype=torch.float64).reshape(3, 4)
     for r in ranks:
         assert torch.equal(r["g"], want)
+
+
+def _user_level_step(rank, world, sampling, users_per_rank):
+    """One user-level DP step: 8 users of 3 examples, q = 1; per rank its users (ULS, k = 3: all of
+    them, so no rank's random choice matters) or its share of the 2 kept per user (ELS)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(24, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (24,), generator=g)
+    batch = users_per_rank if sampling == "users" else 16 // world
+    engine = dpzoo.PrivacyEngine(accountant="pld")
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, dl = engine.make_private(
+            module=model, optimizer=opt, data_loader=DataLoader(TensorDataset(x, y), batch_size=batch),
+            noise_multiplier=0.8, max_grad_norm=0.3, loss_reduction="sum", noise_seed=42, sample_seed=7,
+            privacy_unit="user", user_ids=[i % 8 for i in range(24)], max_examples_per_user=3 if sampling == "users" else 2,
+            user_sampling=sampling,
+        )  # fmt: skip
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    x, y = next(iter(dl))
+    F.cross_entropy(model(x), y, reduction="sum").backward()
+    opt.step()
+    update = {n: p.detach() - before[n] for n, p in model.named_parameters()}
+    rows = [int(r) for r in x[:, 0].mul(1e6).round()]  # which examples this rank took
+    return {"update": update, "q": engine.sample_rate, "rows": rows, "history": engine.accountant.history}
+
+
+@pytest.mark.parametrize("sampling", ["users", "examples"])
+def test_user_level_two_process_update_equals_single_process(tmp_path, sampling):
+    """Each user's examples on one rank (ULS), the kept examples split between ranks (ELS, the same
+    kept set on both): the global update is the single-process one, each example counted once."""
+    ranks = _run(_user_level_step, 2, tmp_path, sampling, 4)
+    single = _user_level_step(0, 1, sampling, 8)
+    assert ranks[0]["q"] == ranks[1]["q"] == single["q"] == 1.0
+    assert sorted(ranks[0]["rows"] + ranks[1]["rows"]) == sorted(single["rows"])
+    assert ranks[0]["history"] == single["history"]
+    for n in single["update"]:
+        assert torch.allclose(ranks[0]["update"][n], single["update"][n], rtol=1e-9, atol=1e-12), n
+        assert torch.equal(ranks[0]["update"][n], ranks[1]["update"][n]), n

@@ -15,7 +15,8 @@ __all__ = ["world_and_rank", "shard", "same_on_every_rank", "noised_all_reduce",
 
 # make_private's arguments every rank must pass alike (with the accountant and its history)
 RANK_SETTINGS = ("batch_size", "noise_multiplier", "target_epsilon", "target_delta", "epochs", "max_grad_norm",
-                 "clipping", "mode", "loss_reduction", "max_physical_batch_size", "self_check", "accept_large_delta")  # fmt: skip
+                 "clipping", "mode", "loss_reduction", "max_physical_batch_size", "self_check", "accept_large_delta",
+                 "privacy_unit", "max_examples_per_user", "user_sampling")  # fmt: skip
 
 
 def world_and_rank() -> tuple[int, int]:

@@ -185,9 +185,8 @@ class PrivacyEngine(OpacusParity):
         batch_size = check_loader(data_loader)
         check_layers(module)
         n = len(dataset := data_loader.dataset)
-        keep = torch.Generator().manual_seed(sample_seed) if sample_seed is not None else None  # ELS's k per user
         users = user_units(
-            privacy_unit, user_ids, max_examples_per_user, n, max_physical_batch_size, user_sampling, keep
+            privacy_unit, user_ids, max_examples_per_user, n, max_physical_batch_size, user_sampling, sample_seed
         )
         units = users.num_users if users is not None else n  # the privacy units: δ < 1/N counts them
         # 2. this rank's shard, the same data and settings on every rank
@@ -196,7 +195,8 @@ class PrivacyEngine(OpacusParity):
         if world > 1:
             indices = shard(data_loader, n, world, rank)
             given = {k: v for k, v in locals().items() if k in RANK_SETTINGS}  # make_private's own arguments
-            same_on_every_rank(world, accountant=self.accountant.name, history=self.accountant.history, **given)
+            same_on_every_rank(world, accountant=self.accountant.name, history=self.accountant.history, **given,
+                               users=users.fingerprint() if users is not None else None)  # fmt: skip
         if target_delta is not None:
             check_delta(target_delta, units, accept_large_delta)
         # 3. the Poisson-sampling loader, then σ for its steps, composed after what the model spent
@@ -215,7 +215,7 @@ class PrivacyEngine(OpacusParity):
             generator=gen,
             signal=signal,
             indices=indices,
-            batch_sampler=users.sampler(sample_rate, gen) if users is not None else None,
+            batch_sampler=users.sampler(sample_rate, gen, rank, world) if users is not None else None,
         )
         noise_multiplier = calibrate(
             self.accountant,

@@ -23,14 +23,17 @@ before its norm: :func:`dpzoo.privacy.data.split_between_users`).
 
 from __future__ import annotations
 
+import hashlib
 import numbers
+import os
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import Sampler
 
-from ..errors import InvalidArgumentError, PrivacyUsageError
+from ..errors import InvalidArgumentError
 from .data import PoissonBatchSampler, secret_generator
 from .distributed import world_and_rank
 
@@ -60,10 +63,17 @@ class UserUnits:
         """k of the accountant's entries: 1 for ULS (a user is one sampled unit), k for ELS."""
         return 1 if self.kept is None else self.max_examples
 
-    def sampler(self, sample_rate: float, generator, users: Sequence[int] | None = None) -> Sampler:
+    def sampler(self, sample_rate: float, generator, rank: int = 0, world: int = 1) -> Sampler:
+        """This rank's sampler: its users (ULS: a user's examples all on one rank) or its share of
+        the kept examples (ELS), every one sampled at the global rate q."""
         if self.kept is None:
-            return UserPoissonBatchSampler(self, sample_rate, None, generator, users)
-        return PoissonBatchSampler(len(self.unit), sample_rate, None, generator, self.kept.tolist())
+            return UserPoissonBatchSampler(self, sample_rate, None, generator, range(rank, self.num_users, world))
+        return PoissonBatchSampler(len(self.unit), sample_rate, None, generator, self.kept[rank::world].tolist())
+
+    def fingerprint(self) -> str:
+        """The same on every rank iff (very likely) the ranks passed the same users and k."""
+        data = self.unit.numpy().tobytes() + str((self.max_examples, self.kept is None)).encode()
+        return hashlib.sha256(data + (b"" if self.kept is None else self.kept.numpy().tobytes())).hexdigest()
 
     def metadata(self) -> dict:
         how = "Poisson over users, at most k examples each" if self.kept is None else (
@@ -74,10 +84,10 @@ class UserUnits:
 
 
 def user_units(
-    privacy_unit: str, user_ids, max_examples_per_user, n: int, max_physical: int | None, sampling: str, generator
+    privacy_unit: str, user_ids, max_examples_per_user, n: int, max_physical: int | None, sampling: str, seed
 ) -> UserUnits | None:
     """Check make_private's user-level arguments; None for example-level DP (``"sample"``). For
-    example-level sampling, the k examples kept per user are drawn with ``generator`` (None: secret)."""
+    example-level sampling, the k examples kept per user are drawn from ``seed`` (None: secret)."""
     if privacy_unit not in PRIVACY_UNITS:
         raise InvalidArgumentError(f"privacy_unit must be one of {PRIVACY_UNITS}, got {privacy_unit!r}")
     if sampling not in USER_SAMPLING:
@@ -103,8 +113,6 @@ def user_units(
             f"max_examples_per_user={k} exceeds max_physical_batch_size={max_physical}: a user's examples are "
             "clipped together in one micro-batch, so the micro-batch must hold k examples."
         )
-    if world_and_rank()[0] > 1:
-        raise PrivacyUsageError("privacy_unit='user' is not supported under torch.distributed yet: train on one rank.")
     ids = list(user_ids.tolist() if hasattr(user_ids, "tolist") else user_ids)
     if len(ids) != n:
         raise InvalidArgumentError(
@@ -120,7 +128,18 @@ def user_units(
     unit = torch.tensor([index.setdefault(u, len(index)) for u in ids], dtype=torch.long)
     if sampling == "users":
         return UserUnits(unit, len(index), int(k))
-    return UserUnits(unit, len(index), int(k), _keep_at_most(unit, int(k), generator or secret_generator()))
+    return UserUnits(unit, len(index), int(k), _keep_at_most(unit, int(k), _shared_generator(seed)))
+
+
+def _shared_generator(seed: int | None) -> torch.Generator:
+    """The generator of the k examples kept per user, seeded alike on every rank (each must keep the
+    same examples): ``seed``, or 63 bits of OS entropy drawn on rank 0 and broadcast."""
+    seed = seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+    if world_and_rank()[0] > 1:
+        box = [seed]
+        dist.broadcast_object_list(box, src=0)
+        seed = box[0]
+    return torch.Generator().manual_seed(int(seed))
 
 
 def _keep_at_most(unit: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
