@@ -438,3 +438,37 @@ def test_a_user_level_model_saves_a_card_that_states_the_unit_and_loads_back(tmp
     assert (len(block["history"][0]) == 4) == (sampling == "examples")
     assert "one user" in dpzoo.privacy_statement(directory)
     assert dpzoo.load(directory).dpzoo_privacy["epsilon"] == pytest.approx(engine.get_epsilon(1e-2))
+
+
+def test_one_example_per_user_is_example_level_dp_bit_for_bit():
+    """DPFormer's user-level DP (one sequence per user) now goes through privacy_unit="user" with
+    k = 1: the same Poisson draws, the same clipping, the same noise, so the same parameters."""
+    import warnings
+
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import dpzoo
+
+    def run(**user):
+        model, inputs, loss_fn = zoo_model_and_inputs("dpformer", b=12)
+        model = model.float().train()
+        engine = dpzoo.PrivacyEngine()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, opt, loader = engine.make_private(
+                module=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-2),
+                data_loader=DataLoader(TensorDataset(inputs["ids"]), batch_size=6), noise_multiplier=1.0,
+                max_grad_norm=0.5, noise_seed=1, sample_seed=2, max_physical_batch_size=4, loss_reduction="sum", **user,
+            )  # fmt: skip
+        for (ids,) in loader:
+            logits = model(ids)[:, :-1]
+            F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), ignore_index=0, reduction="sum").backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach() for p in model.parameters()], engine
+
+    example, e1 = run()
+    user, e2 = run(privacy_unit="user", user_ids=range(12), max_examples_per_user=1)
+    assert all(torch.equal(a, b) for a, b in zip(example, user)) and e1.steps == e2.steps > 0
+    assert e2.privacy_metadata(1e-3)["privacy_unit"] == "user" and e1.get_epsilon(1e-3) == e2.get_epsilon(1e-3)

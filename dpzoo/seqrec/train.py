@@ -261,6 +261,9 @@ def train_seqrec(
             max_physical_batch_size=physical.size,
             noise_seed=noise_seed,
             sample_seed=sample_seed,
+            privacy_unit="user",  # one sequence per user: Poisson over users, each user's row clipped
+            user_ids=range(len(train_set)),
+            max_examples_per_user=1,
             **noise,
         )
         base_opt = opt.original_optimizer
@@ -357,7 +360,7 @@ def train_seqrec(
         privacy = None
         if engine is not None:
             engine.detach()
-            privacy = {**engine.privacy_metadata(delta), "privacy_unit": "user"}
+            privacy = engine.privacy_metadata(delta)
             public = _public_statistics(model, item_prior)
             if public:
                 privacy["public_statistics"] = "; ".join(public) + ": taken as public, outside ε"
