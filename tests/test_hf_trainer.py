@@ -647,3 +647,71 @@ def test_spending_travels_with_save_pretrained_and_survives_a_save_before_traini
     reloaded = _two_step_trainer(BertForSequenceClassification.from_pretrained(tmp_path / "A"), tmp_path, "out3")
     reloaded.save_model(str(tmp_path / "A"))  # before any step
     assert read_privacy_metadata(tmp_path / "A")["steps"] == spent[0][2]
+
+
+class UserTextSet(TextSet):
+    """TextSet whose items carry their user (``users[i]``) in a ``user`` entry."""
+
+    def __init__(self, n, users, seed=0, classes=None):
+        super().__init__(n, seed, classes)
+        self.users = users
+
+    def __getitem__(self, i):
+        if isinstance(i, str):  # a column, as a datasets.Dataset gives it
+            if i != "user":
+                raise KeyError(i)
+            return list(self.users)
+        return {**super().__getitem__(i), "user": self.users[i]}
+
+
+def test_a_user_column_clips_each_users_summed_gradient(tmp_path):
+    """DPArguments(user_column=...): Poisson over users (q = users per step / users), each user's
+    examples summed, then clipped; chunks and micro-batches end between users. Against a hand
+    computation with one backward per example, summed per user, the same seeded noise."""
+    model = tiny_bert(seed=2)
+    users = [f"u{i % 6}" for i in range(16)]  # 6 users of 2 or 3 examples
+    data = UserTextSet(16, users, seed=4, classes=3)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    theta = {n: p.detach().clone() for n, p in params.items()}
+    model.train()
+    per_user: dict = {}
+    for i in range(len(data)):
+        item = data[i]
+        g = torch.autograd.grad(_cls_loss(model, item["input_ids"], item["labels"]), list(params.values()))
+        per_user[users[i]] = [a + b for a, b in zip(per_user.get(users[i], [0] * len(g)), g)]
+    norms = {u: float(torch.sqrt(sum(t.pow(2).sum() for t in g))) for u, g in per_user.items()}
+    clip = sorted(norms.values())[3]
+    data.fetched.clear()
+    sigma, lr = 0.6, 0.05
+    args = targs(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=1, learning_rate=lr)
+    privacy = DPArguments(
+        noise_multiplier=sigma, target_delta=1e-3, per_sample_max_grad_norm=clip, max_physical_batch_size=3,
+        noise_seed=7, sample_seed=1, user_column="user", max_examples_per_user=3,
+    )  # fmt: skip
+    trainer = sgd_trainer(model, args, data, privacy)
+    trainer.train()
+    engine = trainer.privacy_engine
+    taken = sorted({users[i] for i in data.fetched})
+    assert 0 < len(taken) < 6 and engine.sample_rate == pytest.approx(4 / 6)
+    assert all(sum(users[i] == u for i in set(data.fetched)) == users.count(u) for u in taken)  # whole users
+    record = engine.privacy_metadata()
+    assert record["privacy_unit"] == "user" and record["users"] == 6 and record["max_examples_per_user"] == 3
+    gen = torch.Generator().manual_seed(7)
+    names = {id(p): n for n, p in params.items()}
+    for hook_name, p in engine.hooks.trainable_parameters.items():
+        k = list(params).index(names[id(p)])
+        noise = torch.normal(0.0, sigma * clip, size=p.shape, generator=gen, dtype=p.dtype)
+        clipped = sum(per_user[u][k] * min(1.0, clip / norms[u]) for u in taken)
+        want = theta[names[id(p)]] - lr * (clipped + noise) / engine.expected_batch_size
+        torch.testing.assert_close(p.detach(), want, rtol=1e-4, atol=1e-6, msg=hook_name)
+
+
+def test_a_user_column_that_does_not_fit_a_micro_batch_or_is_missing_is_refused(tmp_path):
+    data = UserTextSet(16, [i % 6 for i in range(16)], classes=3)
+    args = targs(tmp_path, per_device_train_batch_size=2, max_steps=1)
+    small = DPArguments(noise_multiplier=1.0, target_delta=1e-3, user_column="user", max_examples_per_user=3)
+    with pytest.raises(PrivacyUsageError, match="max_examples_per_user=3 exceeds the micro-batch of 2 rows"):
+        sgd_trainer(tiny_bert(), args, data, small).train()
+    wrong = DPArguments(noise_multiplier=1.0, target_delta=1e-3, user_column="person", max_examples_per_user=2)
+    with pytest.raises(PrivacyUsageError, match="'person' is not a column"):
+        sgd_trainer(tiny_bert(), args, data, wrong).train()

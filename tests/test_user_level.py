@@ -147,7 +147,7 @@ def _private(model, n=60, users=9, k=3, batch_size=4, sigma=0.0, physical=None, 
         out = engine.make_private(
             module=model,
             optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-            data_loader=DataLoader(data, batch_size=batch_size),
+            data_loader=DataLoader(data, batch_size=batch_size, collate_fn=kw.pop("collate", None)),
             noise_multiplier=sigma,
             max_grad_norm=0.05,
             loss_reduction=reduction,
@@ -271,11 +271,8 @@ def test_a_batch_memory_manager_below_k_is_refused_and_at_k_splits_between_users
     from dpzoo.privacy.batch_memory import BatchMemoryManager
 
     engine, model, opt, loader = _private(_mlp(), batch_size=6)
-    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=opt) as small:
-        with pytest.raises(DPZooError, match="micro-batches hold at most 2 rows"):
-            for x, y in small:
-                F.cross_entropy(model(x), y, reduction="sum").backward()
-                opt.step()
+    with pytest.raises(DPZooError, match="max_physical_batch_size=2 is below max_examples_per_user=3"):
+        BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=opt)
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=3, optimizer=opt) as mem:
         for x, y in mem:
             assert len(x) <= 3 and int(loader.signal.groups.max()) + 1 <= 3
@@ -472,3 +469,82 @@ def test_one_example_per_user_is_example_level_dp_bit_for_bit():
     user, e2 = run(privacy_unit="user", user_ids=range(12), max_examples_per_user=1)
     assert all(torch.equal(a, b) for a, b in zip(example, user)) and e1.steps == e2.steps > 0
     assert e2.privacy_metadata(1e-3)["privacy_unit"] == "user" and e1.get_epsilon(1e-3) == e2.get_epsilon(1e-3)
+
+
+# -- found by the adversarial review of user-level DP --------------------------------------------
+
+
+def _sorting_collate(samples):
+    from torch.utils.data.dataloader import default_collate
+
+    return default_collate(sorted(samples, key=lambda s: int(s[1])))  # by label, as packing collates sort
+
+
+def _reversing_collate(samples):
+    from torch.utils.data.dataloader import default_collate
+
+    return default_collate(samples[::-1])
+
+
+@pytest.mark.parametrize("collate", [_sorting_collate, _reversing_collate])
+def test_a_collate_that_reorders_rows_is_refused_at_the_user_level(collate):
+    """Users are positional in the batch: a reordering collate put rows of several users into one
+    clipped unit (2.07 R with σ = 0, silent)."""
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import dpzoo
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(24, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (24,), generator=g))
+    model = _mlp()
+    engine = dpzoo.PrivacyEngine()
+    model, opt, loader = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        data_loader=DataLoader(data, batch_size=6, collate_fn=collate), noise_multiplier=1.0,
+        privacy_unit="user", user_ids=[i % 6 for i in range(24)], max_examples_per_user=4,
+    )  # fmt: skip
+    with pytest.raises(DPZooError, match="must keep the samples' order"):
+        for x, y in loader:
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+
+
+def test_an_order_keeping_custom_collate_trains():
+    from torch.utils.data.dataloader import default_collate
+
+    def keeps(samples):
+        return default_collate([(x * 2, y) for x, y in samples])
+
+    engine, model, opt, loader = _private(_mlp(), sigma=1.0, collate=keeps)
+    for x, y in loader:
+        torch.nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+        opt.step()
+    assert engine.steps > 0
+
+
+def test_a_batch_memory_manager_below_k_is_refused_when_made_not_when_a_big_user_is_drawn():
+    from dpzoo.privacy.batch_memory import BatchMemoryManager
+
+    engine, model, opt, loader = _private(_mlp(), sigma=1.0, k=5)
+    with pytest.raises(DPZooError, match="max_physical_batch_size=4 is below max_examples_per_user=5"):
+        BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=opt)
+
+
+@pytest.mark.parametrize(
+    "ids, why",
+    [
+        (lambda: [0] * 59 + [__import__("numpy").float32("nan")], "missing for example"),
+        (lambda: [0] * 59 + [__import__("decimal").Decimal("NaN")], "missing for example"),
+        (lambda: torch.zeros(60, 2, dtype=torch.long), "1-D"),
+        (lambda: [[0]] * 60, "hashable"),
+    ],
+)
+def test_more_malformed_user_ids_are_refused(ids, why):
+    with pytest.raises(DPZooError, match=why):
+        _private(_mlp(), user_ids=ids())
+
+
+def test_a_batch_above_the_users_says_users():
+    with pytest.raises(DPZooError, match="exceeds the dataset's 9 users"):
+        _private(_mlp(), batch_size=10)

@@ -61,6 +61,15 @@ class DPArguments:
     accept_large_delta: bool = field(
         default=False, metadata=_help("accept δ >= 1/N (a claim that allows releasing a sample; recorded)")
     )
+    user_column: str | None = field(
+        default=None, metadata=_help("user-level DP: the dataset column of each example's user (None: per example)")
+    )
+    max_examples_per_user: int | None = field(
+        default=None, metadata=_help("user-level DP: k, the most examples of one user in a step (ULS) or the run")
+    )
+    user_sampling: str = field(
+        default="users", metadata=_help("user-level DP: users (sample users, clip each user's sum) | examples")
+    )
 
     def __post_init__(self):
         if (self.target_epsilon is None) == (self.noise_multiplier is None):

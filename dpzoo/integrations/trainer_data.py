@@ -15,6 +15,7 @@ accountant's. ``DPTrainer.training_step`` cuts a chunk into micro-batches of at 
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Mapping
 from typing import Any, Iterator
 
@@ -23,8 +24,10 @@ from torch.utils.data import Dataset, IterableDataset
 
 from ..errors import PrivacyUsageError
 from ..privacy import DPDataLoader
+from ..privacy.data import split_between_users
 
 __all__ = ["IndexDataset", "FetchCollate", "PoissonTrainLoader", "batch_rows", "take_rows", "micro_batches"]
+__all__ += ["user_column", "user_population"]
 
 
 class IndexDataset(Dataset):
@@ -42,13 +45,16 @@ class IndexDataset(Dataset):
 
 class FetchCollate:
     """Collate of sampled indices: the dataset's items for them, through the Trainer's collator
-    (picklable, so it runs in DataLoader workers)."""
+    (picklable, so it runs in DataLoader workers), without the ``drop`` entry (the user column)."""
 
-    def __init__(self, dataset, collate):
-        self.dataset, self.collate = dataset, collate
+    def __init__(self, dataset, collate, drop: str | None = None):
+        self.dataset, self.collate, self.drop = dataset, collate, drop
 
     def __call__(self, indices: list[int]):
-        return self.collate([self.dataset[int(i)] for i in indices])
+        items = [self.dataset[int(i)] for i in indices]
+        if self.drop is not None:
+            items = [{k: v for k, v in item.items() if k != self.drop} for item in items]
+        return self.collate(items)
 
 
 def batch_rows(batch) -> int:
@@ -85,11 +91,17 @@ def take_rows(batch: Mapping, start: int, stop: int, rows: int) -> dict:
     return out
 
 
-def micro_batches(chunk: Mapping, size: int) -> Iterator[dict]:
-    """``chunk`` cut into consecutive micro-batches of at most ``size`` rows (none if it is empty)."""
+def micro_batches(chunk: Mapping, size: int, groups: torch.Tensor | None = None) -> Iterator[tuple]:
+    """``chunk`` cut into consecutive (micro-batch, its rows' users) of at most ``size`` rows (none if
+    it is empty); with ``groups`` (each row's user) only between users, users numbered from 0 in each."""
     rows = batch_rows(chunk)
-    for start in range(0, rows, size):
-        yield take_rows(chunk, start, min(start + size, rows), rows)
+    if groups is None:
+        for start in range(0, rows, size):
+            yield take_rows(chunk, start, min(start + size, rows), rows), None
+        return
+    for start, stop, local in split_between_users(torch.bincount(groups).tolist() if rows else [], size):
+        if stop > start:
+            yield take_rows(chunk, start, stop, rows), local
 
 
 class PoissonTrainLoader(IterableDataset):
@@ -116,6 +128,9 @@ class PoissonTrainLoader(IterableDataset):
     def __init__(self, dp_loader: DPDataLoader, chunks: int):
         self.dp_loader, self.chunks = dp_loader, int(chunks)
         self.dataset = self
+        # user-level DP: each chunk's rows' users, in the order the chunks are yielded (the Trainer may
+        # draw a chunk ahead of its training step; DPTrainer.training_step takes them first in, first out)
+        self.chunk_groups: collections.deque = collections.deque()
 
     def __len__(self) -> int:
         return self.chunks * len(self.dp_loader)
@@ -126,6 +141,7 @@ class PoissonTrainLoader(IterableDataset):
             size = signal.logical_batch_size
             if size == 0:
                 for _ in range(self.chunks):
+                    self.chunk_groups.append(None)
                     yield {}
                 continue
             rows = batch_rows(batch)
@@ -134,6 +150,47 @@ class PoissonTrainLoader(IterableDataset):
                     f"The collator returned {rows} rows for {size} sampled samples: DPTrainer needs a mapping "
                     "of batch-first tensors with one row per sample."
                 )
+            groups = signal.groups  # each row's user (user-level DP), users' rows next to each other
             bounds = [round(j * size / self.chunks) for j in range(self.chunks + 1)]
+            if groups is not None:  # chunks end between users: a user's examples are clipped together
+                ends = [0, *((groups[1:] != groups[:-1]).nonzero().flatten() + 1).tolist(), size]
+                bounds = [min(ends, key=lambda e: abs(e - b)) for b in bounds]
             for j in range(self.chunks):
+                part = None if groups is None else groups[bounds[j] : bounds[j + 1]]
+                self.chunk_groups.append(None if part is None else part - part[0] if len(part) else part)
                 yield take_rows(batch, bounds[j], bounds[j + 1], size)
+
+
+def user_column(dataset, privacy, users_per_device: int) -> list | None:
+    """The user of each training example, from ``DPArguments.user_column`` (None: example-level DP)."""
+    column = privacy.user_column
+    if column is None:
+        if privacy.max_examples_per_user is not None:
+            raise PrivacyUsageError(
+                "DPArguments.max_examples_per_user needs user_column (the dataset column of users)."
+            )
+        return None
+    k, size = privacy.max_examples_per_user, privacy.max_physical_batch_size or users_per_device
+    if privacy.user_sampling == "users" and isinstance(k, int) and k > size:
+        raise PrivacyUsageError(
+            f"max_examples_per_user={k} exceeds the micro-batch of {size} rows: a user's examples are clipped "
+            "together in one micro-batch. Raise DPArguments.max_physical_batch_size to at least k."
+        )
+    try:
+        values = dataset[column]  # a datasets.Dataset column
+    except (KeyError, TypeError, IndexError, ValueError):
+        try:
+            values = [dataset[i][column] for i in range(len(dataset))]
+        except (KeyError, TypeError, IndexError) as e:
+            raise PrivacyUsageError(
+                f"DPArguments.user_column={column!r} is not a column of the training dataset ({type(e).__name__}: {e})."
+            ) from None
+    return list(values)
+
+
+def user_population(users: list, k: int | None, sampling: str) -> int:
+    """What q is a rate over: the users (``"users"``), or the examples kept, at most k per user."""
+    counts = collections.Counter(users).values()
+    if sampling == "users" or not isinstance(k, int) or k < 1:  # bad k: make_private refuses it, naming it
+        return len(counts)
+    return sum(min(c, k) for c in counts)

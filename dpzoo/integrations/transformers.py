@@ -48,7 +48,15 @@ from ..privacy import DPOptimizer, PoissonBatchSampler, PrivacyEngine, get_noise
 from ..privacy.budget import compute_sample_rate, prior_spending, recorded_origin
 from ..privacy.engine import engine_of
 from .trainer_arguments import DPArguments, check_batch_fits, check_trainer_settings, total_steps
-from .trainer_data import FetchCollate, IndexDataset, PoissonTrainLoader, batch_rows, micro_batches
+from .trainer_data import (
+    FetchCollate,
+    IndexDataset,
+    PoissonTrainLoader,
+    batch_rows,
+    micro_batches,
+    user_column,
+    user_population,
+)
 from .trainer_loss import loss_kind, per_sample_losses
 from .trainer_save import PRIVACY_FILE, read_privacy_metadata, write_privacy_files
 
@@ -110,9 +118,11 @@ class DPTrainer(Trainer):
         dataset, collate = base.dataset, base.collate_fn
         n = len(dataset)
         chunks = self.args.gradient_accumulation_steps
-        logical = self.args.per_device_train_batch_size * chunks
-        check_batch_fits(logical, n)
+        logical = self.args.per_device_train_batch_size * chunks  # with a user column: users per step (ULS)
         p, model = self.privacy, self.model
+        users = user_column(self.train_dataset, p, self.args.per_device_train_batch_size)
+        population = n if users is None else user_population(users, p.max_examples_per_user, p.user_sampling)
+        check_batch_fits(logical, population)
         earlier = engine_of(model)
         if earlier is not None:
             earlier.detach()  # an earlier run on this model (e.g. a second train()): its spending composes
@@ -120,17 +130,20 @@ class DPTrainer(Trainer):
             self.create_optimizer()
         optimizer = _plain_optimizer(self.optimizer)
         sigma = p.noise_multiplier
-        q = compute_sample_rate(logical, 1, n)
-        steps_per_epoch = len(PoissonBatchSampler(n, q))  # the engine loader's logical batches per epoch
+        q = compute_sample_rate(logical, 1, population)
+        steps_per_epoch = len(PoissonBatchSampler(population, q))  # the engine loader's logical batches per epoch
+        group = p.max_examples_per_user if users is not None and p.user_sampling == "examples" else 1
         if p.target_epsilon is not None:  # calibrated for the steps the Trainer will take
             steps = total_steps(self.args, steps_per_epoch)
             prior = prior_spending(model, earlier.accountant.history if earlier is not None else [])
-            sigma = get_noise_multiplier(p.target_epsilon, p.target_delta, q, steps, p.accountant, history=prior)
+            sigma = get_noise_multiplier(
+                p.target_epsilon, p.target_delta, q, steps, p.accountant, history=prior, group=group
+            )
         engine = PrivacyEngine(accountant=p.accountant)
         index_loader = DataLoader(
             IndexDataset(n),
             batch_size=logical,
-            collate_fn=FetchCollate(dataset, collate),
+            collate_fn=FetchCollate(dataset, collate, drop=p.user_column),
             num_workers=self.args.dataloader_num_workers,
         )
         _, dp_optimizer, dp_loader = engine.make_private(
@@ -148,6 +161,10 @@ class DPTrainer(Trainer):
             sample_seed=p.sample_seed,
             self_check=p.self_check,
             accept_large_delta=p.accept_large_delta,
+            privacy_unit="sample" if users is None else "user",
+            user_ids=users,
+            max_examples_per_user=None if users is None else p.max_examples_per_user,
+            user_sampling=p.user_sampling,
         )
         if len(dp_loader) != steps_per_epoch or engine.sample_rate != q:
             engine.detach()
@@ -159,7 +176,8 @@ class DPTrainer(Trainer):
         # counts, and schedules) its noise-only step, instead of the engine taking it unseen.
         dp_loader.signal.on_empty = None
         self.optimizer, self.privacy_engine = dp_optimizer, engine
-        return PoissonTrainLoader(dp_loader, chunks)
+        self._train_loader = PoissonTrainLoader(dp_loader, chunks)
+        return self._train_loader
 
     # -- one accumulation micro-step: a chunk of the logical batch ----------------------------------
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
@@ -173,7 +191,10 @@ class DPTrainer(Trainer):
         model.train()
         total = torch.zeros((), device=self.args.device)
         size = self.privacy.max_physical_batch_size or self.args.per_device_train_batch_size
-        for micro in micro_batches(inputs, size):
+        loader = getattr(self, "_train_loader", None)
+        groups = loader.chunk_groups.popleft() if loader is not None and loader.chunk_groups else None
+        for micro, users in micro_batches(inputs, size, groups):
+            engine.optimizer.signal.groups = users  # read at the micro-batch's first forward: its rows' users
             micro = _to_device(micro, self.args.device)
             rows = batch_rows(micro)
             with self.compute_loss_context_manager():

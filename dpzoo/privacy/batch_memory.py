@@ -84,6 +84,12 @@ class BatchMemoryManager:
                 f"{type(given).__module__}.{type(given).__name__}. For Opacus' PrivacyEngine use "
                 "opacus.utils.batch_memory_manager.BatchMemoryManager."
             )
+        k = getattr(getattr(data_loader.batch_sampler, "units", None), "max_examples", None)
+        if isinstance(max_physical_batch_size, int) and k is not None and k > max_physical_batch_size:
+            raise PrivacyUsageError(
+                f"max_physical_batch_size={max_physical_batch_size} is below max_examples_per_user={k}: a user's "
+                "examples are clipped together in one micro-batch. Use max_physical_batch_size >= k."
+            )
         if optimizer.signal is not data_loader.signal:
             raise PrivacyUsageError(
                 "This optimizer and data loader come from different make_private calls: the optimizer would not "

@@ -24,13 +24,14 @@ __all__ = [
 ]
 
 
-def compute_sample_rate(batch_size: int, world: int, n: int) -> float:
-    """q = batch_size · world / N: each rank Poisson-samples its shard at the one global rate."""
+def compute_sample_rate(batch_size: int, world: int, n: int, unit: str = "samples") -> float:
+    """q = batch_size · world / N: each rank Poisson-samples its shard at the one global rate
+    (``unit``: what N counts, e.g. users)."""
     q = batch_size * world / n
     if q > 1:
         raise PrivacyUsageError(
             f"batch_size {batch_size}{f' x {world} ranks' if world > 1 else ''} exceeds the dataset's "
-            f"{n} samples (sample rate q = {q:.3g} > 1): use a batch_size of at most "
+            f"{n} {unit} (sample rate q = {q:.3g} > 1): use a batch_size of at most "
             f"{n // world}."
         )
     return q

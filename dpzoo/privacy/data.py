@@ -167,7 +167,10 @@ class DPDataLoader:
     def _collate(self, samples):
         if not samples:
             return _empty_like(self.dataset[0])
-        return self.collate_fn(samples)
+        out = self.collate_fn(samples)
+        if hasattr(self.batch_sampler, "last_counts") and self.collate_fn not in KEEP_ORDER and len(samples) > 1:
+            check_keeps_order(self.collate_fn, samples, out)  # a user's rows must stay next to each other
+        return out
 
     def __len__(self) -> int:
         return len(self.batch_sampler)
@@ -225,9 +228,8 @@ def split_between_users(counts: list[int], chunk: int | None) -> list[tuple[int,
     most ``chunk`` rows, split only between users: [(start, stop, each row's user 0 … u−1)]."""
     if chunk and counts and max(counts) > chunk:
         raise PrivacyUsageError(
-            f"A user has {max(counts)} examples in this step but micro-batches hold at most {chunk} rows: a user's "
-            "examples must be clipped together in one micro-batch. Use max_physical_batch_size >= "
-            "max_examples_per_user."
+            f"Micro-batches of at most {chunk} rows are below max_examples_per_user: a user's examples must be "
+            "clipped together in one micro-batch. Use max_physical_batch_size >= max_examples_per_user."
         )
     pieces: list[tuple[int, int, torch.Tensor]] = []
     start, current = 0, list[int]()
@@ -259,6 +261,41 @@ class _Counting(Sampler[list[int]]):
         for idx in self.inner:  # and each user's examples in it, when the sampler samples users
             self.sizes.append((len(idx), getattr(self.inner, "last_counts", None)))
             yield idx
+
+
+KEEP_ORDER = (default_collate,)  # collates known to keep row i = sample i
+
+
+def check_keeps_order(collate, samples: list, out) -> None:
+    """Refuse a collate that does not keep the samples' order (sorting by length for packing, by
+    label...): with user-level sampling the rows' users are positional, so a reordered batch would
+    clip rows of several users as one. Checked by collating the samples rotated by one: every per-row
+    entry must come back rotated (a sorting collate gives one order whatever the input's, a
+    reversing one the other rotation)."""
+    with torch.random.fork_rng(devices=[]):
+        state = torch.get_rng_state()
+        rev = collate(samples[1:] + samples[:1])
+        torch.set_rng_state(state)
+
+    def same(a, b) -> bool:
+        if isinstance(a, torch.Tensor):
+            if not isinstance(b, torch.Tensor) or a.shape != b.shape:
+                return False
+            return bool(torch.equal(a.roll(-1, 0), b)) if a.dim() and a.shape[0] == len(samples) else torch.equal(a, b)
+        if isinstance(a, dict) or hasattr(a, "keys"):
+            return set(a.keys()) == set(b.keys()) and all(same(a[k], b[k]) for k in a.keys())
+        if isinstance(a, (list, tuple)):
+            if len(a) == len(samples) and not any(isinstance(v, torch.Tensor) for v in a):
+                return list(a)[1:] + list(a)[:1] == list(b)
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a == b
+
+    if not same(out, rev):
+        raise PrivacyUsageError(
+            "With privacy_unit='user' the collate_fn must keep the samples' order (row i = sample i): this one "
+            "reorders them (or is random per batch), so rows of several users would be clipped as one. Sort or "
+            "augment in the dataset, not in the collate."
+        )
 
 
 def _batch_len(batch) -> int:

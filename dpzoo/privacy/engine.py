@@ -202,7 +202,7 @@ class PrivacyEngine(OpacusParity):
         # 3. the Poisson-sampling loader, then σ for its steps, composed after what the model spent
         earlier = engine_of(module)
         prior = prior_spending(module, earlier.accountant.history if earlier is not None else [])
-        sample_rate = compute_sample_rate(batch_size, world, users.population if users is not None else n)
+        sample_rate = compute_sample_rate(batch_size, world, *((n,) if users is None else users.rate_base))
         self.accountant.group = users.group if users is not None else 1  # k examples per user sampled (ELS)
         signal = StepSignal()
         gen = torch.Generator().manual_seed(sample_seed + rank) if sample_seed is not None else None

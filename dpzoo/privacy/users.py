@@ -59,6 +59,11 @@ class UserUnits:
         return self.num_users if self.kept is None else len(self.kept)
 
     @property
+    def rate_base(self) -> tuple[int, str]:
+        """(N, what N counts) for q = batch_size / N."""
+        return self.population, "users" if self.kept is None else "examples kept (at most k per user)"
+
+    @property
     def group(self) -> int:
         """k of the accountant's entries: 1 for ULS (a user is one sampled unit), k for ELS."""
         return 1 if self.kept is None else self.max_examples
@@ -113,19 +118,26 @@ def user_units(
             f"max_examples_per_user={k} exceeds max_physical_batch_size={max_physical}: a user's examples are "
             "clipped together in one micro-batch, so the micro-batch must hold k examples."
         )
+    if getattr(user_ids, "ndim", 1) != 1:
+        raise InvalidArgumentError(f"user_ids must be 1-D (one id per example), got {user_ids.ndim} dimensions.")
     ids = list(user_ids.tolist() if hasattr(user_ids, "tolist") else user_ids)
     if len(ids) != n:
         raise InvalidArgumentError(
             f"user_ids has {len(ids)} entries for a dataset of {n} examples: give one per example."
         )
-    missing = [i for i, u in enumerate(ids) if u is None or (isinstance(u, float) and u != u)]
+    missing = [i for i, u in enumerate(ids) if _missing(u)]
     if missing:
         raise InvalidArgumentError(
             f"user_ids is missing for example(s) {missing[:8]} ({len(missing)} in all): every example needs its user "
             "(an example without one cannot be accounted to anyone); drop those examples or give each its own id."
         )
     index: dict = {}
-    unit = torch.tensor([index.setdefault(u, len(index)) for u in ids], dtype=torch.long)
+    try:
+        unit = torch.tensor([index.setdefault(u, len(index)) for u in ids], dtype=torch.long)
+    except TypeError as e:  # unhashable ids (lists, arrays)
+        raise InvalidArgumentError(
+            f"user_ids must be hashable values (str, int), got {type(e).__name__}: {e}"
+        ) from None
     if sampling == "users":
         return UserUnits(unit, len(index), int(k))
     return UserUnits(unit, len(index), int(k), _keep_at_most(unit, int(k), _shared_generator(seed)))
@@ -140,6 +152,16 @@ def _shared_generator(seed: int | None) -> torch.Generator:
         dist.broadcast_object_list(box, src=0)
         seed = box[0]
     return torch.Generator().manual_seed(int(seed))
+
+
+def _missing(u) -> bool:
+    """None or a NaN of any type (float, numpy, Decimal, a 0-d tensor): no user."""
+    if u is None:
+        return True
+    try:
+        return bool(u != u)
+    except (TypeError, ValueError, RuntimeError):
+        return False
 
 
 def _keep_at_most(unit: torch.Tensor, k: int, generator: torch.Generator) -> torch.Tensor:
