@@ -115,6 +115,13 @@ SEPARABLE = {  # loss on the batch, the same loss of one sample (the batch's row
     ),
     "a Categorical's log_prob": (lambda o, y: -torch.distributions.Categorical(logits=o).log_prob(y).sum(), "sum"),
     "two means, weighted": (lambda o, y: F.cross_entropy(o, y) + 0.5 * (o**2).sum(1).mean(), "mean"),
+    # probability targets: torch's weighted mean divides by the batch size, not by the total weight
+    "class-weighted mean with soft targets": (
+        lambda o, y: F.cross_entropy(
+            o, F.one_hot(y, 3).double() * 0.8 + 0.2 / 3, weight=torch.tensor([1.0, 5.0, 2.0], dtype=F64)
+        ),
+        "mean",
+    ),
 }
 
 
@@ -683,3 +690,20 @@ def test_a_gradient_with_respect_to_the_parameters_is_refused_with_a_dpzoo_error
         torch.autograd.grad(loss, list(model.parameters()), create_graph=True)
     with pytest.raises(PrivacyUsageError, match="SAM"):
         torch.autograd.grad(loss, next(model.parameters()))
+
+
+def test_a_label_count_tensor_passed_to_the_model_is_refused_naming_it():
+    """transformers' num_items_in_batch as a tensor (a count over the batch): refused with what to
+    drop, not the generic "rows reordered" message the third audit found misleading."""
+    engine, model, opt, loader = private(tiny_gpt2(), lm_data())
+    ids, labels = next(iter(loader))
+    with pytest.raises(LossMixingError, match="num_items_in_batch"):
+        model(input_ids=ids, labels=labels, num_items_in_batch=labels[:, 1:].ne(-100).sum())
+
+
+def test_mica_is_refused_for_what_it_is():
+    from dpzoo.errors import UnsupportedModuleError
+    from dpzoo.integrations.peft import dp_lora
+
+    with pytest.raises(UnsupportedModuleError, match="data-free.*LoRA variant"):
+        dp_lora(tiny_gpt2(), r=2, alpha=4, init_lora_weights="mica")

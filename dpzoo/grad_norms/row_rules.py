@@ -331,9 +331,10 @@ def check_mean_loss(name: str, args, kwargs, lead) -> None:
     reduction = kwargs.get("reduction", "mean")
     if reduction != "mean" or kwargs.get("size_average") is not None or kwargs.get("reduce") is not None:
         return
-    if kwargs.get("weight", args[2] if len(args) > 2 else None) is not None:
-        refuse(f"{name}(weight=..., reduction='mean') dividing by the batch's total class weight")
     target = kwargs.get("target", args[1] if len(args) > 1 else None)
+    soft = isinstance(target, torch.Tensor) and target.is_floating_point()  # probabilities: the mean divides by B
+    if kwargs.get("weight", args[2] if len(args) > 2 else None) is not None and not soft:
+        refuse(f"{name}(weight=..., reduction='mean') dividing by the batch's total class weight")
     ignore = kwargs.get("ignore_index", args[4] if len(args) > 4 and isinstance(args[4], int) else -100)
     if isinstance(target, torch.Tensor) and not target.is_floating_point() and bool((target == ignore).any()):
         refuse(f"{name}(reduction='mean') with ignored targets, dividing by the batch's count of labelled tokens")

@@ -165,6 +165,11 @@ def dp_lora(
         if lora_kwargs.get(option):
             raise UnsupportedModuleError(f"dp_lora: {option} is refused: {why}, which dpzoo cannot clip per sample.")
     init = lora_kwargs.get("init_lora_weights", True)
+    if isinstance(init, str) and init.lower() == "mica":
+        raise UnsupportedModuleError(
+            "dp_lora: init_lora_weights='mica' is refused: MiCA is computed from the base weights alone (data-free), "
+            "but it runs as a PEFT LoRA variant (lora_B frozen, its own forward) that dpzoo has no per-sample rule for."
+        )
     data_driven = not data_free_init(init)
     if data_driven and public_init is None:
         why = DATA_DRIVEN_INITS.get(init.lower() if isinstance(init, str) else init, "not known to be data-free")

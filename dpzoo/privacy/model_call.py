@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..errors import PrivacyUsageError
+from ..errors import LossMixingError, PrivacyUsageError
 from ..grad_norms.copy_inert import CopyInert
 from ..grad_norms.sample_rows import SampleRows, State, note_call, plain, tag
 
@@ -47,6 +47,11 @@ def plain_inputs(module, args, kwargs):
             "layers (ghost differentiation), so no gradient reaches its inputs (gradient penalty, FGSM, a trainable "
             "module before the model). Take input gradients on copy.deepcopy(model), a plain copy without dpzoo's "
             "hooks; put trainable modules inside the model."
+        )
+    if isinstance(kwargs.get("num_items_in_batch"), torch.Tensor):
+        raise LossMixingError(
+            "num_items_in_batch (the batch's label count, a tensor) divides each sample's loss by a count over all "
+            "samples, which mixes samples (false ε): drop it; with labels= dpzoo computes each sequence's own loss."
         )
     note_call(leaves)
     tracked = any(isinstance(a, SampleRows) for a in leaves)
