@@ -208,15 +208,21 @@ def _user_level_step(rank, world, sampling, users_per_rank):
     return {"update": update, "q": engine.sample_rate, "rows": rows, "history": engine.accountant.history}
 
 
-@pytest.mark.parametrize("sampling", ["users", "examples"])
-def test_user_level_two_process_update_equals_single_process(tmp_path, sampling):
+def _both_user_level_steps(rank, world, users_per_rank):
+    return {s: _user_level_step(rank, world, s, users_per_rank) for s in ("users", "examples")}
+
+
+def test_user_level_two_process_update_equals_single_process(tmp_path):
     """Each user's examples on one rank (ULS), the kept examples split between ranks (ELS, the same
-    kept set on both): the global update is the single-process one, each example counted once."""
-    ranks = _run(_user_level_step, 2, tmp_path, sampling, 4)
-    single = _user_level_step(0, 1, sampling, 8)
-    assert ranks[0]["q"] == ranks[1]["q"] == single["q"] == 1.0
-    assert sorted(ranks[0]["rows"] + ranks[1]["rows"]) == sorted(single["rows"])
-    assert ranks[0]["history"] == single["history"]
-    for n in single["update"]:
-        assert torch.allclose(ranks[0]["update"][n], single["update"][n], rtol=1e-9, atol=1e-12), n
-        assert torch.equal(ranks[0]["update"][n], ranks[1]["update"][n]), n
+    kept set on both): the global update is the single-process one, each example counted once.
+    Both schemes in one spawn (a spawn costs ~10 s)."""
+    both = _run(_both_user_level_steps, 2, tmp_path, 4)
+    for sampling in ("users", "examples"):
+        ranks = [r[sampling] for r in both]
+        single = _user_level_step(0, 1, sampling, 8)
+        assert ranks[0]["q"] == ranks[1]["q"] == single["q"] == 1.0
+        assert sorted(ranks[0]["rows"] + ranks[1]["rows"]) == sorted(single["rows"])
+        assert ranks[0]["history"] == single["history"]
+        for n in single["update"]:
+            assert torch.allclose(ranks[0]["update"][n], single["update"][n], rtol=1e-9, atol=1e-12), (sampling, n)
+            assert torch.equal(ranks[0]["update"][n], ranks[1]["update"][n]), (sampling, n)
