@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = ("README.md", "docs/RESULTS.md", "docs/BENCHMARKS.md", "docs/GUIDE.md")
 MARKER = re.compile(r"^<!-- table: (\S+) -->$")
 # the renderer families, imported on first use
-MODULES = ("gpu", "minilm", "audit", "seqrec", "seqrec_figures", "first_hour", "benchmarks_figures", "summary")
+MODULES = ("gpu", "minilm", "audit", "seqrec", "seqrec_figures", "first_hour", "benchmarks_figures", "summary",
+           "user_level")  # fmt: skip
 
 
 @dataclass(frozen=True)
