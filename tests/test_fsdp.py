@@ -88,9 +88,10 @@ def _full(t):
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
 
 
-def _dp_step(model, ds, world, *, mode="auto", sigma=SIGMA, seed=SEED, zero_loss=False):
+def _dp_step(model, ds, world, *, mode="auto", sigma=SIGMA, seed=SEED, zero_loss=False, users=None):
     """One DP step (q = 1: every sample in the batch of its rank) through the public API; the
-    full-size update of every parameter (gathered from the shards)."""
+    full-size update of every parameter (gathered from the shards). ``users``: user-level DP, k = 2."""
+    unit = {} if users is None else dict(privacy_unit="user", user_ids=users, max_examples_per_user=2)
     engine = dpzoo.PrivacyEngine()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     with warnings.catch_warnings():
@@ -98,13 +99,14 @@ def _dp_step(model, ds, world, *, mode="auto", sigma=SIGMA, seed=SEED, zero_loss
         model, opt, dl = engine.make_private(
             module=model,
             optimizer=opt,
-            data_loader=DataLoader(ds, batch_size=len(ds) // world),
+            data_loader=DataLoader(ds, batch_size=len(set(users or range(len(ds)))) // world),
             noise_multiplier=sigma,
             max_grad_norm=R,
             loss_reduction="sum",
             mode=mode,
             noise_seed=seed,
             self_check=world == 1,
+            **unit,
         )
     before = {n: _full(p) for n, p in model.named_parameters()}
     for batch in dl:
@@ -361,3 +363,23 @@ def test_fsdp2_mixed_precision_policy_bf16_compute_fp32_shards(tmp_path):
             err = (r["update"][n].double() - w).abs().max() / biggest
             assert err < 5e-2, f"{n}: {err:.3e}"
     assert max(v.abs().max() for v in ranks[0]["update"].values()) > 0
+
+
+def _user_level(rank, world, out_dir):
+    return _dp_step(_shard(_mlp()), _data("mlp", N), world, sigma=0.0, users=[i % 6 for i in range(N)])[0]
+
+
+def test_user_level_under_fsdp2_clips_each_users_summed_gradient(tmp_path):
+    """6 users of 2 examples, each user's examples on one rank: the sharded clipped sum (σ = 0) is
+    the per-user brute force (each user's summed gradient clipped to R)."""
+    ranks = _run(_user_level, 2, tmp_path)
+    model, (x, y) = _mlp(), _data("mlp", N).tensors
+    grads = per_sample_grads(model, lambda m, x, y: _loss(m, x, y), {"x": x, "y": y}, len(x))
+    want = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for u in range(6):
+        g = {n: sum(grads[i][n] for i in range(N) if i % 6 == u) for n in want}
+        c = clip_weights(torch.sqrt(sum(v.pow(2).sum() for v in g.values())), R, "abadi")
+        for n in want:
+            want[n] -= c * g[n]
+    for r in ranks:
+        _assert_updates(r, want, "per-user clipped sum under FSDP2")

@@ -548,3 +548,47 @@ def test_more_malformed_user_ids_are_refused(ids, why):
 def test_a_batch_above_the_users_says_users():
     with pytest.raises(DPZooError, match="exceeds the dataset's 9 users"):
         _private(_mlp(), batch_size=10)
+
+
+def test_dp_lora_at_the_user_level_through_make_private():
+    """mode="lora" on a PEFT GPT-2 with privacy_unit="user", σ = 0, q = 1: the adapters' released
+    gradient is each user's summed gradient clipped to R, summed (brute force per user)."""
+    import warnings
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import dpzoo
+    from dpzoo.integrations.peft import dp_lora
+
+    model, inputs, loss_fn = zoo_model_and_inputs("gpt2", b=7)
+    lora = dp_lora(model, r=4, alpha=8, init_lora_weights=False).double().eval()
+    ids = inputs["ids"]
+    users = GROUPS.tolist()  # 4 users of 1-3 sequences
+    trainable = {n: p for n, p in lora.named_parameters() if p.requires_grad}
+    r = 0.05
+    scale = torch.ones(4, dtype=torch.float64)
+    norms, _ = per_user_reference(lora, loss_fn, {"ids": ids}, GROUPS, scale)
+    clip = {u: min(1.0, r / float(norms[u])) for u in range(4)}
+    _, want = per_user_reference(lora, loss_fn, {"ids": ids}, GROUPS, torch.tensor([clip[u] for u in range(4)]))
+    engine = dpzoo.PrivacyEngine()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        private, opt, loader = engine.make_private(
+            module=lora, optimizer=torch.optim.SGD(trainable.values(), lr=0.0),
+            data_loader=DataLoader(TensorDataset(ids), batch_size=4), noise_multiplier=0.0, max_grad_norm=r,
+            loss_reduction="sum", mode="lora", sample_seed=0, privacy_unit="user", user_ids=users,
+            max_examples_per_user=3,
+        )  # fmt: skip
+    (batch,) = next(iter(loader))
+    order = sorted(range(7), key=lambda i: [int(t) for t in ids[i]])
+    assert len(batch) == 7 and sorted([int(t) for t in b] for b in batch) == [[int(t) for t in ids[i]] for i in order]
+    groups = loader.signal.groups
+    loss_fn(private, ids=batch).backward()
+    opt.step()
+    rows = {tuple(int(t) for t in ids[i]): i for i in range(7)}
+    batch_users = torch.tensor([users[rows[tuple(int(t) for t in b)]] for b in batch])
+    names = [n for n, p in private.named_parameters() if p.requires_grad]
+    assert all((batch_users[groups == g] == batch_users[groups == g][0]).all() for g in groups.unique())
+    for n in names:
+        p = dict(private.named_parameters())[n]
+        assert_close(p.grad, want[n], 1e-6, n, floor=max(w.abs().max() for w in want.values()) * 1e-3)
