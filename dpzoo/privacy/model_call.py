@@ -48,7 +48,7 @@ def plain_inputs(module, args, kwargs):
             "module before the model). Take input gradients on copy.deepcopy(model), a plain copy without dpzoo's "
             "hooks; put trainable modules inside the model."
         )
-    if isinstance(kwargs.get("num_items_in_batch"), torch.Tensor):
+    if torch.is_grad_enabled() and isinstance(kwargs.get("num_items_in_batch"), torch.Tensor):  # evaluation may
         raise LossMixingError(
             "num_items_in_batch (the batch's label count, a tensor) divides each sample's loss by a count over all "
             "samples, which mixes samples (false ε): drop it; with labels= dpzoo computes each sequence's own loss."
