@@ -320,16 +320,9 @@ def test_labels_of_other_rows_are_refused():
         F.cross_entropy(model(x), y.roll(1, 0), reduction="sum")
 
 
-def test_per_row_transforms_and_two_views_of_each_sample_train_exactly():
-    """Augmenting each row and a second forward on the same rows (consistency regularisation)
-    keep row i = sample i: accepted, and the step is the brute-force step on that loss."""
-    data = classification()
+def _assert_the_brute_force_step(model, data, loss):
+    """One private step (σ = 0, q = 1, summed loss) moves the parameters by the brute-force DP-SGD step."""
     x, y = data.tensors
-    model = mlp()
-
-    def loss(m, x, y):
-        return F.cross_entropy(m(x * 1.5 + 0.1), y, reduction="sum") + 0.5 * (m(x) - m(x.flip(1))).pow(2).sum()
-
     expected = dp_sgd_update(model, loss, {"x": x, "y": y}, len(y), R, 0.0, None, "abadi", None)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     engine, model, opt, loader = private(model, data, loss_reduction="sum")
@@ -338,6 +331,18 @@ def test_per_row_transforms_and_two_views_of_each_sample_train_exactly():
     opt.step()
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.detach() - before[n], expected[n], rtol=1e-9, atol=1e-12)
+
+
+def test_per_row_transforms_and_two_views_of_each_sample_train_exactly():
+    """Augmenting each row and a second forward on the same rows (consistency regularisation)
+    keep row i = sample i: accepted, and the step is the brute-force step on that loss."""
+    data = classification()
+    model = mlp()
+
+    def loss(m, x, y):
+        return F.cross_entropy(m(x * 1.5 + 0.1), y, reduction="sum") + 0.5 * (m(x) - m(x.flip(1))).pow(2).sum()
+
+    _assert_the_brute_force_step(model, data, loss)
 
 
 # -- an independent review's cases (issue 33): other spellings of the same mixing --------------
@@ -653,7 +658,6 @@ def test_labels_shuffled_in_place_are_refused():
 def test_each_samples_own_values_written_in_place_train_exactly():
     """x2[i] = f(x[i]) row by row, x2[:] = f(x), and a constant patch keep row i = sample i."""
     data = classification()
-    x, y = data.tensors
     model = mlp()
 
     def augment(x):
@@ -668,14 +672,7 @@ def test_each_samples_own_values_written_in_place_train_exactly():
     def loss(m, x, y):
         return F.cross_entropy(m(augment(x)), y, reduction="sum")
 
-    expected = dp_sgd_update(model, loss, {"x": x, "y": y}, len(y), R, 0.0, None, "abadi", None)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    engine, model, opt, loader = private(model, data, loss_reduction="sum")
-    bx, by = next(iter(loader))
-    loss(model, bx, by).backward()
-    opt.step()
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.detach() - before[n], expected[n], rtol=1e-9, atol=1e-12)
+    _assert_the_brute_force_step(model, data, loss)
 
 
 def test_a_gradient_with_respect_to_the_parameters_is_refused_with_a_dpzoo_error():

@@ -96,7 +96,7 @@ def follow(func, args, kwargs, tracked: list, out):
     if isinstance(out, (tuple, list)) and name in ("unbind", "chunk", "split", "tensor_split"):
         if not state.stat and tracked[0].rows.sample_dim == 0 and over_first(args, kwargs, name):
             return type(out)(pieces(out, tracked[0], state, name == "unbind"))
-    base = getattr(args[0], "view_of", None) if IN_PLACE(name) else None
+    base = getattr(args[0], "view_of", None) if in_place(name) else None
     if base is not None and base() is not None and moved(args[0].rows, state):
         written_rows(base(), slice(None), state)  # x2[:, :2].add_(x.flip(0)[:, :2]): the view's base too
     out = tree_map(lambda o: tag(o, state) if isinstance(o, torch.Tensor) else o, out)
@@ -106,7 +106,7 @@ def follow(func, args, kwargs, tracked: list, out):
     return out
 
 
-def IN_PLACE(name: str) -> bool:  # noqa: N802 (read as a set)
+def in_place(name: str) -> bool:
     return (name.endswith("_") and not name.startswith("_")) or name in (
         "__iadd__",
         "__isub__",
