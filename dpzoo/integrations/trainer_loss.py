@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ..errors import PrivacyUsageError
+from ..losses import token_cross_entropy
 
 __all__ = ["loss_kind", "per_sample_losses", "IGNORE_INDEX"]
 
@@ -41,12 +42,8 @@ def at_least_float32(t: torch.Tensor) -> torch.Tensor:
 def _token_losses(logits, labels, *, shift: bool, token_reduction: str, label_smoothing: float) -> torch.Tensor:
     if shift:  # logits[t] predicts labels[t + 1]
         logits, labels = logits[:, :-1], labels[:, 1:]
-    per_token = F.cross_entropy(
-        at_least_float32(logits).transpose(1, 2),
-        labels,
-        reduction="none",
-        ignore_index=IGNORE_INDEX,
-        label_smoothing=label_smoothing,
+    per_token = token_cross_entropy(
+        at_least_float32(logits), labels, ignore_index=IGNORE_INDEX, label_smoothing=label_smoothing
     )
     per_sample = per_token.sum(1)
     if token_reduction == "mean":  # over this sample's own labelled tokens (0 if it has none)
