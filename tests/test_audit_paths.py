@@ -3,7 +3,8 @@
 For each path (Abadi and automatic clipping, micro-batching through ``BatchMemoryManager``,
 float16 autocast with ``DPGradScaler``, DP-BiTFiT's bias-only mode, DP-LoRA through PEFT, DDP
 and FSDP2 over 2 gloo processes, the Hugging Face ``DPTrainer``, DP-FROST's selection and
-training, user-level DPFormer training) the same canary task is trained twice: as dpzoo ships
+training, user-level DPFormer training, user-level DP with several examples per user under both
+sampling schemes) the same canary task is trained twice: as dpzoo ships
 it, whose bound must stay below the claimed ε, and with a sensitivity bug injected into the
 engine itself (every clip factor doubled, so one sample moves the noisy sum by 2R while the claim
 is for R), whose bound must exceed it. The injected bug is in the engine's
@@ -381,3 +382,90 @@ def test_user_level_dpformer_training_stays_below_its_claim_and_its_2x_bug_excee
     assert shipped.claimed_epsilon == pytest.approx(8.0, abs=0.02)
     assert not shipped.exceeds and max(shipped.scores) < EXACT / 2, shipped.lines()
     assert doubled.epsilon_lower_bound > doubled.claimed_epsilon + 0.25, doubled.lines()
+
+
+USER_EXAMPLES = 2  # k: each canary user owns this many identical copies of its canary
+# σ for ε = 2 at δ = 1e-5 over AUDIT's 5 epochs, from make_private's calibration (the PLD
+# calibration of the mixture costs ~12 s a run; the claim is still the engine's own ε at the end)
+USER_SIGMA = {"users": 1.06, "examples": 1.43}
+
+
+def _user_level_audit(sampling: str, bug: bool):
+    """The canary task at the user level through ``make_private(privacy_unit="user")``: canary
+    user i owns k identical copies of canary i (each digit is a user of its own), so at the user
+    level its gradient is k times one copy's and one clip bounds the sum; ``sampling="users"``
+    draws users, ``"examples"`` draws each copy alone (k independent chances a step) under the
+    mixture-of-Gaussians account. The scores are the claim's own likelihood ratio for that scheme
+    (:class:`~dpzoo.audit.white_box.CanaryColumnScores` with ``examples=k``)."""
+    from torch.utils.data import ConcatDataset, DataLoader, Subset, TensorDataset
+
+    from dpzoo.audit import audit_from_scores, digits_canary_task
+    from dpzoo.audit.white_box import CanaryColumnScores
+
+    m, seed, k = AUDIT["canaries"], AUDIT["seed"], USER_EXAMPLES
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        train, _, cx, cy, model_fn, _ = digits_canary_task(m, 1000.0, seed)
+        included = torch.rand(m, generator=torch.Generator().manual_seed(seed + 1)) < 0.5
+        model = model_fn()
+    copies = torch.nonzero(included).flatten().repeat_interleave(k)
+    rows = ConcatDataset([train, TensorDataset(cx[copies], cy[copies])])
+    owners = list(range(len(train))) + [len(train) + int(i) for i in copies]
+    order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(seed + 3)).tolist()
+    engine = dpzoo.PrivacyEngine(accountant="pld")
+    model, opt, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=2.0),
+                                             data_loader=DataLoader(Subset(rows, order), batch_size=64),
+                                             noise_multiplier=USER_SIGMA[sampling], max_grad_norm=1.0, privacy_unit="user",
+                                             user_ids=[owners[i] for i in order], max_examples_per_user=k,
+                                             user_sampling=sampling, noise_seed=AUDIT["noise_seed"],
+                                             sample_seed=AUDIT["sample_seed"])  # fmt: skip
+    claim = {"noise_multiplier": engine.noise_multiplier, "max_grad_norm": 1.0, "clipping": "abadi",
+             "sample_rate": engine.sample_rate, "sum_scale": engine.expected_batch_size}  # fmt: skip
+    scores = CanaryColumnScores(model, cy, claimed=claim, examples=k, per_example=sampling == "examples")
+    scores.attach(opt)
+    original = DPOptimizer.clip_factors
+    if bug:
+        DPOptimizer.clip_factors = lambda self, n: 2 * original(self, n)
+    try:
+        for _ in range(AUDIT["epochs"]):
+            for x, y in loader:
+                if len(y):
+                    torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+    finally:
+        DPOptimizer.clip_factors = original
+    scores.detach()
+    return audit_from_scores(scores.scores.float(), included, claimed_epsilon=engine.get_epsilon(1e-5), delta=1e-5,
+                             white_box=True)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", ["users", "examples"])
+def test_user_level_training_with_several_examples_per_user_stays_below_its_claim_and_its_2x_bug_exceeds_it(
+    sampling,
+):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a linear model: threads only add overhead
+    try:
+        shipped, doubled = _user_level_audit(sampling, False), _user_level_audit(sampling, True)
+    finally:
+        torch.set_num_threads(threads)
+    assert shipped.claimed_epsilon == pytest.approx(AUDIT["epsilon"], abs=0.02)
+    assert not shipped.exceeds and max(shipped.scores) < EXACT / 2, shipped.lines()
+    assert doubled.epsilon_lower_bound > doubled.claimed_epsilon + 0.25, doubled.lines()
+
+
+def test_user_level_training_that_clips_each_example_instead_of_each_user_exceeds_its_claim(monkeypatch):
+    """The control specific to the user level: with the rows' units ignored (each copy clipped to R
+    on its own, k·R a user), the same audit exceeds the user-level claim."""
+    from dpzoo.grad_norms.hooks import NormHooks
+
+    monkeypatch.setattr(NormHooks, "group_rows", lambda self, groups: None)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        per_example = _user_level_audit("users", False)
+    finally:
+        torch.set_num_threads(threads)
+    assert per_example.epsilon_lower_bound > per_example.claimed_epsilon + 0.25, per_example.lines()

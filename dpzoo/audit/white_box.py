@@ -17,6 +17,11 @@ Poisson-subsampled Gaussian over the whole run: Σ_t log(1 − q + q·exp((a_t z
 with z_t = ⟨column, u_t⟩. Under the claimed mechanism it is the optimal test per step; a
 mechanism that adds more than R of a sample (a clipping bug) or less noise than σR separates the
 in- and out-canaries' scores further than the claim allows, and the bound exceeds it.
+
+At the user level a canary is a user of k identical examples. Sampled by users, the user's
+gradient (k times one example's) is clipped as one: the same score with a_t for that sum. Sampled
+by examples, each copy is drawn and clipped alone, j ~ Binomial(k, q) of them in a step, and the
+score is the log-likelihood ratio of that mixture: log Σ_j P(j)·exp((j a_t z_t − (j a_t)²/2)/(σR)²).
 """
 
 from __future__ import annotations
@@ -42,8 +47,9 @@ class CanaryColumnScores:
     :data:`EXACT` added to its score, so a skipped noise draw is caught. Any score the auditor
     computes from the releases keeps the bound valid; this one only adds power."""
 
-    def __init__(self, model, canary_y, *, claimed):
+    def __init__(self, model, canary_y, *, claimed, examples: int = 1, per_example: bool = False):
         self.model, self.canary_y = model, canary_y
+        self.examples, self.per_example = int(examples), bool(per_example)  # k copies; drawn one by one
         self.sigma, self.R = float(claimed["noise_multiplier"]), float(claimed["max_grad_norm"])
         self.q, self.clipping = float(claimed["sample_rate"]), claimed["clipping"]
         self.scale = float(claimed["sum_scale"])  # .grad × this = the noisy sum
@@ -61,6 +67,8 @@ class CanaryColumnScores:
     @torch.no_grad()
     def observe(self, optimizer, args, kwargs) -> None:
         own, full = self.model.canary_gradients(self.canary_y)
+        if not self.per_example:  # k identical examples clipped as one unit: k times one's gradient
+            own, full = own * self.examples, full * self.examples
         release = self.model.canary_release()
         noisy = torch.zeros_like(own) if release is None else release * self.scale
         if self.clipping == "automatic":
@@ -74,12 +82,21 @@ class CanaryColumnScores:
         s2 = (self.sigma * self.R) ** 2
         if s2 == 0:  # a claim of no noise: any observation is decisive; scores stay finite
             s2 = 1e-12
-        log_in = math.log(self.q) + (length * z - length**2 / 2) / s2
-        if self.q < 1:  # Poisson sampling may have left the canary out of this step
-            log_in = torch.logaddexp(torch.full_like(log_in, math.log1p(-self.q)), log_in)
-        exact = (noisy - length[:, None] * direction).norm(dim=1) <= EXACT_TOLERANCE * length
+        counts = range(self.examples + 1) if self.per_example else (0, 1)
+        log_in = torch.logsumexp(
+            torch.stack([self._log_drawn(j, len(counts) - 1) + (j * length * z - (j * length) ** 2 / 2) / s2
+                         for j in counts]), 0)  # fmt: skip
+        exact = torch.zeros_like(z, dtype=torch.bool)
+        for j in counts[1:]:  # a noiseless release: the column is j clipped copies exactly
+            exact |= (noisy - j * length[:, None] * direction).norm(dim=1) <= EXACT_TOLERANCE * j * length
         self.scores += log_in + EXACT * (exact & (length > EXACT_TOLERANCE * self.R))
         self.steps += 1
+
+    def _log_drawn(self, j: int, n: int) -> float:
+        """log P(j of the canary's n independent draws at rate q are in this step's batch)."""
+        log_q = math.log(self.q)
+        log_out = math.log1p(-self.q) if self.q < 1 else -math.inf
+        return math.log(math.comb(n, j)) + (j * log_q if j else 0.0) + ((n - j) * log_out if n - j else 0.0)
 
 
 EXACT = 1e6  # the score a noiseless in-release adds: above any Gaussian evidence
