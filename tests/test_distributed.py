@@ -86,28 +86,36 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _full_data_step(rank, world, reduction, sampler):
+VARIANTS = [(reduction, sampler) for reduction in ("sum", "mean") for sampler in (True, False)]
+
+
+def _full_data_steps(rank, world):
+    """One step per (reduction, with a DistributedSampler or the full dataset), in one spawn."""
     x, y = _data()
     ds = TensorDataset(x, y)
-    kw = {"sampler": DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True)} if sampler else {}
-    update, ebs, q, rows = _one_step(DataLoader(ds, batch_size=len(x) // world, **kw), reduction)
-    return {"update": update, "ebs": ebs, "q": q, "rows": rows}
+    out = {}
+    for reduction, sampler in VARIANTS:
+        kw = {"sampler": DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True)} if sampler else {}
+        update, ebs, q, rows = _one_step(DataLoader(ds, batch_size=len(x) // world, **kw), reduction)
+        out[reduction, sampler] = {"update": update, "ebs": ebs, "q": q, "rows": rows}
+    return out
 
 
-@pytest.mark.parametrize("sampler", [True, False], ids=["DistributedSampler", "full-dataset"])
-@pytest.mark.parametrize("reduction", ["sum", "mean"])
-def test_two_process_update_equals_single_process(tmp_path, reduction, sampler):
+def test_two_process_update_equals_single_process(tmp_path):
     """Per-rank batch 4, 2 ranks, 8 samples: q = 1, so each sample is in exactly one rank's batch.
-    (Before: each rank Poisson-sampled the whole dataset, every sample entered the sum twice.)"""
-    ranks = _run(_full_data_step, 2, tmp_path, reduction, sampler)
+    (Before: each rank Poisson-sampled the whole dataset, every sample entered the sum twice.)
+    Both loss reductions, with a DistributedSampler and with the full dataset on every rank."""
+    both = _run(_full_data_steps, 2, tmp_path)
     x, y = _data()
-    single, ebs, q, rows = _one_step(DataLoader(TensorDataset(x, y), batch_size=len(x)), reduction)
-    assert ranks[0]["ebs"] == ranks[1]["ebs"] == ebs == 8
-    assert ranks[0]["q"] == ranks[1]["q"] == q == 1.0
-    assert ranks[0]["rows"] + ranks[1]["rows"] == rows == 8  # each sample once, globally
-    for n in single:
-        assert torch.allclose(ranks[0]["update"][n], single[n], rtol=1e-9, atol=1e-12), n
-        assert torch.equal(ranks[0]["update"][n], ranks[1]["update"][n]), n
+    for reduction, sampler in VARIANTS:
+        ranks = [r[reduction, sampler] for r in both]
+        single, ebs, q, rows = _one_step(DataLoader(TensorDataset(x, y), batch_size=len(x)), reduction)
+        assert ranks[0]["ebs"] == ranks[1]["ebs"] == ebs == 8
+        assert ranks[0]["q"] == ranks[1]["q"] == q == 1.0
+        assert ranks[0]["rows"] + ranks[1]["rows"] == rows == 8  # each sample once, globally
+        for n in single:
+            assert torch.allclose(ranks[0]["update"][n], single[n], rtol=1e-9, atol=1e-12), (reduction, sampler, n)
+            assert torch.equal(ranks[0]["update"][n], ranks[1]["update"][n]), (reduction, sampler, n)
 
 
 def _membership(rank, world, n, batch, epochs):
