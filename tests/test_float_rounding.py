@@ -210,8 +210,11 @@ def test_a_half_precision_parameter_is_noised_in_float32_then_cast():
 
 
 def test_a_bfloat16_model_releases_the_float32_mechanism_through_make_private():
+    from dpzoo.grad_norms.half import round_toward_zero
+
     """A bfloat16 Linear trained through make_private: its gradient is the cast of (the float64
-    brute-force clipped sum + float32 noise from the seeded generator), within the float32 sum's rounding."""
+    brute-force clipped sum + float32 noise from the seeded generator), within the float32 sum's
+    rounding; the clip factors of bfloat16 factors are rounded toward zero to bfloat16 (grad_norms/half.py)."""
     torch.manual_seed(0)
     model = nn.Linear(64, 8).to(torch.bfloat16)
     data = TensorDataset(torch.randn(32, 64).to(torch.bfloat16) * 4)
@@ -241,7 +244,8 @@ def test_a_bfloat16_model_releases_the_float32_mechanism_through_make_private():
     gen = torch.Generator().manual_seed(3)
     for i, p in enumerate(model.parameters()):
         norms = [torch.sqrt(sum(g.square().sum() for g in grads)) for grads in per_sample]
-        clipped = sum(g[i] * min(1.0, r / float(n)) for g, n in zip(per_sample, norms))
+        factors = round_toward_zero(torch.tensor([min(1.0, r / float(n)) for n in norms]), torch.bfloat16)
+        clipped = sum(g[i] * float(c) for g, c in zip(per_sample, factors))
         noise = torch.empty(p.shape).normal_(0.0, sigma * r, generator=gen)
         expected = (clipped.float() + noise).double()
         assert p.grad.dtype == torch.bfloat16

@@ -159,66 +159,162 @@ def test_float16_loss_scaling_is_refused_before_clipping():
     assert engine.steps == 0 and all(torch.equal(p, b0) for p, b0 in zip(model.parameters(), before))
 
 
-def _tf32_round(x: torch.Tensor) -> torch.Tensor:
-    """x (float32) rounded to TF32's 10 mantissa bits, nearest-even on the 13 dropped bits."""
-    bits = x.view(torch.int32)
-    keep = bits + 0x0FFF + ((bits >> 13) & 1)
-    return (keep & ~0x1FFF).view(torch.float32)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_upcast_half_values_are_exact_in_tf32(dtype):
-    """Why dpzoo may run the float32 products of upcast half-precision reps on TF32 tensor cores
-    (reps.exact_matmuls): every such value survives TF32's rounding unchanged, so each product is the
-    float32 one. A float32 value with more mantissa bits does not (the check can fail)."""
+def test_products_of_half_values_are_exact_in_float32(dtype):
+    """Why dpzoo multiplies half-precision factors with a float32 result (grad_norms/half.py):
+    each product of two half values is the exact one. Two float32 values' product is not."""
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(100_000, generator=g) * 1e3).to(dtype).float()
-    assert torch.equal(_tf32_round(x), x)
-    full = torch.randn(1000, generator=g)
-    assert not torch.equal(_tf32_round(full), full)
+    a, b = ((torch.randn(100_000, generator=g) * 10).to(dtype).float() for _ in range(2))
+    assert torch.equal((a * b).double(), a.double() * b.double())
+    a, b = torch.randn(1000, generator=g), torch.randn(1000, generator=g)
+    assert not torch.equal((a * b).double(), a.double() * b.double())
 
 
-def test_tf32_is_switched_on_only_for_half_precision_on_cuda_and_restored():
+def test_a_rounded_down_scale_times_a_bfloat16_value_splits_exactly_into_two():
+    from dpzoo.grad_norms.half import round_toward_zero, split_bfloat16
+
+    g = torch.Generator().manual_seed(1)
+    scale = torch.rand(5000, generator=g) * 3
+    low = round_toward_zero(scale, torch.bfloat16)
+    assert low.dtype == torch.bfloat16 and (low.float() <= scale).all() and (low.float() > scale * (1 - 2**-7)).all()
+    x = low.float() * (torch.randn(5000, generator=g) * 1e-3).bfloat16().float()
+    hi, lo = split_bfloat16(x)
+    assert torch.equal(hi.double() + lo.double(), x.double())
+    full = torch.randn(5000, generator=g)  # 24 significant bits: two bfloat16 values cannot hold them
+    hi, lo = split_bfloat16(full)
+    assert not torch.equal(hi.double() + lo.double(), full.double())
+
+
+def _half_rep(device="cpu", b=6, t=5, r=7, c=9, seed=0):
     from dpzoo.grad_norms import reps as R
 
+    g = torch.Generator().manual_seed(seed)
+    left, right = torch.randn(b, 1, t, r, generator=g), torch.randn(b, 1, t, c, generator=g) * 1e-2
+    return R.Factored(left.bfloat16().to(device), right.bfloat16().to(device), (c, r))
+
+
+def _float64(rep):
+    from dpzoo.grad_norms import reps as R
+
+    return R.Factored(rep.left.double(), rep.right.double(), rep.shape)
+
+
+def _check_half_rep_against_float64(rep, tol):
+    """Norms (ghost and instantiated) and the clipped sum of bfloat16 factors against float64 on the
+    same values, the clipped sum with the scale rounded toward zero to bfloat16."""
+    from dpzoo.grad_norms import reps as R
+    from dpzoo.grad_norms.half import round_toward_zero
+
+    exact = _float64(rep)
+    for ghost in (True, False):
+        got = R.sq_norm(rep, ghost=ghost)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), R.sq_norm(exact, ghost=ghost), rtol=tol, atol=0)
+    scale = torch.rand(rep.batch_size, generator=torch.Generator().manual_seed(2), device="cpu").to(rep.left.device)
+    summed = R.clipped_sum(rep, scale)
+    assert summed.dtype == torch.float32 and summed.shape == rep.shape
+    want = R.clipped_sum(exact, round_toward_zero(scale, torch.bfloat16).double())
+    torch.testing.assert_close(summed.double(), want, rtol=tol, atol=tol * want.abs().max().item())
+    assert not torch.allclose(summed.double(), R.clipped_sum(exact, scale.double() * 1.01), rtol=tol)
+
+
+@pytest.mark.parametrize("shape", [(6, 5, 7, 9), (3, 40, 300, 2), (2, 1, 600, 520)])
+def test_bf16_factors_norms_and_clipped_sums_are_those_of_their_values(shape):
+    b, t, r, c = shape
+    _check_half_rep_against_float64(_half_rep(b=b, t=t, r=r, c=c), 1e-5)
+
+
+def test_a_linear_under_bf16_autocast_hands_over_its_factors_in_bf16(monkeypatch):
+    """The fast path is taken: a Linear's factors reach the products as the autocast layer computed
+    them (its float32 input cast to bfloat16: what autocast multiplied), not as upcast copies."""
+    from dpzoo.grad_norms import reps as R
+    from dpzoo.grad_norms.assembly import rule_operands
+    from dpzoo.grad_norms.registry import find_rule
+
+    x, g = torch.randn(6, 10), torch.randn(6, 32).bfloat16()
+    (a,), got = rule_operands(find_rule(nn.Linear(10, 32)), (x,), g)
+    assert a.dtype == torch.bfloat16 and torch.equal(a, x.bfloat16()) and got is g
+    (a,), _ = rule_operands(find_rule(nn.LayerNorm(10)), (x,), g)  # a rule that computes: float32
+    assert a.dtype == torch.float32
+    seen, product = [], R.product
+    monkeypatch.setattr(R, "product", lambda u, v: seen.append((u.dtype, v.dtype, u.shape[-1])) or product(u, v))
+    model = _mlp()
+    with attach_norm_hooks(model, mode="ghost") as hooks:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = _mlp_loss(model, x, torch.randint(0, 4, (6,)))
+        hooks.backward(loss)
+        hooks.per_sample_norms()
+    assert (torch.bfloat16, torch.bfloat16, 10) in seen  # the first Linear's input Gram, in bf16
+
+
+def test_norm_matmuls_run_at_highest_precision_and_restore_the_users_setting():
+    from dpzoo.grad_norms.half import exact_matmuls
+
     before = torch.get_float32_matmul_precision()
-    rep = R.Factored(torch.randn(2, 1, 3, 4).bfloat16(), torch.randn(2, 1, 3, 5).bfloat16(), (5, 4))
-    assert not R.half_on_cuda(rep)  # CPU: "high" may mean bfloat16 arithmetic there
     seen = []
-    with R.exact_matmuls(False):
-        seen.append(torch.get_float32_matmul_precision())
-    with pytest.raises(RuntimeError, match="inside"):
-        with R.exact_matmuls(True):
-            seen.append(torch.get_float32_matmul_precision())
-            raise RuntimeError("inside")
-    assert seen == [before, "high"] and torch.get_float32_matmul_precision() == before
+    for user_setting in ("high", "medium"):
+        torch.set_float32_matmul_precision(user_setting)
+        try:
+            with pytest.raises(RuntimeError, match="inside"):
+                with exact_matmuls():
+                    seen.append(torch.get_float32_matmul_precision())
+                    raise RuntimeError("inside")
+            assert torch.get_float32_matmul_precision() == user_setting
+        finally:
+            torch.set_float32_matmul_precision(before)
+    assert seen == ["highest", "highest"]
 
 
 @pytest.mark.parametrize("user_setting", ["high", "medium"])
-def test_float32_norms_run_at_highest_precision_whatever_the_user_set(user_setting):
-    """TF32 (CUDA) or bfloat16 (CPU at "medium") would round a float32 model's values inside the
-    Gram matmuls, beyond what the rounding bound of grad_norms/rounding.py covers."""
+def test_float32_clipped_sums_run_at_highest_precision_whatever_the_user_set(user_setting, monkeypatch):
+    """TF32 (CUDA) or bfloat16 (CPU at "medium") would round c_i·L inside the clipped sum's GEMM, and
+    a sample could add more than R: the GEMM sees "highest" whatever the user set (observed at the
+    call: this CPU gives the same numbers at every setting)."""
     from dpzoo.grad_norms import reps as R
 
+    g = torch.Generator().manual_seed(3)
+    rep = R.Factored(torch.randn(4, 1, 6, 300, generator=g), torch.randn(4, 1, 6, 200, generator=g), (200, 300))
+    seen, mm = [], torch.mm
+    monkeypatch.setattr(torch, "mm", lambda *a, **k: seen.append(torch.get_float32_matmul_precision()) or mm(*a, **k))
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(user_setting)
     try:
-        with R.exact_matmuls(False):
-            inside = torch.get_float32_matmul_precision()
-        assert inside == "highest" and torch.get_float32_matmul_precision() == user_setting
+        R.clipped_sum(rep, torch.rand(4, generator=g))
+        assert torch.get_float32_matmul_precision() == user_setting
     finally:
         torch.set_float32_matmul_precision(before)
+    assert seen == ["highest"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (TF32 tensor cores)")
-def test_bf16_ghost_norms_on_cuda_match_float64():
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bf16 tensor cores)")
+@pytest.mark.parametrize("shape", [(8, 256, 512, 384), (4, 197, 768, 3072), (2, 1, 600, 520)])
+def test_bf16_factors_on_cuda_are_exact_products_in_float32(shape):
+    """The tensor-core path (out_dtype products, the split clipped sum) against float64 on the same
+    values, and against the CPU path on the same reps."""
     from dpzoo.grad_norms import reps as R
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    left = torch.randn(8, 1, 256, 512, device="cuda", generator=g).bfloat16()
-    right = torch.randn(8, 1, 256, 384, device="cuda", generator=g).bfloat16()
-    rep = R.Factored(left, right, (384, 512))
-    want = R.sq_norm(R.Factored(left.double(), right.double(), (384, 512)), ghost=True)
-    for ghost in (True, False):
-        got = R.sq_norm(rep, ghost=ghost).double()
-        assert torch.allclose(got, want, rtol=1e-4), (ghost, (got / want - 1).abs().max())
+    b, t, r, c = shape
+    rep = _half_rep("cuda", b=b, t=t, r=r, c=c)
+    _check_half_rep_against_float64(rep, 1e-5)
+    cpu = R.Factored(rep.left.cpu(), rep.right.cpu(), rep.shape)
+    torch.testing.assert_close(R.sq_norm(rep, ghost=True).cpu(), R.sq_norm(cpu, ghost=True), rtol=1e-5, atol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bf16 tensor cores)")
+@pytest.mark.parametrize("mode", ["auto", "ghost", "instantiate"])
+@pytest.mark.parametrize("case", ["mlp", "gpt2"])
+def test_bf16_cuda_autocast_norms_and_sums_are_those_of_the_autocast_model(case, mode):
+    """The CPU test above on CUDA, where the factors go through the tensor-core products."""
+    model, inputs, loss_fn = _case(case)
+    model, inputs = model.cuda(), {k: v.cuda() for k, v in inputs.items()}
+    b = next(iter(inputs.values())).shape[0]
+    scale = torch.rand(b, dtype=torch.float64, generator=torch.Generator().manual_seed(9)).cuda() + 0.1
+
+    def autocast_loss(m, **kw):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            return loss_fn(m, **kw).float()
+
+    total, _, clipped = reference(model, autocast_loss, inputs, b, scale.float())
+    with attach_norm_hooks(model, mode=mode) as hooks:
+        hooks.backward(autocast_loss(model, **inputs))
+        _check(hooks, total, clipped, scale, 1e-2)

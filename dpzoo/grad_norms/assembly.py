@@ -21,7 +21,7 @@ from .plan import ModelPlan
 from .sharded import planned
 from .units import group_rep
 
-__all__ = ["assemble", "rep_shape", "common_dtype"]
+__all__ = ["assemble", "rep_shape", "common_dtype", "rule_operands"]
 
 
 def rep_shape(rep) -> tuple:
@@ -44,6 +44,22 @@ def common_dtype(activations, grad):
         return t.to(target) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
 
     return (None if activations is None else tuple(cast(a) for a in activations)), cast(grad)
+
+
+def rule_operands(rule, activations, grad):
+    """What ``rule`` gets: for a rule with ``half_factors`` whose layer's output gradient is half,
+    the inputs in that half dtype (a float32 input beside a half output means the layer computed
+    on its input cast to half, as autocast does: that cast is the gradient's true factor), the
+    norms and sums then formed exactly from them (:mod:`.half`); else :func:`common_dtype`."""
+    floats = [a for a in activations or () if isinstance(a, torch.Tensor) and a.is_floating_point()]
+    half = grad.dtype in (torch.float16, torch.bfloat16)
+    if rule.half_factors and half and all(a.dtype in (grad.dtype, torch.float32) for a in floats):
+        if activations is not None:
+            activations = tuple(
+                a.to(grad.dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in activations
+            )
+        return activations, grad
+    return common_dtype(activations, grad)
 
 
 def assemble(
@@ -71,7 +87,7 @@ def assemble(
             continue
         rule = plan.rules[id(use.module)]
         check_versions(use)
-        activations, grad = common_dtype(use.activations, use.grad)
+        activations, grad = rule_operands(rule, use.activations, use.grad)
         try:
             out = rule.fn(use.module, activations, grad, set(use.params))
         except RuntimeError as e:  # a rule that does not fit what the layer computed: refuse, naming it

@@ -58,6 +58,9 @@ class Rule:
     # implementations on ``module_type`` when the rule was registered.
     methods: tuple[str, ...] = ("forward",)
     impls: tuple = field(default=(), compare=False, repr=False)
+    # The rule's factors are its inputs reshaped, no arithmetic: a layer that ran in half
+    # precision hands them over in it (:func:`dpzoo.grad_norms.assembly.rule_operands`)
+    half_factors: bool = False
 
     def unsupported(self, module: nn.Module) -> str | None:
         return self.check(module) if self.check is not None else None
@@ -127,6 +130,7 @@ def register_rule(
     check: Callable[[nn.Module], str | None] | None = None,
     grad_from: Callable[[nn.Module], nn.Module] | None = None,
     methods: Iterable[str] = (),
+    half_factors: bool = False,
 ):
     """Decorator: ``@register_rule(nn.Linear, activation_free={"bias"})``.
 
@@ -135,6 +139,9 @@ def register_rule(
 
     ``methods``: the methods, besides ``forward``, whose behaviour the rule relies on (e.g.
     ``_conv_forward``). A subclass or an instance overriding any of them does not get the rule.
+
+    ``half_factors``: the rule only reshapes its inputs into factors (a Linear), so a layer that
+    ran in bfloat16 / float16 can hand them over as they are; any sum it forms must be float32.
     """
     names = ("forward",) + tuple(m for m in methods if m != "forward")
 
@@ -150,6 +157,7 @@ def register_rule(
                 grad_from,
                 names,
                 tuple(_static(t, m) for m in names),
+                half_factors,
             )
             ref.append(rule)
             RULES[t] = rule

@@ -32,12 +32,12 @@ cross terms, and the cross terms themselves. It offers :meth:`ParamGrad.sq_norm`
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import InvalidArgumentError
+from .half import HALF, exact_matmuls, product, round_toward_zero, scaled_product, upcast
 from .rounding import GRAM_CHUNK, sum_per_sample
 
 __all__ = [
@@ -108,36 +108,16 @@ class OneHot:
 Rep = Dense | Factored | OneHot
 
 
-def _acc(t: torch.Tensor) -> torch.Tensor:
-    """Half-precision tensors are squared and summed in float32 (‖g‖ > 256 overflows float16)."""
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-
-
-def half_on_cuda(*reps) -> bool:
-    t = [r.grad if isinstance(r, Dense) else r.right for r in reps]
-    return all(x.dtype in (torch.float16, torch.bfloat16) and x.device.type == "cuda" for x in t)
-
-
-@contextmanager
-def exact_matmuls(half_on_cuda: bool):
-    """A norm's matmuls in float32 arithmetic whatever the user's setting (:mod:`.rounding`'s bound
-    assumes it): "highest", or on CUDA for upcast half-precision values TF32, which is exact there
-    (10 mantissa bits hold bfloat16's 7 and float16's 10; an H100 ran dpzoo's bf16 steps at
-    1.4-3.4x non-private with float32 matmuls). TF32 or CPU bfloat16 would round float32 values."""
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high" if half_on_cuda else "highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
-
-
 def _acc_rep(rep):
+    """Dense and lookup values in float32 if half; factored ones stay half when both factors are
+    of one half dtype (:func:`.half.product` multiplies them exactly), else both upcast."""
     if isinstance(rep, Dense):
-        return Dense(_acc(rep.grad))
+        return Dense(upcast(rep.grad))
     if isinstance(rep, Factored):
-        return Factored(_acc(rep.left), _acc(rep.right), rep.shape)
-    return OneHot(rep.index, _acc(rep.right), rep.num_rows)
+        if rep.left.dtype == rep.right.dtype and rep.left.dtype in HALF:
+            return rep
+        return Factored(upcast(rep.left), upcast(rep.right), rep.shape)
+    return OneHot(rep.index, upcast(rep.right), rep.num_rows)
 
 
 def prefers_ghost(rep: Rep) -> bool:
@@ -178,7 +158,7 @@ def instantiate(rep: Rep) -> torch.Tensor:
     if isinstance(rep, Dense):
         return rep.grad
     if isinstance(rep, Factored):
-        return rep.to_param(torch.einsum("bgtr,bgtc->bgrc", rep.left, rep.right))
+        return rep.to_param(product(rep.left.transpose(-1, -2), rep.right))
     out = rep.right.new_zeros(rep.batch_size, rep.num_rows, rep.right.shape[-1])
     return out.scatter_add_(1, rep.index.unsqueeze(-1).expand_as(rep.right), rep.right)
 
@@ -187,9 +167,9 @@ def _gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """⟨a_t, b_s⟩ over the last dim, (…, T, k) × (…, S, k) → (…, T, S), accumulated in chunks of
     GRAM_CHUNK features: its rounding bound then grows with 256 + k/256, not k (:mod:`.rounding`)."""
     k = a.shape[-1]
-    out = torch.matmul(a[..., :GRAM_CHUNK], b[..., :GRAM_CHUNK].transpose(-1, -2))
+    out = product(a[..., :GRAM_CHUNK], b[..., :GRAM_CHUNK].transpose(-1, -2))
     for i in range(GRAM_CHUNK, k, GRAM_CHUNK):
-        out = out.add_(torch.matmul(a[..., i : i + GRAM_CHUNK], b[..., i : i + GRAM_CHUNK].transpose(-1, -2)))
+        out = out.add_(product(a[..., i : i + GRAM_CHUNK], b[..., i : i + GRAM_CHUNK].transpose(-1, -2)))
     return out
 
 
@@ -202,7 +182,7 @@ def _onehot_left_gram(index: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
 
 def inner(u: Rep, v: Rep, *, ghost: bool | None = None) -> torch.Tensor:
     """⟨g_{u,i}, g_{v,i}⟩ for every sample i: Tensor[B]. Both must describe the same tensor."""
-    with exact_matmuls(half_on_cuda(u, v)):
+    with exact_matmuls():
         return _inner(_acc_rep(u), _acc_rep(v), ghost)
 
 
@@ -213,7 +193,7 @@ def _inner(u: Rep, v: Rep, ghost: bool | None) -> torch.Tensor:
         if isinstance(v, Dense):
             return sum_per_sample(u.grad * v.grad)
         if isinstance(v, Factored):  # Σ_t L_tᵀ D R_t without forming v's gradient, (L D) first
-            return sum_per_sample(torch.matmul(v.left, v.from_param(u.grad)) * v.right)
+            return sum_per_sample(product(v.left, v.from_param(u.grad)) * v.right)
         rows = torch.gather(u.grad, 1, v.index.unsqueeze(-1).expand_as(v.right))
         return sum_per_sample(rows * v.right)
     if isinstance(u, Factored) and isinstance(v, Factored):
@@ -238,7 +218,7 @@ def _inner(u: Rep, v: Rep, ghost: bool | None) -> torch.Tensor:
 
 def sq_norm(rep: Rep, *, ghost: bool | None = None) -> torch.Tensor:
     """‖g_i‖² for every sample: ghost norm or instantiation (``ghost=None``: the BK rule)."""
-    with exact_matmuls(half_on_cuda(rep)):
+    with exact_matmuls():
         return _sq_norm(_acc_rep(rep), ghost)
 
 
@@ -275,10 +255,18 @@ def without_samples(rep: Rep, drop: torch.Tensor) -> Rep:
 
 
 def clipped_sum(rep: Rep, scale: torch.Tensor) -> torch.Tensor:
-    """Σ_i scale_i g_i, shape = the parameter's (book-keeping: BK paper Alg. 1 line 9). A scale
-    cast to lower precision is rounded toward zero: to nearest it could grow by 2⁻⁹ (bfloat16)."""
-    low = scale.to(dtype=_dtype(rep))
-    scale = torch.where(low.to(scale.dtype).abs() > scale.abs(), torch.nextafter(low, torch.zeros_like(low)), low)
+    """Σ_i scale_i g_i, shape = the parameter's (book-keeping: BK paper Alg. 1 line 9), at float32
+    precision or better whatever the user's matmul setting. bfloat16 factors: exact half products
+    (:func:`.half.scaled_product`); other half values are upcast first."""
+    if isinstance(rep, Factored) and rep.left.shape[1] == 1 and rep.left.dtype == rep.right.dtype == torch.bfloat16:
+        return rep.to_param(scaled_product(rep.left[:, 0], rep.right[:, 0], scale).unsqueeze(0))
+    rep = Factored(upcast(rep.left), upcast(rep.right), rep.shape) if isinstance(rep, Factored) else _acc_rep(rep)
+    scale = round_toward_zero(scale, _dtype(rep))
+    with exact_matmuls():
+        return _weighted_sum(rep, scale)
+
+
+def _weighted_sum(rep: Rep, scale: torch.Tensor) -> torch.Tensor:
     if isinstance(rep, Dense):
         return torch.tensordot(scale, rep.grad, dims=([0], [0]))  # a GEMV: faster than einsum on CPU
     if isinstance(rep, Factored):

@@ -16,6 +16,9 @@ def channels_to_last(x: torch.Tensor) -> torch.Tensor:
 
 
 def sum_all_but(x: torch.Tensor, keep: int) -> torch.Tensor:
-    """Sum (B, ..., features) over the middle dims, keeping the last ``keep`` dims."""
+    """Sum (B, ..., features) over the middle dims, keeping the last ``keep`` dims; half-precision
+    values are summed into float32."""
     dims = tuple(range(1, x.dim() - keep))
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return x.sum(dims, dtype=torch.float32) if dims else x.float()
     return x.sum(dims) if dims else x

@@ -13,7 +13,7 @@ except ImportError:  # pragma: no cover - transformers is a dependency
 
 if Conv1D is not None:
 
-    @register_rule(Conv1D, activation_free={"bias"})
+    @register_rule(Conv1D, activation_free={"bias"}, half_factors=True)
     def hf_conv1d_rule(module, activations, grad_output, params):
         out = {}
         if "weight" in params:

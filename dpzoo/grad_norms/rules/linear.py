@@ -10,7 +10,7 @@ from ..reps import Dense, Factored
 from ._util import sum_all_but, tokens_last
 
 
-@register_rule(nn.Linear, activation_free={"bias"})
+@register_rule(nn.Linear, activation_free={"bias"}, half_factors=True)
 def linear_rule(module: nn.Linear, activations, grad_output, params):
     out = {}
     if "weight" in params:
@@ -27,4 +27,4 @@ try:  # timm's Linear: nn.Linear whose forward casts the weight only under torch
 except ImportError:  # pragma: no cover
     TimmLinear = None
 if TimmLinear is not None:
-    register_rule(TimmLinear, activation_free={"bias"})(linear_rule)
+    register_rule(TimmLinear, activation_free={"bias"}, half_factors=True)(linear_rule)

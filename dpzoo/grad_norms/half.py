@@ -1,0 +1,88 @@
+"""Exact products of half-precision factors, in float32: the per-sample norms and clipped sums of
+layers that ran in bfloat16 or float16 (autocast, or a half-precision model).
+
+A product of two bfloat16 values (8 significant bits each) or two float16 values (11) is exact in
+float32 (24 bits), so a matrix product of half operands accumulated in float32 is the float32
+product of the upcast values, up to the order of the additions (which :mod:`.rounding`'s bound
+does not assume). On CUDA it runs on tensor cores with a float32 output (``out_dtype``), reading
+the half operands as they are: no upcast copy, and 3-5x the speed of float32 arithmetic on an
+H100 (measured, benchmarks/results/gpu_h100_1126/gemm_probe.json). Elsewhere the operands are
+upcast and multiplied in float32 at "highest" precision (never TF32, which would round float32
+values).
+
+The clipped sum Σ_i c_i L_iᵀ R_i needs c_i on one factor. c_i is first rounded toward zero to a
+bfloat16 value (a sample then adds less than 2⁻⁷ of its share less than its clip allows, never
+more), so each c̃_i·L_t has at most 16 significant bits: exactly hi + lo with hi and lo bfloat16
+(the residual of rounding to 8 bits fits in 8), and the sum is two exact half products. Only a
+value below float32's normal range can round there, by at most the subnormal spacing, as it
+would in float32 arithmetic itself.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+__all__ = ["HALF", "upcast", "exact_matmuls", "product", "split_bfloat16", "round_toward_zero", "scaled_product"]
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def upcast(t: torch.Tensor) -> torch.Tensor:
+    """Half-precision values in float32 (‖g‖ > 256 overflows float16); other dtypes as they are."""
+    return t.float() if t.dtype in HALF else t
+
+
+@contextmanager
+def exact_matmuls():
+    """float32 matmuls at "highest" precision whatever the user set: TF32 rounds float32 operands
+    to 10 bits, and :mod:`.rounding`'s bound (and a clipped sum's exactness) assume it does not."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def _on_tensor_cores(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.dtype in HALF and a.is_cuda and b.is_cuda
+
+
+def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b for (…, n, k) × (…, k, m) with equal leading dimensions: half operands multiplied
+    exactly into a float32 result, anything else at its own (upcast) precision."""
+    if not _on_tensor_cores(a, b):
+        with exact_matmuls():
+            return torch.matmul(upcast(a), upcast(b))
+    lead = a.shape[:-2]
+    out = torch.bmm(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]), out_dtype=torch.float32)
+    return out.reshape(*lead, *out.shape[-2:])
+
+
+def split_bfloat16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(hi, lo) in bfloat16 with hi + lo = x, for float32 ``x`` of at most 16 significant bits."""
+    hi = x.to(torch.bfloat16)
+    return hi, (x - hi.float()).to(torch.bfloat16)
+
+
+def round_toward_zero(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``scale`` in ``dtype``, never larger in magnitude: to nearest it could grow by 2⁻⁹ (bfloat16)."""
+    if scale.dtype == dtype:
+        return scale
+    low = scale.to(dtype)
+    return torch.where(low.to(scale.dtype).abs() > scale.abs(), torch.nextafter(low, torch.zeros_like(low)), low)
+
+
+def scaled_product(left: torch.Tensor, right: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Σ_i scale_i · left_iᵀ right_i, (r, c) in float32, for bfloat16 factors ``left``: (B, T, r)
+    and ``right``: (B, T, c). The scale goes on the narrower factor, split exactly into two."""
+    b, t, r = left.shape
+    c = right.shape[-1]
+    weights = round_toward_zero(scale, torch.bfloat16).float().view(-1, 1, 1)
+    narrow, other = (left, right) if r <= c else (right, left)
+    hi, lo = split_bfloat16(narrow.float() * weights)  # exact: 8 × 8 significant bits
+    other = other.reshape(b * t, -1)
+    total = product(hi.reshape(b * t, -1).t(), other).add_(product(lo.reshape(b * t, -1).t(), other))
+    return total if r <= c else total.t()
