@@ -10,6 +10,8 @@ reference of the same model without autocast they agree to 5% of the largest val
 from __future__ import annotations
 
 import copy
+import math
+import warnings
 
 import pytest
 import torch
@@ -318,3 +320,87 @@ def test_bf16_cuda_autocast_norms_and_sums_are_those_of_the_autocast_model(case,
     with attach_norm_hooks(model, mode=mode) as hooks:
         hooks.backward(autocast_loss(model, **inputs))
         _check(hooks, total, clipped, scale, 1e-2)
+
+
+# -- an independent review's leaks in the half-precision clipped sum, as regression tests ---------
+
+
+class _UsedTwice(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, 1, bias=False)
+
+    def forward(self, x1, x2):
+        return self.lin(x1), self.lin(x2)
+
+
+@pytest.mark.parametrize("autocast", [True, False])
+def test_cancelling_uses_of_one_parameter_share_one_clip_factor(autocast):
+    """Two uses of one weight that nearly cancel, one on the ghost path in bf16 (its factor rounded
+    to bf16), one instantiated: with different factors their difference (c − c̃)·‖g₁‖, ‖g₁‖ ≈ 2⁸‖g‖,
+    was released (1.49 R through make_private). One factor for every use: at most R."""
+    d, eps = 64, 2.0**-7
+    torch.manual_seed(0)
+    model = _UsedTwice(d)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, loader = dpzoo.PrivacyEngine().make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+            data_loader=DataLoader(TensorDataset(torch.zeros(16, 1, d), torch.zeros(16, 128, d)), batch_size=4),
+            noise_multiplier=0.0, max_grad_norm=1.0, loss_reduction="sum", mode="bk-mixopt", sample_seed=1,
+            self_check=False,
+        )  # fmt: skip
+    x1, x2 = next(b for b in loader if len(b[0]))
+    x1, x2 = torch.zeros_like(x1), torch.zeros_like(x2)
+    x1[0, 0] = x2[0, 0] = torch.ones(d)  # one sample, the others 0
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        a, b = model(x1, x2)
+    (-(1 - eps) * 15.9375 * a[0, 0].float().sum() + 15.9375 * b[0, 0].float().sum()).backward()
+    opt.step()
+    released = next(model.parameters()).grad.double().norm().item()
+    assert 0.9 < released <= 1.0 + 1e-6
+
+
+@pytest.mark.parametrize("mode", ["auto", "ghost", "instantiate"])
+def test_scaled_factors_that_would_lose_bits_are_summed_exactly(mode):
+    """Activations near float32's maximum and a tiny output gradient: c̃·L falls below 2⁻¹¹⁸, where
+    the bf16 split is not exact (1.92 R released); such a sum is formed in float64 instead."""
+    from dpzoo.grad_norms.half import SPLIT_TINY, scaled_product
+
+    rho, ell = 1.921875 * 2.0**126, 2.0**-72
+    model = nn.Linear(256, 64, bias=False)
+    x = torch.full((1, 256), rho)
+    with attach_norm_hooks(model, mode=mode) as hooks:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        hooks.backward(ell * out.float().sum())
+        norm = hooks.per_sample_norms().double()
+        released = hooks.clipped_sum((1.0 / norm.clamp(min=1.0)).float())["weight"].double().norm().item()
+    true = ell * rho * (64 * 256) ** 0.5
+    assert norm.item() >= true and 0.99 < released <= 1.0 + 1e-6
+    tiny = torch.full((1, 1, 4), SPLIT_TINY / 4).bfloat16()
+    assert scaled_product(tiny, torch.ones(1, 1, 8).bfloat16(), torch.ones(1)) is None
+    assert scaled_product(tiny * 8, torch.ones(1, 1, 8).bfloat16(), torch.ones(1)) is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("clip", [1.0, 2.0**-15])
+def test_no_sample_leaves_above_r_at_extreme_magnitudes(dtype, clip):
+    """The review's sweep: one sample of constant factors, the large one from 2⁶⁰ to float32's maximum,
+    ‖g‖ ~ 1e18; float32 lost the scaled factor's bits below its normal range too (1.98 R at R = 2⁻¹⁵)."""
+    from dpzoo.grad_norms import reps as R
+
+    worst = 0.0
+    for e in range(60, 128, 3):
+        for mantissa in (1.0, 1.5, 1.921875):
+            rho = mantissa * 2.0**e
+            ell = 2.0 ** round(math.log2(1e18 / (rho * 128)))
+            if ell < 2**-126:
+                continue
+            rep = R.Factored(
+                torch.full((1, 1, 1, 64), ell, dtype=dtype), torch.full((1, 1, 1, 256), rho, dtype=dtype), (64, 256)
+            )
+            grads = R.ParamGrad([rep], ghost=True)
+            factor = (clip / grads.sq_norm().double().sqrt().clamp(min=clip)).float()
+            worst = max(worst, grads.clipped_sum(factor).double().norm().item() / clip)
+    assert 0.99 < worst <= 1.0 + 1e-6

@@ -11,11 +11,14 @@ upcast and multiplied in float32 at "highest" precision (never TF32, which would
 values).
 
 The clipped sum Σ_i c_i L_iᵀ R_i needs c_i on one factor. c_i is first rounded toward zero to a
-bfloat16 value (a sample then adds less than 2⁻⁷ of its share less than its clip allows, never
-more), so each c̃_i·L_t has at most 16 significant bits: exactly hi + lo with hi and lo bfloat16
-(the residual of rounding to 8 bits fits in 8), and the sum is two exact half products. Only a
-value below float32's normal range can round there, by at most the subnormal spacing, as it
-would in float32 arithmetic itself.
+bfloat16 value, once for every use of the parameter (:func:`shared_scale`: uses that cancel must
+share one factor, or the difference of their factors is released; a sample adds less than 2⁻⁷
+of its share less than its clip allows, never more). Each c̃_i·L_t then has at most 16
+significant bits: exactly hi + lo with hi and lo bfloat16 (the residual of rounding to 8 bits
+fits in 8), and the sum is two exact half products. Not below 2⁻¹¹⁸, where lo falls among
+bfloat16's subnormals (an independent review released 1.98 R there with crafted activations near
+float32's maximum), nor above bfloat16's range: such a sum is computed in float64
+(:func:`kept_bits` says when).
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ from contextlib import contextmanager
 
 import torch
 
-__all__ = ["HALF", "upcast", "exact_matmuls", "product", "split_bfloat16", "round_toward_zero", "scaled_product"]
+__all__ = [
+    "HALF", "upcast", "exact_matmuls", "product", "split_bfloat16", "round_toward_zero", "shared_scale", "kept_bits",
+    "scaled_product",
+]  # fmt: skip
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -75,14 +81,36 @@ def round_toward_zero(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(low.to(scale.dtype).abs() > scale.abs(), torch.nextafter(low, torch.zeros_like(low)), low)
 
 
-def scaled_product(left: torch.Tensor, right: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def shared_scale(reps, scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` rounded toward zero to bfloat16 (in its own dtype) if any of ``reps`` is a
+    bfloat16 factored use, so that every use of the parameter is scaled by the same c̃_i."""
+    if any(getattr(r, "left", None) is not None and r.left.dtype == r.right.dtype == torch.bfloat16 for r in reps):
+        return round_toward_zero(scale, torch.bfloat16).to(scale.dtype)
+    return scale
+
+
+SPLIT_TINY = 2.0**-118  # below it, lo of a 16-bit value can need bits under bfloat16's subnormal spacing
+
+
+def kept_bits(narrow: torch.Tensor, scaled: torch.Tensor, tiny: float) -> bool:
+    """Whether ``scaled`` (``narrow`` times the per-sample scale) kept every bit: finite, and at least
+    ``tiny`` wherever ``narrow`` is not 0 (below it products lose bits or vanish, and the other
+    factor can multiply what was lost far beyond the clip). One host synchronisation."""
+    lost = ((scaled.abs() < tiny) & (narrow != 0)) | ~torch.isfinite(scaled)
+    return not bool(lost.any())
+
+
+def scaled_product(left: torch.Tensor, right: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
     """Σ_i scale_i · left_iᵀ right_i, (r, c) in float32, for bfloat16 factors ``left``: (B, T, r)
-    and ``right``: (B, T, c). The scale goes on the narrower factor, split exactly into two."""
+    and ``right``: (B, T, c), the scale already bfloat16 values (:func:`shared_scale`). The scale
+    goes on the narrower factor, split exactly into two. None where the split is not exact."""
     b, t, r = left.shape
     c = right.shape[-1]
     weights = round_toward_zero(scale, torch.bfloat16).float().view(-1, 1, 1)
     narrow, other = (left, right) if r <= c else (right, left)
     hi, lo = split_bfloat16(narrow.float() * weights)  # exact: 8 × 8 significant bits
+    if not kept_bits(narrow, hi.float() + lo.float(), SPLIT_TINY):  # not finite if hi overflowed
+        return None
     other = other.reshape(b * t, -1)
     total = product(hi.reshape(b * t, -1).t(), other).add_(product(lo.reshape(b * t, -1).t(), other))
     return total if r <= c else total.t()

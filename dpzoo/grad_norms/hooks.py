@@ -52,6 +52,7 @@ from .capture import Capture, Recorder, Use, output_tensors
 from .cost import check_budget
 from .float_guard import round_up
 from .ghost import ghost_differentiate, wrap_outputs
+from .half import shared_scale
 from .loss_pool import unwatched
 from .plan import plan_model
 from .rounding import mechanism_dtype
@@ -237,6 +238,9 @@ class NormHooks:
         if drop is not None and (drop.dtype != torch.bool or tuple(drop.shape) != (b,)):
             raise InvalidArgumentError(f"drop must be a bool Tensor[{b}], got {drop.dtype} {tuple(drop.shape)}")
         out = {}
+        # one factor per sample for every parameter, so that no block of the sample's gradient is
+        # scaled otherwise than the rest (.half.shared_scale; per parameter it is needed for exactness)
+        scale = shared_scale([r for g in grads.values() for r in g.reps], scale)
         for name, g in grads.items():
             try:
                 total = g.clipped_sum(scale, drop)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidArgumentError
-from .half import HALF, exact_matmuls, product, round_toward_zero, scaled_product, upcast
+from .half import HALF, exact_matmuls, kept_bits, product, round_toward_zero, scaled_product, shared_scale, upcast
 from .rounding import GRAM_CHUNK, sum_per_sample
 
 __all__ = [
@@ -257,9 +257,14 @@ def without_samples(rep: Rep, drop: torch.Tensor) -> Rep:
 def clipped_sum(rep: Rep, scale: torch.Tensor) -> torch.Tensor:
     """Σ_i scale_i g_i, shape = the parameter's (book-keeping: BK paper Alg. 1 line 9), at float32
     precision or better whatever the user's matmul setting. bfloat16 factors: exact half products
-    (:func:`.half.scaled_product`); other half values are upcast first."""
+    (:func:`.half.scaled_product`); other half values are upcast first. A factored use whose
+    scaled factor would lose bits (under- or overflow) is summed in float64."""
     if isinstance(rep, Factored) and rep.left.shape[1] == 1 and rep.left.dtype == rep.right.dtype == torch.bfloat16:
-        return rep.to_param(scaled_product(rep.left[:, 0], rep.right[:, 0], scale).unsqueeze(0))
+        total = scaled_product(rep.left[:, 0], rep.right[:, 0], scale)
+        if total is not None:
+            return rep.to_param(total.unsqueeze(0))
+        wide = Factored(rep.left.double(), rep.right.double(), rep.shape)
+        return _weighted_sum(wide, round_toward_zero(scale, torch.bfloat16).double()).float()
     rep = Factored(upcast(rep.left), upcast(rep.right), rep.shape) if isinstance(rep, Factored) else _acc_rep(rep)
     scale = round_toward_zero(scale, _dtype(rep))
     with exact_matmuls():
@@ -277,8 +282,11 @@ def _weighted_sum(rep: Rep, scale: torch.Tensor) -> torch.Tensor:
         # transposed output at T = 1 (ResNet's last stage), which every later add then strides
         c = rep.right.shape[3]
         weights = scale.view(-1, 1, 1, 1)
-        left = rep.left * weights if r <= c else rep.left
-        right = rep.right if r <= c else rep.right * weights
+        narrow = rep.left if r <= c else rep.right
+        scaled = narrow * weights
+        if rep.left.dtype == torch.float32 and not kept_bits(narrow, scaled, torch.finfo(torch.float32).tiny):
+            return _weighted_sum(Factored(rep.left.double(), rep.right.double(), rep.shape), scale.double()).float()
+        left, right = (scaled, rep.right) if r <= c else (rep.left, scaled)
         return rep.to_param(torch.mm(left.reshape(b * t, r).t(), right.reshape(b * t, c)).unsqueeze(0))
     weighted = (rep.right * scale.view(-1, 1, 1)).flatten(0, 1)
     out = rep.right.new_zeros(rep.num_rows, rep.right.shape[-1])
@@ -363,6 +371,7 @@ class ParamGrad:
         """Σ_i scale_i g_i over every use (the parameter's shape); samples where ``drop`` is True
         contribute exactly 0, whatever their values (see :func:`without_samples`)."""
         reps = self.reps if drop is None else [without_samples(r, drop) for r in self.reps]
+        scale = shared_scale(reps, scale)  # one factor for every use: uses that cancel must share it
         total = clipped_sum(reps[0], scale)
         for r in reps[1:]:
             total = total + clipped_sum(r, scale)
