@@ -383,11 +383,13 @@ def test_scaled_factors_that_would_lose_bits_are_summed_exactly(mode):
     assert scaled_product(tiny * 8, torch.ones(1, 1, 8).bfloat16(), torch.ones(1)) is not None
 
 
+@pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("clip", [1.0, 2.0**-15])
-def test_no_sample_leaves_above_r_at_extreme_magnitudes(dtype, clip):
+def test_no_sample_leaves_above_r_at_extreme_magnitudes(dtype, clip, groups):
     """The review's sweep: one sample of constant factors, the large one from 2⁶⁰ to float32's maximum,
-    ‖g‖ ~ 1e18; float32 lost the scaled factor's bits below its normal range too (1.98 R at R = 2⁻¹⁵)."""
+    ‖g‖ ~ 1e18; float32 lost the scaled factor's bits below its normal range too (1.98 R at R = 2⁻¹⁵).
+    ``groups`` 2: a grouped convolution's blocks, the same check."""
     from dpzoo.grad_norms import reps as R
 
     worst = 0.0
@@ -397,9 +399,8 @@ def test_no_sample_leaves_above_r_at_extreme_magnitudes(dtype, clip):
             ell = 2.0 ** round(math.log2(1e18 / (rho * 128)))
             if ell < 2**-126:
                 continue
-            rep = R.Factored(
-                torch.full((1, 1, 1, 64), ell, dtype=dtype), torch.full((1, 1, 1, 256), rho, dtype=dtype), (64, 256)
-            )
+            left = torch.full((1, groups, 1, 64), ell, dtype=dtype)
+            rep = R.Factored(left, torch.full((1, groups, 1, 256), rho, dtype=dtype), (groups * 64, 256))
             grads = R.ParamGrad([rep], ghost=True)
             factor = (clip / grads.sq_norm().double().sqrt().clamp(min=clip)).float()
             worst = max(worst, grads.clipped_sum(factor).double().norm().item() / clip)

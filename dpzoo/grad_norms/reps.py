@@ -275,17 +275,16 @@ def _weighted_sum(rep: Rep, scale: torch.Tensor) -> torch.Tensor:
     if isinstance(rep, Dense):
         return torch.tensordot(scale, rep.grad, dims=([0], [0]))  # a GEMV: faster than einsum on CPU
     if isinstance(rep, Factored):
-        b, g, t, r = rep.left.shape
-        if g > 1:
-            return rep.to_param(torch.einsum("bgtr,bgtc,b->grc", rep.left, rep.right, scale))
         # one GEMM Lᵀ(R) over the B·T rows, the scale on the narrower factor: einsum picked a
         # transposed output at T = 1 (ResNet's last stage), which every later add then strides
+        b, g, t, r = rep.left.shape
         c = rep.right.shape[3]
-        weights = scale.view(-1, 1, 1, 1)
-        narrow = rep.left if r <= c else rep.right
-        scaled = narrow * weights
+        narrow = rep.left if r <= c or g > 1 else rep.right
+        scaled = narrow * scale.view(-1, 1, 1, 1)
         if rep.left.dtype == torch.float32 and not kept_bits(narrow, scaled, torch.finfo(torch.float32).tiny):
             return _weighted_sum(Factored(rep.left.double(), rep.right.double(), rep.shape), scale.double()).float()
+        if g > 1:
+            return rep.to_param(torch.einsum("bgtr,bgtc->grc", scaled, rep.right))
         left, right = (scaled, rep.right) if r <= c else (rep.left, scaled)
         return rep.to_param(torch.mm(left.reshape(b * t, r).t(), right.reshape(b * t, c)).unsqueeze(0))
     weighted = (rep.right * scale.view(-1, 1, 1)).flatten(0, 1)
