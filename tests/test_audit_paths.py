@@ -26,6 +26,7 @@ elsewhere (tests/test_grad_norms_*.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import warnings
@@ -67,13 +68,20 @@ def doubled_sensitivity(monkeypatch):
     monkeypatch.setattr(DPOptimizer, "clip_factors", lambda self, norms: 2 * original(self, norms))
 
 
-def _audit(**path):
+@contextlib.contextmanager
+def _one_thread():
+    """The canary models are linear: threads only add overhead."""
     n = torch.get_num_threads()
-    torch.set_num_threads(1)  # a linear model: threads only add overhead
+    torch.set_num_threads(1)
     try:
-        return dpzoo.audit(**AUDIT, **path)
+        yield
     finally:
         torch.set_num_threads(n)
+
+
+def _audit(**path):
+    with _one_thread():
+        return dpzoo.audit(**AUDIT, **path)
 
 
 @pytest.mark.slow
@@ -236,27 +244,11 @@ def test_hugging_face_trainer_path_stays_below_its_claim_and_its_2x_bug_exceeds_
     assert doubled.epsilon_lower_bound > doubled.claimed_epsilon + 0.25, doubled.lines()
 
 
-def _frost_audit(bug: bool):
-    """DP-FROST's training as its selection leaves it: the DP-SGD that follows the private selection
-    (one partition, the canaries' table, beside the always-trained head ``fc``, so the selection's
-    outcome is fixed and its own release is not what is audited), with the σ ComputeSigma split
-    off, on the selection's accountant; the claim is their composition."""
-    from torch.utils.data import DataLoader
-
+def _train_observed(engine, model, opt, loader, scores, included, bug: bool):
+    """AUDIT's epochs of cross-entropy DP-SGD on ``loader``, ``scores`` observing every step (the
+    clip factors doubled with ``bug``); the audit of those scores against the engine's own ε."""
     from dpzoo.audit import audit_from_scores
-    from dpzoo.audit.white_box import CanaryColumnScores
 
-    rows, cy, included, model = _canary_task()
-    selection = dpzoo.frost.select(model, DataLoader(rows, batch_size=64), AUDIT["epsilon"], 1e-5, ratio=1.0,
-                                   epochs=AUDIT["epochs"], seed=7)  # fmt: skip
-    assert [p.params for p in selection.selected] == [("canaries.weight",)] and selection.always_train
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=2.0)
-    engine, model, opt, loader = selection.make_private(module=model, optimizer=opt, data_loader=DataLoader(rows, batch_size=64),
-                                                        max_grad_norm=1.0, noise_seed=AUDIT["noise_seed"],
-                                                        sample_seed=AUDIT["sample_seed"])  # fmt: skip
-    claim = {"noise_multiplier": selection.noise_multiplier, "max_grad_norm": 1.0, "clipping": "abadi",
-             "sample_rate": engine.sample_rate, "sum_scale": engine.expected_batch_size}  # fmt: skip
-    scores = CanaryColumnScores(model, cy, claimed=claim)
     scores.attach(opt)
     original = DPOptimizer.clip_factors
     if bug:
@@ -273,6 +265,29 @@ def _frost_audit(bug: bool):
     scores.detach()
     return audit_from_scores(scores.scores.float(), included, claimed_epsilon=engine.get_epsilon(1e-5), delta=1e-5,
                              white_box=True)  # fmt: skip
+
+
+def _frost_audit(bug: bool):
+    """DP-FROST's training as its selection leaves it: the DP-SGD that follows the private selection
+    (one partition, the canaries' table, beside the always-trained head ``fc``, so the selection's
+    outcome is fixed and its own release is not what is audited), with the σ ComputeSigma split
+    off, on the selection's accountant; the claim is their composition."""
+    from torch.utils.data import DataLoader
+
+    from dpzoo.audit.white_box import CanaryColumnScores
+
+    rows, cy, included, model = _canary_task()
+    selection = dpzoo.frost.select(model, DataLoader(rows, batch_size=64), AUDIT["epsilon"], 1e-5, ratio=1.0,
+                                   epochs=AUDIT["epochs"], seed=7)  # fmt: skip
+    assert [p.params for p in selection.selected] == [("canaries.weight",)] and selection.always_train
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=2.0)
+    engine, model, opt, loader = selection.make_private(module=model, optimizer=opt, data_loader=DataLoader(rows, batch_size=64),
+                                                        max_grad_norm=1.0, noise_seed=AUDIT["noise_seed"],
+                                                        sample_seed=AUDIT["sample_seed"])  # fmt: skip
+    claim = {"noise_multiplier": selection.noise_multiplier, "max_grad_norm": 1.0, "clipping": "abadi",
+             "sample_rate": engine.sample_rate, "sum_scale": engine.expected_batch_size}  # fmt: skip
+    scores = CanaryColumnScores(model, cy, claimed=claim)
+    return _train_observed(engine, model, opt, loader, scores, included, bug)
 
 
 @pytest.mark.slow
@@ -399,7 +414,7 @@ def _user_level_audit(sampling: str, bug: bool):
     (:class:`~dpzoo.audit.white_box.CanaryColumnScores` with ``examples=k``)."""
     from torch.utils.data import ConcatDataset, DataLoader, Subset, TensorDataset
 
-    from dpzoo.audit import audit_from_scores, digits_canary_task
+    from dpzoo.audit import digits_canary_task
     from dpzoo.audit.white_box import CanaryColumnScores
 
     m, seed, k = AUDIT["canaries"], AUDIT["seed"], USER_EXAMPLES
@@ -422,22 +437,7 @@ def _user_level_audit(sampling: str, bug: bool):
     claim = {"noise_multiplier": engine.noise_multiplier, "max_grad_norm": 1.0, "clipping": "abadi",
              "sample_rate": engine.sample_rate, "sum_scale": engine.expected_batch_size}  # fmt: skip
     scores = CanaryColumnScores(model, cy, claimed=claim, examples=k, per_example=sampling == "examples")
-    scores.attach(opt)
-    original = DPOptimizer.clip_factors
-    if bug:
-        DPOptimizer.clip_factors = lambda self, n: 2 * original(self, n)
-    try:
-        for _ in range(AUDIT["epochs"]):
-            for x, y in loader:
-                if len(y):
-                    torch.nn.functional.cross_entropy(model(x), y).backward()
-                opt.step()
-                opt.zero_grad()
-    finally:
-        DPOptimizer.clip_factors = original
-    scores.detach()
-    return audit_from_scores(scores.scores.float(), included, claimed_epsilon=engine.get_epsilon(1e-5), delta=1e-5,
-                             white_box=True)  # fmt: skip
+    return _train_observed(engine, model, opt, loader, scores, included, bug)
 
 
 @pytest.mark.slow
@@ -445,12 +445,8 @@ def _user_level_audit(sampling: str, bug: bool):
 def test_user_level_training_with_several_examples_per_user_stays_below_its_claim_and_its_2x_bug_exceeds_it(
     sampling,
 ):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a linear model: threads only add overhead
-    try:
+    with _one_thread():
         shipped, doubled = _user_level_audit(sampling, False), _user_level_audit(sampling, True)
-    finally:
-        torch.set_num_threads(threads)
     assert shipped.claimed_epsilon == pytest.approx(AUDIT["epsilon"], abs=0.02)
     assert not shipped.exceeds and max(shipped.scores) < EXACT / 2, shipped.lines()
     assert doubled.epsilon_lower_bound > doubled.claimed_epsilon + 0.25, doubled.lines()
@@ -462,10 +458,6 @@ def test_user_level_training_that_clips_each_example_instead_of_each_user_exceed
     from dpzoo.grad_norms.hooks import NormHooks
 
     monkeypatch.setattr(NormHooks, "group_rows", lambda self, groups: None)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with _one_thread():
         per_example = _user_level_audit("users", False)
-    finally:
-        torch.set_num_threads(threads)
     assert per_example.epsilon_lower_bound > per_example.claimed_epsilon + 0.25, per_example.lines()
