@@ -53,6 +53,10 @@ from .versions import warn_if_untested  # noqa: E402
 
 warn_if_untested()  # once, on import: torch / transformers outside the range the exactness suites ran on
 
+from .integrations.peft_merge import install as _watch_peft_merges  # noqa: E402
+
+_watch_peft_merges()  # a LoRA adapter merged into its base layer keeps its provenance (torch-free until PEFT loads)
+
 # name -> (module, attribute; None: the module itself), imported when first used
 _LAZY: dict[str, tuple[str, str | None]] = {
     "frost": (".frost", None),

@@ -149,18 +149,27 @@ def history_of(meta: dict) -> list:
 
 def _refuse_adapters_of_unknown_origin(module: nn.Module) -> None:
     """A LoRA adapter that was trained before (lora_B no longer the zero it starts at) and carries
-    no record: PEFT's from_pretrained keeps no trace of the directory a DP run saved it to, with
-    its dpzoo_privacy.json, so its spending cannot be found; the user says which applies."""
+    no record, in the model or merged into one of its layers: PEFT's from_pretrained keeps no
+    trace of the directory a DP run saved it to, with its dpzoo_privacy.json, and its
+    merge_and_unload() none of the adapter, so its spending cannot be found; the user says which
+    applies."""
     from ..integrations.peft_layers import trained_adapters
+    from ..integrations.peft_merge import merged_without_record
 
     names = trained_adapters(module)
-    if names:
-        raise PrivacyUsageError(
-            f"LoRA adapter {names[0]!r} already has trained weights (a factor that starts at zero, lora_B or AdaLoRA's lora_E, is not) "
-            "and no privacy record: if it comes from a DP run, compose its budget with model.dpzoo_privacy = "
-            "dpzoo.integrations.transformers.read_privacy_metadata(ADAPTER_DIR); if it was trained on other data than this run's, "
-            "set model.dpzoo_privacy = {} (recorded in the metadata as a stated assumption)."
-        )
+    merged = merged_without_record(module)
+    if not names and not merged:
+        return
+    what = (
+        f"LoRA adapter {names[0]!r} already has trained weights (a factor that starts at zero, lora_B or AdaLoRA's lora_E, is not)"
+        if names
+        else f"Layer {merged[0][0]!r} has a trained LoRA adapter, {merged[0][1]!r}, merged into its weights (PEFT's merge)"
+    )
+    raise PrivacyUsageError(
+        f"{what} and no privacy record: if it comes from a DP run, compose its budget with model.dpzoo_privacy = "
+        "dpzoo.integrations.transformers.read_privacy_metadata(ADAPTER_DIR); if it was trained on other data than this run's, "
+        "set model.dpzoo_privacy = {} (recorded in the metadata as a stated assumption)."
+    )
 
 
 def stated_assumptions(module: nn.Module) -> list[str]:
