@@ -23,7 +23,8 @@ from dpzoo.privacy.opacus_parity import OPACUS_ARGUMENTS
 opacus = pytest.importorskip("opacus", reason="opacus is in the `test` extra: pip install -e '.[test]'")
 from opacus.accountants.utils import get_noise_multiplier as opacus_noise_multiplier  # noqa: E402
 
-from dpzoo.integrations.opacus import privacy_metadata, unwrap  # noqa: E402
+from dpzoo.engines.opacus import make_private as dpzoo_opacus_make_private  # noqa: E402
+from dpzoo.integrations.opacus import count_batches, privacy_metadata, unwrap  # noqa: E402
 
 # Opacus' own warnings: its PrivacyEngine without secure_mode, torch's note on the first layer's
 # full backward hook, Opacus' GDP accountant's caveat, and Opacus' RDP noting that a few steps at ε = 2 are best bounded at its largest order.
@@ -323,7 +324,8 @@ def _zoo():
 def _opacus_train(model, steps=1, accountant="rdp"):
     ds = TensorDataset(torch.randn(16, 3, 8, 8), torch.randint(0, 3, (16,)))
     engine = opacus.PrivacyEngine(accountant=accountant)
-    model, opt, loader = engine.make_private(
+    model, opt, loader = dpzoo_opacus_make_private(
+        engine,
         module=model,
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         data_loader=DataLoader(ds, batch_size=8),
@@ -413,7 +415,18 @@ def _engine_with_history(accountant, *entries):
     return engine
 
 
-POISSON = opacus.data_loader.DPDataLoader.from_data_loader(DataLoader(TensorDataset(torch.zeros(10, 1)), batch_size=1))
+def _poisson(drawn: int = 10):
+    """A counting Poisson loader over 10 samples (q = 0.1) that drew ``drawn`` batches."""
+    loader = count_batches(
+        opacus.data_loader.DPDataLoader.from_data_loader(DataLoader(TensorDataset(torch.zeros(10, 1)), batch_size=1))
+    )
+    while drawn > 0:
+        for _ in zip(range(drawn), loader):
+            drawn -= 1
+    return loader
+
+
+POISSON = _poisson()
 
 
 def test_privacy_metadata_refuses_a_run_without_poisson_sampling():
@@ -441,6 +454,70 @@ def test_privacy_metadata_refuses_a_run_without_poisson_sampling():
 
     with BatchMemoryManager(data_loader=POISSON, max_physical_batch_size=1, optimizer=opt) as split:
         assert privacy_metadata(engine, 1e-5, data_loader=split)["steps"] == 1  # Poisson inside the splitter
+
+
+def test_privacy_metadata_refuses_steps_on_batches_the_poisson_loader_did_not_draw():
+    """Opacus' sampler keeps no count: a loop over the original shuffled loader after make_private
+    took Opacus' Poisson ε for non-Poisson batches. The loader dpzoo's make_private returns counts
+    the batches it draws (BatchMemoryManager's logical batches included), and a plain Opacus loader,
+    which cannot tell, is refused."""
+    data = TensorDataset(torch.randn(32, 3, 8, 8), torch.randint(0, 3, (32,)))
+    original = DataLoader(data, batch_size=8, shuffle=True)
+
+    def run(make, batches_from, steps=3):
+        zoo = _zoo()
+        engine = opacus.PrivacyEngine()
+        model, opt, loader = make(
+            engine,
+            module=zoo,
+            optimizer=torch.optim.SGD(zoo.parameters(), lr=0.1),
+            data_loader=original,
+            noise_multiplier=1.3,
+            max_grad_norm=0.8,
+        )
+        for _, (x, y) in zip(range(steps), batches_from(loader)):
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return engine, opt, loader
+
+    engine, opt, loader = run(dpzoo_opacus_make_private, lambda dp_loader: original)
+    with pytest.raises(PrivacyUsageError, match="took 3 steps but its Poisson loader drew 0 batches"):
+        privacy_metadata(engine, 1e-5, optimizer=opt, data_loader=loader)
+    engine, opt, loader = run(dpzoo_opacus_make_private, lambda dp_loader: dp_loader)
+    assert privacy_metadata(engine, 1e-5, optimizer=opt, data_loader=loader)["steps"] == 3
+    assert isinstance(loader.batch_sampler, opacus.utils.uniform_sampler.UniformWithReplacementSampler)
+
+    def plain(engine, **kwargs):
+        return engine.make_private(**kwargs)
+
+    engine, opt, loader = run(plain, lambda dp_loader: dp_loader)
+    with pytest.raises(PrivacyUsageError, match="does not count the batches.*count_batches"):
+        privacy_metadata(engine, 1e-5, optimizer=opt, data_loader=loader)
+    with pytest.raises(PrivacyUsageError, match="count_batches needs Opacus' Poisson loader"):
+        count_batches(original)
+
+    # BatchMemoryManager: physical batches of 2, one logical batch per step
+    zoo = _zoo()
+    engine = opacus.PrivacyEngine()
+    model, opt, loader = dpzoo_opacus_make_private(
+        engine,
+        module=zoo,
+        optimizer=torch.optim.SGD(zoo.parameters(), lr=0.1),
+        data_loader=original,
+        noise_multiplier=1.3,
+        max_grad_norm=0.8,
+    )
+    from opacus.utils.batch_memory_manager import BatchMemoryManager as OpacusBMM
+
+    with OpacusBMM(data_loader=loader, max_physical_batch_size=2, optimizer=opt) as split:
+        for x, y in split:
+            if len(y):
+                F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        meta = privacy_metadata(engine, 1e-5, data_loader=split)
+    assert meta["steps"] == loader.batch_sampler.dpzoo_drawn == len(loader)
 
 
 def test_privacy_metadata_reads_opacus_prv_and_a_noise_schedule():

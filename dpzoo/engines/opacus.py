@@ -101,7 +101,14 @@ def check_opacus_compatible(module: nn.Module, grad_sample_mode: str = "hooks") 
 
 
 def make_private(privacy_engine, *, module: nn.Module, grad_sample_mode: str = "hooks", **kwargs: Any):
-    """``privacy_engine.make_private(...)`` with dpzoo's rules registered and checked first."""
+    """``privacy_engine.make_private(...)`` with dpzoo's rules registered and checked first; its
+    Poisson loader counts the batches it draws (:func:`dpzoo.integrations.opacus.count_batches`),
+    so that ``privacy_metadata`` can tell the steps trained on them."""
+    from ..integrations.opacus import count_batches, is_poisson_loader
+
     check_opacus_compatible(module, grad_sample_mode)
     register_opacus_rules()
-    return privacy_engine.make_private(module=module, grad_sample_mode=grad_sample_mode, **kwargs)
+    made = privacy_engine.make_private(module=module, grad_sample_mode=grad_sample_mode, **kwargs)
+    if is_poisson_loader(made[2]):
+        count_batches(made[2])
+    return made

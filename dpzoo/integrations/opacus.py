@@ -13,7 +13,10 @@ accountant at the ``delta`` the user names (Opacus keeps no δ), the (σ, q, ste
 clipping bound if the optimizer is given. It refuses what would make the saved claim false or
 unusable: a run whose batches were not Poisson-sampled (Opacus' ``poisson_sampling=False``: its
 accountant still reports the Poisson-subsampled ε, which does not hold for fixed-size shuffled
-batches; told from the ``data_loader`` make_private returned, refused when none is given),
+batches; told from the ``data_loader`` make_private returned, refused when none is given), a run
+that took more steps than that loader drew batches (a loop over another loader: the original,
+shuffled one; told by :func:`count_batches`, which ``dpzoo.engines.opacus.make_private`` applies,
+and refused for a loader that does not count),
 Opacus' ``"gdp"`` accountant (an approximation, not an upper bound), a history with several
 sample rates (the metadata holds one), an engine that took no step. ``dpzoo.save`` refuses
 an Opacus-wrapped model without ``privacy=``, so a DP-trained model never silently loses its spend
@@ -35,7 +38,7 @@ from ..errors import AccountingError, MissingDependencyError, PrivacyUsageError,
 from ..privacy.accountant import accountant_spec
 from ..privacy.metadata import check_delta
 
-__all__ = ["unwrap", "unwrap_for_save", "privacy_metadata", "ACCOUNTANT_NAMES"]
+__all__ = ["unwrap", "unwrap_for_save", "privacy_metadata", "count_batches", "is_poisson_loader", "ACCOUNTANT_NAMES"]
 
 # Opacus' accountant mechanism -> dpzoo's name for the same accountant
 ACCOUNTANT_NAMES = {"rdp": "opacus-rdp", "prv": "prv", "gdp": "gdp"}
@@ -110,20 +113,62 @@ def _max_grad_norm(optimizer) -> float | None:
     return float(value)
 
 
-def _poisson_loader(data_loader) -> bool:
+def _batch_samplers(data_loader) -> list:
+    """The loader's batch sampler and the ones it wraps (``BatchMemoryManager``'s splitting sampler
+    keeps the original as ``.sampler``)."""
+    out, sampler = [], getattr(data_loader, "batch_sampler", None)
+    for _ in range(3):
+        if sampler is None:
+            break
+        out.append(sampler)
+        sampler = getattr(sampler, "sampler", None)
+    return out
+
+
+def is_poisson_loader(data_loader) -> bool:
     """Whether ``data_loader`` draws Opacus' Poisson batches: a ``DPDataLoader``, or a loader whose
     batch sampler is Opacus' uniform-with-replacement sampler (possibly inside ``BatchMemoryManager``'s
     splitting sampler)."""
     samplers = sys.modules.get("opacus.utils.uniform_sampler")
-    poisson = (
-        (samplers.UniformWithReplacementSampler, samplers.DistributedUniformWithReplacementSampler) if samplers else ()
-    )
-    sampler = getattr(data_loader, "batch_sampler", None)
-    for _ in range(3):  # BatchMemoryManager's BatchSplittingSampler keeps the original as .sampler
-        if poisson and isinstance(sampler, poisson):
-            return True
-        sampler = getattr(sampler, "sampler", None)
-    return False
+    if samplers is None:
+        return False
+    poisson = (samplers.UniformWithReplacementSampler, samplers.DistributedUniformWithReplacementSampler)
+    return any(isinstance(s, poisson) for s in _batch_samplers(data_loader))
+
+
+_COUNTING: dict[type, type] = {}  # Opacus sampler type -> its counting subclass
+
+
+def count_batches(data_loader):
+    """``data_loader`` (Opacus' Poisson loader, as its ``make_private`` returned it) made to count
+    the batches it draws, in place, and returned: :func:`privacy_metadata` refuses a run that took
+    more steps than its loader drew, since Opacus' ε holds only for the Poisson batches. The
+    sampler stays an instance of its Opacus class (``BatchMemoryManager`` wraps it as before).
+    Apply it before the first batch is drawn; ``dpzoo.engines.opacus.make_private`` does."""
+    if not is_poisson_loader(data_loader):
+        raise PrivacyUsageError(
+            f"count_batches needs Opacus' Poisson loader (the one make_private returned with poisson_sampling=True), "
+            f"got {type(data_loader).__name__}."
+        )
+    sampler = next(s for s in _batch_samplers(data_loader) if type(s).__module__ == "opacus.utils.uniform_sampler")
+    if not hasattr(sampler, "dpzoo_drawn"):
+        base = type(sampler)
+        if base not in _COUNTING:
+            _COUNTING[base] = type(base.__name__, (base,), {"__iter__": _counted_iter, "__module__": base.__module__})
+        sampler.__class__ = _COUNTING[base]
+        sampler.dpzoo_drawn = 0
+    return data_loader
+
+
+def _counted_iter(self):
+    for batch in super(type(self), self).__iter__():
+        self.dpzoo_drawn += 1
+        yield batch
+
+
+def _drawn(data_loader) -> int | None:
+    """Batches the loader's counting sampler drew so far; None if it does not count."""
+    return next((s.dpzoo_drawn for s in _batch_samplers(data_loader) if hasattr(s, "dpzoo_drawn")), None)
 
 
 def privacy_metadata(opacus_engine, delta: float, *, optimizer=None, data_loader=None) -> dict[str, Any]:
@@ -176,11 +221,24 @@ def privacy_metadata(opacus_engine, delta: float, *, optimizer=None, data_loader
             "privacy_metadata needs data_loader= (the loader Opacus' make_private returned): Opacus' ε holds only "
             "for Poisson-sampled batches, and only the loader tells whether they were."
         )
-    if not _poisson_loader(data_loader):
+    if not is_poisson_loader(data_loader):
         raise PrivacyUsageError(
             f"The data loader ({type(data_loader).__name__}) does not draw Poisson batches (Opacus' "
             "make_private(poisson_sampling=False), or another loader): Opacus' accountant reports the ε of "
             "Poisson sampling, which does not hold for these batches. Train with poisson_sampling=True."
+        )
+    drawn = _drawn(data_loader)
+    if drawn is None:
+        raise PrivacyUsageError(
+            "The data loader does not count the batches it drew, so nothing tells whether the steps trained on them: "
+            "make it with dpzoo.engines.opacus.make_private(opacus_engine, ...), or apply "
+            "dpzoo.integrations.opacus.count_batches(loader) right after Opacus' make_private."
+        )
+    if steps > drawn:
+        raise PrivacyUsageError(
+            f"The engine took {steps} steps but its Poisson loader drew {drawn} batches: the other steps trained on "
+            "batches from another loader (the original, shuffled one?), for which Opacus' ε does not hold. Train on "
+            "the loader make_private returned."
         )
     check_delta(float(delta), len(getattr(data_loader, "dataset", ())) or None)  # δ ≥ 1/N says nothing
     bound = _max_grad_norm(optimizer) if optimizer is not None else None  # checks it is Opacus' first
