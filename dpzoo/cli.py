@@ -12,7 +12,9 @@ dpzoo train NAME [--data digits] [--epsilon 8] [--epochs 10] [--out DIR] [--resu
 dpzoo audit [--epsilon 2] [--delta 1e-5] [--canaries 1000|2500] [--epochs 10] [--full-batch] [--mode auto]
             [--broken NAME | --with-controls] [--white-box] [--out DIR] [--seed 0]
                                      empirical lower bound on ε in one training run (exit 1
-                                     when it exceeds the claimed ε)
+                                     when it exceeds the claimed ε; dpzoo.cli_audit)
+dpzoo audit --run RUN_DIR [--with-controls]
+                                     audit a saved model's mechanism, recorded in its card
 
 Every mistake is one line on stderr (``dpzoo: error: ...``) and exit code 2: argparse's errors
 (:class:`dpzoo.cli_args.Parser`), every :class:`~dpzoo.DPZooError` a command raises, and an
@@ -24,13 +26,13 @@ imported inside the commands, so ``dpzoo --help`` answers at once.
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import sys
 import warnings
 from pathlib import Path
 
-from .cli_args import Parser, key_value, nonnegative_int, option, positive_float, positive_int, unit_interval
-from .cli_choices import AUDIT_CONTROLS, mode_names, usable_accountants
+from .cli_args import Parser, key_value, option
+from .cli_audit import add_audit_parser
 from .cli_config import with_config
 from .cli_eval import add_eval_parser
 from .cli_train import add_train_parser
@@ -64,11 +66,36 @@ def _cmd_card(args) -> int:
     if Path(args.name).is_dir():
         from .privacy_card import privacy_statement
 
+        if args.registry:
+            return _print_registry_record(args.name)
         print(privacy_statement(args.name))
         return 0
+    if args.registry:
+        raise DPZooError(f"--registry needs a saved private model's directory; {args.name} is not a directory.")
     from .registry import model_card
 
     print(model_card(args.name).to_markdown(), end="")
+    return 0
+
+
+def _print_registry_record(directory) -> int:
+    import yaml
+
+    from .deployments_registry import registry_record
+    from .hub import run_model_directory
+    from .integrations.trainer_save import read_privacy_metadata
+    from .privacy_card import read_card
+
+    model_dir = run_model_directory(directory)
+    record, front = read_privacy_metadata(model_dir), read_card(model_dir) or {}
+    if record is None or not math.isfinite(record["epsilon"]):
+        raise DPZooError(
+            f"{directory} holds no model trained with DP (no record, or ε = ∞): there is nothing to register."
+        )
+    entry = registry_record(
+        record, front.get("dpzoo_model", Path(directory).name), audit=(front.get("privacy") or {}).get("audit")
+    )
+    print(yaml.safe_dump(entry, sort_keys=False, allow_unicode=True), end="")
     return 0
 
 
@@ -138,78 +165,6 @@ def _cmd_cards(args) -> int:
     return 0
 
 
-def _cmd_audit(args) -> int:
-    """Exit 0: every bound is below its claim (with --with-controls: and both positive controls
-    fired); 1: dpzoo's engine (or the --broken mechanism) has a bound above its claim;
-    3: with --with-controls, a positive control did not fire (the audit is too weak to vouch)."""
-    import torch
-
-    from .audit import WHITE_BOX_CANARIES, audit, plot_scores
-    from .run_io import writable_dir
-
-    out = writable_dir(args.out) if args.out else None  # before the audit's training, not after
-    torch.set_num_threads(1)  # a linear model on 64 + m inputs: threads only add overhead (and stall on a busy CPU)
-    control_runs = ["no-noise", "sensitivity-2x"] if args.white_box else ["no-noise", "unclipped"]
-    runs = [None, *control_runs] if args.with_controls else [args.broken]
-    results = []
-    m = args.canaries or (WHITE_BOX_CANARIES if args.white_box else 1000)
-    for broken in runs:
-        print(
-            f"== {'white-box' if args.white_box else 'black-box'} audit of {broken or 'dpzoo engine'}: "
-            f"{m} canaries, {args.epochs} epochs, "
-            f"claimed ε = {args.epsilon} at δ = {args.delta}",
-            flush=True,
-        )
-        r = audit(
-            epsilon=args.epsilon,
-            delta=args.delta,
-            canaries=m,
-            epochs=args.epochs,
-            batch_size="full" if args.full_batch else args.batch_size,
-            lr=args.lr,
-            max_grad_norm=args.max_grad_norm,
-            broken=broken,
-            confidence=args.confidence,
-            seed=args.seed,
-            accountant=args.accountant,
-            log=print,
-            progress=False if args.quiet else None,
-            threat_model="white-box" if args.white_box else "black-box",
-            mode=args.mode,
-        )
-        for line in r.lines():
-            print(f"  {line}")
-        print(f"  ({r.seconds:.0f} s, test accuracy {r.test_accuracy:.3f})", flush=True)
-        results.append(r)
-    if any(r.claimed_epsilon >= r.max_auditable_epsilon for r in results):
-        print(
-            f"note: with {m} canaries this audit cannot show ε above "
-            f"{results[0].max_auditable_epsilon:.2f}; use more canaries to audit a larger claim."
-        )
-    if out is not None:
-        payload = [r.to_dict() for r in results] if args.with_controls else results[0].to_dict()
-        (out / "audit.json").write_text(json.dumps(payload, indent=1))
-        written = ["audit.json"]
-        for r in results:
-            name = f"scores-{r.broken or 'engine'}.png"
-            if plot_scores(r, out / name):
-                written.append(name)
-        print(f"wrote {', '.join(written)} to {out}")
-    if args.with_controls:
-        engine, controls = results[0], results[1:]
-        if engine.exceeds:
-            return 1
-        if not all(c.exceeds for c in controls):
-            print(
-                "A POSITIVE CONTROL DID NOT FIRE: this audit is too weak to vouch for the engine "
-                "(more canaries or epochs, or a smaller claimed ε)."
-            )
-            return 3
-        print("the engine's bound is below its claim and both positive controls fired")
-        return 0
-    return 1 if results[0].exceeds else 0
-
-
 def _add_model_commands(sub) -> None:
     s = sub.add_parser("list", help="list zoo entries", description="List the zoo's entries with a one-line summary.")
     s.add_argument("pattern", nargs="?", default="*", help="an fnmatch pattern of names, e.g. 'vit*' (default: *)")
@@ -221,6 +176,13 @@ def _add_model_commands(sub) -> None:
         "words (a dpzoo.save or DPTrainer directory, or a dpzoo train --out run).",
     )
     s.add_argument("name", help="a zoo entry (`dpzoo list` lists them) or a saved model's directory")
+    option(
+        s,
+        "--registry",
+        kind="flag",
+        help="print the saved model's draft record for the Differential Privacy Deployments Registry (YAML) "
+        "instead of the statement; default: the statement",
+    )
     s.set_defaults(fn=_cmd_card)
     for cmd, fn, hlp in (
         ("summary", _cmd_summary, "parameter counts, bias share, norms, ties"),
@@ -248,85 +210,6 @@ def _add_model_commands(sub) -> None:
     s.set_defaults(fn=_cmd_cards)
 
 
-def _add_audit_command(sub) -> None:
-    s = sub.add_parser(
-        "audit",
-        help="empirical privacy audit in one training run (Steinke et al. 2023)",
-        description="Train once with canaries and report an empirical lower bound on ε beside the claimed ε.",
-    )
-    option(s, "--epsilon", type=positive_float, default=2.0, help="the claimed ε the engine is calibrated to")
-    option(s, "--delta", type=unit_interval, default=1e-5, help="δ of the claim")
-    option(
-        s,
-        "--canaries",
-        type=positive_int,
-        default=None,
-        help="m: each is in the training set with probability 1/2 (default 1000; 2500 with --white-box)",
-    )
-    option(s, "--epochs", type=positive_int, default=10, help="passes over the data")
-    g = s.add_mutually_exclusive_group()
-    option(
-        g,
-        "--broken",
-        choices=AUDIT_CONTROLS,
-        default=None,
-        help="audit a deliberately broken mechanism instead (a positive control); default: dpzoo's engine",
-    )
-    option(
-        g,
-        "--with-controls",
-        kind="flag",
-        help="audit dpzoo's engine and two positive controls (exit 3 if a control does not fire)",
-    )
-    option(
-        s,
-        "--white-box",
-        kind="flag",
-        help="observe every noisy step of the canaries' own coordinates (DP-SGD's threat model; stronger than "
-        "the default black-box audit of the final model); controls: no-noise, sensitivity-2x",
-    )
-    option(s, "--batch-size", type=positive_int, default=64, help="expected Poisson batch size")
-    option(
-        s,
-        "--mode",
-        default="auto",
-        choices=mode_names(),
-        help="the engine's training mode audited (bitfit: the canaries are biases; lora: a PEFT LoRA adapter)",
-    )
-    option(
-        s,
-        "--full-batch",
-        kind="flag",
-        help="every step trains on the whole training set (q = 1, --epochs steps): with --white-box, the setting "
-        "whose bound comes closest to the claim (docs/RESULTS.md); default: Poisson batches of --batch-size",
-    )
-    option(s, "--lr", type=positive_float, default=2.0, help="SGD's learning rate")
-    option(s, "--max-grad-norm", type=positive_float, default=1.0, help="the clipping bound R")
-    option(s, "--confidence", type=unit_interval, default=0.95, help="confidence of the lower bound")
-    option(
-        s,
-        "--accountant",
-        default="rdp",
-        choices=usable_accountants(),
-        help="a registered accountant whose ε is an upper bound (dpzoo.register_accountant adds one)",
-    )
-    option(
-        s,
-        "--seed",
-        type=nonnegative_int,
-        default=0,
-        help="fixes the canaries, their inclusion and the initialisation (the engine's noise stays secret)",
-    )
-    option(
-        s,
-        "--out",
-        default=None,
-        help="directory for audit.json (and score histograms with matplotlib); default: nothing written",
-    )
-    option(s, "--quiet", kind="flag", help="no progress bar (default: one, on a terminal)")
-    s.set_defaults(fn=_cmd_audit)
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The parser of every command; registries are read now (what a user registered before
     calling :func:`main` is offered), torch is not imported."""
@@ -335,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_commands(sub)
     add_train_parser(sub)
     add_eval_parser(sub)
-    _add_audit_command(sub)
+    add_audit_parser(sub)
     return p
 
 

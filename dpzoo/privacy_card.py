@@ -37,6 +37,7 @@ __all__ = [
     "render_card",
     "read_card",
     "check_card",
+    "same_value",
 ]
 
 CARD_NAME = "README.md"
@@ -133,7 +134,12 @@ def privacy_statement(model_or_dir: Any, fpr: float = 0.01) -> str:
     """The privacy guarantee of a model in plain words: ``model_or_dir`` is a model (trained by
     dpzoo's engine, or loaded with its record), a directory (``dpzoo.save``'s, a ``dpzoo train
     --out`` run, or a Hugging Face directory ``DPTrainer`` saved), or a privacy record itself."""
-    return statement_from_record(_record_of(model_or_dir), fpr)
+    audit = None
+    if isinstance(model_or_dir, (str, Path)):
+        from .hub import run_model_directory
+
+        audit = ((read_card(run_model_directory(model_or_dir)) or {}).get("privacy") or {}).get("audit")
+    return statement_from_record(_record_of(model_or_dir), fpr, audit=audit)
 
 
 def _record_of(obj: Any) -> Mapping[str, Any] | None:
@@ -182,9 +188,13 @@ def _strength(record: Mapping[str, Any], v: Mapping[str, Any], fpr: float) -> st
 
 
 def statement_from_record(
-    record: Mapping[str, Any] | None, fpr: float = 0.01, versions: Mapping[str, Any] | None = None
+    record: Mapping[str, Any] | None,
+    fpr: float = 0.01,
+    versions: Mapping[str, Any] | None = None,
+    audit: Mapping[str, Any] | None = None,
 ) -> str:
-    """The guarantee of a privacy record in plain words (None: a model without one)."""
+    """The guarantee of a privacy record in plain words (None: a model without one); ``audit``: the
+    card's audit block (:mod:`dpzoo.audit.of_record`), said in a sentence of its own."""
     if record is None:
         return "No differential-privacy guarantee is recorded for this model: treat it as trained without DP."
     v = _versions(record, versions)
@@ -217,8 +227,12 @@ def statement_from_record(
         + (f" Note: {record['delta_note']}." if "delta_note" in record else ""),
         f"Noise: {record.get('noise', 'not recorded')}; sampling: {record.get('sampling', 'not recorded')}; "
         f"self-check: {record.get('self_check', 'not recorded')}" + (": the stated ε may not hold." if failed else "."),
-        SCOPE,
     ]
+    if audit is not None:
+        from .audit.of_record import audit_sentence
+
+        lines.append(audit_sentence(audit, record["sample_rate"]))
+    lines.append(SCOPE)
     return "\n".join(lines)
 
 
@@ -246,7 +260,7 @@ def render_card(
     if record is not None:
         front["privacy"] = privacy_block(record, audit)
     body = yaml.safe_dump(front, sort_keys=False, allow_unicode=True)
-    return f"---\n{body}---\n\n# {model_name}\n\n{statement_from_record(record)}\n"
+    return f"---\n{body}---\n\n# {model_name}\n\n{statement_from_record(record, audit=audit)}\n"
 
 
 def _card_parts(directory: str | Path) -> tuple[dict[str, Any] | None, str] | None:
@@ -292,6 +306,11 @@ def check_card(directory: str | Path, record: Mapping[str, Any] | None, header: 
             f"{path} states no privacy guarantee, but the model carries one: rewrite it with dpzoo.save."
         )
     versions = _card_versions(card)
+    audited = card.get("audit") is None
+    if not audited:
+        from .audit.of_record import check_audit
+
+        audited = check_audit(Path(directory), card["audit"], record)  # False: being replaced, unread
     expected = privacy_block(record, card.get("audit"), versions)
     for source, other in (("the saved record", expected), ("the safetensors header", header)):
         if other is None:
@@ -301,16 +320,15 @@ def check_card(directory: str | Path, record: Mapping[str, Any] | None, header: 
             mine, theirs = card.get(key), other.get(key)
             if source != "the saved record" and key == "epsilon" and mine == "inf":
                 mine = math.inf  # the header reads an infinite ε back as a float
-            if not _same(mine, theirs):
+            if not same_value(mine, theirs):
                 raise CheckpointError(
                     f"{path} says {key} = {mine!r} but {source} says {theirs!r}: the card was edited or belongs to "
                     "other weights; rewrite it with dpzoo.save."
                 )
     # the statement's wording is this dpzoo version's: a card another version wrote keeps its own
     same_version = versions["dpzoo"] == __version__
-    if same_version and " ".join(statement_from_record(record, versions=versions).split()) not in " ".join(
-        body.split()
-    ):
+    stated = statement_from_record(record, versions=versions, audit=card.get("audit")) if audited else ""
+    if same_version and " ".join(stated.split()) not in " ".join(body.split()):
         raise CheckpointError(
             f"{path}: its text does not state the saved record's guarantee (edited?); rewrite it with dpzoo.save."
         )
@@ -341,12 +359,12 @@ def check_saved_card(directory: Path, record: Mapping[str, Any] | None, weights:
     check_card(directory, record, header)
 
 
-def _same(a, b) -> bool:
+def same_value(a, b) -> bool:
     """Equal, numbers up to float rounding (and a number another YAML writer left as a string)."""
     if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(same_value(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b))
     if isinstance(a, str) and isinstance(b, (int, float)) and not isinstance(b, bool):
         try:
             a = float(a)

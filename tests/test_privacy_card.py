@@ -20,22 +20,23 @@ from dpzoo.privacy_card import membership_tpr_bound, read_card
 SCHEMA = json.loads((Path(__file__).parents[1] / "docs" / "privacy_card.schema.json").read_text())
 
 
-def _trained(tmp_path, epsilon=3.0):
-    """A small model trained two steps by dpzoo's engine and saved: (directory, engine)."""
+def _trained(tmp_path, epsilon=3.0, n=32, batch_size=8, epochs=1, delta=1e-3):
+    """A small model trained by dpzoo's engine (n / batch_size steps per epoch) and saved: (directory, engine)."""
     torch.manual_seed(0)
     model = dpzoo.load("mlp-tanh", in_features=4, num_classes=2, width=8)
-    data = TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    data = TensorDataset(torch.randn(n, 4), torch.randint(0, 2, (n,)))
     engine = dpzoo.PrivacyEngine()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(data, batch_size=8),
-                                                 target_epsilon=epsilon, target_delta=1e-3, epochs=1)  # fmt: skip
-        for x, y in loader:
-            torch.nn.functional.cross_entropy(model(x), y).backward()
+        model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=DataLoader(data, batch_size=batch_size),
+                                                 target_epsilon=epsilon, target_delta=delta, epochs=epochs)  # fmt: skip
+        for _, (x, y) in zip(range(epochs * len(loader)), (b for _ in range(epochs) for b in loader)):
+            if len(y):
+                torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
             opt.zero_grad()
-    return dpzoo.save(model, tmp_path / "model", privacy=engine.privacy_metadata(1e-3)), engine
+    return dpzoo.save(model, tmp_path / "model", privacy=engine.privacy_metadata(delta)), engine
 
 
 def test_the_card_validates_against_the_schema_and_states_the_engines_numbers(tmp_path):
@@ -172,3 +173,156 @@ def test_a_hugging_face_directory_gets_the_card_and_an_edit_is_caught(tmp_path):
         read_privacy_metadata(tmp_path / "hf")
     write_privacy_files(hf, tmp_path / "hf", None)  # a save without a record removes our card
     assert not card.exists()
+
+
+def _audited(tmp_path, capsys, *extra):
+    """A model trained 80 steps at ε = 2 (q = 1/16), then `dpzoo audit --run` on it."""
+    directory, engine = _trained(tmp_path, epsilon=2.0, n=512, batch_size=32, epochs=5, delta=1e-5)
+    code = main(["audit", "--run", str(directory), "--quiet", *extra])
+    return directory, engine, code, capsys.readouterr().out
+
+
+def test_an_audit_of_the_models_mechanism_is_recorded_in_its_card(tmp_path, capsys):
+    """`dpzoo audit --run DIR` audits the saved record's σ, R, clipping and steps white-box on the
+    canary task (with its 2R control), and the card states the result; the loaded model keeps it."""
+    jsonschema = pytest.importorskip("jsonschema")
+    directory, engine, code, out = _audited(tmp_path, capsys, "--with-controls")
+    assert code == 0 and "recorded in" in out
+    front = read_card(directory)
+    jsonschema.validate(front, SCHEMA)
+    audit = front["privacy"]["audit"]
+    assert audit["mechanism"]["noise_multiplier"] == pytest.approx(engine.noise_multiplier, rel=1e-12)
+    assert audit["mechanism"]["steps"] == engine.steps == 80 and audit["canaries"] == 2500
+    assert audit["epsilon_lower_bound"] < audit["claimed_epsilon"] and not audit["exceeds"]
+    assert audit["control_sensitivity_2x"]["caught"]
+    statement = dpzoo.privacy_statement(directory)
+    assert f"found ε ≥ {audit['epsilon_lower_bound']:.3g}" in statement and "would catch such a bug" in statement
+    dpzoo.load(directory)  # the card's audit agrees with dpzoo_audit.json and the record
+
+
+def test_an_audit_too_weak_to_catch_a_doubled_clip_says_so(tmp_path, capsys):
+    """4 steps at q = 1/4 with 500 canaries: the 2R control stays below the claim, so the audit
+    cannot vouch: exit 3, and the card says so instead of implying a check it did not make."""
+    directory, _ = _trained(tmp_path, epsilon=2.0)
+    assert main(["audit", "--run", str(directory), "--quiet", "--canaries", "500", "--with-controls"]) == 3
+    assert not read_card(directory)["privacy"]["audit"]["control_sensitivity_2x"]["caught"]
+    assert "could NOT catch such a bug at these settings" in dpzoo.privacy_statement(directory)
+
+
+def test_a_recorded_audit_sees_a_doubled_clip(tmp_path, capsys, monkeypatch):
+    """The audit runs dpzoo's own optimizer: with every clip factor doubled (the 2R bug) it finds
+    ε above the claim, exits 1, and the card says the implementation leaked more than it claims."""
+    from dpzoo.privacy.optimizer import DPOptimizer
+
+    original = DPOptimizer.clip_factors
+    directory, _ = _trained(tmp_path, epsilon=2.0, n=512, batch_size=32, epochs=5, delta=1e-5)
+    monkeypatch.setattr(DPOptimizer, "clip_factors", lambda self, norms: 2 * original(self, norms))
+    assert main(["audit", "--run", str(directory), "--quiet"]) == 1
+    assert read_card(directory)["privacy"]["audit"]["exceeds"]
+    assert "ABOVE the ε" in dpzoo.privacy_statement(directory)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda d: _edit(d / "README.md", "epsilon_lower_bound: ", "epsilon_lower_bound: 0.0"), "audit block is not"),
+        (lambda d: (d / "dpzoo_audit.json").unlink(), "does not hold"),
+        (lambda d: _edit(d / "README.md", "    caught: true", "    caught: false"), "audit block is not"),
+        (lambda d: _audit_of_another_mechanism(d), "audit ran noise_multiplier"),
+    ],
+)
+def test_a_hand_edited_audit_is_refused_on_load(tmp_path, capsys, edit, message):
+    directory, *_ = _audited(tmp_path, capsys, "--with-controls")
+    edit(directory)
+    with pytest.raises(dpzoo.DPZooError, match=message):
+        dpzoo.load(directory)
+
+
+def _edit(path, start, replacement):
+    lines = path.read_text().splitlines(keepends=True)
+    i = next(i for i, line in enumerate(lines) if line.strip().startswith(start.strip()))
+    indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
+    lines[i] = indent + replacement.strip() + "\n"
+    path.write_text("".join(lines))
+
+
+def _audit_of_another_mechanism(directory):
+    """dpzoo_audit.json and the card both say another σ: consistent with each other, not with the record."""
+    from dpzoo.audit.of_record import audit_block
+    from dpzoo.privacy_card import render_card
+
+    saved = json.loads((directory / "dpzoo_audit.json").read_text())
+    saved["result"]["mechanism"]["noise_multiplier"] *= 2
+    (directory / "dpzoo_audit.json").write_text(json.dumps(saved))
+    record = json.loads((directory / "dpzoo_config.json").read_text())["privacy"]
+    (directory / "README.md").write_text(render_card("mlp-tanh", record, audit=audit_block(saved)))
+
+
+def test_audit_run_refusals(tmp_path, capsys):
+    directory, _ = _trained(tmp_path)
+    assert main(["audit", "--run", str(directory), "--epsilon", "3"]) == 2
+    assert "drop --epsilon" in capsys.readouterr().err
+    plain = dpzoo.save(dpzoo.load("mlp-tanh", in_features=4, num_classes=2, width=8), tmp_path / "plain")
+    assert main(["audit", "--run", str(plain)]) == 2
+    assert "holds no privacy record" in capsys.readouterr().err
+
+
+def test_a_new_audit_replaces_a_stale_one(tmp_path, capsys):
+    """An edited audit block is refused on load, and `dpzoo audit --run` is what the error says to
+    run: it must work on that directory and leave a card that loads."""
+    directory, *_ = _audited(tmp_path, capsys)
+    _edit(directory / "README.md", "epsilon_lower_bound: ", "epsilon_lower_bound: 0.0")
+    with pytest.raises(dpzoo.DPZooError, match="rerun `dpzoo audit --run`"):
+        dpzoo.load(directory)
+    assert main(["audit", "--run", str(directory), "--quiet"]) == 0
+    dpzoo.load(directory)
+
+
+# The Differential Privacy Deployments Registry's record layout (its template's field paths and
+# the enumerations dpzoo fills), written from opendp/deployments-registry-data at commit 057e5d8.
+REGISTRY_REQUIRED = {
+    "deployment.basic": ["name", "data_curators", "description", "intended_use", "data_product_type",
+                         "data_product_region", "publication_date"],
+    "deployment.dp_variant": ["variant_name", "data_domain", "unprotected_quantities"],
+    "deployment.privacy_loss": ["privacy_unit", "privacy_unit_details", "privacy_parameters", "privacy_parameters_details"],
+    "deployment.deployment_model": ["model_name", "model_name_details", "trust_assumptions", "actors", "release_type",
+                                    "data_source_type", "access_type"],
+    "deployment.implementation": ["preprocessing_and_hyperparameter_tuning", "mechanisms", "composition",
+                                  "post_processing", "justification", "additional_information"],
+    "deployment.administrative": ["status", "registry_authors", "tier"],
+}  # fmt: skip
+REGISTRY_ENUMS = {
+    "deployment.basic.data_product_type": {"Summary statistics", "Machine learning model", "Dataset"},
+    "deployment.dp_variant.variant_name": {"Pure DP", "Approximate DP", "Zero-concentrated DP", "Renyi DP", "Custom"},
+    "deployment.deployment_model.model_name": {"Local", "Central", "Shuffle", "Federated"},
+    "deployment.deployment_model.release_type": {"One release", "Many releases"},
+    "deployment.deployment_model.data_source_type": {"Static", "Dynamic"},
+    "deployment.deployment_model.access_type": {"Interactive", "Non-interactive"},
+    "deployment.administrative.status": {"Draft"},
+}
+
+
+def _at(tree, dotted):
+    for key in dotted.split("."):
+        tree = tree[key]
+    return tree
+
+
+def test_the_registry_record_has_the_registrys_fields_and_the_models_numbers(tmp_path, capsys):
+    import yaml
+
+    directory, engine, *_ = _audited(tmp_path, capsys)
+    assert main(["card", str(directory.parent), "--registry"]) == 0  # a run directory works too
+    entry = yaml.safe_load(capsys.readouterr().out)
+    for parent, keys in REGISTRY_REQUIRED.items():
+        assert set(keys) <= set(_at(entry, parent)), parent
+    for path, allowed in REGISTRY_ENUMS.items():
+        assert _at(entry, path) in allowed, path
+    loss = entry["deployment"]["privacy_loss"]
+    assert loss["privacy_parameters"] == {"epsilon": pytest.approx(engine.get_epsilon(1e-5), rel=1e-12), "delta": 1e-5}
+    assert loss["privacy_unit"] == "Example-level"
+    assert "empirical audit" in entry["deployment"]["implementation"]["justification"]
+    assert str(engine.steps) in loss["privacy_parameters_details"]
+    plain = dpzoo.save(dpzoo.load("mlp-tanh", in_features=4, num_classes=2, width=8), tmp_path / "plain")
+    assert main(["card", str(plain), "--registry"]) == 2
+    assert "nothing to register" in capsys.readouterr().err

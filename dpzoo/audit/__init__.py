@@ -23,13 +23,15 @@ loop (the white-box observer attached to its optimizer, as ``tests/test_audit_pa
 the Hugging Face ``DPTrainer``).
 
 :func:`audit` runs the four steps (:mod:`dpzoo.audit.run`) and returns an :class:`AuditResult`
-(:mod:`dpzoo.audit.report`). This package's job is to gather those names in one place: every
+(:mod:`dpzoo.audit.report`); :func:`audit_record` audits a saved model's mechanism and
+:func:`record_audit` writes the result into its privacy card (:mod:`dpzoo.audit.of_record`). This package's job is to gather those names in one place: every
 public name is imported from here (``from dpzoo.audit import AuditResult, epsilon_lower_bound``).
 """
 
 from .bound import epsilon_lower_bound, one_run_p_value
 from .gdp import gdp_epsilon, gdp_lower_bound
 from .guesses import DEFAULT_GUESS_FRACTIONS
+from .of_record import audit_record, record_audit
 from .report import AuditResult, plot_scores
 from .run import WHITE_BOX_CANARIES, audit, audit_from_scores, with_canaries
 from .task import DIGITS_FEATURES as DIGITS_FEATURES  # importable from here, outside __all__ (as before)
@@ -40,6 +42,8 @@ from .training import BROKEN
 __all__ = [
     "audit",
     "audit_from_scores",
+    "audit_record",
+    "record_audit",
     "with_canaries",
     "AuditResult",
     "one_run_p_value",

@@ -64,6 +64,9 @@ def audit(
     physical_batch_size: int | None = None,
     loss_scale: float | None = None,
     mode: str = "auto",
+    noise_multiplier: float | None = None,
+    sample_rate: float | None = None,
+    steps: int | None = None,
 ) -> AuditResult:
     """Insert canaries, train once with dpzoo's engine, return the empirical lower bound on ε.
 
@@ -90,7 +93,10 @@ def audit(
     ``loss_scale`` trains in float16 autocast with a ``DPGradScaler`` at that scale; ``mode`` is
     the engine's training mode (the built-in task then uses that mode's canary model:
     ``"bitfit"`` moves canary biases, ``"lora"`` a PEFT LoRA adapter,
-    :mod:`dpzoo.audit.canary_models`). Run inside an initialised ``torch.distributed`` process
+    :mod:`dpzoo.audit.canary_models`). A given mechanism instead of a claim
+    (:func:`dpzoo.audit.audit_record` audits a saved model's): ``noise_multiplier`` σ (then
+    ``epsilon`` is not used), ``sample_rate`` q (the expected batch is q times the training set,
+    canaries included), ``steps`` (training stops there). Run inside an initialised ``torch.distributed`` process
     group (every rank calling :func:`audit` alike), training is dpzoo's distributed DP: each rank
     a shard of every Poisson batch, the noise added once.
     Returns an :class:`AuditResult`; ``result.exceeds`` is True when the bound is above the
@@ -99,7 +105,19 @@ def audit(
     Which guess counts to use is chosen after scoring, among ``guess_fractions`` of m (total
     guesses r, split evenly in / out), each tested at (1 - confidence) / len(guess_fractions).
     """
-    _validate(epsilon, delta, epochs, batch_size, lr, max_grad_norm, broken, confidence, guess_fractions, mode)
+    _validate(
+        epsilon if noise_multiplier is None else 1.0,
+        delta,
+        epochs,
+        batch_size,
+        lr,
+        max_grad_norm,
+        broken,
+        confidence,
+        guess_fractions,
+        mode,
+    )
+    _validate_mechanism(noise_multiplier, sample_rate, steps)
     white = _threat_model(threat_model, dataset)
     if canaries is None and dataset is None:
         canaries = WHITE_BOX_CANARIES if white else 1000
@@ -145,6 +163,8 @@ def audit(
         g = torch.Generator().manual_seed(seed + 1)
         included = torch.rand(m, generator=g) < 0.5  # Algorithm 1: each canary in w.p. 1/2
         train_set = with_canaries(train, cx, cy, included, seed)
+        if sample_rate is not None:
+            batch_size = max(1, round(sample_rate * len(train_set)))
         if batch_size == "full":
             batch_size = len(train_set)
         model, claimed, mech = train_audited_model(
@@ -168,6 +188,8 @@ def audit(
             physical_batch_size=physical_batch_size,
             loss_scale=loss_scale,
             mode=mode,
+            noise_multiplier=noise_multiplier,
+            max_steps=steps,
         )
         model.eval()
         if white:  # every noisy update of the canaries' columns, not the final model
@@ -304,6 +326,17 @@ def _validate(epsilon, delta, epochs, batch_size, lr, max_grad_norm, broken, con
         raise DPZooError(f"confidence must be in (0, 1), e.g. 0.95, got {confidence!r}.")
     if not guess_fractions or not all(0 < f <= 1 for f in guess_fractions):
         raise DPZooError(f"guess_fractions must be fractions of the canaries in (0, 1], got {guess_fractions!r}.")
+
+
+def _validate_mechanism(noise_multiplier, sample_rate, steps) -> None:
+    if noise_multiplier is not None and not (
+        isinstance(noise_multiplier, (int, float)) and 0 < noise_multiplier < math.inf
+    ):
+        raise DPZooError(f"noise_multiplier must be a finite number > 0, got {noise_multiplier!r}.")
+    if sample_rate is not None and not (isinstance(sample_rate, (int, float)) and 0 < sample_rate <= 1):
+        raise DPZooError(f"sample_rate must be in (0, 1], got {sample_rate!r}.")
+    if steps is not None and not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
+        raise DPZooError(f"steps must be an integer >= 1, got {steps!r}.")
 
 
 def _threat_model(threat_model: str, dataset) -> bool:

@@ -90,14 +90,18 @@ def train_audited_model(
     physical_batch_size=None,
     loss_scale=None,
     mode="auto",
+    noise_multiplier=None,
+    max_steps=None,
 ):
     """One private training run with dpzoo's engine (or a deliberately broken variant).
 
-    The training path under audit: ``physical_batch_size`` steps through dpzoo's
-    ``BatchMemoryManager`` (micro-batches of at most that many examples, one noisy step per
-    logical batch); ``loss_scale`` runs the forward pass in float16 autocast with a
-    ``DPGradScaler`` at that scale; ``mode`` is the engine's training mode (``"bitfit"``,
-    ``"lora"``, ...), with the optimizer over the parameters it trains. Returns (released model, claimed ε at δ, mechanism settings)."""
+        The training path under audit: ``physical_batch_size`` steps through dpzoo's
+        ``BatchMemoryManager`` (micro-batches of at most that many examples, one noisy step per
+        logical batch); ``loss_scale`` runs the forward pass in float16 autocast with a
+        ``DPGradScaler`` at that scale; ``mode`` is the engine's training mode (``"bitfit"``,
+        ``"lora"``, ...), with the optimizer over the parameters it trains. ``noise_multiplier``: this σ
+    instead of the one that spends ``epsilon``; ``max_steps``: stop after that many steps (the epochs
+    then run as many as needed). Returns (released model, claimed ε at δ, mechanism settings)."""
     from ..privacy import Accountant, PrivacyEngine, get_noise_multiplier
     from ..privacy.distributed import world_and_rank
     from ..privacy.fsdp import is_fsdp2
@@ -113,10 +117,10 @@ def train_audited_model(
     world, _ = world_and_rank()  # under DDP each rank draws its shard at the same expected batch size
     q = min(1.0, batch_size * world / len(train_set))
     steps_planned = epochs * max(1, round(len(train_set) / batch_size))
-    claimed_sigma = (
-        get_noise_multiplier(epsilon, delta, q, steps_planned, accountant) if broken in RECALIBRATED else None
-    )
-    noise = dict(target_epsilon=epsilon)
+    claimed_sigma = None
+    if broken in RECALIBRATED:
+        claimed_sigma = noise_multiplier or get_noise_multiplier(epsilon, delta, q, steps_planned, accountant)
+    noise = dict(target_epsilon=epsilon) if noise_multiplier is None else dict(noise_multiplier=noise_multiplier)
     clip = max_grad_norm
     if broken == "no-noise":
         noise = dict(noise_multiplier=0.0)
@@ -150,6 +154,8 @@ def train_audited_model(
         # a model trained outside the engine releases its own sums: the observer watches those
         on_private(side or model, side_opt or opt, claim | {"sum_scale": engine.expected_batch_size})
     released = _OutsideEngine(model, side, broken == "group-outside-engine") if side is not None else model
+    if max_steps is not None:
+        epochs = -(-max_steps // len(loader))
     log(
         f"training: {len(train_set)} examples, q = {q:.4f}, σ = {engine.noise_multiplier:.3f}"
         f"{f' (claimed: {intended:.3f})' if claimed_sigma is not None else ''}, R = {clip:g}, {epochs} epochs"
@@ -157,11 +163,15 @@ def train_audited_model(
     )
     desc = f"audit ({broken})" if broken else "audit"
     with (
-        StepBar(epochs * len(loader), desc, enabled=progress, epsilon=lambda: engine.get_epsilon(delta)) as bar,
+        StepBar(
+            max_steps or epochs * len(loader), desc, enabled=progress, epsilon=lambda: engine.get_epsilon(delta)
+        ) as bar,
         _path(loader, opt, physical_batch_size, loss_scale) as (batches, backward, step),
     ):
         for _ in range(epochs):
             for x, y in batches:
+                if max_steps is not None and engine.steps >= max_steps:
+                    break
                 loss = None
                 # an empty Poisson batch: no backward (under FSDP2 one of 0 rows: the passes are
                 # collective), the optimizer still adds noise and counts the step
