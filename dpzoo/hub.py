@@ -1,9 +1,8 @@
 """``dpzoo.load`` and ``dpzoo.save``: build zoo entries, and write/read them exactly.
 
-A saved model is a directory with ``model.safetensors`` (weights, shared tensors stored
-once), ``dpzoo_config.json`` (zoo name, overrides, patches, dtype and optional privacy
-metadata, which is also written into the safetensors header) and, for a transformers model, its
-``config.json``. ``dpzoo.load(dir)`` rebuilds the architecture from the zoo and restores every
+A saved model is a directory with ``model.safetensors`` (weights, shared tensors stored once),
+``dpzoo_config.json`` (zoo name, overrides, patches, dtype and optional privacy metadata, also
+in the safetensors header) and, for a transformers model, its ``config.json``. ``dpzoo.load(dir)`` rebuilds the architecture from the zoo and restores every
 tensor bit for bit. Files get the permissions ``open`` would give (0666 less the umask).
 """
 
@@ -31,6 +30,7 @@ from .privacy.engine import engine_of
 from .privacy_card import CARD_NAME, check_saved_card, render_card
 from .privacy_record import (
     PRIVACY_FIELDS,
+    LoadedRecord,
     check_privacy,
     privacy_from_header,
     privacy_from_json,
@@ -141,7 +141,7 @@ def load(
     model = entry.builder(**kwargs)
     spent = _privacy_of_weights(Path(weights)) if weights is not None else None
     if spent:  # a DP-trained checkpoint keeps its spending, so training it again composes it
-        model.dpzoo_privacy = spent
+        model.dpzoo_privacy = LoadedRecord(spent)
     model.dpzoo_config = {
         "model_name": entry.name,
         "overrides": recorded,
@@ -233,7 +233,7 @@ def save(
         if engine is not None and engine.steps > 0:
             privacy = engine.privacy_metadata()
         else:
-            privacy = getattr(model, "dpzoo_privacy", None)
+            privacy = getattr(model, "dpzoo_privacy", None) or None  # {}: stated disjoint, nothing to record
     privacy = check_privacy(privacy)
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
@@ -396,5 +396,5 @@ def _load_saved(directory: Path, given: Mapping[str, Any] | None = None) -> nn.M
     config = {k: cfg.get(k) for k in ("model_name", "overrides", "pretrained", "pretrained_tag", "weights")}
     model.dpzoo_config = {**config, "overrides": _jsonable(overrides)} if given else config  # what a re-save records
     if cfg.get("privacy"):
-        model.dpzoo_privacy = cfg["privacy"]
+        model.dpzoo_privacy = LoadedRecord(cfg["privacy"])
     return model

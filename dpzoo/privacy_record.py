@@ -1,6 +1,7 @@
 """What a saved model's privacy metadata may hold (:data:`PRIVACY_FIELDS`), how a record is
 checked before it is written (:func:`check_privacy`), how an infinite ε crosses JSON, and how a
-record is read back from a checkpoint's safetensors header (:func:`privacy_from_header`)."""
+record is read back from a checkpoint's safetensors header (:func:`privacy_from_header`), and what
+marks a record ``dpzoo.load`` attached (:class:`LoadedRecord`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,15 @@ __all__ = [
     "privacy_from_json",
     "privacy_from_header",
     "spending_of",
+    "LoadedRecord",
 ]
+
+
+class LoadedRecord(dict):
+    """A privacy record ``dpzoo.load`` attached to a model (``model.dpzoo_privacy``): the spending of
+    the saved weights, not the user's statement about adapters merged into them later."""
+
+
 HEADER_PREFIX = "dpzoo.privacy."
 
 # Privacy metadata a DP-trained model carries (the engine fills it; users may too).

@@ -73,7 +73,10 @@ def test_a_fresh_adapter_trains_without_a_record():
 def test_a_reloaded_adapter_without_its_record_is_refused(saved_adapter):
     directory, _ = saved_adapter
     loaded = peft.PeftModel.from_pretrained(_plain_model(), directory, is_trainable=True)
-    with pytest.raises(PrivacyUsageError, match="'default' already has trained weights.*read_privacy_metadata"):
+    with pytest.raises(
+        PrivacyUsageError,
+        match=r"unknown origin \(adapter 'default' in base_model\.model\.fc1 and 1 more layers\).*read_privacy_metadata",
+    ):
         _private(loaded)
 
 
@@ -111,11 +114,11 @@ def test_a_reloaded_adapter_merged_without_its_record_is_refused(saved_adapter, 
         merged = loaded.unload()
     with pytest.raises(
         PrivacyUsageError,
-        match=r"Layer 'base_model\.model\.fc1\.base_layer' has a trained LoRA adapter, 'default', merged",
+        match=r"merged adapter 'default' in base_model\.model\.fc1\.base_layer",
     ):
         _private(_new_adapter(merged))
     reused = nn.Sequential(merged.fc2)  # one merged layer reused elsewhere carries the mark too
-    with pytest.raises(PrivacyUsageError, match="merged into its weights"):
+    with pytest.raises(PrivacyUsageError, match="merged adapter 'default'"):
         _private(_new_adapter(nn.Sequential(OrderedDict(fc1=nn.Linear(6, 3), fc2=reused[0]))))
 
 
@@ -146,12 +149,147 @@ def test_an_untrained_adapter_merges_without_a_trace():
 
 
 def test_the_watch_installs_after_peft_without_importing_torch_first():
+    """`import dpzoo` stays torch-free; a probe for peft (transformers' is_peft_available) before the
+    real import must not switch the watch off."""
     import subprocess
     import sys
 
     code = (
-        "import sys, dpzoo; assert 'torch' not in sys.modules; import peft; "
-        "from torch.nn.modules import module as M; from dpzoo.integrations.peft_merge import _on_child_assigned; "
-        "assert _on_child_assigned in M._global_module_registration_hooks.values()"
+        "import sys, dpzoo; assert 'torch' not in sys.modules; import importlib.util; "
+        "assert importlib.util.find_spec('peft') is not None; from transformers import TrainingArguments; "
+        "import peft; from torch.nn.modules import module as M; "
+        "from dpzoo.integrations.peft_merge import _on_child_assigned; "
+        "assert _on_child_assigned in M._global_module_registration_hooks.values(); "
+        "from peft.tuners.lora.layer import Linear; assert Linear.merge.dpzoo_watched"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_merge_adapter_then_a_new_adapter_of_the_same_name_is_refused(saved_adapter):
+    """merge_adapter() keeps the tuner layers; get_peft_model on the base model re-initialises
+    'default' (lora_B = 0) and unmerges a zero ΔW: the trained ΔW stays in the weights."""
+    directory, _ = saved_adapter
+    loaded = peft.PeftModel.from_pretrained(_plain_model(), directory, is_trainable=True)
+    loaded.merge_adapter()
+    again = _new_adapter(loaded.get_base_model())
+    with pytest.raises(PrivacyUsageError, match="merged adapter 'default'"):
+        _private(again)
+
+
+def test_an_adapter_merged_then_unmerged_leaves_no_mark(saved_adapter):
+    directory, _ = saved_adapter
+    loaded = peft.PeftModel.from_pretrained(_plain_model(), directory, is_trainable=True)
+    loaded.merge_adapter()
+    loaded.unmerge_adapter()
+    base = loaded.unload()  # the adapter is dropped, its ΔW taken back out
+    assert _private(_new_adapter(base)).accountant.history == []
+
+
+def test_an_unknown_merged_adapter_is_refused_beside_a_known_one():
+    """A record found elsewhere in the model (an engine's link) does not account for an adapter of
+    unknown origin merged into the same layers."""
+    model = _new_adapter(_plain_model())
+    _private(model, steps=3)
+    merged = model.merge_and_unload()  # linked: this process trained it
+    stacked = _new_adapter(merged)
+    with torch.no_grad():
+        for name, p in stacked.named_parameters():
+            if "lora_B" in name:
+                p.normal_()  # as if loaded from a DP run without its record
+    with pytest.raises(PrivacyUsageError, match="merged adapter 'default'"):
+        _private(_new_adapter(stacked.merge_and_unload()))
+
+
+def test_the_longer_spending_link_wins_on_merge():
+    """A layer trained with DP, then adapted with DP-LoRA (composing the first run), then merged:
+    the merged layer carries the LoRA run's longer history."""
+    base = _plain_model()
+    engine = dpzoo.PrivacyEngine()
+    opt = torch.optim.SGD(base.parameters(), lr=0.1)
+    base, opt, loader = engine.make_private(module=base, optimizer=opt, data_loader=DataLoader(TensorDataset(X, Y), batch_size=16),
+                                            noise_multiplier=1.0, max_grad_norm=1.0, sample_seed=1)  # fmt: skip
+    for _, (x, y) in zip(range(2), loader):
+        F.cross_entropy(base(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    engine.detach()
+    lora = _new_adapter(base)
+    second = _private(lora, steps=3)
+    merged = lora.merge_and_unload()
+    reused = nn.Sequential(OrderedDict(fc1=nn.Linear(6, 8), act=nn.ReLU(), fc2=merged.fc2))
+    assert _private(_new_adapter(reused)).accountant.history == second.accountant.history
+
+
+def test_a_replaced_layer_hands_on_its_mark():
+    """Surgery (or any module replacement) keeps a merged layer's provenance on its replacement."""
+    model = _new_adapter(_plain_model())
+    with torch.no_grad():
+        model.base_model.model.fc2.lora_B["default"].weight.normal_()
+    merged = model.merge_and_unload()
+    merged.fc2 = nn.Linear(8, 3)  # e.g. a converted layer with the same weights
+    with pytest.raises(PrivacyUsageError, match="merged adapter 'default' in base_model.model.fc2"):
+        _private(_new_adapter(merged))
+
+
+def test_a_fresh_embedding_adapter_is_not_taken_for_a_trained_one():
+    """PEFT starts an Embedding LoRA with lora_embedding_A = 0 (B random): fresh, it is not a
+    trained adapter; with A no longer zero (trained, reloaded without a record), it is."""
+    from dpzoo.integrations.peft_layers import trained_adapters
+
+    torch.manual_seed(0)
+    model = nn.Sequential(OrderedDict(emb=nn.Embedding(10, 6), fc=nn.Linear(6, 3)))
+    fresh = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["emb"]))
+    assert trained_adapters(fresh) == []
+    with torch.no_grad():
+        fresh.base_model.model.emb.lora_embedding_A["default"].normal_()
+    assert trained_adapters(fresh) == [("base_model.model.emb", "default")]
+
+
+def test_dpzoo_save_refuses_a_model_with_an_adapter_of_unknown_origin_merged(tmp_path):
+    zoo = dpzoo.load("mlp-tanh", in_features=6, num_classes=3, width=8)
+    names = [n for n, m in zoo.named_modules() if isinstance(m, nn.Linear)]
+    model = peft.get_peft_model(zoo, peft.LoraConfig(r=2, target_modules=names[:1]))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_()
+    merged = model.merge_and_unload()
+    with pytest.raises(PrivacyUsageError, match="merged adapter 'default'"):
+        dpzoo.save(merged, tmp_path / "m")
+    assert not (tmp_path / "m").exists()
+    merged.dpzoo_privacy = {}  # stated: trained on other data
+    dpzoo.save(merged, tmp_path / "m")
+
+
+def test_a_hugging_face_model_keeps_the_mark_through_save_pretrained(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    lora = peft.get_peft_model(transformers.GPT2LMHeadModel(config), peft.LoraConfig(r=2, target_modules=["c_attn"]))
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.normal_()  # an adapter trained elsewhere, loaded without its record
+    lora.merge_and_unload().save_pretrained(tmp_path)
+    assert "dpzoo_merged_adapters" in (tmp_path / "config.json").read_text()
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    with pytest.raises(PrivacyUsageError, match="merged adapter 'default' in base_model.model"):
+        _private_lm(peft.get_peft_model(reloaded, peft.LoraConfig(r=2, target_modules=["c_attn"])))
+    stated = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    stated.dpzoo_privacy = {}
+    trained = peft.get_peft_model(stated, peft.LoraConfig(r=2, target_modules=["c_attn"]))
+    _private_lm(trained)
+    assert not hasattr(stated.config, "dpzoo_merged_adapters")  # consumed: this run's spending covers it now
+
+
+def _private_lm(model):
+    ids = torch.randint(0, 50, (32, 8))
+    engine = dpzoo.PrivacyEngine()
+    return engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+        data_loader=DataLoader(TensorDataset(ids), batch_size=8),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        mode="lora",
+    )

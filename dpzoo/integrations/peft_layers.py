@@ -285,6 +285,9 @@ def lora_trainable(model: nn.Module, train_head: Iterable[str] | str | None = "a
 def refuse_save(model: nn.Module) -> None:
     """Refuse to ``dpzoo.save`` a PEFT model (its state dict is the wrapper's, which
     ``dpzoo.load`` cannot rebuild), saying what to save instead."""
+    from ..privacy.budget import refuse_weights_of_unknown_origin
+
+    refuse_weights_of_unknown_origin(model)  # merged adapters of unknown origin: saved, their spending is lost
     if is_peft_model(model):
         raise SaveError(
             f"{type(model).__name__} is a PEFT model, and dpzoo.save writes whole zoo models: save "
@@ -351,26 +354,33 @@ def declare_public_init(model: nn.Module, adapter: str = "default", source: str 
 ZERO_B_INITS = (True, "gaussian")  # LoRA inits whose lora_B starts at exactly zero
 
 
-def trained_adapters(model: nn.Module) -> list[str]:
-    """Adapters whose initialisation sets a factor to zero (lora_B; AdaLoRA's lora_E, its lora_B
-    starts random) but whose factor is not zero now: trained before, here or elsewhere (loaded with
-    ``PeftModel.from_pretrained`` or ``load_adapter``)."""
+def trained_adapters(model: nn.Module) -> list[tuple[str, str]]:
+    """(layer, adapter) for adapters whose initialisation sets a factor to zero (lora_B; an
+    Embedding's lora_embedding_A; AdaLoRA's lora_E, its lora_B starts random) but whose factor is
+    not zero now, and that no dpzoo engine trained here (no spending link): trained before,
+    elsewhere (loaded with ``PeftModel.from_pretrained`` or ``load_adapter``)."""
     if _loaded_peft() is None:
         return []
     zero_init = {  # adapter name -> the factors that start at zero
-        n: ("lora_E",) if type(c).__name__ == "AdaLoraConfig" else ("lora_B", "lora_embedding_B")
+        n: ("lora_E",) if type(c).__name__ == "AdaLoraConfig" else ("lora_B", "lora_embedding_A")
         for m in model.modules()
         for n, c in _peft_configs(m).items()
         if getattr(c, "init_lora_weights", True) in ZERO_B_INITS
     }
-    found = set()
-    for layer in lora_layers(model).values():
+    found = []
+    for layer_name, layer in lora_layers(model).items():
         for name, attrs in zero_init.items():
             for attr in attrs:
                 container = getattr(layer, attr, None)
                 if not isinstance(container, (nn.ModuleDict, nn.ParameterDict)) or name not in container:
                     continue
+                holder = container[name] if isinstance(container, nn.ModuleDict) else container
                 tensors = container[name].parameters() if isinstance(container, nn.ModuleDict) else [container[name]]
-                if any(bool(t.detach().ne(0).any()) for t in tensors):
-                    found.add(name)
-    return sorted(found)
+                linked = getattr(getattr(holder, "dpzoo_spending", None), "history", None)
+                if (
+                    not linked
+                    and any(bool(t.detach().ne(0).any()) for t in tensors)
+                    and (layer_name, name) not in found
+                ):
+                    found.append((layer_name, name))
+    return found

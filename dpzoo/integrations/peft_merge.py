@@ -1,36 +1,46 @@
 """A LoRA adapter merged into its base layer keeps its provenance.
 
-PEFT's ``merge_and_unload()`` (and ``merge_adapter()`` followed by ``unload()``) adds each
-adapter's ΔW to the base layer and puts the base layer back in the model. The adapter's
-weights, and with them anything dpzoo could see (a trained factor that starts at zero, the
-engine's spending link), are gone: an adapter DP-trained elsewhere and loaded without its record
-would then start a fresh budget on the merged model. This module watches that one event, the
-tuner layer being replaced in its parent, through torch's global module-registration hook:
+PEFT's merge (``merge_and_unload()``, ``merge_adapter()``, a tuner layer's ``merge()``) adds each
+adapter's ΔW to the base layer's weights. The adapter's weights, and with them anything dpzoo could
+see (a trained factor, the engine's spending link), may then vanish: an adapter DP-trained elsewhere
+and loaded without its record would start a fresh budget on the merged model. This module watches
+the merge itself, by wrapping every PEFT tuner layer's ``merge`` / ``unmerge`` and the tuner
+models' ``merge_and_unload`` / ``merge_adapter``:
 
 * an adapter a dpzoo engine trained hands its :class:`~dpzoo.privacy.budget.SpendingLink` to the
-  base layer, so the merged model composes that spending (also when one of its layers is reused);
-* an adapter that changes the weights (a zero-started factor is not zero; or a tuner family whose
-  ΔW cannot be told zero) and carries no link marks the base layer (``dpzoo_merged_adapters``):
-  ``make_private`` refuses the model until its record is composed or the data are stated disjoint
-  (:func:`dpzoo.privacy.budget.prior_spending`).
+  base layer (the longer history wins), so the merged model composes that spending;
+* an adapter whose ΔW is not zero and that carries no link marks the base layer
+  (``dpzoo_merged_adapters``), and a tuner model's merge writes the marks into every Hugging Face
+  config of the model (``config.dpzoo_merged_adapters``), so ``save_pretrained`` /
+  ``from_pretrained`` keep them. ``make_private`` and ``dpzoo.save`` refuse a marked model until
+  the user states its record or that the data are disjoint (``dpzoo_privacy``, on the model or a
+  module holding the layer; one ``dpzoo.load`` attached does not count), and a run that composed
+  the statement clears the marks (its own spending link now covers the weights).
 
-It is installed by ``import dpzoo``: at once if PEFT is imported, else right after PEFT's import
-(a finder on ``sys.meta_path``), so ``import dpzoo`` stays free of torch. A merge done in another
-process, or before dpzoo was imported, leaves no trace in memory, like any weights loaded with
-``load_state_dict``; the record then has to be composed by the user (GUIDE, "Provenance").
+torch's global module-registration hook carries marks and links when a module holding them is
+replaced in its parent (a tuner layer unloaded into a new module, dpzoo's own surgery).
+
+Installed by ``import dpzoo``: at once if PEFT is imported, else right after PEFT's import
+finishes (a finder on ``sys.meta_path`` that stays until then), so ``import dpzoo`` stays free of
+torch. A merge done in another process, or before dpzoo was imported, leaves nothing in memory
+to see, like any weights loaded with ``load_state_dict``.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import sys
 from typing import Any
 
-__all__ = ["MARK", "install", "merged_without_record"]
+from ..errors import PrivacyUsageError
+from ..privacy_record import LoadedRecord
 
-MARK = "dpzoo_merged_adapters"  # attribute on a base layer: the adapters merged into it with no record
-_ZERO_STARTED = ("lora_B", "lora_embedding_B", "lora_E")  # factors that start at zero (AdaLoRA: lora_E)
+__all__ = ["MARK", "install", "merged_without_record", "refuse_unknown_origin", "clear_marks"]
+
+MARK = "dpzoo_merged_adapters"  # on a base layer (a list) and on a Hugging Face config (a sorted list)
+FINGERPRINTS = "dpzoo_merged_deltas"  # on a base layer: {adapter: fingerprint of the ΔW merged}
 _installed: list[Any] = []  # the torch hook handle, once registered
 
 
@@ -38,26 +48,26 @@ def install() -> None:
     """Watch PEFT merges from now on (idempotent); defers until PEFT is imported."""
     if _installed:
         return
-    if "peft" in sys.modules:
+    if "peft.tuners.tuners_utils" in sys.modules:
         _register()
     elif not any(isinstance(f, _AfterPeftImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterPeftImport())
 
 
-def merged_without_record(module) -> list[tuple[str, str]]:
-    """(layer name, adapter name) for every adapter merged into a layer of ``module`` whose
-    provenance is unknown (see the module docstring)."""
-    return [(name, adapter) for name, m in module.named_modules() for adapter in m.__dict__.get(MARK, ())]
-
-
 class _AfterPeftImport(importlib.abc.MetaPathFinder):
-    """Runs :func:`_register` right after ``import peft`` finishes, then leaves ``sys.meta_path``."""
+    """Runs :func:`_register` once ``import peft`` has executed; a probe (``importlib.util.find_spec``,
+    as transformers' ``is_peft_available`` does) leaves it in place."""
+
+    searching = False
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != "peft":
+        if fullname != "peft" or self.searching:
             return None
-        sys.meta_path.remove(self)  # one import to watch; the real finders find it
-        spec = importlib.util.find_spec(fullname)
+        self.searching = True  # the real finders, not this one, find the spec
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self.searching = False
         if spec is not None and spec.loader is not None:
             spec.loader = _RegisterAfter(spec.loader)
         return spec
@@ -76,28 +86,151 @@ class _RegisterAfter(importlib.abc.Loader):
 
 
 def _register() -> None:
-    if not _installed:
-        from torch.nn.modules.module import register_module_module_registration_hook
+    if _installed:
+        return
+    from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
+    from torch.nn.modules.module import register_module_module_registration_hook
 
-        _installed.append(register_module_module_registration_hook(_on_child_assigned))
+    _installed.append(register_module_module_registration_hook(_on_child_assigned))
+    for cls in _subclasses(BaseTunerLayer):
+        _wrap_layer_class(cls)
+    previous = BaseTunerLayer.__dict__.get("__init_subclass__")
+
+    def init_subclass(cls, **kwargs):  # tuner layers defined later (lazily imported families)
+        (previous.__func__(cls, **kwargs) if previous else super(BaseTunerLayer, cls).__init_subclass__(**kwargs))
+        _wrap_layer_class(cls)
+
+    BaseTunerLayer.__init_subclass__ = classmethod(init_subclass)  # type: ignore[assignment]
+    for cls in _subclasses(BaseTuner):
+        for name in ("merge_and_unload", "merge_adapter"):
+            _wrap(cls, name, _after_model_merge)
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterPeftImport)]
+
+
+def _subclasses(cls) -> list:
+    out, todo = [cls], [cls]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in out:
+                out.append(sub)
+                todo.append(sub)
+    return out
+
+
+def _wrap(cls, name: str, make) -> None:
+    fn = cls.__dict__.get(name)
+    if fn is not None and not getattr(fn, "dpzoo_watched", False):
+        wrapped = functools.wraps(fn)(make(fn))
+        wrapped.dpzoo_watched = True  # type: ignore[attr-defined]
+        setattr(cls, name, wrapped)
+
+
+def _wrap_layer_class(cls) -> None:
+    _wrap(cls, "merge", _after_merge)
+    _wrap(cls, "unmerge", _after_unmerge)
+
+
+def _after_merge(fn):
+    def merge(self, *args, **kwargs):
+        before = list(getattr(self, "merged_adapters", ()))
+        out = fn(self, *args, **kwargs)
+        _note_merged(self, [a for a in getattr(self, "merged_adapters", ()) if a not in before])
+        return out
+
+    return merge
+
+
+def _after_unmerge(fn):
+    def unmerge(self, *args, **kwargs):
+        before = {a: _fingerprint(self, a) for a in getattr(self, "merged_adapters", ())}
+        out = fn(self, *args, **kwargs)
+        base = _base_layer_of(self)
+        merged = base.__dict__.get(FINGERPRINTS, {}) if base is not None else {}
+        for adapter, print_ in before.items():
+            # the ΔW subtracted is the one merged (PEFT re-initialising an adapter unmerges a zero ΔW)
+            if (
+                adapter not in getattr(self, "merged_adapters", ())
+                and print_ is not None
+                and merged.get(adapter) == print_
+            ):
+                base.__dict__[MARK] = [a for a in base.__dict__.get(MARK, []) if a != adapter]
+                merged.pop(adapter)
+        return out
+
+    return unmerge
+
+
+def _after_model_merge(fn):
+    def method(self, *args, **kwargs):
+        out = fn(self, *args, **kwargs)
+        model = out if hasattr(out, "named_modules") else getattr(self, "model", None)
+        if model is not None:
+            _write_config_marks(model)
+        return out
+
+    return method
+
+
+def _base_layer_of(layer):
+    get = getattr(layer, "get_base_layer", None)
+    return get() if callable(get) else None
+
+
+def _note_merged(layer, adapters: list) -> None:
+    """The merged adapters' provenance, on the base layer their ΔW now lives in."""
+    base = _base_layer_of(layer)
+    if base is None:
+        return
+    for adapter in adapters:
+        link = _spending_link(layer, adapter)
+        if link is not None:
+            _give_link(base, link)
+        elif _changes_weights(layer, adapter):
+            marks = base.__dict__.setdefault(MARK, [])
+            if adapter not in marks:
+                marks.append(adapter)
+            base.__dict__.setdefault(FINGERPRINTS, {})[adapter] = _fingerprint(layer, adapter)
+
+
+def _give_link(module, link) -> None:
+    mine = getattr(module, "dpzoo_spending", None)
+    if mine is None or _steps(mine) < _steps(link):  # the longer history covers more (it composed the other)
+        object.__setattr__(module, "dpzoo_spending", link)
+
+
+def _steps(link) -> int:
+    return sum(int(h[2]) for h in getattr(link, "history", ()))
+
+
+def _write_config_marks(model) -> None:
+    adapters = sorted({a for _, a in merged_without_record(model, configs=False)})
+    if not adapters:
+        return
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        if config is not None and hasattr(config, "to_json_string"):
+            setattr(config, MARK, sorted(set(getattr(config, MARK, None) or []) | set(adapters)))
 
 
 def _on_child_assigned(parent, name: str, value) -> None:
-    """torch calls this before ``parent.<name> = value``: a PEFT tuner layer with merged adapters
-    replaced by its (merged) base layer is the merge whose provenance must survive."""
+    """torch calls this before ``parent.<name> = value``: marks and spending links of the module
+    replaced move to its replacement (a tuner layer unloaded, a layer converted by surgery)."""
     old = parent.__dict__.get("_modules", {}).get(name)
-    merged = getattr(old, "merged_adapters", None)
-    if value is None or old is value or not merged or hasattr(value, "merged_adapters"):
+    if value is None or old is None or old is value:
         return None
-    for adapter in merged:
-        link = _spending_link(old, adapter)
-        if link is not None:
-            if getattr(value, "dpzoo_spending", None) is None:
-                object.__setattr__(value, "dpzoo_spending", link)
-        elif _changes_weights(old, adapter):
+    holders = [m for m in (old, _base_layer_of(old)) if m is not None and m is not value]
+    if not any(MARK in m.__dict__ or "dpzoo_spending" in m.__dict__ for m in holders):
+        return None
+    if any(m is old for m in value.modules()):  # old is wrapped, not replaced (a tuner layer around it)
+        return None
+    for m in holders:
+        for adapter in m.__dict__.get(MARK, ()):
             marks = value.__dict__.setdefault(MARK, [])
             if adapter not in marks:
                 marks.append(adapter)
+        link = m.__dict__.get("dpzoo_spending")
+        if getattr(link, "history", None):
+            _give_link(value, link)
     return None
 
 
@@ -119,9 +252,83 @@ def _spending_link(layer, adapter: str):
     return None
 
 
+def _fingerprint(layer, adapter: str) -> tuple[float, float] | None:
+    """Two float64 sums of the adapter's ΔW (None where it cannot be formed)."""
+    import torch
+
+    try:
+        with torch.no_grad():
+            delta = layer.get_delta_weight(adapter).double()
+    except Exception:  # noqa: BLE001 - no ΔW for this family: never taken for an unmerge
+        return None
+    return float(delta.sum()), float(delta.abs().sum())
+
+
 def _changes_weights(layer, adapter: str) -> bool:
-    """False only when a factor that starts at zero is still zero (ΔW = 0): the adapter was never
-    trained. Tuner families without such a factor are taken to change the weights."""
-    entries = [e for e in (_entry(getattr(layer, a, None), adapter) for a in _ZERO_STARTED) if e is not None]
-    tensors = [t for e in entries for t in (e.parameters() if hasattr(e, "parameters") else [e])]
-    return not entries or any(bool(t.detach().ne(0).any()) for t in tensors)
+    """Whether the adapter's ΔW is not exactly zero (a tuner family without ``get_delta_weight``,
+    e.g. IA³'s scaling, is taken to change the weights)."""
+    import torch
+
+    delta = getattr(layer, "get_delta_weight", None)
+    if not callable(delta):
+        return True
+    bias = getattr(_entry(getattr(layer, "lora_B", None), adapter), "bias", None)
+    if bias is not None and bool(bias.detach().ne(0).any()):  # LoRA's lora_bias: merged into the base bias
+        return True
+    try:
+        with torch.no_grad():
+            return bool(delta(adapter).ne(0).any())
+    except Exception:  # noqa: BLE001 - a family whose ΔW cannot be formed here: assume it changed
+        return True
+
+
+def merged_without_record(module, configs: bool = True) -> list[tuple[str, str]]:
+    """(module name, adapter name) for every adapter merged into ``module``'s layers with no record
+    (and, with ``configs``, named by a Hugging Face config the model was loaded with)."""
+    out = [(name, a) for name, m in module.named_modules() for a in m.__dict__.get(MARK, ())]
+    if configs:  # a config shared by nested modules (a PeftModel, its HF model, its backbone): the innermost
+        owner = {
+            id(getattr(m, "config", None)): (name, m.config)
+            for name, m in module.named_modules()
+            if hasattr(m, "config")
+        }
+        for name, config in owner.values():
+            out += [(name, a) for a in (getattr(config, MARK, None) or []) if isinstance(a, str)]
+    return out
+
+
+def _stated(module) -> bool:
+    """The user stated this module's provenance: a ``dpzoo_privacy`` record or ``{}`` they set."""
+    meta = module.__dict__.get("dpzoo_privacy")
+    return meta is not None and not isinstance(meta, LoadedRecord)
+
+
+def refuse_unknown_origin(module, unknown: list[tuple[str, str, str]]) -> None:
+    """Refuse ``unknown`` ((layer, adapter, what)) not covered by a statement on ``module`` or on a
+    module holding the layer; every one is named, so one statement is made for all of them."""
+    covered = {name for name, m in module.named_modules() if _stated(m)}
+    left = [u for u in unknown if not any(c == "" or u[0] == c or u[0].startswith(c + ".") for c in covered)]
+    if not left:
+        return
+    grouped: dict[tuple[str, str], list[str]] = {}
+    for layer, adapter, what in left:
+        grouped.setdefault((what, adapter), []).append(layer or "the model")
+    names = "; ".join(
+        f"{what} {adapter!r} in {layers[0]}" + (f" and {len(layers) - 1} more layers" if len(layers) > 1 else "")
+        for (what, adapter), layers in grouped.items()
+    )
+    raise PrivacyUsageError(
+        f"Trained LoRA weights of unknown origin ({names}) and no privacy record for them: if they come "
+        "from a DP run, compose its budget with model.dpzoo_privacy = "
+        "dpzoo.integrations.transformers.read_privacy_metadata(ADAPTER_DIR); if they were trained on other data "
+        "than this run's, set model.dpzoo_privacy = {} (recorded in the metadata as a stated assumption)."
+    )
+
+
+def clear_marks(module) -> None:
+    """Forget the merge marks of ``module`` once a run composed the user's statement about them."""
+    for m in module.modules():
+        m.__dict__.pop(MARK, None)
+        config = getattr(m, "config", None)
+        if config is not None and getattr(config, MARK, None) is not None:
+            delattr(config, MARK)

@@ -70,6 +70,9 @@ def link_spending(module: nn.Module, accountant: Accountant) -> None:
         config = getattr(m, "config", None)
         if config is not None and hasattr(config, "to_json_string"):
             config.dpzoo_privacy = {"accountant": accountant.name, "history": accountant.history}
+    from ..integrations.peft_merge import clear_marks
+
+    clear_marks(module)  # merged adapters the user stated a record for: this spending now covers them
 
 
 def recorded_origin(module: nn.Module) -> tuple[dict, str] | None:
@@ -100,6 +103,7 @@ def prior_spending(module: nn.Module, earlier: list) -> list:
     last σ, q and step count), the record a Hugging Face reload carries (:func:`recorded_origin`).
     [] for a model with none, and for a loaded one whose ``dpzoo_privacy`` the user set to ``{}``
     (new data disjoint from the earlier run's)."""
+    refuse_weights_of_unknown_origin(module)
     if earlier:
         return [list(h) for h in earlier]
     if getattr(module, "dpzoo_privacy", None) == {}:
@@ -108,10 +112,7 @@ def prior_spending(module: nn.Module, earlier: list) -> list:
     if found:
         return found
     meta = recorded_origin(module)
-    if meta is None:
-        _refuse_adapters_of_unknown_origin(module)
-        return []
-    return history_of(meta[0])
+    return [] if meta is None else history_of(meta[0])
 
 
 def spent_inside(module: nn.Module) -> list:
@@ -147,29 +148,20 @@ def history_of(meta: dict) -> list:
     return [[float(meta["noise_multiplier"]), float(meta["sample_rate"]), int(meta["steps"])]]
 
 
-def _refuse_adapters_of_unknown_origin(module: nn.Module) -> None:
-    """A LoRA adapter that was trained before (lora_B no longer the zero it starts at) and carries
-    no record, in the model or merged into one of its layers: PEFT's from_pretrained keeps no
-    trace of the directory a DP run saved it to, with its dpzoo_privacy.json, and its
-    merge_and_unload() none of the adapter, so its spending cannot be found; the user says which
-    applies."""
+def refuse_weights_of_unknown_origin(module: nn.Module) -> None:
+    """Trained LoRA weights no record accounts for: an adapter trained before (a factor that starts
+    at zero is not) with no engine's link, and adapters merged into a layer without one
+    (:mod:`dpzoo.integrations.peft_merge`). PEFT's from_pretrained keeps no trace of the directory
+    a DP run saved the adapter to, and its merge none of the adapter, so the user says which
+    applies, on the model or on the module that holds them; refused otherwise, whatever else the
+    model carries."""
     from ..integrations.peft_layers import trained_adapters
-    from ..integrations.peft_merge import merged_without_record
+    from ..integrations.peft_merge import merged_without_record, refuse_unknown_origin
 
-    names = trained_adapters(module)
-    merged = merged_without_record(module)
-    if not names and not merged:
-        return
-    what = (
-        f"LoRA adapter {names[0]!r} already has trained weights (a factor that starts at zero, lora_B or AdaLoRA's lora_E, is not)"
-        if names
-        else f"Layer {merged[0][0]!r} has a trained LoRA adapter, {merged[0][1]!r}, merged into its weights (PEFT's merge)"
-    )
-    raise PrivacyUsageError(
-        f"{what} and no privacy record: if it comes from a DP run, compose its budget with model.dpzoo_privacy = "
-        "dpzoo.integrations.transformers.read_privacy_metadata(ADAPTER_DIR); if it was trained on other data than this run's, "
-        "set model.dpzoo_privacy = {} (recorded in the metadata as a stated assumption)."
-    )
+    unknown = [(layer, a, "adapter") for layer, a in trained_adapters(module)]
+    unknown += [(layer, a, "merged adapter") for layer, a in merged_without_record(module)]
+    if unknown:
+        refuse_unknown_origin(module, unknown)
 
 
 def stated_assumptions(module: nn.Module) -> list[str]:
