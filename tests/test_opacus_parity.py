@@ -549,3 +549,54 @@ def test_privacy_metadata_refuses_what_would_be_false():
             optimizer=torch.optim.SGD([nn.Parameter(torch.zeros(1))]),
             data_loader=POISSON,
         )
+
+
+def test_a_model_opacus_trained_carries_its_spending_into_a_dpzoo_run():
+    """dpzoo.engines.opacus.make_private links Opacus' accountant to the model: a dpzoo engine on
+    the same model later composes Opacus' steps instead of starting a fresh budget."""
+    zoo = _zoo()
+    engine, model, opt, loader = _opacus_train(zoo, steps=2)
+    plain = model.to_standard_module()
+    plain.zero_grad(set_to_none=True)
+    again = dpzoo.PrivacyEngine(accountant="opacus-rdp")
+    again.make_private(
+        module=plain,
+        optimizer=torch.optim.SGD(plain.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(torch.randn(16, 3, 8, 8), torch.randint(0, 3, (16,))), batch_size=8),
+        noise_multiplier=1.3,
+        max_grad_norm=0.8,
+    )
+    assert again.accountant.history == [[1.3, 0.5, 2]]
+    assert again.get_epsilon(1e-5) == pytest.approx(engine.get_epsilon(1e-5), rel=1e-9)
+
+
+def test_counting_survives_ghost_clipping_pickling_and_refuses_another_engines_loader():
+    import pickle
+
+    data = _ds(32)
+    engines, loaders = [], []
+    for _ in range(2):
+        model = _mlp()
+        engine = opacus.PrivacyEngine()
+        made = dpzoo_opacus_make_private(
+            engine,
+            module=model,
+            optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+            criterion=nn.CrossEntropyLoss(),
+            data_loader=DataLoader(data, batch_size=8),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            grad_sample_mode="ghost",
+        )
+        wrapped, opt, criterion, loader = made
+        for _, (x, y) in zip(range(2), loader):
+            criterion(wrapped(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        engines.append(engine)
+        loaders.append(loader)
+    assert privacy_metadata(engines[0], 1e-5, data_loader=loaders[0])["steps"] == 2
+    with pytest.raises(PrivacyUsageError, match="another Opacus engine"):
+        privacy_metadata(engines[1], 1e-5, data_loader=loaders[0])
+    copy = pickle.loads(pickle.dumps(loaders[0].batch_sampler))
+    assert isinstance(copy, opacus.utils.uniform_sampler.UniformWithReplacementSampler) and copy.dpzoo_drawn == 2

@@ -28,9 +28,10 @@ from ..errors import MissingDependencyError, UnsupportedModuleError
 from ..grad_norms import reps as R
 from ..grad_norms import rules  # noqa: F401  (registers the built-in rules in RULES)
 from ..grad_norms.registry import RULES, find_rule
+from ..privacy.budget import SpendingLink
 from ..surgery.tied import find_tied_parameters
 
-__all__ = ["register_opacus_rules", "make_private", "check_opacus_compatible"]
+__all__ = ["register_opacus_rules", "make_private", "check_opacus_compatible", "link_opacus_spending", "OpacusSpending"]
 
 _REPLACE = (nn.Embedding,)  # Opacus' samplers for these are wrong with padding_idx / strided ids
 
@@ -103,12 +104,38 @@ def check_opacus_compatible(module: nn.Module, grad_sample_mode: str = "hooks") 
 def make_private(privacy_engine, *, module: nn.Module, grad_sample_mode: str = "hooks", **kwargs: Any):
     """``privacy_engine.make_private(...)`` with dpzoo's rules registered and checked first; its
     Poisson loader counts the batches it draws (:func:`dpzoo.integrations.opacus.count_batches`),
-    so that ``privacy_metadata`` can tell the steps trained on them."""
+    so that ``privacy_metadata`` can tell the steps trained on them, and the model carries Opacus'
+    spending (:class:`OpacusSpending`), so a later dpzoo engine on it composes that spending."""
     from ..integrations.opacus import count_batches, is_poisson_loader
 
     check_opacus_compatible(module, grad_sample_mode)
     register_opacus_rules()
     made = privacy_engine.make_private(module=module, grad_sample_mode=grad_sample_mode, **kwargs)
-    if is_poisson_loader(made[2]):
-        count_batches(made[2])
+    if is_poisson_loader(made[-1]):  # (module, optimizer, [criterion,] data_loader)
+        count_batches(made[-1], privacy_engine)
+    link_opacus_spending(module, privacy_engine.accountant)
     return made
+
+
+class OpacusSpending(SpendingLink):
+    """What Opacus' accountant recorded for a model, as dpzoo's spending link: a dpzoo engine on
+    the same model later (``to_standard_module()``, a layer reused) composes it; an earlier link
+    on the model comes first."""
+
+    def __init__(self, opacus_accountant, earlier: SpendingLink | None = None):
+        self.opacus, self.earlier = opacus_accountant, earlier
+
+    @property
+    def history(self) -> list:
+        before = self.earlier.history if self.earlier is not None else []
+        return before + [[float(s), float(q), int(n)] for s, q, n in self.opacus.history]
+
+
+def link_opacus_spending(module: nn.Module, opacus_accountant) -> None:
+    """Put an :class:`OpacusSpending` on ``module`` and every layer it trains."""
+    for m in module.modules():
+        if m is not module and not any(p.requires_grad for p in m.parameters(recurse=False)):
+            continue
+        earlier = getattr(m, "dpzoo_spending", None)
+        if not (isinstance(earlier, OpacusSpending) and earlier.opacus is opacus_accountant):
+            object.__setattr__(m, "dpzoo_spending", OpacusSpending(opacus_accountant, earlier))

@@ -35,6 +35,7 @@ from typing import Any, Mapping
 from torch import nn
 
 from ..errors import AccountingError, MissingDependencyError, PrivacyUsageError, SaveError
+from ..live_ref import LiveRef
 from ..privacy.accountant import accountant_spec
 from ..privacy.metadata import check_delta
 
@@ -139,24 +140,33 @@ def is_poisson_loader(data_loader) -> bool:
 _COUNTING: dict[type, type] = {}  # Opacus sampler type -> its counting subclass
 
 
-def count_batches(data_loader):
+def count_batches(data_loader, opacus_engine=None):
     """``data_loader`` (Opacus' Poisson loader, as its ``make_private`` returned it) made to count
     the batches it draws, in place, and returned: :func:`privacy_metadata` refuses a run that took
-    more steps than its loader drew, since Opacus' ε holds only for the Poisson batches. The
-    sampler stays an instance of its Opacus class (``BatchMemoryManager`` wraps it as before).
-    Apply it before the first batch is drawn; ``dpzoo.engines.opacus.make_private`` does."""
+    more steps than its loader drew, since Opacus' ε holds only for the Poisson batches, and (with
+    ``opacus_engine``, the engine that made it) a loader another engine made. The sampler stays
+    an instance of its Opacus class (``BatchMemoryManager`` wraps it as before). Apply it before
+    the first batch is drawn; ``dpzoo.engines.opacus.make_private`` does."""
     if not is_poisson_loader(data_loader):
         raise PrivacyUsageError(
             f"count_batches needs Opacus' Poisson loader (the one make_private returned with poisson_sampling=True), "
             f"got {type(data_loader).__name__}."
         )
-    sampler = next(s for s in _batch_samplers(data_loader) if type(s).__module__ == "opacus.utils.uniform_sampler")
+    samplers = sys.modules["opacus.utils.uniform_sampler"]
+    poisson = (samplers.UniformWithReplacementSampler, samplers.DistributedUniformWithReplacementSampler)
+    sampler = next(s for s in _batch_samplers(data_loader) if isinstance(s, poisson))
     if not hasattr(sampler, "dpzoo_drawn"):
         base = type(sampler)
-        if base not in _COUNTING:
-            _COUNTING[base] = type(base.__name__, (base,), {"__iter__": _counted_iter, "__module__": base.__module__})
+        if base not in _COUNTING:  # a module-level name of its own, so the sampler still pickles
+            name = f"Counting{base.__name__}"
+            _COUNTING[base] = type(
+                name, (base,), {"__iter__": _counted_iter, "__module__": __name__, "__qualname__": name}
+            )
+            globals()[name] = _COUNTING[base]
         sampler.__class__ = _COUNTING[base]
         sampler.dpzoo_drawn = 0
+    if opacus_engine is not None:
+        sampler.dpzoo_accountant = LiveRef(getattr(opacus_engine, "accountant", None))
     return data_loader
 
 
@@ -228,6 +238,11 @@ def privacy_metadata(opacus_engine, delta: float, *, optimizer=None, data_loader
             "Poisson sampling, which does not hold for these batches. Train with poisson_sampling=True."
         )
     drawn = _drawn(data_loader)
+    owner = next((s.dpzoo_accountant() for s in _batch_samplers(data_loader) if hasattr(s, "dpzoo_accountant")), None)
+    if owner is not None and owner is not accountant:
+        raise PrivacyUsageError(
+            "This data loader was made by another Opacus engine's make_private: pass the loader this engine returned."
+        )
     if drawn is None:
         raise PrivacyUsageError(
             "The data loader does not count the batches it drew, so nothing tells whether the steps trained on them: "
