@@ -81,3 +81,35 @@ def test_dpformer_reattention_state_round_trips():
     assert float(loaded.reattention.noise_std) == pytest.approx(0.5)
     with torch.no_grad():
         assert torch.equal(loaded(ids), model(ids))
+
+
+def test_a_model_made_private_pickles_after_detach_and_keeps_its_spending():
+    """torch.save of a whole model after make_private and detach() failed on the weak references to
+    the engine and the hooks; they are dropped on pickling (the engine lives in this process only),
+    and the reloaded model composes the spending it carries (its spending link)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3))
+    engine = dpzoo.PrivacyEngine()
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(torch.randn(32, 4), torch.randint(0, 3, (32,))), batch_size=8),
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+    )
+    for x, y in loader:
+        if len(y):
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    engine.detach()
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    again = torch.load(buffer, weights_only=False)
+    from dpzoo.privacy.engine import engine_of
+
+    assert engine_of(again) is None
+    assert again.dpzoo_spending.history == [list(h) for h in engine.accountant.history]

@@ -37,13 +37,13 @@ Privacy unit: one row of the batch (batch-first; a whole sequence), or the rows
 from __future__ import annotations
 
 import contextlib
-import weakref
 
 import torch
 import torch._dynamo
 from torch import nn
 
 from ..errors import InvalidArgumentError, PrivacyUsageError, UnsupportedModuleError
+from ..live_ref import LiveRef
 from . import reps as R
 from .assembly import assemble
 from .audit import check_step, count_edges, stray_grad_hook
@@ -113,7 +113,7 @@ class NormHooks:
             # the loss, whose graph dpzoo does not walk on loss.backward()).
             for name, p in self._plan.params.items():
                 self._rec.handles.append(p.register_hook(stray_grad_hook(self._rec, name)))
-        model._dpzoo_norm_hooks = weakref.ref(self)
+        model._dpzoo_norm_hooks = LiveRef(self)
         # torch.compile: dynamo skips guards on module hooks by default, so a graph traced from a
         # model without these hooks (this one before, or another instance of its class) would run
         # here without them: guard hooks from now on, and drop what a compiled model traced before

@@ -26,7 +26,6 @@ checks that keep ε true (``guards``), each forward's and step's duties (``watch
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Iterable
 
 import torch
@@ -36,6 +35,7 @@ from torch.utils.data import DataLoader
 from ..errors import DPZooError, PrivacyUsageError
 from ..grad_norms import attach_norm_hooks
 from ..grad_norms.cost import check_budget
+from ..live_ref import LiveRef
 from .accountant import Accountant, accountant_spec
 from .arguments import (
     check_layers,
@@ -256,7 +256,7 @@ class PrivacyEngine(OpacusParity):
         from ..integrations.peft_layers import wrapped_model  # peft_layers imports privacy
 
         for m in (module, wrapped_model(module)[1]):  # a PEFT model's merge_and_unload() keeps the record
-            m._dpzoo_engine = weakref.ref(self)
+            m._dpzoo_engine = LiveRef(self)
             link_spending(m, self.accountant)  # outlives this engine, travels with copies and save_pretrained
         return module, self.optimizer, loader
 
