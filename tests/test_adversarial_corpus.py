@@ -268,16 +268,24 @@ def _timm_vit(b=3, img=16, **kw):
     return m, b
 
 
-def _convnext(**kw):
+def _convnext(dp_ready=False, **kw):
     from timm.models.convnext import ConvNeXt  # timm.create_model drops None keyword arguments
 
     torch.manual_seed(0)
     m = ConvNeXt(depths=(1, 1, 1, 1), dims=(8, 8, 16, 16), num_classes=3, **kw)
-    return Case(_f64(m), _x(2, 3, 32, 32), probe_loss)
+    return Case(_f64(dpzoo.make_dp_ready(m) if dp_ready else m), _x(2, 3, 32, 32), probe_loss)
 
 
 def timm_convnext_layerscale():
     return _convnext()
+
+
+def timm_convnext_layerscale_dp_ready():
+    return _convnext(dp_ready=True)
+
+
+def timm_convnext_conv_mlp_layerscale_dp_ready():
+    return _convnext(dp_ready=True, conv_mlp=True)
 
 
 def timm_convnext_no_layerscale():
@@ -1647,6 +1655,8 @@ EXACT, REFUSED = "exact", "refused"
 CASES: dict[str, tuple[str, Callable[[], Case]]] = {
     # --- timm ---
     "timm/convnext-layerscale-gamma": (REFUSED, timm_convnext_layerscale),  # gamma: a loose (C,) parameter
+    "timm/convnext-layerscale-dp-ready": (EXACT, timm_convnext_layerscale_dp_ready),  # γ moved into LayerScale
+    "timm/convnext-conv-mlp-layerscale-dp-ready": (EXACT, timm_convnext_conv_mlp_layerscale_dp_ready),
     "timm/convnext-no-layerscale": (EXACT, timm_convnext_no_layerscale),  # LayerNorm2d, depthwise conv
     "timm/convnext-conv-mlp": (EXACT, timm_convnext_conv_mlp),
     "timm/mobilenetv3-batchnorm": (REFUSED, timm_mobilenetv3_bn),  # BatchNorm mixes samples

@@ -17,6 +17,7 @@ ENTRIES = [
     "mlp-tanh",
     "wrn16-4-gn",
     "resnet18-gn-bias",
+    "convnext-tiny",
     "vit-tiny-patch16",
     "gpt2",
     "llama-tiny-bias",

@@ -12,6 +12,7 @@ from .bias import add_missing_biases, missing_biases
 from .groupnorm import GroupSpec, convert_batchnorm
 from .inplace import disable_inplace
 from .layers import replace_layers
+from .layerscale import move_layer_scales
 from .tied import TiedGroup, find_tied_parameters
 
 __all__ = ["make_dp_ready", "check_dp_ready", "PatchReport", "patch_report"]
@@ -92,7 +93,8 @@ def make_dp_ready(
 
     1. BatchNorm → GroupNorm with γ, β copied (:func:`dpzoo.surgery.convert_batchnorm`).
     2. ``nn.MultiheadAttention`` / ``nn.LSTM`` / ``nn.GRU`` / ``nn.RNN`` → dpzoo's DP-ready equivalents
-       built from ``nn.Linear``, weights copied (:func:`dpzoo.surgery.replace_layers`).
+       built from ``nn.Linear``, weights copied (:func:`dpzoo.surgery.replace_layers`); a timm
+       ConvNeXt block's loose layer scale moved into a module (:mod:`dpzoo.surgery.layerscale`).
     3. BiTFiT-Add: zero biases where missing (:func:`dpzoo.surgery.add_missing_biases`).
     4. No in-place ops that break backward hooks (:func:`dpzoo.surgery.disable_inplace`).
     5. Tied parameters recorded (:func:`dpzoo.surgery.find_tied_parameters`).
@@ -121,6 +123,9 @@ def make_dp_ready(
         model, lr = replace_layers(model)
         report.layers_replaced = lr.replaced
         report.not_patched.update(lr.not_patched)
+        moved, left = move_layer_scales(model)
+        report.layers_replaced.update(moved)
+        report.not_patched.update(left)
     if add_bias:
         br = add_missing_biases(
             model, exclude=bias_exempt, init=bias_init, std=bias_std, norms=norm_bias, seed=bias_seed
