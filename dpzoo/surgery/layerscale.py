@@ -52,6 +52,7 @@ def _move(block: nn.Module) -> str | None:
     if "forward" in vars(block) or block._forward_hooks or block._forward_pre_hooks:
         return "its forward was replaced or hooked on the instance: left alone"
     gamma = block.gamma
+    assert isinstance(gamma, nn.Parameter)  # a ConvNeXtBlock with a layer scale (checked by the caller)
     scale = (LayerScale2d if block.use_conv_mlp else LayerScale)(gamma.shape[0], device=gamma.device, dtype=gamma.dtype)
     scale.gamma = gamma  # the same Parameter: the optimizer and requires_grad follow it
     x = _probe_input(block, gamma)
