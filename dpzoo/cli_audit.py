@@ -32,7 +32,7 @@ def _audit_run(args) -> int:
     import torch
 
     from .audit import audit_record, record_audit
-    from .audit.of_record import replacing_audit
+    from .audit.recorded import replacing_audit
     from .hub import run_model_directory
     from .integrations.trainer_save import read_privacy_metadata
 
@@ -59,7 +59,7 @@ def _audit_run(args) -> int:
         print(
             f"  control, every clip doubled: ε ≥ {control.epsilon_lower_bound:.3f} against {control.claimed_epsilon:.3f}: {caught}"
         )
-    block = record_audit(directory, result, control)
+    block = record_audit(directory, result, control, seed=args.seed)
     if args.out:
         from .run_io import writable_dir
 
@@ -69,7 +69,11 @@ def _audit_run(args) -> int:
     print(f"recorded in {directory}/README.md and dpzoo_audit.json")
     if block["exceeds"]:
         return 1
-    return 3 if control is not None and not control.exceeds else 0
+    if block["max_auditable_epsilon"] <= block["claimed_epsilon"]:
+        print(f"this audit could not have refuted ε = {block['claimed_epsilon']:.3g} (the most it can show is "
+              f"{block['max_auditable_epsilon']:.3g}): more --canaries, or it cannot vouch at these settings")  # fmt: skip
+        return 3
+    return 3 if control is not None and not block["control_sensitivity_2x"]["caught"] else 0
 
 
 def _cmd_audit(args) -> int:

@@ -47,6 +47,12 @@ def registry_record(
         loss["number_of_privacy_units"] = int(record["users"])
     loss["privacy_parameters"] = {"epsilon": float(record["epsilon"]), "delta": float(record["delta"])}
     loss["privacy_parameters_details"] = _parameter_details(record)
+    history = record.get("history") or []
+    per_example = any(len(h) > 3 for h in history)  # user-level DP by example-level sampling: clipped per example
+    published = "the sampling rate q" + (" and the number of users N" if "users" in record else "")
+    unprotected = f"{published} (published without noise)" + (
+        f"; {record['public_statistics']}" if record.get("public_statistics") else ""
+    )
     return {
         "url_slug": model_name.lower().replace(" ", "-"),
         "deployment": {
@@ -62,7 +68,7 @@ def registry_record(
             "dp_variant": {
                 "variant_name": "Approximate DP",
                 "data_domain": "the training set, as a collection of privacy units (" + meaning + ")",
-                "unprotected_quantities": record.get("public_statistics", "none recorded"),
+                "unprotected_quantities": unprotected,
             },
             "privacy_loss": loss,
             "deployment_model": {
@@ -71,14 +77,18 @@ def registry_record(
                 "trust_assumptions": f"the trainer holds the raw data; noise: {record.get('noise', 'not recorded')}; "
                 f"sampling: {record.get('sampling', 'not recorded')}",
                 "actors": "anyone who sees the released model, or every noisy update made during training",
-                "release_type": "One release",
+                "release_type": "Many releases" if len(history) > 1 else "One release",
+                "release_type_details": f"{len(history)} releases composed into ε (the card's history)"
+                if len(history) > 1
+                else "the model, released once",
                 "data_source_type": "Static",
                 "access_type": "Non-interactive",
             },
             "implementation": {
                 "preprocessing_and_hyperparameter_tuning": "not recorded by dpzoo: hyperparameter searches on the "
                 "private data are outside ε unless accounted for by the publisher",
-                "mechanisms": f"DP-SGD ({FLAVOUR}): Gaussian noise on the sum of per-{unit} clipped gradients, "
+                "mechanisms": f"DP-SGD ({FLAVOUR}): Gaussian noise on the sum of per-"
+                f"{'example' if per_example else unit} clipped gradients, "
                 f"Poisson sampling ({record.get('clipping', 'abadi')} clipping at R = {record.get('max_grad_norm')}); "
                 "implemented by dpzoo with per-sample norms exact against brute force and a rounding-error bound "
                 "in the clip factors",
@@ -94,6 +104,13 @@ def registry_record(
 
 
 def _parameter_details(record: Mapping[str, Any]) -> str:
+    history = record.get("history") or []
+    if len(history) > 1 or any(len(h) > 3 for h in history):  # composed releases, or k examples per user
+        entries = "; ".join(
+            f"σ = {h[0]:.4g}, q = {h[1]:.4g}, {h[2]} steps" + (f", k = {h[3]} examples per user" if len(h) > 3 else "")
+            for h in history
+        )
+        return f"ε at δ = {record['delta']:g} for every release composed: {entries}"
     parts = [f"ε at δ = {record['delta']:g} for every release composed ({record['steps']} steps"]
     if "noise_multiplier" in record:
         parts.append(f", σ = {record['noise_multiplier']:.4g}")
@@ -102,7 +119,18 @@ def _parameter_details(record: Mapping[str, Any]) -> str:
 
 
 def _audit_text(audit: Mapping[str, Any]) -> str:
-    return (
+    text = (
         f"empirical audit ({audit['method']}) of the implementation at this mechanism's settings: ε ≥ "
-        f"{audit['epsilon_lower_bound']:.3g} at {audit['confidence']:.0%} confidence against {audit['claimed_epsilon']:.3g} claimed"
+        f"{audit['epsilon_lower_bound']:.3g} at {audit['confidence']:.0%} confidence against {audit['claimed_epsilon']:.3g} "
+        f"claimed (the most it could show: {audit['max_auditable_epsilon']:.3g})"
     )
+    if audit["exceeds"]:
+        text += "; the bound EXCEEDS the claim: the implementation leaked more than it claims"
+    elif audit["max_auditable_epsilon"] <= audit["claimed_epsilon"]:
+        text += "; it could not have refuted the claim"
+    control = audit.get("control_sensitivity_2x")
+    if control is not None:
+        text += "; a doubled clip was " + (
+            "caught" if control["caught"] else "NOT caught: it cannot vouch at these settings"
+        )
+    return text

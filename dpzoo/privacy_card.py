@@ -229,7 +229,7 @@ def statement_from_record(
         f"self-check: {record.get('self_check', 'not recorded')}" + (": the stated ε may not hold." if failed else "."),
     ]
     if audit is not None:
-        from .audit.of_record import audit_sentence
+        from .audit.recorded import audit_sentence
 
         lines.append(audit_sentence(audit, record["sample_rate"]))
     lines.append(SCOPE)
@@ -306,11 +306,13 @@ def check_card(directory: str | Path, record: Mapping[str, Any] | None, header: 
             f"{path} states no privacy guarantee, but the model carries one: rewrite it with dpzoo.save."
         )
     versions = _card_versions(card)
-    audited = card.get("audit") is None
-    if not audited:
-        from .audit.of_record import check_audit
+    from .audit.recorded import SENTENCE_START, check_audit
 
-        audited = check_audit(Path(directory), card["audit"], record)  # False: being replaced, unread
+    audited = card.get("audit") is None or check_audit(Path(directory), card["audit"], record)  # False: being replaced
+    if audited and body.count(SENTENCE_START) != (card.get("audit") is not None):
+        raise CheckpointError(
+            f"{path}: its text states an audit its audit block does not hold; rewrite it with dpzoo.save."
+        )
     expected = privacy_block(record, card.get("audit"), versions)
     for source, other in (("the saved record", expected), ("the safetensors header", header)):
         if other is None:

@@ -222,20 +222,85 @@ def test_a_recorded_audit_sees_a_doubled_clip(tmp_path, capsys, monkeypatch):
     assert "ABOVE the ε" in dpzoo.privacy_statement(directory)
 
 
+def _json_edit(directory, change):
+    path = directory / "dpzoo_audit.json"
+    saved = json.loads(path.read_text())
+    change(saved)
+    path.write_text(json.dumps(saved))
+
+
+def _bump_an_out_score(saved):
+    result = saved["result"]
+    outs = [i for i, member in enumerate(result["membership"]) if not member]
+    for i in outs[: len(outs) // 2]:
+        result["scores"][i] += 1e3  # half the out-canaries scored above every in-canary: the bound moves
+
+
 @pytest.mark.parametrize(
     "edit, message",
     [
         (lambda d: _edit(d / "README.md", "epsilon_lower_bound: ", "epsilon_lower_bound: 0.0"), "audit block is not"),
         (lambda d: (d / "dpzoo_audit.json").unlink(), "does not hold"),
         (lambda d: _edit(d / "README.md", "    caught: true", "    caught: false"), "audit block is not"),
-        (lambda d: _audit_of_another_mechanism(d), "audit ran noise_multiplier"),
+        (lambda d: _json_edit(d, _bump_an_out_score), "audit block is not"),
+        (lambda d: _json_edit(d, lambda s: s["result"]["mechanism"].update(threat_model="black-box: the final model")),
+         "not an audit of this model's mechanism"),
+        (lambda d: _json_edit(d, lambda s: s["control"]["mechanism"].update(steps=1)), "not an audit of this model's mechanism"),
+        (lambda d: _json_edit(d, lambda s: s["run"].update(noise_multiplier=9.0)), "not an audit of this model's mechanism"),
     ],
-)
+)  # fmt: skip
 def test_a_hand_edited_audit_is_refused_on_load(tmp_path, capsys, edit, message):
     directory, *_ = _audited(tmp_path, capsys, "--with-controls")
     edit(directory)
     with pytest.raises(dpzoo.DPZooError, match=message):
         dpzoo.load(directory)
+
+
+def test_the_audits_derived_numbers_are_recomputed_from_its_scores(tmp_path, capsys):
+    """The block is rebuilt from the canaries' scores: a file whose stated bound or verdict was
+    edited (but not its evidence) still gives the card the true numbers."""
+    directory, *_ = _audited(tmp_path, capsys, "--with-controls")
+    before = read_card(directory)["privacy"]["audit"]
+    _json_edit(directory, lambda s: s["result"].update(epsilon_lower_bound=99.0, exceeds=True))
+    _json_edit(directory, lambda s: s["control"].update(epsilon_lower_bound=0.0, exceeds=False))
+    dpzoo.load(directory)
+    assert read_card(directory)["privacy"]["audit"] == before
+
+
+def test_an_audit_of_another_model_is_refused(tmp_path, capsys):
+    """Model A's audit (file and block) put beside model B, whose σ, q and steps differ; and A's
+    result handed to record_audit for B."""
+    from dpzoo.audit import record_audit
+    from dpzoo.privacy_card import render_card
+
+    a, *_ = _audited(tmp_path / "a", capsys)
+    b, _ = _trained(tmp_path / "b", epsilon=4.0, n=512, batch_size=64, epochs=2, delta=1e-5)
+    (b / "dpzoo_audit.json").write_text((a / "dpzoo_audit.json").read_text())
+    record_b = dpzoo.privacy_metadata(b)
+    (b / "README.md").write_text(render_card("mlp-tanh", record_b, audit=read_card(a)["privacy"]["audit"]))
+    with pytest.raises(dpzoo.DPZooError, match="not an audit of this model's mechanism"):
+        dpzoo.load(b)
+    from dpzoo.audit import audit_record
+
+    result_a = audit_record(dpzoo.privacy_metadata(a), canaries=200, progress=False)
+    c, _ = _trained(tmp_path / "c", epsilon=4.0, n=512, batch_size=64, epochs=2, delta=1e-5)
+    with pytest.raises(dpzoo.DPZooError, match="not the white-box audit of"):
+        record_audit(c, result_a)
+
+
+def test_an_audit_sentence_without_an_audit_block_is_refused(tmp_path, capsys):
+    audited, *_ = _audited(tmp_path / "a", capsys)
+    plain, _ = _trained(tmp_path / "b")
+    sentence = next(line for line in dpzoo.privacy_statement(audited).splitlines() if line.startswith("Audited: "))
+    (plain / "README.md").write_text((plain / "README.md").read_text() + "\n" + sentence + "\n")
+    with pytest.raises(dpzoo.DPZooError, match="states an audit its audit block does not hold"):
+        dpzoo.load(plain)
+
+
+def test_a_vacuous_audit_says_it_could_not_refute_the_claim(tmp_path, capsys):
+    directory, _ = _trained(tmp_path, epsilon=8.0, n=512, batch_size=32, epochs=5, delta=1e-5)
+    assert main(["audit", "--run", str(directory), "--quiet", "--canaries", "20"]) == 3
+    assert "could not have refuted the claim" in dpzoo.privacy_statement(directory)
 
 
 def _edit(path, start, replacement):
@@ -244,18 +309,6 @@ def _edit(path, start, replacement):
     indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
     lines[i] = indent + replacement.strip() + "\n"
     path.write_text("".join(lines))
-
-
-def _audit_of_another_mechanism(directory):
-    """dpzoo_audit.json and the card both say another σ: consistent with each other, not with the record."""
-    from dpzoo.audit.of_record import audit_block
-    from dpzoo.privacy_card import render_card
-
-    saved = json.loads((directory / "dpzoo_audit.json").read_text())
-    saved["result"]["mechanism"]["noise_multiplier"] *= 2
-    (directory / "dpzoo_audit.json").write_text(json.dumps(saved))
-    record = json.loads((directory / "dpzoo_config.json").read_text())["privacy"]
-    (directory / "README.md").write_text(render_card("mlp-tanh", record, audit=audit_block(saved)))
 
 
 def test_audit_run_refusals(tmp_path, capsys):
@@ -326,3 +379,30 @@ def test_the_registry_record_has_the_registrys_fields_and_the_models_numbers(tmp
     plain = dpzoo.save(dpzoo.load("mlp-tanh", in_features=4, num_classes=2, width=8), tmp_path / "plain")
     assert main(["card", str(plain), "--registry"]) == 2
     assert "nothing to register" in capsys.readouterr().err
+
+
+def test_the_registry_record_describes_composed_releases_and_per_example_clipping():
+    from dpzoo.deployments_registry import registry_record
+    from dpzoo.privacy.accountant import Accountant
+
+    history = [[0.6, 0.25, 4, 2], [2.0, 0.125, 8, 2]]  # user-level DP by example-level sampling, k = 2
+    record = {
+        "epsilon": Accountant("pld", history).get_epsilon(1e-5),
+        "delta": 1e-5,
+        "accountant": "pld",
+        "steps": 12,
+        "sample_rate": 0.125,
+        "noise_multiplier": 2.0,
+        "max_grad_norm": 1.0,
+        "privacy_unit": "user",
+        "users": 16,
+        "max_examples_per_user": 2,
+        "history": history,
+    }
+    d = registry_record(record, "mlp-tanh")["deployment"]
+    details = d["privacy_loss"]["privacy_parameters_details"]
+    assert "σ = 0.6, q = 0.25, 4 steps, k = 2" in details and "σ = 2, q = 0.125, 8 steps, k = 2" in details
+    assert d["deployment_model"]["release_type"] == "Many releases"
+    assert "per-example clipped" in d["implementation"]["mechanisms"]
+    assert "number of users N" in d["dp_variant"]["unprotected_quantities"]
+    assert d["privacy_loss"]["number_of_privacy_units"] == 16

@@ -24,7 +24,7 @@ the Hugging Face ``DPTrainer``).
 
 :func:`audit` runs the four steps (:mod:`dpzoo.audit.run`) and returns an :class:`AuditResult`
 (:mod:`dpzoo.audit.report`); :func:`audit_record` audits a saved model's mechanism and
-:func:`record_audit` writes the result into its privacy card (:mod:`dpzoo.audit.of_record`). This package's job is to gather those names in one place: every
+:func:`record_audit` writes the result into its privacy card (:mod:`dpzoo.audit.of_record`, checked by :mod:`dpzoo.audit.recorded`). This package's job is to gather those names in one place: every
 public name is imported from here (``from dpzoo.audit import AuditResult, epsilon_lower_bound``).
 """
 

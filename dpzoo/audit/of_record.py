@@ -6,82 +6,27 @@ canary task with the model's σ, clipping norm R, clipping style and steps, at i
 (the nearest the canary set allows), and the audit's claim is the ε of those settings. It tests
 dpzoo's implementation of what trained the model (the per-sample clipping, the noise, the
 accounting), not the model's data; the card says so. ``dpzoo audit --run RUN_DIR`` runs it and
-:func:`record_audit` writes ``dpzoo_audit.json`` and the card's ``audit:`` block (with the
-statement's sentence), which :func:`dpzoo.privacy_card.check_card` checks on every load.
+:func:`record_audit` writes ``dpzoo_audit.json`` (with every canary's score, the evidence) and the
+card's ``audit:`` block with the statement's sentence, both rebuilt from that evidence and checked
+on every load (:mod:`dpzoo.audit.recorded`).
 
-With ``control=True`` the same audit also runs with every clip factor doubled (a 2R-sensitivity
-bug): the card then says whether the audit, at these settings, would have caught that bug.
+With ``control=True`` the same audit also runs with every clip doubled (a 2R-sensitivity bug): the
+card then says whether the audit, at these settings, would have caught that bug.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from .. import __version__
-from ..errors import DPZooError, PrivacyUsageError
+from ..errors import DPZooError
+from .recorded import AUDIT_FILE, mechanism_of, replacing_audit, verified_block
 from .report import AuditResult
 
-__all__ = [
-    "AUDIT_FILE",
-    "audit_record",
-    "record_audit",
-    "audit_block",
-    "audit_sentence",
-    "check_audit",
-    "replacing_audit",
-]
-
-AUDIT_FILE = "dpzoo_audit.json"
-METHOD = "one-run canary audit (Steinke, Nasr & Jagielski 2023), white-box"
-TESTS = "dpzoo's implementation of this model's mechanism, on a canary task; not this model's data"
-MATCHED = ("noise_multiplier", "max_grad_norm", "clipping", "steps")  # the audit's mechanism is the record's
-_REPLACING = contextvars.ContextVar("dpzoo_replacing_audit", default=False)
-
-
-@contextlib.contextmanager
-def replacing_audit():
-    """Read a model's record while its card's audit block is about to be replaced (a stale or
-    edited one is what a new audit overwrites; everything else on the card is still checked)."""
-    token = _REPLACING.set(True)
-    try:
-        yield
-    finally:
-        _REPLACING.reset(token)
-
-
-def _mechanism_of(record: Mapping[str, Any]) -> dict[str, Any]:
-    """σ, q, steps, R, clipping, accountant and δ of a privacy record; refused where one audit on
-    the canary task cannot reproduce the mechanism."""
-    if not math.isfinite(record.get("epsilon", math.inf)) or not record.get("noise_multiplier"):
-        raise PrivacyUsageError("This model was trained without noise (ε = ∞): there is no guarantee to audit.")
-    history = record.get("history") or [[record["noise_multiplier"], record["sample_rate"], record["steps"]]]
-    if any(len(h) > 3 for h in history):
-        raise PrivacyUsageError(
-            "This model was trained with example-level sampling of users (user_sampling='examples'): its mixture "
-            "mechanism has no canary audit from a record; the user-level audit is in tests/test_audit_paths.py."
-        )
-    if len({(float(s), float(q)) for s, q, _ in history}) > 1:
-        raise PrivacyUsageError(
-            f"This model's record composes {len(history)} releases with different σ or q: one audit covers one "
-            "mechanism; run dpzoo.audit.audit(noise_multiplier=..., sample_rate=..., steps=...) for each."
-        )
-    sigma, q, _ = history[0]
-    return {
-        "noise_multiplier": float(sigma),
-        "sample_rate": float(q),
-        "steps": int(sum(int(h[2]) for h in history)),
-        "max_grad_norm": float(record["max_grad_norm"]),
-        "clipping": record.get("clipping", "abadi"),
-        "accountant": record["accountant"],
-        # the canary set is small: a run's δ can be ≥ 1/N there, and a smaller δ tests the same mechanism
-        "delta": min(float(record["delta"]), 1e-5),
-    }
+__all__ = ["audit_record", "record_audit"]
 
 
 def audit_record(
@@ -98,7 +43,7 @@ def audit_record(
     on the canary task; ``broken="sensitivity-2x"`` runs the positive control at the same settings."""
     from .run import audit
 
-    mech = _mechanism_of(record)
+    mech = mechanism_of(record)
     return audit(
         delta=mech["delta"],
         canaries=canaries,
@@ -117,99 +62,15 @@ def audit_record(
     )
 
 
-def audit_block(saved: Mapping[str, Any]) -> dict[str, Any]:
-    """The card's ``audit:`` block from ``dpzoo_audit.json``'s content (:func:`record_audit`)."""
-    result, control = saved["result"], saved.get("control")
-    mech = result["mechanism"]
-    block: dict[str, Any] = {
-        "method": METHOD,
-        "threat_model": mech.get("threat_model"),
-        "tests": TESTS,
-        "mechanism": {k: mech[k] for k in ("noise_multiplier", "max_grad_norm", "clipping", "sample_rate", "steps")},
-        "accountant": mech.get("accountant"),
-        "claimed_epsilon": result["claimed_epsilon"],
-        "delta": result["delta"],
-        "epsilon_lower_bound": result["epsilon_lower_bound"],
-        "confidence": result["confidence"],
-        "canaries": result["canaries"],
-        "max_auditable_epsilon": result["max_auditable_epsilon"],
-        "exceeds": result["exceeds"],
-        "dpzoo_version": saved["dpzoo_version"],
-    }
-    if control is not None:
-        block["control_sensitivity_2x"] = {
-            "epsilon_lower_bound": control["epsilon_lower_bound"],
-            "caught": control["exceeds"],
-        }
-    return block
-
-
-def audit_sentence(block: Mapping[str, Any], run_sample_rate: float) -> str:
-    """The statement's sentence for an audit block."""
-    m = block["mechanism"]
-    found = (
-        f"found ε ≥ {block['epsilon_lower_bound']:.3g} at {block['confidence']:.0%} confidence, "
-        + (
-            f"ABOVE the ε = {block['claimed_epsilon']:.3g} claimed for those settings at δ = {block['delta']:.3g}: the "
-            "implementation leaked more "
-            "than it claims"
-            if block["exceeds"]
-            else f"below the ε = {block['claimed_epsilon']:.3g} claimed for those settings at δ = {block['delta']:.3g}"
-        )
-        + f" (the most it could show: {block['max_auditable_epsilon']:.3g})"
-    )
-    control = block.get("control_sensitivity_2x")
-    power = ""
-    if control is not None:
-        power = f"; with every clip doubled the same audit found ε ≥ {control['epsilon_lower_bound']:.3g}, " + (
-            "so it would catch such a bug"
-            if control["caught"]
-            else "so it could NOT catch such a bug at these settings"
-        )
-    return (
-        f"Audited: a white-box one-run audit (Steinke et al. 2023) of dpzoo's implementation of this mechanism "
-        f"(σ = {m['noise_multiplier']:.4g}, R = {m['max_grad_norm']:g}, {m['clipping']} clipping, {m['steps']} steps; "
-        f"q = {m['sample_rate']:.4g} on the canary set against the run's {run_sample_rate:.4g}) with "
-        f"{block['canaries']} canaries {found}{power}. It tests the implementation, not this model's data."
-    )
-
-
-def check_audit(directory: Path, card_audit: Any, record: Mapping[str, Any]) -> bool:
-    """Refuse a card's audit block that ``dpzoo_audit.json`` does not give, or that audited another
-    mechanism than the record's (σ, R, clipping, steps). False (nothing checked) while the block is
-    being replaced (:func:`replacing_audit`)."""
-    from ..errors import CheckpointError
-    from ..privacy_card import CARD_NAME, same_value
-
-    if _REPLACING.get():
-        return False
-    path = directory / CARD_NAME
-    file = directory / AUDIT_FILE
-    try:
-        saved = json.loads(file.read_text())
-        expected = audit_block(saved)
-    except (OSError, ValueError, KeyError, TypeError):
-        raise CheckpointError(
-            f"{path} states an audit that {file.name} does not hold: rerun `dpzoo audit --run`."
-        ) from None
-    if not same_value(card_audit, expected):
-        raise CheckpointError(f"{path}: its audit block is not {file.name}'s (edited?); rerun `dpzoo audit --run`.")
-    mine = _mechanism_of(record)
-    for key in MATCHED:
-        if not same_value(expected["mechanism"][key], mine[key]):
-            raise CheckpointError(
-                f"{path}: its audit ran {key} = {expected['mechanism'][key]!r}, the model's record says {mine[key]!r}: "
-                "the audit is of another mechanism; rerun `dpzoo audit --run`."
-            )
-    return True
-
-
-def record_audit(directory: str | os.PathLike, result: AuditResult, control: AuditResult | None = None) -> dict:
-    """Write ``result`` (and the 2R ``control``) into the model directory ``directory``:
-    ``dpzoo_audit.json``, then the card with its ``audit:`` block. Refused if the result is not
-    the audit of the directory's record. Returns the block."""
+def record_audit(
+    directory: str | os.PathLike, result: AuditResult, control: AuditResult | None = None, seed: int = 0
+) -> dict:
+    """Write ``result`` (and the 2R ``control``; ``seed``: the audits' seed, for their tie-breaking)
+    into the model directory ``directory``: ``dpzoo_audit.json``, then the card with its ``audit:``
+    block. Refused if they are not the white-box audit of the directory's record and its control.
+    Returns the block."""
     from ..integrations.trainer_save import read_privacy_metadata
-    from ..privacy_card import read_card, render_card, same_value
+    from ..privacy_card import read_card, render_card
 
     directory = Path(directory)
     with replacing_audit():
@@ -219,15 +80,19 @@ def record_audit(directory: str | os.PathLike, result: AuditResult, control: Aud
         raise DPZooError(f"{directory} holds no private model with a card: save it with dpzoo.save first.")
     if result.broken is not None or (control is not None and control.broken != "sensitivity-2x"):
         raise DPZooError("record_audit takes the audit of dpzoo's engine and, as control, its sensitivity-2x run.")
-    saved = {
+    saved: dict[str, Any] = {
         "dpzoo_version": __version__,
-        "result": result.to_dict(scores=False),
-        "control": control.to_dict(scores=False) if control is not None else None,
+        "seed": int(seed),
+        "run": mechanism_of(record),
+        "result": result.to_dict(),
+        "control": control.to_dict() if control is not None else None,
     }
-    block = audit_block(saved)
-    mine = _mechanism_of(record)
-    if not all(same_value(block["mechanism"][k], mine[k]) for k in MATCHED):
-        raise DPZooError(f"This audit ran another mechanism than {directory}'s record: audit it with audit_record.")
+    try:
+        block = verified_block(saved, record)
+    except DPZooError as e:
+        raise DPZooError(
+            f"This is not the white-box audit of {directory}'s mechanism ({e}): audit it with audit_record."
+        ) from None
     card = render_card(
         front.get("dpzoo_model", directory.name),
         record,
