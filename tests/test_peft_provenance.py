@@ -125,11 +125,11 @@ def test_a_reloaded_adapter_merged_without_its_record_is_refused(saved_adapter, 
 def test_a_merged_adapter_composes_its_record_or_states_disjoint_data(saved_adapter):
     directory, spent = saved_adapter
     merged = peft.PeftModel.from_pretrained(_plain_model(), directory).merge_and_unload()
-    merged.dpzoo_privacy = read_privacy_metadata(directory)
+    merged.dpzoo_adapter_privacy = read_privacy_metadata(directory)
     assert _private(_new_adapter(merged)).get_epsilon(1e-5) == pytest.approx(spent, rel=1e-6)
     other = peft.PeftModel.from_pretrained(_plain_model(), directory).merge_and_unload()
     fresh = _new_adapter(other)
-    fresh.dpzoo_privacy = {}
+    fresh.dpzoo_adapter_privacy = {}
     assert "disjoint" in _private(fresh, steps=1).privacy_metadata(1e-5)["public_statistics"]
 
 
@@ -257,7 +257,7 @@ def test_dpzoo_save_refuses_a_model_with_an_adapter_of_unknown_origin_merged(tmp
     with pytest.raises(PrivacyUsageError, match="merged adapter 'default'"):
         dpzoo.save(merged, tmp_path / "m")
     assert not (tmp_path / "m").exists()
-    merged.dpzoo_privacy = {}  # stated: trained on other data
+    merged.dpzoo_adapter_privacy = {}  # stated: trained on other data
     dpzoo.save(merged, tmp_path / "m")
 
 
@@ -276,7 +276,7 @@ def test_a_hugging_face_model_keeps_the_mark_through_save_pretrained(tmp_path):
     with pytest.raises(PrivacyUsageError, match="merged adapter 'default' in base_model.model"):
         _private_lm(peft.get_peft_model(reloaded, peft.LoraConfig(r=2, target_modules=["c_attn"])))
     stated = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
-    stated.dpzoo_privacy = {}
+    stated.dpzoo_adapter_privacy = {}
     trained = peft.get_peft_model(stated, peft.LoraConfig(r=2, target_modules=["c_attn"]))
     _private_lm(trained)
     assert not hasattr(stated.config, "dpzoo_merged_adapters")  # consumed: this run's spending covers it now
@@ -293,3 +293,22 @@ def _private_lm(model):
         max_grad_norm=1.0,
         mode="lora",
     )
+
+
+def test_a_statement_for_merged_adapters_adds_to_the_models_own_spending(saved_adapter):
+    """The fifth audit: a record stated for a merged adapter replaced the model's own spending (a
+    link, a loaded record) instead of adding to it; now both are composed, and `{}` for the adapter
+    keeps the model's own history."""
+    directory, _ = saved_adapter
+    adapter = read_privacy_metadata(directory)["history"]
+    lora = _new_adapter(_plain_model())
+    own = _private(lora, steps=3)  # this process's run on the model: a link
+    merged = peft.PeftModel.from_pretrained(lora.merge_and_unload(), directory).merge_and_unload()
+    merged.dpzoo_adapter_privacy = read_privacy_metadata(directory)
+    history = _private(_new_adapter(merged)).accountant.history
+    assert sorted(history) == sorted(own.accountant.history + adapter)
+    for bad in (False, "disjoint", 0):
+        other = peft.PeftModel.from_pretrained(_plain_model(), directory).merge_and_unload()
+        other.dpzoo_adapter_privacy = bad
+        with pytest.raises(PrivacyUsageError, match="must be a privacy record"):
+            _private(_new_adapter(other))

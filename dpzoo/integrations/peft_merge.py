@@ -32,12 +32,19 @@ import functools
 import importlib.abc
 import importlib.util
 import sys
-from typing import Any
+from typing import Any, Mapping
 
 from ..errors import PrivacyUsageError
 from ..privacy_record import LoadedRecord
 
-__all__ = ["MARK", "install", "merged_without_record", "refuse_unknown_origin", "clear_marks"]
+__all__ = [
+    "MARK",
+    "install",
+    "merged_without_record",
+    "refuse_unknown_origin",
+    "clear_marks",
+    "refuse_save_of_stated_merges",
+]
 
 MARK = "dpzoo_merged_adapters"  # on a base layer (a list) and on a Hugging Face config (a sorted list)
 FINGERPRINTS = "dpzoo_merged_deltas"  # on a base layer: {adapter: fingerprint of the ΔW merged}
@@ -298,9 +305,12 @@ def merged_without_record(module, configs: bool = True) -> list[tuple[str, str]]
 
 
 def _stated(module) -> bool:
-    """The user stated this module's provenance: a ``dpzoo_privacy`` record or ``{}`` they set."""
+    """The user stated the provenance of adapters in this module: ``dpzoo_adapter_privacy`` (a record
+    or ``{}``), or a ``dpzoo_privacy`` record they set (one ``dpzoo.load`` attached does not count)."""
+    if isinstance(module.__dict__.get("dpzoo_adapter_privacy"), Mapping):
+        return True
     meta = module.__dict__.get("dpzoo_privacy")
-    return meta is not None and not isinstance(meta, LoadedRecord)
+    return isinstance(meta, Mapping) and not isinstance(meta, LoadedRecord)
 
 
 def refuse_unknown_origin(module, unknown: list[tuple[str, str, str]]) -> None:
@@ -319,16 +329,28 @@ def refuse_unknown_origin(module, unknown: list[tuple[str, str, str]]) -> None:
     )
     raise PrivacyUsageError(
         f"Trained LoRA weights of unknown origin ({names}) and no privacy record for them: if they come "
-        "from a DP run, compose its budget with model.dpzoo_privacy = "
+        "from a DP run, compose its budget with model.dpzoo_adapter_privacy = "
         "dpzoo.integrations.transformers.read_privacy_metadata(ADAPTER_DIR); if they were trained on other data "
-        "than this run's, set model.dpzoo_privacy = {} (recorded in the metadata as a stated assumption)."
+        "than this run's, set model.dpzoo_adapter_privacy = {} (recorded in the metadata as a stated assumption)."
     )
 
 
 def clear_marks(module) -> None:
-    """Forget the merge marks of ``module`` once a run composed the user's statement about them."""
+    """Forget the merge marks of ``module`` and the statements about them once a run composed them."""
     for m in module.modules():
         m.__dict__.pop(MARK, None)
+        m.__dict__.pop("dpzoo_adapter_privacy", None)  # composed into this run's history, not twice
         config = getattr(m, "config", None)
         if config is not None and getattr(config, MARK, None) is not None:
             delattr(config, MARK)
+
+
+def refuse_save_of_stated_merges(module) -> None:
+    """``dpzoo.save`` writes one record; a stated record for merged adapters is composed by a DP run
+    (``make_private``), so a model still holding such marks and statements is refused."""
+    stated = [name for name, m in module.named_modules() if m.__dict__.get("dpzoo_adapter_privacy")]
+    if stated and merged_without_record(module):
+        raise PrivacyUsageError(
+            f"{stated[0] or 'The model'} states the record of merged LoRA adapters (dpzoo_adapter_privacy), which a DP "
+            "run composes, not dpzoo.save: train it with make_private first, or save with privacy= the record you composed."
+        )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Mapping
 
 from torch import nn
 
@@ -97,35 +98,59 @@ def recorded_origin(module: nn.Module) -> tuple[dict, str] | None:
 
 
 def prior_spending(module: nn.Module, earlier: list) -> list:
-    """The (σ, q, steps) history a model already spent, first found of: ``earlier`` (an earlier
-    engine on it, alive), the spending an earlier engine linked to it (:class:`SpendingLink`), the
-    privacy metadata of a model loaded with dpzoo.load (its whole history when recorded, else its
-    last σ, q and step count), the record a Hugging Face reload carries (:func:`recorded_origin`).
-    [] for a model with none, and for a loaded one whose ``dpzoo_privacy`` the user set to ``{}``
-    (new data disjoint from the earlier run's)."""
+    """The (σ, q, steps) history a model already spent: ``earlier`` (an earlier engine on it, alive),
+    else everything found in it: the spending every earlier engine linked to it or a layer
+    (:class:`SpendingLink`), the records ``dpzoo.load`` attached (the whole history when recorded,
+    else the last σ, q and step count), the record a Hugging Face reload carries
+    (:func:`recorded_origin`); ``[]`` of those for a model whose ``dpzoo_privacy`` the user set to
+    ``{}`` (new data disjoint from the earlier run's). Then, always, what the user stated for LoRA
+    weights of unknown origin (``dpzoo_adapter_privacy`` records, :func:`adapter_statements`)."""
+    stated = adapter_statements(module)  # first: a statement that is not a record is refused as such
     refuse_weights_of_unknown_origin(module)
-    if earlier:
-        return [list(h) for h in earlier]
     if getattr(module, "dpzoo_privacy", None) == {}:
-        return []  # the user stated the new data disjoint from what the model was trained on
-    found = spent_inside(module)
-    if found:
-        return found
-    meta = recorded_origin(module)
-    return [] if meta is None else history_of(meta[0])
+        return stated  # the user stated the new data disjoint from what the model was trained on
+    if earlier:
+        return [list(h) for h in earlier] + stated
+    origin = recorded_origin(module)
+    return spent_inside(module, [history_of(origin[0])] if origin is not None else []) + stated
 
 
-def spent_inside(module: nn.Module) -> list:
+def adapter_statements(module: nn.Module) -> list:
+    """The histories the user stated for adapters of unknown origin (``m.dpzoo_adapter_privacy =
+    read_privacy_metadata(ADAPTER_DIR)`` on the model or a module holding them), each composed
+    (``{}``: their data is disjoint from this run's, nothing to compose)."""
+    out: list = []
+    for name, m in module.named_modules():
+        meta = m.__dict__.get("dpzoo_adapter_privacy")
+        if meta is None:
+            continue
+        if not isinstance(meta, Mapping):
+            raise PrivacyUsageError(
+                f"{name or 'model'}.dpzoo_adapter_privacy must be a privacy record (read_privacy_metadata(DIR)) or {{}} "
+                f"(data disjoint from this run's), got {type(meta).__name__}."
+            )
+        if meta:
+            out += history_of(meta)
+    return out
+
+
+def spent_inside(module: nn.Module, more: list | None = None) -> list:
     """What the model or any module inside it spent (a DP-trained model reused in a new one, a
-    layer of it): every engine's :class:`SpendingLink` and every record ``dpzoo.load`` attached,
-    composed; a history that another one contains (a link composed after that record) once."""
-    found: list[list] = []
-    for m in module.modules():
+    layer of it): every engine's :class:`SpendingLink` and every record on a module
+    (``dpzoo_privacy``), with ``more`` histories, composed; a history that another one contains
+    (a link composed after that record) once."""
+    found: list[list] = list(more or [])
+    for name, m in module.named_modules():
         link = getattr(m, "dpzoo_spending", None)
-        meta = getattr(m, "dpzoo_privacy", None)
+        meta = m.__dict__.get("dpzoo_privacy")
+        if meta is not None and not isinstance(meta, Mapping):
+            raise PrivacyUsageError(
+                f"{name or 'model'}.dpzoo_privacy must be a privacy record (read_privacy_metadata(DIR)) or {{}} "
+                f"(new data disjoint from the earlier run's), got {type(meta).__name__}."
+            )
         if isinstance(link, SpendingLink) and link.history:
             found.append(link.history)
-        elif meta:
+        if meta:
             found.append(history_of(meta))
     distinct: list[list] = []
     for h in sorted(found, key=len, reverse=True):
@@ -166,13 +191,20 @@ def refuse_weights_of_unknown_origin(module: nn.Module) -> None:
 
 def stated_assumptions(module: nn.Module) -> list[str]:
     """What the user stated about data outside ε, for the privacy metadata: public data behind an
-    adapter's initialisation, and that a model trained before saw other data (dpzoo_privacy = {})."""
+    adapter's initialisation, that a model trained before saw other data (dpzoo_privacy = {}), and
+    that adapters of unknown origin did (dpzoo_adapter_privacy = {}, on any module)."""
     out = list(getattr(module, "dpzoo_public_init", {}).values())
     if getattr(module, "dpzoo_privacy", None) == {}:
         out.append(
             "the model was trained before on data stated to be disjoint from this run's (model.dpzoo_privacy = {}): "
             "that spending is not composed"
         )
+    for name, m in module.named_modules():
+        if m.__dict__.get("dpzoo_adapter_privacy") == {}:
+            out.append(
+                f"LoRA weights of unknown origin in {name or 'the model'} stated to be trained on data disjoint from this "
+                "run's (dpzoo_adapter_privacy = {}): their spending is not composed"
+            )
     return out
 
 
