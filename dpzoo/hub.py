@@ -1,8 +1,8 @@
 """``dpzoo.load`` and ``dpzoo.save``: build zoo entries, and write/read them exactly.
 
 A saved model is a directory with ``model.safetensors`` (weights, shared tensors stored once),
-``dpzoo_config.json`` (zoo name, overrides, patches, dtype and optional privacy metadata, also
-in the safetensors header) and, for a transformers model, its ``config.json``. ``dpzoo.load(dir)`` rebuilds the architecture from the zoo and restores every
+``dpzoo_config.json`` (zoo name, overrides, patches, dtype and optional privacy metadata, also in
+the safetensors header) and, for a transformers model, its ``config.json``. ``dpzoo.load(dir)`` rebuilds the architecture from the zoo and restores every
 tensor bit for bit. Files get the permissions ``open`` would give (0666 less the umask).
 """
 
@@ -35,6 +35,7 @@ from .privacy_record import (
     privacy_from_header,
     privacy_from_json,
     privacy_to_json,
+    refuse_file_beside_hf_record,
     spending_of,
 )
 from .registry import LOAD_KEYWORDS, OVERRIDE_SYNONYMS, get_entry, is_model, reject_unknown_overrides, split_name
@@ -91,17 +92,15 @@ def load(
         pretrained: load the entry's pretrained weights through timm's / transformers'
             own loading (needs their hub or cache), then patch them.
         pretrained_tag: the tag (timm) or hub id (transformers), instead of ``".tag"`` in the name.
-        weights: a local checkpoint (timm ``.pth`` / ``.safetensors``, or a Hugging Face
-            directory) loaded into the unpatched architecture before patching, so a
-            pretrained BatchNorm model converts. A checkpoint of the DP-ready model (a saved
-            directory's ``model.safetensors``, or ``save_pretrained`` after patching) loads too,
-            and keeps its privacy record (``model.dpzoo_privacy``), so training it again composes it.
+        weights: a local checkpoint (timm ``.pth`` / ``.safetensors``, or a Hugging Face directory)
+            loaded into the unpatched architecture before patching, so a pretrained BatchNorm model
+            converts. One of the DP-ready model (a saved directory's ``model.safetensors``, or
+            ``save_pretrained`` after patching) keeps its privacy record, composed when trained again.
         **overrides: sizes and patch options; ``dpzoo.model_card(name).overrides`` lists them.
             With a saved directory: overrides that keep every tensor's shape (dropout rates,
             pooling, ...) are applied, the others refused (:class:`OverrideError`).
 
-    The returned model carries ``model.dpzoo_config`` (how to rebuild it) and
-    ``model.dpzoo_patch_report`` (what dpzoo changed).
+    The returned model carries ``model.dpzoo_config`` (how to rebuild) and ``dpzoo_patch_report``.
     """
     _refuse_dtype(overrides)
     name_or_dir = run_model_directory(name_or_dir)
@@ -153,8 +152,9 @@ def load(
 
 
 def _privacy_of_weights(path: Path) -> dict[str, Any] | None:
-    """The privacy record of a ``weights=`` checkpoint written by :func:`save`: from its directory's
-    config, else from the safetensors header (the file copied on its own), else None."""
+    """The privacy record of a ``weights=`` checkpoint :func:`save` wrote: its directory's config, else
+    the safetensors header (a file copied alone), else None; refused beside an HF config's record."""
+    refuse_file_beside_hf_record(path)
     directory = path if path.is_dir() else path.parent
     if (directory / CONFIG_NAME).is_file() and (path.is_dir() or path.name == WEIGHTS_NAME):
         return read_config(directory).get("privacy")

@@ -19,6 +19,7 @@ __all__ = [
     "privacy_from_header",
     "spending_of",
     "LoadedRecord",
+    "refuse_file_beside_hf_record",
 ]
 
 
@@ -161,3 +162,24 @@ def spending_of(privacy: Mapping[str, Any]) -> dict[str, Any]:
     if history:
         return {"accountant": privacy["accountant"], "history": [list(h) for h in history]}
     return privacy_to_json(dict(privacy)) or {}
+
+
+def refuse_file_beside_hf_record(path) -> None:
+    """A weights file from a Hugging Face directory whose ``config.json`` carries dpzoo's spending or
+    merge marks (``dpzoo_privacy``, ``dpzoo_merged_adapters``): loaded on its own, that record would
+    be lost, so the directory must be given."""
+    import json
+    from pathlib import Path
+
+    config = Path(path).parent / "config.json"
+    if Path(path).is_dir() or not config.is_file():
+        return
+    try:
+        carried = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return  # not a config dpzoo wrote into: the architecture's own loading reads it
+    if isinstance(carried, dict) and ({"dpzoo_privacy", "dpzoo_merged_adapters"} & carried.keys()):
+        raise CheckpointError(
+            f"{config} carries a dpzoo privacy record that loading {Path(path).name} alone would drop: pass the "
+            f"directory, weights={str(Path(path).parent)!r}."
+        )

@@ -413,6 +413,20 @@ def test_resume_from_checkpoint_continues_epsilon(tmp_path):
     assert resumed.get_epsilon() == pytest.approx(first.get_epsilon()) and first.get_epsilon() <= 2.0
 
 
+def test_resume_of_a_dp_lora_run_takes_the_restored_adapter_as_its_own(tmp_path):
+    """The restored LoRA adapter's weights come from the checkpoint, whose record the resume links
+    to them: not an adapter of unknown origin (refused before), and ε continues, not doubled."""
+    peft_integration = pytest.importorskip("dpzoo.integrations.peft")
+    data = TextSet(24, classes=3)
+    args = targs(tmp_path, max_steps=4, save_strategy="steps", save_steps=2)
+    privacy = DPArguments(noise_multiplier=1.0, target_delta=1e-5, mode="lora")
+    first = sgd_trainer(peft_integration.dp_lora(_plain_bert_classifier(), r=2), args, data, privacy)
+    first.train()
+    resumed = sgd_trainer(peft_integration.dp_lora(_plain_bert_classifier(), r=2), args, data, privacy)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    assert resumed.privacy_engine.accountant.history == first.privacy_engine.accountant.history
+
+
 def _plain_bert_classifier():
     """A plain transformers BERT classifier (not a zoo model), 1 layer, 3 labels."""
     torch.manual_seed(0)

@@ -312,3 +312,41 @@ def test_a_statement_for_merged_adapters_adds_to_the_models_own_spending(saved_a
         other.dpzoo_adapter_privacy = bad
         with pytest.raises(PrivacyUsageError, match="must be a privacy record"):
             _private(_new_adapter(other))
+
+
+def test_an_adapter_loaded_over_one_dpzoo_trained_loses_its_link(saved_adapter):
+    """load_adapter(dir, adapter_name="default") over an adapter this process trained replaces its
+    weights: the engine's link no longer covers them, so they are of unknown origin."""
+    directory, _ = saved_adapter
+    model = _new_adapter(_plain_model())
+    _private(model, steps=2)
+    model.load_adapter(directory, adapter_name="default", is_trainable=True)
+    with pytest.raises(PrivacyUsageError, match="adapter 'default'"):
+        _private(model)
+
+
+def test_a_weights_file_beside_a_hugging_face_record_is_refused(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    model = transformers.GPT2LMHeadModel(config)
+    model.config.dpzoo_privacy = {"accountant": "rdp", "history": [[1.0, 0.2, 3]]}
+    model.save_pretrained(tmp_path)
+    with pytest.raises(dpzoo.DPZooError, match="pass the directory"):
+        dpzoo.load(
+            "gpt2",
+            weights=tmp_path / "model.safetensors",
+            vocab_size=50,
+            n_positions=16,
+            n_embd=16,
+            n_layer=1,
+            n_head=2,
+        )
+
+
+def test_a_weighted_combination_of_adapters_dpzoo_trained_keeps_their_spending():
+    model = _new_adapter(_plain_model())
+    first = _private(model, steps=2)
+    model.add_weighted_adapter(["default"], [1.0], adapter_name="combo", combination_type="linear")
+    model.set_adapter("combo")
+    merged = model.merge_and_unload(adapter_names=["combo"])
+    assert _private(_new_adapter(merged)).accountant.history == first.accountant.history

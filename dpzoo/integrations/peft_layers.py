@@ -378,7 +378,10 @@ def trained_adapters(model: nn.Module) -> list[tuple[str, str]]:
                     continue
                 holder = container[name] if isinstance(container, nn.ModuleDict) else container
                 tensors = container[name].parameters() if isinstance(container, nn.ModuleDict) else [container[name]]
-                linked = getattr(getattr(holder, "dpzoo_spending", None), "history", None)
+                # a dpzoo engine trained it here, or a DPTrainer resume restored it with its spending
+                linked = getattr(getattr(holder, "dpzoo_spending", None), "history", None) or getattr(
+                    holder, "dpzoo_resumed_from", None
+                )
                 if (
                     not linked
                     and any(bool(t.detach().ne(0).any()) for t in tensors)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import importlib.abc
 import importlib.util
+import inspect
 import sys
 from typing import Any, Mapping
 
@@ -111,6 +112,12 @@ def _register() -> None:
     for cls in _subclasses(BaseTuner):
         for name in ("merge_and_unload", "merge_adapter"):
             _wrap(cls, name, _after_model_merge)
+    import peft
+
+    for cls in _subclasses(peft.PeftModel) + _subclasses(peft.PeftMixedModel):
+        _wrap(cls, "load_adapter", _after_load_adapter)
+    for cls in _subclasses(BaseTuner):
+        _wrap(cls, "add_weighted_adapter", _after_weighted_adapter)
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterPeftImport)]
 
 
@@ -176,6 +183,60 @@ def _after_model_merge(fn):
         return out
 
     return method
+
+
+def _after_load_adapter(fn):
+    signature = inspect.signature(fn)
+
+    def load_adapter(self, *args, **kwargs):
+        out = fn(self, *args, **kwargs)
+        adapter = signature.bind(self, *args, **kwargs).arguments.get("adapter_name")
+        for layer in self.modules():  # the adapter's weights now come from elsewhere: no engine trained them
+            for container in layer.children():
+                entry = _entry(container, adapter) if adapter is not None else None
+                holder = entry if hasattr(entry, "modules") else container
+                for m in holder.modules() if entry is not None else ():
+                    m.__dict__.pop("dpzoo_spending", None)
+                    m.__dict__.pop("dpzoo_resumed_from", None)
+        return out
+
+    return load_adapter
+
+
+def _after_weighted_adapter(fn):
+    signature = inspect.signature(fn)
+
+    def add_weighted_adapter(self, *args, **kwargs):
+        out = fn(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs).arguments
+        sources, new = list(bound.get("adapters") or []), bound.get("adapter_name")
+        for layer in self.modules():  # a combination of adapters dpzoo trained spent what they spent
+            links = [_spending_link(layer, a) for a in sources if _has_adapter(layer, a)]
+            if links and all(links) and _has_adapter(layer, new):
+                _link_adapter(layer, new, _composed(links))
+        return out
+
+    return add_weighted_adapter
+
+
+def _has_adapter(layer, adapter) -> bool:
+    return any(_entry(c, adapter) is not None for c in layer.children())
+
+
+def _link_adapter(layer, adapter: str, link) -> None:
+    for container in layer.children():
+        entry = _entry(container, adapter)
+        holder = entry if hasattr(entry, "modules") else container
+        for m in holder.modules() if entry is not None else ():
+            object.__setattr__(m, "dpzoo_spending", link)
+
+
+def _composed(links: list):
+    """One link for several: itself when they are one engine's, else their histories composed."""
+    from ..privacy.budget import ComposedSpending
+
+    distinct = list({id(link): link for link in links}.values())
+    return distinct[0] if len(distinct) == 1 else ComposedSpending(distinct)
 
 
 def _base_layer_of(layer):

@@ -36,6 +36,7 @@ carries the accountant, so ``train(resume_from_checkpoint=...)`` continues ε.
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -271,6 +272,21 @@ class DPTrainer(Trainer):
             logs["epsilon"] = self._logged_epsilon[1]
             logs.pop("grad_norm", None)
         super().log(logs, start_time)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """The Trainer's resume, plus: the weights it restored are this run's own (a LoRA adapter
+        restored from the checkpoint is not one of unknown origin), since the checkpoint's
+        optimizer state restores their spending (refused when the checkpoint has none)."""
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        record = read_privacy_metadata(resume_from_checkpoint)
+        if record and record.get("steps"):
+            if not os.path.isfile(os.path.join(resume_from_checkpoint, "optimizer.pt")):
+                raise PrivacyUsageError(
+                    f"{resume_from_checkpoint} holds DP-trained weights but no optimizer state, which carries their "
+                    "spending: resume from a checkpoint saved with its optimizer (save_only_model=False)."
+                )
+            for m in self.model.modules():
+                object.__setattr__(m, "dpzoo_resumed_from", str(resume_from_checkpoint))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The Trainer's ``save_model``, plus the privacy metadata (``dpzoo_privacy.json``; for a

@@ -19,6 +19,7 @@ __all__ = [
     "prior_spending",
     "recorded_origin",
     "SpendingLink",
+    "ComposedSpending",
     "link_spending",
     "calibrate",
     "restore_history",
@@ -53,6 +54,18 @@ class SpendingLink:
     @property
     def history(self) -> list:
         return [list(h) for h in self.accountant.history]
+
+
+class ComposedSpending(SpendingLink):
+    """The spending of weights made from several linked ones (PEFT's ``add_weighted_adapter`` of
+    adapters different engines trained): every part's history, composed."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+    @property
+    def history(self) -> list:
+        return [h for part in self.parts for h in part.history]
 
 
 def link_spending(module: nn.Module, accountant: Accountant) -> None:
