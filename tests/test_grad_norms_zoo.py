@@ -16,6 +16,7 @@ ENTRIES = [
     "cnn-tanh-gn",
     "mlp-tanh",
     "wrn16-4-gn",
+    "wrn28-10-gn",
     "resnet18-gn-bias",
     "convnext-tiny",
     "vit-tiny-patch16",

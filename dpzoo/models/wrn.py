@@ -1,4 +1,4 @@
-"""wrn16-4-gn: the Wide ResNet with GroupNorm that DP image classification trains from scratch.
+"""wrn16-4-gn and wrn28-10-gn: the Wide ResNets with GroupNorm of DP image classification.
 
 De, Berrada, Hayes, Smith & Balle, "Unlocking High-Accuracy Differentially Private Image
 Classification through Scale" (2022), §3 and §4.1: a WRN-16-4 (Zagoruyko & Komodakis, "Wide
@@ -15,6 +15,8 @@ DP-ready: no BatchNorm, biases on every layer, no in-place ops.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 from torch import nn
 
@@ -54,7 +56,7 @@ class WideResNet(nn.Module):
     def __init__(self, num_classes: int = 10, in_chans: int = 3, depth: int = 16, width: int = 4, groups: int = 16):
         super().__init__()
         if depth < 10 or (depth - 4) % 6:
-            raise OverrideError(f"{NAME}: depth {depth} must be 6n + 4 with n ≥ 1 (10, 16, 22, 28, ...).")
+            raise OverrideError(f"WideResNet: depth {depth} must be 6n + 4 with n ≥ 1 (10, 16, 22, 28, ...).")
         blocks, widths = (depth - 4) // 6, [16 * width, 32 * width, 64 * width]
         self.stem = nn.Conv2d(in_chans, 16, 3, 1, 1)
         layers, c = [], 16
@@ -70,35 +72,60 @@ class WideResNet(nn.Module):
         return self.classifier(self.head(self.blocks(self.stem(x))))
 
 
-_CARD = ModelCard(
-    name=NAME,
-    summary="Wide ResNet 16-4 with GroupNorm: De et al. (2022)'s DP-SGD model for CIFAR-10 from scratch.",
-    architecture="dpzoo `WideResNet`: conv stem, 3 stages of pre-activation blocks [GN → ReLU → conv 3×3] × 2, "
-    "GN → ReLU → average pool → linear",
-    library="dpzoo",
-    task="image-classification",
-    patches=("written DP-ready: GroupNorm (16 groups), biases on every layer, no in-place ops",),
-    license="Apache-2.0",
-    papers=(
-        "De et al., Unlocking High-Accuracy Differentially Private Image Classification through Scale, 2022, §3-4",
-        "Zagoruyko & Komodakis, Wide Residual Networks, BMVC 2016",
-    ),
-    overrides={
-        "num_classes": "output classes (default 10)",
-        "in_chans": "input channels (default 3)",
-        "depth": "layers, 6n + 4 (default 16: 2 blocks per stage)",
-        "width": "the widening factor k: stages of 16k, 32k, 64k channels (default 4)",
-        "groups": "GroupNorm groups per layer (default 16, as De et al.)",
-    },
-    test_overrides={"depth": 10, "width": 1, "num_classes": 10},
-    example_input={"kind": "image", "shape": [3, 32, 32]},
-    notes=(
-        "No pretrained weights: De et al. train it from scratch. Their weight standardisation is left out "
-        "(a standardised weight is not the convolution's parameter, which per-sample clipping needs)."
-    ),
+def _card(name: str, depth: int, width: int, summary: str, role: str) -> ModelCard:
+    return ModelCard(
+        name=name,
+        summary=summary,
+        architecture=f"dpzoo `WideResNet` (depth {depth}, widening {width}): conv stem, 3 stages of pre-activation "
+        "blocks [GN → ReLU → conv 3×3] × 2, GN → ReLU → average pool → linear",
+        library="dpzoo",
+        task="image-classification",
+        patches=("written DP-ready: GroupNorm (16 groups), biases on every layer, no in-place ops",),
+        license="Apache-2.0",
+        papers=(
+            "De et al., Unlocking High-Accuracy Differentially Private Image Classification through Scale, 2022, §3-4",
+            "Zagoruyko & Komodakis, Wide Residual Networks, BMVC 2016",
+        ),
+        overrides={
+            "num_classes": "output classes (default 10)",
+            "in_chans": "input channels (default 3)",
+            "depth": f"layers, 6n + 4 (default {depth}: {(depth - 4) // 6} blocks per stage)",
+            "width": f"the widening factor k: stages of 16k, 32k, 64k channels (default {width})",
+            "groups": "GroupNorm groups per layer (default 16, as De et al.)",
+        },
+        test_overrides={"depth": 10, "width": 1, "num_classes": 10},
+        example_input={"kind": "image", "shape": [3, 32, 32]},
+        notes=(
+            f"{role} No pretrained weights here: train it from scratch, or restore your own with dpzoo.load(DIR). "
+            "De et al.'s weight standardisation is left out (a standardised weight is not the convolution's "
+            "parameter, which per-sample clipping needs)."
+        ),
+    )
+
+
+_CARD = _card(
+    NAME,
+    16,
+    4,
+    "Wide ResNet 16-4 with GroupNorm: De et al. (2022)'s DP-SGD model for CIFAR-10 from scratch.",
+    "De et al. train it from scratch on CIFAR-10.",
+)
+_CARD_28_10 = _card(
+    "wrn28-10-gn",
+    28,
+    10,
+    "Wide ResNet 28-10 with GroupNorm: the larger Wide ResNet of De et al. (2022), 36M parameters.",
+    "De et al. use it where more capacity pays: fine-tuning after pre-training on public data.",
 )
 
 
 @register_model(NAME, card=_CARD)
 def wrn16_4_gn(pretrained: bool = False, pretrained_tag: str | None = None, weights=None, **overrides) -> nn.Module:
     return from_scratch(_CARD, WideResNet, pretrained, pretrained_tag, weights, overrides)
+
+
+@register_model("wrn28-10-gn", card=_CARD_28_10)
+def wrn28_10_gn(pretrained: bool = False, pretrained_tag: str | None = None, weights=None, **overrides) -> nn.Module:
+    return from_scratch(
+        _CARD_28_10, partial(WideResNet, depth=28, width=10), pretrained, pretrained_tag, weights, overrides
+    )
