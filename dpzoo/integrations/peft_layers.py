@@ -286,7 +286,7 @@ def refuse_save(model: nn.Module) -> None:
     """Refuse to ``dpzoo.save`` a PEFT model (its state dict is the wrapper's, which
     ``dpzoo.load`` cannot rebuild), saying what to save instead."""
     from ..privacy.budget import refuse_weights_of_unknown_origin
-    from .peft_merge import refuse_save_of_stated_merges
+    from .peft_statements import refuse_save_of_stated_merges
 
     refuse_weights_of_unknown_origin(model)  # merged adapters of unknown origin: saved, their spending is lost
     refuse_save_of_stated_merges(model)

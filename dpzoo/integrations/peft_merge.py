@@ -33,21 +33,12 @@ import importlib.abc
 import importlib.util
 import inspect
 import sys
-from typing import Any, Mapping
+from typing import Any
 
-from ..errors import PrivacyUsageError
-from ..privacy_record import LoadedRecord
+from .peft_statements import MARK, merged_without_record
 
-__all__ = [
-    "MARK",
-    "install",
-    "merged_without_record",
-    "refuse_unknown_origin",
-    "clear_marks",
-    "refuse_save_of_stated_merges",
-]
+__all__ = ["install"]
 
-MARK = "dpzoo_merged_adapters"  # on a base layer (a list) and on a Hugging Face config (a sorted list)
 FINGERPRINTS = "dpzoo_merged_deltas"  # on a base layer: {adapter: fingerprint of the ΔW merged}
 _installed: list[Any] = []  # the torch hook handle, once registered
 
@@ -348,70 +339,3 @@ def _changes_weights(layer, adapter: str) -> bool:
             return bool(delta(adapter).ne(0).any())
     except Exception:  # noqa: BLE001 - a family whose ΔW cannot be formed here: assume it changed
         return True
-
-
-def merged_without_record(module, configs: bool = True) -> list[tuple[str, str]]:
-    """(module name, adapter name) for every adapter merged into ``module``'s layers with no record
-    (and, with ``configs``, named by a Hugging Face config the model was loaded with)."""
-    out = [(name, a) for name, m in module.named_modules() for a in m.__dict__.get(MARK, ())]
-    if configs:  # a config shared by nested modules (a PeftModel, its HF model, its backbone): the innermost
-        owner = {
-            id(getattr(m, "config", None)): (name, m.config)
-            for name, m in module.named_modules()
-            if hasattr(m, "config")
-        }
-        for name, config in owner.values():
-            out += [(name, a) for a in (getattr(config, MARK, None) or []) if isinstance(a, str)]
-    return out
-
-
-def _stated(module) -> bool:
-    """The user stated the provenance of adapters in this module: ``dpzoo_adapter_privacy`` (a record
-    or ``{}``), or a ``dpzoo_privacy`` record they set (one ``dpzoo.load`` attached does not count)."""
-    if isinstance(module.__dict__.get("dpzoo_adapter_privacy"), Mapping):
-        return True
-    meta = module.__dict__.get("dpzoo_privacy")
-    return isinstance(meta, Mapping) and not isinstance(meta, LoadedRecord)
-
-
-def refuse_unknown_origin(module, unknown: list[tuple[str, str, str]]) -> None:
-    """Refuse ``unknown`` ((layer, adapter, what)) not covered by a statement on ``module`` or on a
-    module holding the layer; every one is named, so one statement is made for all of them."""
-    covered = {name for name, m in module.named_modules() if _stated(m)}
-    left = [u for u in unknown if not any(c == "" or u[0] == c or u[0].startswith(c + ".") for c in covered)]
-    if not left:
-        return
-    grouped: dict[tuple[str, str], list[str]] = {}
-    for layer, adapter, what in left:
-        grouped.setdefault((what, adapter), []).append(layer or "the model")
-    names = "; ".join(
-        f"{what} {adapter!r} in {layers[0]}" + (f" and {len(layers) - 1} more layers" if len(layers) > 1 else "")
-        for (what, adapter), layers in grouped.items()
-    )
-    raise PrivacyUsageError(
-        f"Trained LoRA weights of unknown origin ({names}) and no privacy record for them: if they come "
-        "from a DP run, compose its budget with model.dpzoo_adapter_privacy = "
-        "dpzoo.integrations.transformers.read_privacy_metadata(ADAPTER_DIR); if they were trained on other data "
-        "than this run's, set model.dpzoo_adapter_privacy = {} (recorded in the metadata as a stated assumption)."
-    )
-
-
-def clear_marks(module) -> None:
-    """Forget the merge marks of ``module`` and the statements about them once a run composed them."""
-    for m in module.modules():
-        m.__dict__.pop(MARK, None)
-        m.__dict__.pop("dpzoo_adapter_privacy", None)  # composed into this run's history, not twice
-        config = getattr(m, "config", None)
-        if config is not None and getattr(config, MARK, None) is not None:
-            delattr(config, MARK)
-
-
-def refuse_save_of_stated_merges(module) -> None:
-    """``dpzoo.save`` writes one record; a stated record for merged adapters is composed by a DP run
-    (``make_private``), so a model still holding such marks and statements is refused."""
-    stated = [name for name, m in module.named_modules() if m.__dict__.get("dpzoo_adapter_privacy")]
-    if stated and merged_without_record(module):
-        raise PrivacyUsageError(
-            f"{stated[0] or 'The model'} states the record of merged LoRA adapters (dpzoo_adapter_privacy), which a DP "
-            "run composes, not dpzoo.save: train it with make_private first, or save with privacy= the record you composed."
-        )

@@ -84,7 +84,7 @@ def link_spending(module: nn.Module, accountant: Accountant) -> None:
         config = getattr(m, "config", None)
         if config is not None and hasattr(config, "to_json_string"):
             config.dpzoo_privacy = {"accountant": accountant.name, "history": accountant.history}
-    from ..integrations.peft_merge import clear_marks
+    from ..integrations.peft_statements import clear_marks
 
     clear_marks(module)  # merged adapters the user stated a record for: this spending now covers them
 
@@ -194,7 +194,7 @@ def refuse_weights_of_unknown_origin(module: nn.Module) -> None:
     applies, on the model or on the module that holds them; refused otherwise, whatever else the
     model carries."""
     from ..integrations.peft_layers import trained_adapters
-    from ..integrations.peft_merge import merged_without_record, refuse_unknown_origin
+    from ..integrations.peft_statements import merged_without_record, refuse_unknown_origin
 
     unknown = [(layer, a, "adapter") for layer, a in trained_adapters(module)]
     unknown += [(layer, a, "merged adapter") for layer, a in merged_without_record(module)]
