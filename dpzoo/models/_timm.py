@@ -5,7 +5,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import sys
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import timm
 import torch
@@ -50,7 +50,7 @@ def load_local_checkpoint(
     biases are returned, to load with :func:`dpzoo.checkpoint.load_added_biases` after patching, and
     the BatchNorm running statistics GroupNorm dropped may be missing. Returns {} otherwise.
     """
-    sd = read_state_dict(path)
+    sd = dict(path) if isinstance(path, Mapping) else read_state_dict(path)  # a file, or a state dict in memory
     if convert_state_dict is not None:  # the entry's own key mapping (e.g. another library's names)
         sd = convert_state_dict(sd)
     ignore_unexpected = tuple(ignore_unexpected)
@@ -129,12 +129,15 @@ def build_timm(
     base_kwargs: dict[str, Any] | None = None,
     patch_defaults: dict[str, Any] | None = None,
     convert_state_dict: Callable[[dict], dict] | None = None,
+    tag_sources: Mapping[str, str] | None = None,
 ) -> nn.Module:
     """Build timm's ``arch``, load weights, then apply dpzoo's patches.
 
     ``overrides_table`` declares each user-facing override (its card text and its timm kwargs).
     ``convert_state_dict`` maps a ``weights=PATH`` state dict to timm's keys; it runs right
-    after the file is read, before timm's own ``checkpoint_filter_fn``.
+    after the file is read, before timm's own ``checkpoint_filter_fn``. ``tag_sources``: pretrained
+    tags whose weights are another timm architecture's with the same tensors (``"gn_a1h_in1k":
+    "resnet50_gn.a1h_in1k"``, GroupNorm-trained), loaded as a local checkpoint would be.
     """
     arch_over, patch_kw = split_patch_options(overrides, patch_defaults)
     arch_over = resolve_synonyms(entry, arch_over, overrides_table)
@@ -151,19 +154,14 @@ def build_timm(
     if pretrained and weights is not None:
         raise OverrideError("Pass either pretrained=True or weights=PATH, not both.")
     added: dict[str, torch.Tensor] = {}
-    if pretrained:
-        name = f"{arch}.{pretrained_tag}" if pretrained_tag else arch
-        try:
-            with offline_unless_reachable():
-                model = _create(name, True, **kwargs)
-        except (OverrideError, CheckpointError):
-            raise
-        except Exception as e:  # hub unreachable, unknown tag, ...
-            raise CheckpointError(
-                f"timm could not fetch pretrained weights for {name!r} ({type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}). Offline? Download the checkpoint "
-                f"where the hub is reachable and pass weights=PATH."
-            ) from None
+    source = (tag_sources or {}).get(pretrained_tag or "")
+    if pretrained and source is not None:  # weights of another timm architecture with the same tensors
+        model = _create(arch, False, **kwargs)
+        added = load_local_checkpoint(
+            model, timm_pretrained(source, kwargs).state_dict(), num_classes_overridden=True, entry=entry
+        )
+    elif pretrained:
+        model = timm_pretrained(f"{arch}.{pretrained_tag}" if pretrained_tag else arch, kwargs)
     else:
         model = _create(arch, False, **kwargs)
         if weights is not None and features:
@@ -184,6 +182,21 @@ def build_timm(
     return model
 
 
+def timm_pretrained(name: str, kwargs: dict[str, Any]) -> nn.Module:
+    """timm's ``name`` with its pretrained weights (from the hub, or timm's cache when offline)."""
+    try:
+        with offline_unless_reachable():
+            return _create(name, True, **kwargs)
+    except (OverrideError, CheckpointError):
+        raise
+    except Exception as e:  # hub unreachable, unknown tag, ...
+        raise CheckpointError(
+            f"timm could not fetch pretrained weights for {name!r} ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}). Offline? Download the checkpoint "
+            f"where the hub is reachable and pass weights=PATH."
+        ) from None
+
+
 def register_timm_entry(
     card: ModelCard,
     arch: str,
@@ -191,6 +204,7 @@ def register_timm_entry(
     default_tag: str | None,
     overrides_table: OverrideTable,
     convert_state_dict: Callable[[dict], dict] | None = None,
+    tag_sources: Mapping[str, str] | None = None,
 ) -> Callable[..., nn.Module]:
     """Register the zoo entry ``card.name``: timm's ``arch`` built by :func:`build_timm` with the
     entry's override table (the one build path of every timm entry). Returns the builder."""
@@ -205,6 +219,7 @@ def register_timm_entry(
             overrides=overrides,
             overrides_table=overrides_table,
             convert_state_dict=convert_state_dict,
+            tag_sources=tag_sources,
         )
 
     build.__name__ = build.__qualname__ = card.name.replace("-", "_")

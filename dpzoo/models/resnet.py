@@ -53,7 +53,13 @@ _PATCHES = (
 )
 
 
-def _card(name: str, arch: str, depth: int, tag: str) -> ModelCard:
+def _card(name: str, arch: str, depth: int, tag: str, gn_tag: str | None = None) -> ModelCard:
+    tags = {tag: f"timm hub `timm/{arch}.{tag}` (ImageNet-1k, BatchNorm: converted to GroupNorm, fine-tune before use)"}
+    if gn_tag is not None:  # the default: trained with GroupNorm, DP-ready as it is
+        tags = {
+            gn_tag: f"timm hub `timm/{arch}_gn.a1h_in1k` (ImageNet-1k, trained with GroupNorm: DP-ready as it is; default)",
+            **tags,
+        }
     return ModelCard(
         name=name,
         summary=f"ResNet-{depth} with GroupNorm and a bias on every convolution, ready for DP-SGD and DP-BiTFiT.",
@@ -62,11 +68,16 @@ def _card(name: str, arch: str, depth: int, tag: str) -> ModelCard:
         task="image-classification",
         patches=_PATCHES,
         weight_source=(
-            "random initialisation; `pretrained=True` loads timm's ImageNet BatchNorm "
-            "weights and converts them (GroupNorm statistics differ from BatchNorm's: "
-            "fine-tune before use); `weights=PATH` loads a local timm checkpoint"
+            "random initialisation; `pretrained=True` loads timm's ImageNet weights: "
+            + (
+                "by default GroupNorm-trained ones, DP-ready as they are; the BatchNorm tag is converted"
+                if gn_tag
+                else "BatchNorm-trained, converted"
+            )
+            + " (GroupNorm statistics differ from BatchNorm's: fine-tune a converted tag before use); "
+            "`weights=PATH` loads a local timm checkpoint, BatchNorm or GroupNorm"
         ),
-        pretrained_tags={tag: f"timm hub `timm/{arch}.{tag}` (ImageNet-1k, BatchNorm)"},
+        pretrained_tags=tags,
         license="Apache-2.0 (timm code and weights)",
         papers=_PAPERS,
         overrides=card_overrides(OVERRIDES),
@@ -90,6 +101,11 @@ resnet18_gn_bias = register_timm_entry(
 resnet34_gn_bias = register_timm_entry(
     _card("resnet34-gn-bias", "resnet34", 34, "a1_in1k"), "resnet34", default_tag="a1_in1k", overrides_table=OVERRIDES
 )
+_GN_TAG = "gn_a1h_in1k"  # timm's ResNet-50 trained with GroupNorm(32) in place of BatchNorm: the same tensors
 resnet50_gn_bias = register_timm_entry(
-    _card("resnet50-gn-bias", "resnet50", 50, "a1_in1k"), "resnet50", default_tag="a1_in1k", overrides_table=OVERRIDES
+    _card("resnet50-gn-bias", "resnet50", 50, "a1_in1k", gn_tag=_GN_TAG),
+    "resnet50",
+    default_tag=_GN_TAG,
+    overrides_table=OVERRIDES,
+    tag_sources={_GN_TAG: "resnet50_gn.a1h_in1k"},
 )
