@@ -306,10 +306,10 @@ def check_card(directory: str | Path, record: Mapping[str, Any] | None, header: 
             f"{path} states no privacy guarantee, but the model carries one: rewrite it with dpzoo.save."
         )
     versions = _card_versions(card)
-    from .audit.recorded import SENTENCE_START, check_audit
+    from .audit.recorded import check_audit, stated_audits
 
     audited = card.get("audit") is None or check_audit(Path(directory), card["audit"], record)  # False: being replaced
-    if audited and body.count(SENTENCE_START) != (card.get("audit") is not None):
+    if audited and stated_audits(body) != (card.get("audit") is not None):
         raise CheckpointError(
             f"{path}: its text states an audit its audit block does not hold; rewrite it with dpzoo.save."
         )
@@ -328,7 +328,12 @@ def check_card(directory: str | Path, record: Mapping[str, Any] | None, header: 
                     "other weights; rewrite it with dpzoo.save."
                 )
     # the statement's wording is this dpzoo version's: a card another version wrote keeps its own
-    same_version = versions["dpzoo"] == __version__
+    version = (front or {}).get("dpzoo_card_version")
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= CARD_VERSION:
+        raise CheckpointError(
+            f"{path}: dpzoo_card_version {version!r} is not one this dpzoo can check; rewrite it with dpzoo.save."
+        )
+    same_version = version == CARD_VERSION  # the wording this dpzoo writes; older versions keep their own
     stated = statement_from_record(record, versions=versions, audit=card.get("audit")) if audited else ""
     if same_version and " ".join(stated.split()) not in " ".join(body.split()):
         raise CheckpointError(

@@ -350,3 +350,91 @@ def test_a_weighted_combination_of_adapters_dpzoo_trained_keeps_their_spending()
     model.set_adapter("combo")
     merged = model.merge_and_unload(adapter_names=["combo"])
     assert _private(_new_adapter(merged)).accountant.history == first.accountant.history
+
+
+def _dp_trained_plain(steps, sigma=1.0):
+    model = _plain_model()
+    engine = dpzoo.PrivacyEngine()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(X, Y), batch_size=16)
+    model, opt, loader = engine.make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=sigma,
+                                             max_grad_norm=1.0, sample_seed=1)  # fmt: skip
+    for _, (x, y) in zip(range(steps), loader):
+        if len(y):
+            F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    engine.detach()
+    return model, engine
+
+
+def test_two_runs_with_equal_histories_are_both_composed():
+    """The sixth audit: records were told apart by value, so layers from two independent runs with
+    the same σ, q and steps counted once. Links are told apart by their run now."""
+    a, first = _dp_trained_plain(3)
+    b, _ = _dp_trained_plain(3)
+    both = nn.Sequential(OrderedDict(fc1=a.fc1, act=nn.ReLU(), fc2=b.fc2))
+    assert _private(_new_adapter(both)).accountant.history == first.accountant.history * 2
+
+
+def test_a_live_engine_does_not_hide_a_layer_from_another_run():
+    model, _ = _dp_trained_plain(2)
+    again = dpzoo.PrivacyEngine()  # alive: its history was the only one taken before
+    again.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                       data_loader=DataLoader(TensorDataset(X, Y), batch_size=16), noise_multiplier=1.0,
+                       max_grad_norm=1.0)  # fmt: skip
+    again.detach()
+    other, second = _dp_trained_plain(3, sigma=2.0)
+    model.fc2 = other.fc2
+    history = _private(_new_adapter(model)).accountant.history
+    assert second.accountant.history[0] in history and len(history) == 2
+
+
+def test_a_combination_with_an_adapter_of_unknown_origin_keeps_both_parts(saved_adapter):
+    directory, _ = saved_adapter
+    model = _new_adapter(_plain_model())
+    own = _private(model, steps=3)
+    model.load_adapter(directory, adapter_name="ext")
+    model.add_weighted_adapter(["default", "ext"], [1.0, 1.0], adapter_name="combo", combination_type="cat")
+    model.set_adapter("combo")
+    merged = model.merge_and_unload(adapter_names=["combo"])
+    with pytest.raises(PrivacyUsageError, match="merged adapter 'combo'"):
+        _private(_new_adapter(merged))
+    merged.dpzoo_adapter_privacy = read_privacy_metadata(directory)
+    history = _private(_new_adapter(merged)).accountant.history
+    assert own.accountant.history[0] in history and read_privacy_metadata(directory)["history"][0] in history
+
+
+def test_other_tuner_families_trained_elsewhere_are_refused_unmerged():
+    loha = peft.get_peft_model(_plain_model(), peft.LoHaConfig(r=2, target_modules=["fc1"], modules_to_save=["fc2"]))
+    with torch.no_grad():
+        for name, p in loha.named_parameters():
+            if "hada_w2_b" in name:
+                p.normal_()  # trained elsewhere, loaded without a record
+    with pytest.raises(PrivacyUsageError, match="adapter 'default' in base_model.model.fc1"):
+        _private(loha)
+
+
+def test_a_hot_swapped_adapter_loses_the_link(saved_adapter, tmp_path):
+    from peft.utils.hotswap import hotswap_adapter
+
+    directory, _ = saved_adapter
+    model = _new_adapter(_plain_model())
+    _private(model, steps=2)
+    hotswap_adapter(model, str(directory), adapter_name="default")
+    with pytest.raises(PrivacyUsageError, match="adapter 'default'"):
+        _private(model)
+
+
+def test_a_resume_marks_only_the_adapters_it_restored(saved_adapter):
+    from dpzoo.integrations.peft_adapters import mark_resumed
+
+    directory, _ = saved_adapter
+    model = _new_adapter(_plain_model())
+    model.load_adapter(directory, adapter_name="ext")
+    with torch.no_grad():
+        model.base_model.model.fc1.lora_B["default"].weight.normal_()  # as restored from a checkpoint
+    mark_resumed(model, "checkpoint-2")
+    from dpzoo.integrations.peft_layers import trained_adapters
+
+    assert {a for _, a in trained_adapters(model)} == {"ext"}

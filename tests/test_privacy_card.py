@@ -406,3 +406,39 @@ def test_the_registry_record_describes_composed_releases_and_per_example_clippin
     assert "per-example clipped" in d["implementation"]["mechanisms"]
     assert "number of users N" in d["dp_variant"]["unprotected_quantities"]
     assert d["privacy_loss"]["number_of_privacy_units"] == 16
+
+
+def test_a_control_that_is_not_the_same_audit_is_refused(tmp_path, capsys):
+    """The sixth audit: a 5,000-canary control beside a 500-canary audit was stated as "the same
+    audit" catching a 2R bug the real one could not."""
+    from dpzoo.audit import audit_record, record_audit
+
+    directory, _ = _trained(tmp_path, epsilon=2.0, n=512, batch_size=32, epochs=5, delta=1e-5)
+    record = dpzoo.privacy_metadata(directory)
+    small = audit_record(record, canaries=500, progress=False)
+    large_control = audit_record(record, canaries=1000, broken="sensitivity-2x", progress=False)
+    with pytest.raises(dpzoo.DPZooError, match="not the same audit with the clip doubled"):
+        record_audit(directory, small, large_control)
+
+
+@pytest.mark.parametrize("spelling", ["Audited:\nsomething", "audited: it passed", "AUDITED :  yes"])
+def test_any_spelling_of_an_audit_sentence_without_a_block_is_refused(tmp_path, spelling):
+    plain, _ = _trained(tmp_path)
+    (plain / "README.md").write_text((plain / "README.md").read_text() + "\n" + spelling + "\n")
+    with pytest.raises(dpzoo.DPZooError, match="states an audit its audit block does not hold"):
+        dpzoo.load(plain)
+
+
+def test_an_edited_version_does_not_switch_the_statement_check_off(tmp_path):
+    directory, _ = _trained(tmp_path)
+    card = directory / "README.md"
+    text = card.read_text().replace("version: 0.1.0", "version: 0.0.9").replace("by dpzoo 0.1.0", "by dpzoo 0.0.9")
+    card.write_text(_set_epsilon(text, 0.1).replace("(ε = 3", "(ε = 0.1"))
+    with pytest.raises(dpzoo.DPZooError, match="says epsilon|its text"):
+        dpzoo.load(directory)
+    card.write_text(text.replace("What is protected: one training example", "What is protected: everything"))
+    with pytest.raises(dpzoo.DPZooError, match="its text does not state"):
+        dpzoo.load(directory)
+    card.write_text(text.replace("dpzoo_card_version: 1", "dpzoo_card_version: 0"))
+    with pytest.raises(dpzoo.DPZooError, match="dpzoo_card_version 0"):
+        dpzoo.load(directory)

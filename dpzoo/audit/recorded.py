@@ -7,7 +7,9 @@ It refuses an audit of another mechanism than the model's record (σ, R, clippin
 accountant, the sampling rate the canary set allowed for the record's q, δ), a control that is not
 the same audit with every clip doubled, or one that is not white-box; and it recomputes each claim
 with the accountant and each bound, and so ``exceeds`` and ``caught``, from the scores. A hand
-edit of the file's numbers is then either recomputed away or refused.
+edit of the file's derived numbers is then either recomputed away or refused. The scores
+themselves are the audit's own report: an edit of them that keeps the file consistent cannot be
+told from a real audit (re-run ``dpzoo audit --run`` to check a card you did not write).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import re
 from typing import Any, Mapping
 
 from ..errors import CheckpointError, PrivacyUsageError
@@ -27,6 +30,8 @@ __all__ = [
     "audit_sentence",
     "replacing_audit",
     "replacing",
+    "stated_audits",
+    "check_audit",
 ]
 
 AUDIT_FILE = "dpzoo_audit.json"
@@ -134,6 +139,21 @@ def _canary_rate(m: Mapping[str, Any], run_rate: float) -> bool:
     return math.isclose(rate, batch / n) and batch == max(1, round(run_rate * n))
 
 
+def _same_audit(main: Mapping[str, Any], control: Mapping[str, Any]) -> bool:
+    """The control ran the main audit's canaries, confidence, batches, epochs, learning rate and mode."""
+    a, b = main["mechanism"], control["mechanism"]
+    return (
+        len(main["scores"]) == len(control["scores"])
+        and main["confidence"] == control["confidence"]
+        and all(a.get(k) == b.get(k) for k in ("batch_size", "epochs", "lr", "mode", "sample_rate", "steps"))
+    )
+
+
+def stated_audits(text: str) -> int:
+    """How many audit sentences ``text`` holds, whatever their case and spacing."""
+    return len(re.findall(r"audited\s*:", text, flags=re.IGNORECASE))
+
+
 def verified_block(saved: Mapping[str, Any], record: Mapping[str, Any]) -> dict[str, Any]:
     """The card's ``audit:`` block for ``dpzoo_audit.json``'s content ``saved``, checked against the
     model's ``record`` and recomputed from its evidence (see the module docstring)."""
@@ -145,6 +165,8 @@ def verified_block(saved: Mapping[str, Any], record: Mapping[str, Any]) -> dict[
         main = _recomputed(run, saved["result"], seed, 1.0)
         control = saved.get("control")
         checked = _recomputed(run, control, seed, 2.0) if control is not None else None
+        if control is not None and not _same_audit(saved["result"], control):
+            raise CheckpointError(_NOT_THIS.format(why="its control is not the same audit with the clip doubled"))
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(
             f"{AUDIT_FILE} is not an audit of this model's mechanism ({e}): rerun `dpzoo audit --run`."

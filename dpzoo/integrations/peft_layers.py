@@ -360,7 +360,8 @@ def trained_adapters(model: nn.Module) -> list[tuple[str, str]]:
     """(layer, adapter) for adapters whose initialisation sets a factor to zero (lora_B; an
     Embedding's lora_embedding_A; AdaLoRA's lora_E, its lora_B starts random) but whose factor is
     not zero now, and that no dpzoo engine trained here (no spending link): trained before,
-    elsewhere (loaded with ``PeftModel.from_pretrained`` or ``load_adapter``)."""
+    elsewhere (loaded with ``PeftModel.from_pretrained`` or ``load_adapter``); and adapters of
+    PEFT's other tuner families that move the weights with no link."""
     if _loaded_peft() is None:
         return []
     zero_init = {  # adapter name -> the factors that start at zero
@@ -369,6 +370,8 @@ def trained_adapters(model: nn.Module) -> list[tuple[str, str]]:
         for n, c in _peft_configs(m).items()
         if getattr(c, "init_lora_weights", True) in ZERO_B_INITS
     }
+    from .peft_adapters import is_linked, other_tuners_trained
+
     found = []
     for layer_name, layer in lora_layers(model).items():
         for name, attrs in zero_init.items():
@@ -376,16 +379,10 @@ def trained_adapters(model: nn.Module) -> list[tuple[str, str]]:
                 container = getattr(layer, attr, None)
                 if not isinstance(container, (nn.ModuleDict, nn.ParameterDict)) or name not in container:
                     continue
-                holder = container[name] if isinstance(container, nn.ModuleDict) else container
                 tensors = container[name].parameters() if isinstance(container, nn.ModuleDict) else [container[name]]
-                # a dpzoo engine trained it here, or a DPTrainer resume restored it with its spending
-                linked = getattr(getattr(holder, "dpzoo_spending", None), "history", None) or getattr(
-                    holder, "dpzoo_resumed_from", None
-                )
-                if (
-                    not linked
-                    and any(bool(t.detach().ne(0).any()) for t in tensors)
-                    and (layer_name, name) not in found
-                ):
-                    found.append((layer_name, name))
+                # not linked: no dpzoo engine trained it here, no DPTrainer resume restored it
+                if not is_linked(layer, name) and any(bool(t.detach().ne(0).any()) for t in tensors):
+                    if (layer_name, name) not in found:
+                        found.append((layer_name, name))
+    found += [f for f in other_tuners_trained(model) if f not in found]
     return found

@@ -35,6 +35,17 @@ import inspect
 import sys
 from typing import Any
 
+from .peft_adapters import (
+    changes_weights,
+    composed,
+    fingerprint,
+    flag_partly_unknown,
+    forget_adapter,
+    has_adapter,
+    partly_unknown,
+    set_link,
+    spending_link,
+)
 from .peft_statements import MARK, merged_without_record
 
 __all__ = ["install"]
@@ -109,6 +120,17 @@ def _register() -> None:
         _wrap(cls, "load_adapter", _after_load_adapter)
     for cls in _subclasses(BaseTuner):
         _wrap(cls, "add_weighted_adapter", _after_weighted_adapter)
+    hotswap = sys.modules.get("peft.utils.hotswap")
+    if hotswap is None:
+        try:
+            import peft.utils.hotswap as hotswap
+        except ImportError:  # pragma: no cover - a PEFT without hotswapping
+            hotswap = None
+    swap = getattr(hotswap, "hotswap_adapter_from_state_dict", None)
+    if swap is not None and not getattr(swap, "dpzoo_watched", False):
+        wrapped = functools.wraps(swap)(_after_hotswap(swap))
+        wrapped.dpzoo_watched = True  # type: ignore[attr-defined]
+        hotswap.hotswap_adapter_from_state_dict = wrapped
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterPeftImport)]
 
 
@@ -147,7 +169,7 @@ def _after_merge(fn):
 
 def _after_unmerge(fn):
     def unmerge(self, *args, **kwargs):
-        before = {a: _fingerprint(self, a) for a in getattr(self, "merged_adapters", ())}
+        before = {a: fingerprint(self, a) for a in getattr(self, "merged_adapters", ())}
         out = fn(self, *args, **kwargs)
         base = _base_layer_of(self)
         merged = base.__dict__.get(FINGERPRINTS, {}) if base is not None else {}
@@ -181,17 +203,22 @@ def _after_load_adapter(fn):
 
     def load_adapter(self, *args, **kwargs):
         out = fn(self, *args, **kwargs)
-        adapter = signature.bind(self, *args, **kwargs).arguments.get("adapter_name")
-        for layer in self.modules():  # the adapter's weights now come from elsewhere: no engine trained them
-            for container in layer.children():
-                entry = _entry(container, adapter) if adapter is not None else None
-                holder = entry if hasattr(entry, "modules") else container
-                for m in holder.modules() if entry is not None else ():
-                    m.__dict__.pop("dpzoo_spending", None)
-                    m.__dict__.pop("dpzoo_resumed_from", None)
+        forget_adapter(self, signature.bind(self, *args, **kwargs).arguments.get("adapter_name"))
         return out
 
     return load_adapter
+
+
+def _after_hotswap(fn):
+    signature = inspect.signature(fn)
+
+    def hotswap(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs).arguments
+        forget_adapter(bound.get("model"), bound.get("adapter_name"))
+        return out
+
+    return hotswap
 
 
 def _after_weighted_adapter(fn):
@@ -201,33 +228,18 @@ def _after_weighted_adapter(fn):
         out = fn(self, *args, **kwargs)
         bound = signature.bind(self, *args, **kwargs).arguments
         sources, new = list(bound.get("adapters") or []), bound.get("adapter_name")
-        for layer in self.modules():  # a combination of adapters dpzoo trained spent what they spent
-            links = [_spending_link(layer, a) for a in sources if _has_adapter(layer, a)]
-            if links and all(links) and _has_adapter(layer, new):
-                _link_adapter(layer, new, _composed(links))
+        for layer in self.modules():  # a combination spent what its parts spent
+            present = [a for a in sources if has_adapter(layer, a)]
+            if not present or not has_adapter(layer, new):
+                continue
+            links = [link for link in (spending_link(layer, a) for a in present) if link is not None]
+            if links:
+                set_link(layer, new, composed(links))
+            if any(spending_link(layer, a) is None and changes_weights(layer, a) for a in present):
+                flag_partly_unknown(layer, new)  # a part of unknown origin: still refused until stated
         return out
 
     return add_weighted_adapter
-
-
-def _has_adapter(layer, adapter) -> bool:
-    return any(_entry(c, adapter) is not None for c in layer.children())
-
-
-def _link_adapter(layer, adapter: str, link) -> None:
-    for container in layer.children():
-        entry = _entry(container, adapter)
-        holder = entry if hasattr(entry, "modules") else container
-        for m in holder.modules() if entry is not None else ():
-            object.__setattr__(m, "dpzoo_spending", link)
-
-
-def _composed(links: list):
-    """One link for several: itself when they are one engine's, else their histories composed."""
-    from ..privacy.budget import ComposedSpending
-
-    distinct = list({id(link): link for link in links}.values())
-    return distinct[0] if len(distinct) == 1 else ComposedSpending(distinct)
 
 
 def _base_layer_of(layer):
@@ -241,14 +253,14 @@ def _note_merged(layer, adapters: list) -> None:
     if base is None:
         return
     for adapter in adapters:
-        link = _spending_link(layer, adapter)
+        link = spending_link(layer, adapter)
         if link is not None:
             _give_link(base, link)
-        elif _changes_weights(layer, adapter):
+        if (link is None or partly_unknown(layer, adapter)) and changes_weights(layer, adapter):
             marks = base.__dict__.setdefault(MARK, [])
             if adapter not in marks:
                 marks.append(adapter)
-            base.__dict__.setdefault(FINGERPRINTS, {})[adapter] = _fingerprint(layer, adapter)
+            base.__dict__.setdefault(FINGERPRINTS, {})[adapter] = fingerprint(layer, adapter)
 
 
 def _give_link(module, link) -> None:
@@ -291,51 +303,3 @@ def _on_child_assigned(parent, name: str, value) -> None:
         if getattr(link, "history", None):
             _give_link(value, link)
     return None
-
-
-def _entry(container, adapter: str):
-    """``container[adapter]`` for PEFT's per-adapter ModuleDict / ParameterDict, else None."""
-    keys = getattr(container, "keys", None)
-    return container[adapter] if callable(keys) and adapter in keys() else None
-
-
-def _spending_link(layer, adapter: str):
-    """The spending link a dpzoo engine left on the adapter's layers, if it trained them."""
-    for container in layer.children():  # lora_A, lora_B, ... (a ParameterDict holds its own tensors)
-        entry = _entry(container, adapter)
-        holder = entry if hasattr(entry, "modules") else container
-        for m in holder.modules() if entry is not None else ():
-            link = getattr(m, "dpzoo_spending", None)
-            if getattr(link, "history", None):
-                return link
-    return None
-
-
-def _fingerprint(layer, adapter: str) -> tuple[float, float] | None:
-    """Two float64 sums of the adapter's ΔW (None where it cannot be formed)."""
-    import torch
-
-    try:
-        with torch.no_grad():
-            delta = layer.get_delta_weight(adapter).double()
-    except Exception:  # noqa: BLE001 - no ΔW for this family: never taken for an unmerge
-        return None
-    return float(delta.sum()), float(delta.abs().sum())
-
-
-def _changes_weights(layer, adapter: str) -> bool:
-    """Whether the adapter's ΔW is not exactly zero (a tuner family without ``get_delta_weight``,
-    e.g. IA³'s scaling, is taken to change the weights)."""
-    import torch
-
-    delta = getattr(layer, "get_delta_weight", None)
-    if not callable(delta):
-        return True
-    bias = getattr(_entry(getattr(layer, "lora_B", None), adapter), "bias", None)
-    if bias is not None and bool(bias.detach().ne(0).any()):  # LoRA's lora_bias: merged into the base bias
-        return True
-    try:
-        with torch.no_grad():
-            return bool(delta(adapter).ne(0).any())
-    except Exception:  # noqa: BLE001 - a family whose ΔW cannot be formed here: assume it changed
-        return True

@@ -48,6 +48,7 @@ from ..errors import MissingDependencyError, PrivacyUsageError
 from ..privacy import DPOptimizer, PoissonBatchSampler, PrivacyEngine, get_noise_multiplier
 from ..privacy.budget import compute_sample_rate, prior_spending, recorded_origin
 from ..privacy.engine import engine_of
+from .peft_adapters import mark_resumed
 from .trainer_arguments import DPArguments, check_batch_fits, check_trainer_settings, total_steps
 from .trainer_data import (
     FetchCollate,
@@ -285,8 +286,7 @@ class DPTrainer(Trainer):
                     f"{resume_from_checkpoint} holds DP-trained weights but no optimizer state, which carries their "
                     "spending: resume from a checkpoint saved with its optimizer (save_only_model=False)."
                 )
-            for m in self.model.modules():
-                object.__setattr__(m, "dpzoo_resumed_from", str(resume_from_checkpoint))
+            mark_resumed(self.model, str(resume_from_checkpoint))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The Trainer's ``save_model``, plus the privacy metadata (``dpzoo_privacy.json``; for a

@@ -13,6 +13,7 @@ from torch import nn
 from ..errors import DPZooError, PrivacyUsageError, WeakPrivacyWarning
 from .accountant import Accountant, get_noise_multiplier
 from .caller import first_frame_outside_dpzoo
+from .provenance import distinct_histories, note_composed
 
 __all__ = [
     "compute_sample_rate",
@@ -72,6 +73,7 @@ def link_spending(module: nn.Module, accountant: Accountant) -> None:
     """Record on ``module`` and on each of its layers with trainable parameters that ``accountant``
     holds their spending: ``dpzoo_spending``, and for a Hugging Face model (or one inside) ``config.dpzoo_privacy`` (the accountant's live history: ``save_pretrained``
     writes it into config.json, so a ``from_pretrained`` of any copy of the weights composes it)."""
+    note_composed(accountant, [getattr(m, "dpzoo_spending", None) for m in module.modules()])  # before relinking
     for m in module.modules():  # the model, and every layer it trains (a layer can be reused elsewhere)
         if m is not module and not any(p.requires_grad for p in m.parameters(recurse=False)):
             continue
@@ -122,10 +124,9 @@ def prior_spending(module: nn.Module, earlier: list) -> list:
     refuse_weights_of_unknown_origin(module)
     if getattr(module, "dpzoo_privacy", None) == {}:
         return stated  # the user stated the new data disjoint from what the model was trained on
-    if earlier:
-        return [list(h) for h in earlier] + stated
-    origin = recorded_origin(module)
-    return spent_inside(module, [history_of(origin[0])] if origin is not None else []) + stated
+    origin = recorded_origin(module)  # a live earlier engine's history, and everything else inside, each once
+    more = ([[list(h) for h in earlier]] if earlier else []) + ([history_of(origin[0])] if origin is not None else [])
+    return spent_inside(module, more) + stated
 
 
 def adapter_statements(module: nn.Module) -> list:
@@ -149,10 +150,9 @@ def adapter_statements(module: nn.Module) -> list:
 
 def spent_inside(module: nn.Module, more: list | None = None) -> list:
     """What the model or any module inside it spent (a DP-trained model reused in a new one, a
-    layer of it): every engine's :class:`SpendingLink` and every record on a module
-    (``dpzoo_privacy``), with ``more`` histories, composed; a history that another one contains
-    (a link composed after that record) once."""
-    found: list[list] = list(more or [])
+    layer of it): every engine's spending link and every record on a module (``dpzoo_privacy``),
+    with the ``more`` histories, each run once (:mod:`dpzoo.privacy.provenance`)."""
+    links, records = [], list(more or [])
     for name, m in module.named_modules():
         link = getattr(m, "dpzoo_spending", None)
         meta = m.__dict__.get("dpzoo_privacy")
@@ -161,15 +161,11 @@ def spent_inside(module: nn.Module, more: list | None = None) -> list:
                 f"{name or 'model'}.dpzoo_privacy must be a privacy record (read_privacy_metadata(DIR)) or {{}} "
                 f"(new data disjoint from the earlier run's), got {type(meta).__name__}."
             )
-        if isinstance(link, SpendingLink) and link.history:
-            found.append(link.history)
+        if isinstance(link, SpendingLink):
+            links.append(link)
         if meta:
-            found.append(history_of(meta))
-    distinct: list[list] = []
-    for h in sorted(found, key=len, reverse=True):
-        if not any(d[i : i + len(h)] == h for d in distinct for i in range(len(d) - len(h) + 1)):
-            distinct.append(h)
-    return [entry for h in distinct for entry in h]
+            records.append(history_of(meta))
+    return distinct_histories(links, records)
 
 
 def history_of(meta: dict) -> list:
