@@ -600,3 +600,36 @@ def test_counting_survives_ghost_clipping_pickling_and_refuses_another_engines_l
         privacy_metadata(engines[1], 1e-5, data_loader=loaders[0])
     copy = pickle.loads(pickle.dumps(loaders[0].batch_sampler))
     assert isinstance(copy, opacus.utils.uniform_sampler.UniformWithReplacementSampler) and copy.dpzoo_drawn == 2
+
+
+def test_opacus_over_layers_from_two_dpzoo_runs_keeps_both():
+    """The seventh audit: each layer's OpacusSpending shared one Opacus run id, and only one of
+    the dpzoo runs found before Opacus was kept."""
+    from dpzoo.privacy.budget import spent_inside
+
+    def dpzoo_run(sigma, steps):
+        model = _mlp()
+        engine = dpzoo.PrivacyEngine()
+        model, opt, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                                 data_loader=DataLoader(_ds(), batch_size=8), noise_multiplier=sigma,
+                                                 max_grad_norm=1.0)  # fmt: skip
+        for _, (x, y) in zip(range(steps), loader):
+            if len(y):
+                F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        engine.detach()
+        return model, engine.accountant.history
+
+    (x_model, x_history), (y_model, y_history) = dpzoo_run(1.0, 3), dpzoo_run(2.0, 2)
+    both = nn.Sequential(x_model[0], nn.Tanh(), y_model[2])
+    engine = opacus.PrivacyEngine()
+    wrapped, opt, loader = dpzoo_opacus_make_private(engine, module=both, optimizer=torch.optim.SGD(both.parameters(), lr=0.1),
+                                                     data_loader=DataLoader(_ds(), batch_size=8), noise_multiplier=0.9,
+                                                     max_grad_norm=1.0)  # fmt: skip
+    for _, (x, y) in zip(range(2), loader):
+        F.cross_entropy(wrapped(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    history = spent_inside(both)
+    assert x_history[0] in history and y_history[0] in history and [list(h) for h in engine.accountant.history][0] in history

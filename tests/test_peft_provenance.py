@@ -438,3 +438,35 @@ def test_a_resume_marks_only_the_adapters_it_restored(saved_adapter):
     from dpzoo.integrations.peft_layers import trained_adapters
 
     assert {a for _, a in trained_adapters(model)} == {"ext"}
+
+
+def test_engine_load_state_dict_composes_after_what_the_model_carries():
+    """The seventh audit: engine.load_state_dict replaced the history make_private had composed (a
+    layer from another run in the model); it now composes after it, as the optimizer's does."""
+    a, first = _dp_trained_plain(3)
+    state = first.state_dict()
+    b, second = _dp_trained_plain(4, sigma=0.8)
+    resumed = _plain_model()
+    resumed.load_state_dict(a.state_dict())
+    resumed.fc2 = b.fc2
+    engine = dpzoo.PrivacyEngine()
+    engine.make_private(module=resumed, optimizer=torch.optim.SGD(resumed.parameters(), lr=0.1),
+                        data_loader=DataLoader(TensorDataset(X, Y), batch_size=16), noise_multiplier=1.0,
+                        max_grad_norm=1.0)  # fmt: skip
+    engine.load_state_dict(state)
+    assert engine.accountant.history == second.accountant.history + first.accountant.history
+
+
+def test_two_reloaded_hugging_face_models_carry_both_records(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from dpzoo.privacy.budget import prior_spending
+
+    histories = {"a": [[1.0, 0.25, 3]], "b": [[2.0, 0.25, 2]]}
+    for name, history in histories.items():
+        model = transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+        )
+        model.config.dpzoo_privacy = {"accountant": "rdp", "history": history}
+        model.save_pretrained(tmp_path / name)
+    both = nn.ModuleList([transformers.GPT2LMHeadModel.from_pretrained(tmp_path / n) for n in histories])
+    assert sorted(prior_spending(both, [])) == sorted(histories["a"] + histories["b"])

@@ -421,7 +421,17 @@ def test_a_control_that_is_not_the_same_audit_is_refused(tmp_path, capsys):
         record_audit(directory, small, large_control)
 
 
-@pytest.mark.parametrize("spelling", ["Audited:\nsomething", "audited: it passed", "AUDITED :  yes"])
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        "Audited:\nsomething",
+        "audited: it passed",
+        "AUDITED :  yes",
+        "Audited\u200b: yes",
+        "Audited\uff1a yes",
+        "Audited \u2014 yes",
+    ],
+)
 def test_any_spelling_of_an_audit_sentence_without_a_block_is_refused(tmp_path, spelling):
     plain, _ = _trained(tmp_path)
     (plain / "README.md").write_text((plain / "README.md").read_text() + "\n" + spelling + "\n")

@@ -150,8 +150,12 @@ def _same_audit(main: Mapping[str, Any], control: Mapping[str, Any]) -> bool:
 
 
 def stated_audits(text: str) -> int:
-    """How many audit sentences ``text`` holds, whatever their case and spacing."""
-    return len(re.findall(r"audited\s*:", text, flags=re.IGNORECASE))
+    """How many audit sentences ``text`` holds, whatever their case, spacing, invisible characters
+    or colon (NFKC-normalised; a homoglyph of another script is not seen)."""
+    import unicodedata
+
+    plain = "".join(ch for ch in unicodedata.normalize("NFKC", text) if unicodedata.category(ch) != "Cf")
+    return len(re.findall(r"audited\s*[:\-\u2013\u2014]", plain, flags=re.IGNORECASE))
 
 
 def verified_block(saved: Mapping[str, Any], record: Mapping[str, Any]) -> dict[str, Any]:

@@ -98,6 +98,10 @@ def mark_resumed(model, checkpoint: str) -> None:
     """The active adapters' tensors of ``model`` were restored from ``checkpoint`` by a DPTrainer
     resume, whose optimizer state restores their spending: not of unknown origin. Other adapters
     (loaded separately, inactive) stay as they were."""
+    from .peft_layers import is_peft_model
+
+    if not is_peft_model(model):  # a plain transformers model's active_adapters() needs its own PEFT setup
+        return
     adapters = getattr(model, "active_adapters", None)
     if callable(adapters):
         adapters = adapters()

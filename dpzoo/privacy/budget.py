@@ -112,6 +112,25 @@ def recorded_origin(module: nn.Module) -> tuple[dict, str] | None:
     return carried
 
 
+def recorded_origins(module: nn.Module) -> list[dict]:
+    """Every record the Hugging Face models inside ``module`` were reloaded with (two reloaded
+    models combined in one carry two): per config, the dpzoo record of the directory it was read
+    from, else the record it carries; each config once."""
+    from ..integrations.trainer_save import read_privacy_metadata  # imports hub: not at module level
+
+    found: dict[int, dict] = {}
+    for m in module.modules():
+        config = getattr(m, "config", None)
+        if config is None or id(config) in found:
+            continue
+        path = getattr(config, "_name_or_path", None)
+        meta = read_privacy_metadata(path) if isinstance(path, str) and path and os.path.isdir(path) else None
+        record = meta or getattr(config, "dpzoo_privacy", None)
+        if isinstance(record, dict) and record:
+            found[id(config)] = record
+    return list(found.values())
+
+
 def prior_spending(module: nn.Module, earlier: list) -> list:
     """The (σ, q, steps) history a model already spent: ``earlier`` (an earlier engine on it, alive),
     else everything found in it: the spending every earlier engine linked to it or a layer
@@ -124,8 +143,8 @@ def prior_spending(module: nn.Module, earlier: list) -> list:
     refuse_weights_of_unknown_origin(module)
     if getattr(module, "dpzoo_privacy", None) == {}:
         return stated  # the user stated the new data disjoint from what the model was trained on
-    origin = recorded_origin(module)  # a live earlier engine's history, and everything else inside, each once
-    more = ([[list(h) for h in earlier]] if earlier else []) + ([history_of(origin[0])] if origin is not None else [])
+    # a live earlier engine's history, every reloaded model's record, and everything else inside, each once
+    more = ([[list(h) for h in earlier]] if earlier else []) + [history_of(r) for r in recorded_origins(module)]
     return spent_inside(module, more) + stated
 
 
@@ -288,7 +307,9 @@ def restore_history(accountant: Accountant, state: dict) -> None:
     if "accountant" in state:
         saved = [list(h) for h in state["accountant"]["history"]]
         now = [list(h) for h in accountant.history]
-        if saved[: len(now)] != now:  # the checkpoint does not start with what is spent here: compose
+        if now and now[len(now) - len(saved) :] == saved:
+            saved = now  # restored already (the engine's state, then its optimizer's): not twice
+        elif saved[: len(now)] != now:  # the checkpoint does not start with what is spent here: compose
             saved = now + saved
         if state["accountant"].get("name") != accountant.name:
             raise PrivacyUsageError(

@@ -48,7 +48,14 @@ from .arguments import (
     warn_seeds,
 )
 from .bitfit import freeze_all_but_biases
-from .budget import calibrate, compute_sample_rate, link_spending, prior_spending, stated_assumptions
+from .budget import (
+    calibrate,
+    compute_sample_rate,
+    link_spending,
+    prior_spending,
+    restore_history,
+    stated_assumptions,
+)
 from .data import DPDataLoader, StepSignal
 from .distributed import RANK_SETTINGS, same_on_every_rank, shard, world_and_rank
 from .fsdp import ShardedGrads, check_fsdp_settings, check_sharding
@@ -385,7 +392,7 @@ class PrivacyEngine(OpacusParity):
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.accountant.load_state_dict(state["accountant"])
+        restore_history(self.accountant, {"accountant": state["accountant"]})  # composed after what it holds
         if self.optimizer is not None and state.get("optimizer"):
             self.optimizer.load_state_dict(state["optimizer"])
         if state.get("mode") and state["mode"] != self.mode and self.module is not None:

@@ -33,14 +33,15 @@ def link_parts(link: Any) -> list[tuple[str, set, list]]:
     parts = getattr(link, "parts", None)
     if parts is not None:  # ComposedSpending: several runs
         return [p for part in parts for p in link_parts(part)]
-    accountant = getattr(link, "opacus", None) or getattr(link, "accountant", None)
+    opacus = getattr(link, "opacus", None)
+    if opacus is not None:  # OpacusSpending: Opacus' own steps, after the link it found (not composed by Opacus)
+        earlier = getattr(link, "earlier", None)
+        own = [[float(s), float(q), int(n)] for s, q, n in opacus.history]
+        return (link_parts(earlier) if earlier is not None else []) + ([(run_id(opacus), set(), own)] if own else [])
+    accountant = getattr(link, "accountant", None)
     if accountant is None or not getattr(link, "history", None):
         return []
-    composed = set(getattr(accountant, "dpzoo_composed", ()))
-    earlier = getattr(link, "earlier", None)  # OpacusSpending after another link: it composed that one
-    for key, more, _ in link_parts(earlier) if earlier is not None else ():
-        composed |= {key} | more
-    return [(run_id(accountant), composed, link.history)]
+    return [(run_id(accountant), set(getattr(accountant, "dpzoo_composed", ())), link.history)]
 
 
 def note_composed(accountant: Any, links: Iterable[Any]) -> None:
