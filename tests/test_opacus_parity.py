@@ -632,4 +632,8 @@ def test_opacus_over_layers_from_two_dpzoo_runs_keeps_both():
         opt.step()
         opt.zero_grad()
     history = spent_inside(both)
-    assert x_history[0] in history and y_history[0] in history and [list(h) for h in engine.accountant.history][0] in history
+    assert (
+        x_history[0] in history
+        and y_history[0] in history
+        and [list(h) for h in engine.accountant.history][0] in history
+    )
