@@ -35,6 +35,7 @@ __all__ = [
 BUILTIN_MODELS: dict[str, str] = {
     "bert-base": "sequence-classification",
     "cnn-tanh-gn": "image-classification",
+    "convnext-tiny": "image-classification",
     "dpformer": "sequential-recommendation",
     "efficientnet-lite0-gn-bias": "image-classification",
     "gemma-bias": "causal-lm",
@@ -56,6 +57,7 @@ BUILTIN_MODELS: dict[str, str] = {
     "vit-small-patch16": "image-classification",
     "vit-tiny-patch16": "image-classification",
     "wrn16-4-gn": "image-classification",
+    "wrn28-10-gn": "image-classification",
 }
 # the built-in accountants whose ε is an upper bound, in registration order ("gdp" is not)
 BUILTIN_ACCOUNTANTS: tuple[str, ...] = ("pld", "rdp", "prv", "opacus-rdp")
