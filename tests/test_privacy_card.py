@@ -176,8 +176,10 @@ def test_a_hugging_face_directory_gets_the_card_and_an_edit_is_caught(tmp_path):
 
 
 def _audited(tmp_path, capsys, *extra):
-    """A model trained 80 steps at ε = 2 (q = 1/16), then `dpzoo audit --run` on it."""
-    directory, engine = _trained(tmp_path, epsilon=2.0, n=512, batch_size=32, epochs=5, delta=1e-5)
+    """A model trained 80 steps at ε = 8 (q = 1/16), then `dpzoo audit --run` on it. At ε = 8 the 2R
+    control exceeds the claim by a margin the audit's noise cannot close (measured 10.5-11.7 against
+    8, the audit 2.4-2.8); at ε = 2 it was 2.2-2.9 against 1.99, too close for a test."""
+    directory, engine = _trained(tmp_path, epsilon=8.0, n=512, batch_size=32, epochs=5, delta=1e-5)
     code = main(["audit", "--run", str(directory), "--quiet", *extra])
     return directory, engine, code, capsys.readouterr().out
 
@@ -215,7 +217,7 @@ def test_a_recorded_audit_sees_a_doubled_clip(tmp_path, capsys, monkeypatch):
     from dpzoo.privacy.optimizer import DPOptimizer
 
     original = DPOptimizer.clip_factors
-    directory, _ = _trained(tmp_path, epsilon=2.0, n=512, batch_size=32, epochs=5, delta=1e-5)
+    directory, _ = _trained(tmp_path, epsilon=8.0, n=512, batch_size=32, epochs=5, delta=1e-5)
     monkeypatch.setattr(DPOptimizer, "clip_factors", lambda self, norms: 2 * original(self, norms))
     assert main(["audit", "--run", str(directory), "--quiet"]) == 1
     assert read_card(directory)["privacy"]["audit"]["exceeds"]
