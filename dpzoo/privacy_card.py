@@ -327,15 +327,13 @@ def check_card(directory: str | Path, record: Mapping[str, Any] | None, header: 
                     f"{path} says {key} = {mine!r} but {source} says {theirs!r}: the card was edited or belongs to "
                     "other weights; rewrite it with dpzoo.save."
                 )
-    # the statement's wording is this dpzoo version's: a card another version wrote keeps its own
-    version = (front or {}).get("dpzoo_card_version")
-    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= CARD_VERSION:
+    version = (front or {}).get("dpzoo_card_version")  # numbers the statement's wording, which is checked
+    if not isinstance(version, int) or isinstance(version, bool) or version != CARD_VERSION:
         raise CheckpointError(
             f"{path}: dpzoo_card_version {version!r} is not one this dpzoo can check; rewrite it with dpzoo.save."
         )
-    same_version = version == CARD_VERSION  # the wording this dpzoo writes; older versions keep their own
     stated = statement_from_record(record, versions=versions, audit=card.get("audit")) if audited else ""
-    if same_version and " ".join(stated.split()) not in " ".join(body.split()):
+    if " ".join(stated.split()) not in " ".join(body.split()):
         raise CheckpointError(
             f"{path}: its text does not state the saved record's guarantee (edited?); rewrite it with dpzoo.save."
         )
