@@ -76,7 +76,7 @@ def test_parameter_group_added_after_make_private_is_refused_at_step():
     model, head = _mlp(), nn.Linear(3, 3).double()
     engine, model, opt, loader = _private(model, _ds())
     opt.add_param_group({"params": head.parameters()})
-    x, y = next(iter(loader))
+    x, y = next(b for b in loader if len(b[1]))  # an empty Poisson batch (about 1 draw in 130 here) has no loss
     F.cross_entropy(model(x), y).backward()
     for p in head.parameters():  # however it got there: a gradient dpzoo did not clip
         p.grad = torch.ones_like(p)
