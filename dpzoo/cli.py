@@ -48,8 +48,13 @@ def _example_batch(card, batch_size=4):
     g = torch.Generator().manual_seed(0)
     if spec.get("kind") in ("image", "features"):
         return (torch.randn(batch_size, *spec["shape"], generator=g),), {}
-    if spec.get("kind") == "tokens":
-        return (), {"input_ids": torch.randint(0, spec["vocab_size"], (batch_size, spec["seq_len"]), generator=g)}
+    if spec.get("kind") in ("tokens", "seq2seq"):
+        ids = {"input_ids": torch.randint(0, spec["vocab_size"], (batch_size, spec["seq_len"]), generator=g)}
+        if spec["kind"] == "seq2seq":  # and the decoder's input
+            ids["decoder_input_ids"] = torch.randint(
+                0, spec["vocab_size"], (batch_size, spec["target_len"]), generator=g
+            )
+        return (), ids
     return None
 
 

@@ -21,6 +21,10 @@ def example_batch(card, batch_size: int = 2, seed: int = 0):
     if spec["kind"] == "tokens":
         ids = torch.randint(0, spec["vocab_size"], (batch_size, spec["seq_len"]), generator=g)
         return (), {"input_ids": ids}
+    if spec["kind"] == "seq2seq":  # encoder input and decoder input
+        ids = torch.randint(2, spec["vocab_size"], (batch_size, spec["seq_len"]), generator=g)
+        target = torch.randint(2, spec["vocab_size"], (batch_size, spec["target_len"]), generator=g)
+        return (), {"input_ids": ids, "decoder_input_ids": target}
     raise ValueError(spec)
 
 

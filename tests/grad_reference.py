@@ -69,6 +69,14 @@ def zoo_model_and_inputs(name, b=3, seed=0):
 
         return model, {"x": x, "y": y}, loss_fn
     ids = torch.randint(0, spec["vocab_size"], (b, spec["seq_len"]), generator=g)
+    if spec["kind"] == "seq2seq":  # the target sequence through the decoder, teacher-forced by the model
+
+        def loss_fn(m, ids, labels):
+            logits = m(input_ids=ids, labels=labels).logits
+            return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+        labels = torch.randint(2, spec["vocab_size"], (b, spec["target_len"]), generator=g)
+        return model, {"ids": ids, "labels": labels}, loss_fn
     if card.task == "sequential-recommendation":  # next item at every position, padding (0) ignored
 
         def loss_fn(m, ids):

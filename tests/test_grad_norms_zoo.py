@@ -19,6 +19,7 @@ ENTRIES = [
     "wrn28-10-gn",
     "resnet18-gn-bias",
     "convnext-tiny",
+    "nf-resnet50",
     "vit-tiny-patch16",
     "gpt2",
     "llama-tiny-bias",

@@ -130,6 +130,7 @@ def build_timm(
     patch_defaults: dict[str, Any] | None = None,
     convert_state_dict: Callable[[dict], dict] | None = None,
     tag_sources: Mapping[str, str] | None = None,
+    create: Callable[..., nn.Module] | None = None,
 ) -> nn.Module:
     """Build timm's ``arch``, load weights, then apply dpzoo's patches.
 
@@ -137,8 +138,11 @@ def build_timm(
     ``convert_state_dict`` maps a ``weights=PATH`` state dict to timm's keys; it runs right
     after the file is read, before timm's own ``checkpoint_filter_fn``. ``tag_sources``: pretrained
     tags whose weights are another timm architecture's with the same tensors (``"gn_a1h_in1k":
-    "resnet50_gn.a1h_in1k"``, GroupNorm-trained), loaded as a local checkpoint would be.
+    "resnet50_gn.a1h_in1k"``, GroupNorm-trained), loaded as a local checkpoint would be. ``create``:
+    how the randomly initialised network is built (``create(arch, **kwargs)``; default
+    ``timm.create_model``), for architectures whose sizes timm keeps in a configuration object.
     """
+    build = create or (lambda name, **kw: _create(name, False, **kw))
     arch_over, patch_kw = split_patch_options(overrides, patch_defaults)
     arch_over = resolve_synonyms(entry, arch_over, overrides_table)
     kwargs = {**(base_kwargs or {}), **library_kwargs(entry, overrides_table, arch_over)}
@@ -156,14 +160,14 @@ def build_timm(
     added: dict[str, torch.Tensor] = {}
     source = (tag_sources or {}).get(pretrained_tag or "")
     if pretrained and source is not None:  # weights of another timm architecture with the same tensors
-        model = _create(arch, False, **kwargs)
+        model = build(arch, **kwargs)
         added = load_local_checkpoint(
             model, timm_pretrained(source, kwargs).state_dict(), num_classes_overridden=True, entry=entry
         )
     elif pretrained:
         model = timm_pretrained(f"{arch}.{pretrained_tag}" if pretrained_tag else arch, kwargs)
     else:
-        model = _create(arch, False, **kwargs)
+        model = build(arch, **kwargs)
         if weights is not None and features:
             added = load_into_feature_extractor(
                 model, arch, kwargs, weights, entry=entry, convert_state_dict=convert_state_dict
@@ -205,6 +209,7 @@ def register_timm_entry(
     overrides_table: OverrideTable,
     convert_state_dict: Callable[[dict], dict] | None = None,
     tag_sources: Mapping[str, str] | None = None,
+    create: Callable[..., nn.Module] | None = None,
 ) -> Callable[..., nn.Module]:
     """Register the zoo entry ``card.name``: timm's ``arch`` built by :func:`build_timm` with the
     entry's override table (the one build path of every timm entry). Returns the builder."""
@@ -220,6 +225,7 @@ def register_timm_entry(
             overrides_table=overrides_table,
             convert_state_dict=convert_state_dict,
             tag_sources=tag_sources,
+            create=create,
         )
 
     build.__name__ = build.__qualname__ = card.name.replace("-", "_")

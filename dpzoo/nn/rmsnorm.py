@@ -20,7 +20,9 @@ class RMSNorm(nn.Module):
     * ``"torch"``: ``torch.nn.RMSNorm`` (``F.rms_norm``), plus ``b``;
     * ``"gemma"``: Hugging Face ``GemmaRMSNorm``, which scales by ``1 + w`` (its ``w`` starts at 0)
       in float32 and casts the product back: ``cast(x / sqrt(mean(x²) + eps) ⊙ (1 + w)) + b``.
-      The per-sample gradient of ``w`` is the same as for ``w ⊙ x̂``.
+      The per-sample gradient of ``w`` is the same as for ``w ⊙ x̂``;
+    * ``"t5"``: Hugging Face ``T5LayerNorm`` (the mean square in float32, the input itself
+      scaled, cast to a half-precision weight's dtype, then scaled): ``w ⊙ x̂ + b``.
     """
 
     def __init__(
@@ -35,9 +37,9 @@ class RMSNorm(nn.Module):
         dtype=None,
     ):
         super().__init__()
-        if style not in ("llama", "torch", "gemma"):
+        if style not in ("llama", "torch", "gemma", "t5"):
             raise InvalidArgumentError(
-                f"RMSNorm style={style!r} is not supported; pass style='llama', 'torch' or 'gemma'."
+                f"RMSNorm style={style!r} is not supported; pass style='llama', 'torch', 'gemma' or 't5'."
             )
         factory = {"device": device, "dtype": dtype}
         self.hidden_size, self.eps, self.style = int(hidden_size), eps, style
@@ -49,6 +51,10 @@ class RMSNorm(nn.Module):
         """The normalised input x̂, before the affine map (the per-sample-norm rules use it)."""
         if self.style == "torch":
             return F.rms_norm(x, (self.hidden_size,), None, self.eps)
+        if self.style == "t5":
+            h = x * torch.rsqrt(x.to(torch.float32).pow(2).mean(-1, keepdim=True) + self.eps)
+            half = self.weight is not None and self.weight.dtype in (torch.float16, torch.bfloat16)
+            return h.to(self.weight.dtype) if half else h
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return h.to(x.dtype)

@@ -49,6 +49,9 @@ def _new_bias(size: int, like: torch.Tensor, init: str, std: float, generator: t
     return nn.Parameter(b, requires_grad=like.requires_grad)
 
 
+_T5_NORMS = ("T5LayerNorm", "MT5LayerNorm", "UMT5LayerNorm", "LongT5LayerNorm")  # RMS norms by another name
+
+
 def _is_rmsnorm(m: nn.Module) -> bool:
     if isinstance(m, RMSNorm):
         return False
@@ -56,7 +59,7 @@ def _is_rmsnorm(m: nn.Module) -> bool:
         return m.weight is not None  # elementwise_affine=False: no parameters, nothing to add
     w = getattr(m, "weight", None)
     return (
-        type(m).__name__.lower().endswith("rmsnorm")
+        (type(m).__name__.lower().endswith("rmsnorm") or type(m).__name__ in _T5_NORMS)
         and isinstance(w, nn.Parameter)
         and w.dim() == 1
         and getattr(m, "bias", None) is None
@@ -77,10 +80,10 @@ def _rmsnorm_replacement(m: nn.Module) -> RMSNorm | None:
     if not isinstance(eps, float):
         return None
     # Numerical proof on a CPU copy with random weights: same outputs, bit for bit, for the first
-    # arithmetic that matches (LLaMA's w ⊙ x̂, or Gemma's (1 + w) ⊙ x̂). (Built on the CPU
+    # arithmetic that matches (LLaMA's w ⊙ x̂, Gemma's (1 + w) ⊙ x̂, or T5's). (Built on the CPU
     # explicitly: an ambient `with torch.device("meta")` would put it on meta.)
     with torch.device("cpu"):  # also inside a `with torch.device("meta")` block
-        for style in ("llama", "gemma"):
+        for style in ("llama", "gemma", "t5"):
             proven = _proven_replacement(m, RMSNorm(w.shape[0], eps, style=style, device="cpu"), w)
             if proven is not None:
                 return proven
