@@ -57,6 +57,10 @@ from .integrations.peft_merge import install as _watch_peft_merges  # noqa: E402
 
 _watch_peft_merges()  # a LoRA adapter merged into its base layer keeps its provenance (torch-free until PEFT loads)
 
+from .integrations.hf_save_watch import install as _watch_hf_saves  # noqa: E402
+
+_watch_hf_saves()  # save_pretrained writes what the model it is called on carries (torch-free until transformers loads)
+
 # name -> (module, attribute; None: the module itself), imported when first used
 _LAZY: dict[str, tuple[str, str | None]] = {
     "frost": (".frost", None),

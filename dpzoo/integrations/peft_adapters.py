@@ -3,7 +3,7 @@ link a dpzoo engine left on them, whether a resume restored them, whether they m
 
 A tuner layer keeps each adapter's tensors in per-adapter containers (``lora_A``, ``lora_B``,
 ``hada_w1_a``, ``ia3_l``, ...: ``nn.ModuleDict`` / ``nn.ParameterDict`` keyed by adapter name);
-:func:`holders` are the modules that own them, which is where :func:`dpzoo.privacy.budget.link_spending`
+:func:`holders` are the modules that own them, which is where :func:`dpzoo.privacy.carried.link_spending`
 puts an engine's link. :mod:`dpzoo.integrations.peft_merge` (merges, loads, combinations) and
 :func:`dpzoo.integrations.peft_layers.trained_adapters` (adapters trained elsewhere) read and
 write this state through these functions only.
@@ -113,7 +113,7 @@ def mark_resumed(model, checkpoint: str) -> None:
 
 def composed(links: list):
     """One link for several: itself when they are one engine's, else their histories composed."""
-    from ..privacy.budget import ComposedSpending
+    from ..privacy.spending import ComposedSpending
 
     distinct = list({id(link): link for link in links}.values())
     return distinct[0] if len(distinct) == 1 else ComposedSpending(distinct)

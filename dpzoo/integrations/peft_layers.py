@@ -285,7 +285,7 @@ def lora_trainable(model: nn.Module, train_head: Iterable[str] | str | None = "a
 def refuse_save(model: nn.Module) -> None:
     """Refuse to ``dpzoo.save`` a PEFT model (its state dict is the wrapper's, which
     ``dpzoo.load`` cannot rebuild), saying what to save instead."""
-    from ..privacy.budget import refuse_weights_of_unknown_origin
+    from ..privacy.carried import refuse_weights_of_unknown_origin
     from .peft_statements import refuse_save_of_stated_merges
 
     refuse_weights_of_unknown_origin(model)  # merged adapters of unknown origin: saved, their spending is lost

@@ -7,7 +7,7 @@ and loaded without its record would start a fresh budget on the merged model. Th
 the merge itself, by wrapping every PEFT tuner layer's ``merge`` / ``unmerge`` and the tuner
 models' ``merge_and_unload`` / ``merge_adapter``:
 
-* an adapter a dpzoo engine trained hands its :class:`~dpzoo.privacy.budget.SpendingLink` to the
+* an adapter a dpzoo engine trained hands its :class:`~dpzoo.privacy.spending.SpendingLink` to the
   base layer (the longer history wins), so the merged model composes that spending;
 * an adapter whose ΔW is not zero and that carries no link marks the base layer
   (``dpzoo_merged_adapters``), and a tuner model's merge writes the marks into every Hugging Face

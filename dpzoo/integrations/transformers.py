@@ -38,15 +38,17 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 from transformers import Trainer
 
-from ..errors import MissingDependencyError, PrivacyUsageError
+from ..errors import DPZooError, MissingDependencyError, PrivacyUsageError
 from ..privacy import DPOptimizer, PoissonBatchSampler, PrivacyEngine, get_noise_multiplier
-from ..privacy.budget import compute_sample_rate, prior_spending, recorded_origin
+from ..privacy.budget import compute_sample_rate
+from ..privacy.carried import prior_spending, recorded_origin, refuse_uncounted_spending
 from ..privacy.engine import engine_of
 from .peft_adapters import mark_resumed
 from .trainer_arguments import DPArguments, check_batch_fits, check_trainer_settings, total_steps
@@ -126,7 +128,7 @@ class DPTrainer(Trainer):
         population = n if users is None else user_population(users, p.max_examples_per_user, p.user_sampling)
         check_batch_fits(logical, population)
         earlier = engine_of(model)
-        if earlier is not None:
+        if earlier is not None and earlier.module is model:  # not the engine of a model this one is a copy of
             earlier.detach()  # an earlier run on this model (e.g. a second train()): its spending composes
         if self.optimizer is None:
             self.create_optimizer()
@@ -137,7 +139,7 @@ class DPTrainer(Trainer):
         group = p.max_examples_per_user if users is not None and p.user_sampling == "examples" else 1
         if p.target_epsilon is not None:  # calibrated for the steps the Trainer will take
             steps = total_steps(self.args, steps_per_epoch)
-            prior = prior_spending(model, earlier.accountant.history if earlier is not None else [])
+            prior = prior_spending(model, earlier.accountant if earlier is not None else None)
             sigma = get_noise_multiplier(
                 p.target_epsilon, p.target_delta, q, steps, p.accountant, history=prior, group=group
             )
@@ -259,6 +261,10 @@ class DPTrainer(Trainer):
         if carried is None:
             found = recorded_origin(self.model)
             carried = found[0] if found and found[1] != "the model's config" else None  # a full record only
+        try:  # a record that leaves out what the model spent since (a later run) is not written
+            refuse_uncounted_spending(self.model, carried)
+        except DPZooError:
+            return None  # config.json's live record still says all of it
         return carried
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
@@ -297,3 +303,10 @@ class DPTrainer(Trainer):
             write_privacy_files(self.model, output_dir, self.privacy_metadata(), zoo_files=not _internal_call)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def create_model_card(self, *args, **kwargs) -> None:
+        """The Trainer's model card (``push_to_hub`` writes it after ``save_model``), then dpzoo's
+        privacy card over it again: ``README.md`` beside a privacy record must state that record."""
+        super().create_model_card(*args, **kwargs)
+        if self.args.should_save and (Path(self.args.output_dir) / PRIVACY_FILE).exists():
+            write_privacy_files(self.model, self.args.output_dir, self.privacy_metadata(), zoo_files=False)

@@ -35,6 +35,7 @@ from .accounting_registry import (
     register_accountant,
     unregister_accountant,
 )
+from .provenance import run_id
 
 __all__ = [
     "Accountant",
@@ -153,6 +154,7 @@ class Accountant:
         self.history: list[list] = [_row(h) for h in history]
         self.group = group  # k of the steps :meth:`step` records (1: one unit per sampled row)
         _check_single(name, self.history)
+        run_id(self)  # from the start: a copy pickled before anything asked for it still knows its original
 
     def check(self, noise_multiplier: float, sample_rate: float) -> None:
         """Raise :class:`~dpzoo.errors.AccountingError` if steps of (σ, q) could not be recorded
@@ -199,7 +201,15 @@ class Accountant:
         return eps
 
     def state_dict(self) -> dict:
-        return {"name": self.name, "history": [list(h) for h in self.history]}
+        """The name and history, with the run's identity (``run_id``, and the runs composed before its
+        own steps, ``[[run id, steps], ...]``): a restore tells by them what it already counts
+        (:func:`dpzoo.privacy.budget.restore_history`)."""
+        return {
+            "name": self.name,
+            "history": [list(h) for h in self.history],
+            "run_id": run_id(self),
+            "composed_runs": [list(seg) for seg in getattr(self, "dpzoo_segments", None) or []],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("name") != self.name:
@@ -210,6 +220,23 @@ class Accountant:
         history = [_row(h) for h in state["history"]]
         _check_single(self.name, history)
         self.history[:] = history  # in place: a model's record of its spending refers to this list
+        # the runs the loaded history is made of, so that later steps are told apart from them
+        before = [list(seg) for seg in state.get("composed_runs") or []]
+        key = state.get("run_id")
+        own = sum(h[2] for h in history) - sum(n for _, n in before)
+        if key != run_id(self) and own > 0:
+            before.append([key if isinstance(key, str) and key else None, own])
+        self.__dict__.setdefault("dpzoo_segments", [])[:] = before
+
+    def __setstate__(self, state: dict) -> None:
+        """A pickled or deep-copied accountant goes on apart from the original: a run of its own,
+        which composed the original's steps so far (two copies that both go on both count)."""
+        self.__dict__.update(state)
+        original = self.__dict__.pop("dpzoo_run_id", None)
+        if original is not None:
+            before = [list(seg) for seg in self.__dict__.get("dpzoo_segments") or []]
+            own = self.steps - sum(n for _, n in before)
+            self.dpzoo_segments = before + ([[original, own]] if own > 0 else [])
 
 
 def _epsilon(name: str, history: list, delta: float) -> float:

@@ -48,14 +48,8 @@ from .arguments import (
     warn_seeds,
 )
 from .bitfit import freeze_all_but_biases
-from .budget import (
-    calibrate,
-    compute_sample_rate,
-    link_spending,
-    prior_spending,
-    restore_history,
-    stated_assumptions,
-)
+from .budget import calibrate, compute_sample_rate, restore_history
+from .carried import link_spending, prior_spending, stated_assumptions
 from .data import DPDataLoader, StepSignal
 from .distributed import RANK_SETTINGS, same_on_every_rank, shard, world_and_rank
 from .fsdp import ShardedGrads, check_fsdp_settings, check_sharding
@@ -208,7 +202,7 @@ class PrivacyEngine(OpacusParity):
             check_delta(target_delta, units, accept_large_delta)
         # 3. the Poisson-sampling loader, then σ for its steps, composed after what the model spent
         earlier = engine_of(module)
-        prior = prior_spending(module, earlier.accountant.history if earlier is not None else [])
+        prior = prior_spending(module, earlier.accountant if earlier is not None else None)
         sample_rate = compute_sample_rate(batch_size, world, *((n,) if users is None else users.rate_base))
         self.accountant.group = users.group if users is not None else 1  # k examples per user sampled (ELS)
         signal = StepSignal()

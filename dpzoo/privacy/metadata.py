@@ -9,9 +9,11 @@ user accepts it explicitly; the record then says so.
 
 from __future__ import annotations
 
+import uuid
 from typing import TYPE_CHECKING, Any
 
 from ..errors import AccountingError, DPZooError
+from .provenance import distinct_histories, run_id
 
 if TYPE_CHECKING:
     from .engine import PrivacyEngine
@@ -76,9 +78,22 @@ def engine_record(engine: "PrivacyEngine", delta: float | None) -> dict[str, Any
         "self_check": check,
         # every (σ, q, steps) composed into ε, so a later run on the same data composes all of them
         "history": [list(h) for h in engine.accountant.history],
+        "run_id": run_id(
+            engine.accountant
+        ),  # a later run that finds both this record and the run's link counts it once
+        "composed_runs": [list(seg) for seg in getattr(engine.accountant, "dpzoo_segments", None) or []],
     }
     if engine.public_statistics:
         record["public_statistics"] = "; ".join(engine.public_statistics)
+    kept = [part for m in (engine.module.modules() if engine.module is not None else ()) for part in
+            getattr(getattr(m, "dpzoo_spending", None), "kept", None) or []]  # fmt: skip
+    if kept:  # a run on data stated disjoint: what the model spent before, outside ε, for later runs to compose
+        before = distinct_histories(kept)
+        record["disjoint_spending"] = {
+            "history": list(before),
+            "run_id": uuid.uuid4().hex,
+            "composed_runs": before.segments,
+        }
     if engine.dataset_size and delta >= 1.0 / engine.dataset_size:
         record["delta_note"] = (
             f"delta >= 1/N (N = {engine.dataset_size}) accepted by the user (accept_large_delta=True): "

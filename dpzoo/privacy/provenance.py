@@ -1,22 +1,35 @@
-"""Which spending a model carries, each run once.
+"""Which spending a model carries, each run's steps once.
 
 A model can carry several records of what was spent on its data: the spending link of every
-engine that trained it or one of its layers (:class:`~dpzoo.privacy.budget.SpendingLink`,
+engine that trained it or one of its layers (:class:`~dpzoo.privacy.spending.SpendingLink`,
 ``OpacusSpending``, ``ComposedSpending``), records ``dpzoo.load`` attached, the record of a
-Hugging Face config. Composing all of them would count twice a run that a later run already
-composed; dropping one whose history merely *equals* another's would lose an independent run
-(two layers from two DP runs with the same settings). So links are told apart by identity: each
-accountant gets a run id, and the engine that composes links records their ids
-(:func:`note_composed`); a link whose run another link composed is dropped, every other link is
-kept. Records (snapshots without identity) are dropped when a kept history contains them.
+Hugging Face config, an optimizer checkpoint. Composing all of them would count twice the steps
+a later run already composed; dropping one whose history merely *equals* another's would lose an
+independent run (two layers from two DP runs with the same settings). So runs are told apart by
+identity, never by value: each accountant gets a run id, and every history is split into the
+runs it is made of, in order (its *segments*: ``[[run id, steps], ...]``). A run composed
+before this one's own steps is recorded as such when its history is composed (``composed_runs``
+in records and checkpoints; the steps after them are the run's own). Composing several histories
+keeps, of each run, the most steps any of them holds (a copy trained on from step 50 of a run
+that went on to step 100 keeps that run's 100 steps once, and its own). Histories without a run
+id (hand-written or older records) are dropped only when the kept history contains them.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
-__all__ = ["run_id", "link_parts", "note_composed", "distinct_histories"]
+from ..errors import PrivacyUsageError
+
+__all__ = ["run_id", "segments_of", "link_parts", "record_part", "distinct_histories", "Spent", "steps_of",
+           "first_steps", "after_steps", "record_parts", "history_of"]  # fmt: skip
+
+
+class Spent(list):
+    """A composed history with its :attr:`segments` (``[[run id or None, steps], ...]``, in order)."""
+
+    segments: list
 
 
 def run_id(accountant: Any) -> str:
@@ -28,44 +41,158 @@ def run_id(accountant: Any) -> str:
     return rid
 
 
-def link_parts(link: Any) -> list[tuple[str, set, list]]:
-    """(run id, runs it composed, history) of each run a spending link stands for."""
+def steps_of(history: list) -> int:
+    return sum(int(h[2]) for h in history)
+
+
+def first_steps(history: list, keep: int) -> list:
+    """The first ``keep`` steps of ``history``."""
+    out = []
+    for h in history:
+        if keep <= 0:
+            break
+        out.append([h[0], h[1], min(keep, int(h[2])), *h[3:]])
+        keep -= int(h[2])
+    return out
+
+
+def after_steps(history: list, skip: int) -> list:
+    """``history`` without its first ``skip`` steps."""
+    out = []
+    for h in history:
+        drop = min(skip, int(h[2]))
+        skip -= drop
+        if int(h[2]) > drop:
+            out.append([h[0], h[1], int(h[2]) - drop, *h[3:]])
+    return out
+
+
+def segments_of(key: str, earlier: list | None, history: list) -> list:
+    """The segments of a run ``key`` whose history composed ``earlier`` segments first: those, then
+    the rest of the history as the run's own."""
+    earlier = [list(s) for s in earlier or []]
+    own = steps_of(history) - sum(int(n) for _, n in earlier)
+    return earlier + ([[key, own]] if own > 0 else [])
+
+
+def link_parts(link: Any) -> list[tuple]:
+    """(run id, segments, history) of each run a spending link stands for."""
+    kept = list(getattr(link, "kept", None) or [])  # what a run on data stated disjoint did not compose
+    return kept + _own_parts(link)
+
+
+def _own_parts(link: Any) -> list[tuple]:
+    recorded = list(getattr(link, "recorded", None) or [])  # RecordSpending: a saved record's runs
+    if recorded or hasattr(link, "recorded") and getattr(link, "accountant", None) is None:
+        return recorded
+    source = getattr(link, "source", None)
+    if source is not None:  # a deep copy's link: the source's runs when copied, and live
+        return list(getattr(link, "at_copy", [])) + link_parts(source)
     parts = getattr(link, "parts", None)
     if parts is not None:  # ComposedSpending: several runs
         return [p for part in parts for p in link_parts(part)]
-    opacus = getattr(link, "opacus", None)
-    if opacus is not None:  # OpacusSpending: Opacus' own steps, after the link it found (not composed by Opacus)
-        earlier = getattr(link, "earlier", None)
-        own = [[float(s), float(q), int(n)] for s, q, n in opacus.history]
-        return (link_parts(earlier) if earlier is not None else []) + ([(run_id(opacus), set(), own)] if own else [])
+    if hasattr(link, "opacus"):  # OpacusSpending: Opacus' own steps, after the link it found (not composed by Opacus)
+        opacus, earlier = link.opacus, getattr(link, "earlier", None)
+        own = [[float(s), float(q), int(n)] for s, q, n in opacus.history] if opacus is not None else []
+        key = run_id(opacus) if own else ""
+        return (link_parts(earlier) if earlier is not None else []) + (
+            [(key, segments_of(key, [], own), own)] if own else []
+        )
     accountant = getattr(link, "accountant", None)
-    if accountant is None or not getattr(link, "history", None):
+    history = [list(h) for h in getattr(accountant, "history", None) or []]
+    if not history:
         return []
-    return [(run_id(accountant), set(getattr(accountant, "dpzoo_composed", ())), link.history)]
+    key = run_id(accountant)
+    return [(key, segments_of(key, getattr(accountant, "dpzoo_segments", None), history), history)]
 
 
-def note_composed(accountant: Any, links: Iterable[Any]) -> None:
-    """Record on ``accountant`` that its history composed the runs of ``links`` (and theirs)."""
-    composed = set(getattr(accountant, "dpzoo_composed", ()))
-    own = run_id(accountant)
-    for link in links:
-        for key, more, _ in link_parts(link):
-            if key != own:
-                composed |= {key} | more
-    accountant.dpzoo_composed = composed
+def record_part(meta: dict, history: list) -> tuple:
+    """The part of a saved record or checkpoint: its run id and segments when it carries a run id
+    (``composed_runs``: the segments before the run's own steps), else anonymous."""
+    key = meta.get("run_id")
+    if not (isinstance(key, str) and key):
+        return (None, None, history)
+    return (key, segments_of(key, meta.get("composed_runs"), history), history)
 
 
-def distinct_histories(links: Iterable[Any], records: Iterable[list]) -> list:
-    """Every run the ``links`` stand for once (the longest history of each run, none that another
-    composed), then every record history no kept history contains; composed into one history."""
-    runs: dict[str, tuple[set, list]] = {}
-    for link in links:
-        for key, composed, history in link_parts(link):
-            if key not in runs or len(history) > len(runs[key][1]):
-                runs[key] = (composed, history)
-    composed_by_others = set().union(*(c for c, _ in runs.values())) if runs else set()
-    kept = [[list(h) for h in history] for key, (_, history) in runs.items() if key not in composed_by_others]
-    for history in sorted((r for r in records if r), key=len, reverse=True):
-        if not any(k[i : i + len(history)] == history for k in kept for i in range(len(k) - len(history) + 1)):
-            kept.append(history)
-    return [entry for history in kept for entry in history]
+def record_parts(meta: Mapping) -> list:
+    """The parts (:mod:`dpzoo.privacy.provenance`) of a privacy record: its own history, and the
+    spending a run on data stated disjoint carried but did not compose (``disjoint_spending``)."""
+    meta = dict(meta)
+    parts = [record_part(meta, history_of(meta))]
+    disjoint = meta.get("disjoint_spending")
+    if isinstance(disjoint, Mapping) and disjoint.get("history"):
+        parts.append(record_part(dict(disjoint), [list(h) for h in disjoint["history"]]))
+    return parts
+
+
+def history_of(meta: dict) -> list:
+    """The (σ, q, steps) history of a privacy record: the whole one when recorded, else its last
+    σ, q and step count; refused when it has no σ to compose with."""
+    history = meta.get("history")
+    if history or (isinstance(history, list) and not meta.get("steps")):  # every release, not only the last (σ, q)
+        return [list(h) for h in history]  # [] for a run that has not stepped yet (a live config record)
+    if meta.get("noise_multiplier") is None or not meta.get("steps"):
+        raise PrivacyUsageError(
+            f"This model was trained with DP before (ε = {meta.get('epsilon')}) but its metadata lacks the noise "
+            "multiplier to compose with: pass accountant=Accountant(name, history) with the earlier steps, or set "
+            "model.dpzoo_privacy = {} if the new data is disjoint from the data it was trained on."
+        )
+    return [[float(meta["noise_multiplier"]), float(meta["sample_rate"]), int(meta["steps"])]]
+
+
+def distinct_histories(parts: Iterable[tuple]) -> Spent:
+    """Every run the ``parts`` hold, once: the most steps any part holds of it (in the order runs are
+    first seen), then every anonymous history the result does not contain; one history, with its
+    segments."""
+    own: dict[str, list] = {}
+    anonymous = []
+    for key, segments, history in parts:
+        if key is None or segments is None:
+            anonymous.append([list(h) for h in history])
+            continue
+        pieces: dict[str, list] = {}
+        offset = 0
+        for i, (rid, n) in enumerate(segments):
+            piece = first_steps(after_steps(history, offset), int(n))
+            offset += int(n)
+            # an anonymous run inside a run's record sits apart from that run's own steps: an id of its own
+            rid = f"{key}-anonymous-{i}" if rid is None else rid
+            pieces[rid] = pieces.get(rid, []) + piece
+        for rid, piece in pieces.items():
+            if rid not in own or steps_of(piece) > steps_of(own[rid]):
+                own[rid] = piece
+    kept = [(rid, piece) for rid, piece in own.items() if piece]
+    for history in sorted((r for r in anonymous if r), key=len, reverse=True):
+        if not any(_contains(piece, history) for _, piece in kept):  # within one run's steps, never across runs
+            kept.append((None, history))
+    out = Spent(
+        _merged([h for _, piece in kept for h in piece])
+    )  # equal (σ, q) in one entry, as the accountant keeps them
+    out.segments = [[rid, steps_of(piece)] for rid, piece in kept]
+    return out
+
+
+def _contains(history: list, part: list) -> bool:
+    """Whether ``part`` is a window of ``history``'s steps (entries of equal (σ, q) merged or not)."""
+    history, part = _merged(history), _merged(part)
+    kind = lambda h: [h[0], h[1], *h[3:]]  # noqa: E731
+    n = len(part)
+    for i in range(len(history) - n + 1):
+        window = history[i : i + n]
+        if [kind(h) for h in window] != [kind(h) for h in part]:
+            continue
+        inner_equal = all(window[j][2] == part[j][2] for j in range(1, n - 1))  # the ends may be longer
+        if inner_equal and window[0][2] >= part[0][2] and window[-1][2] >= part[-1][2]:
+            return True
+    return False
+
+
+def _merged(history: list) -> list:
+    out: list = []
+    for h in history:
+        if out and [out[-1][0], out[-1][1], *out[-1][3:]] == [h[0], h[1], *h[3:]]:
+            out[-1] = [out[-1][0], out[-1][1], out[-1][2] + h[2], *out[-1][3:]]
+        else:
+            out.append(list(h))
+    return out

@@ -240,7 +240,10 @@ def train_seqrec(
     physical = PhysicalBatch(size=None, batch_size=batch_size)  # without DP: plain batches
     if private:  # the engine replaces the loader by Poisson sampling at rate batch / N
         # the item prior's release is the first entry of the history σ is calibrated after
-        engine = PrivacyEngine(Accountant(accountant, [[item_prior_noise, 1.0, 1]] if released else []))
+        # (on resume the checkpoint's history holds that release: restored, not recorded again)
+        engine = PrivacyEngine(
+            Accountant(accountant, [[item_prior_noise, 1.0, 1]] if released and checkpoint is None else [])
+        )
         physical = choose_physical_batch(
             max_physical_batch_size, model, max_len=max_len, batch_size=batch_size, device=dev, mode=mode
         )
