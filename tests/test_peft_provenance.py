@@ -5,6 +5,7 @@ are disjoint (recorded in the metadata)."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections import OrderedDict
 
@@ -95,6 +96,42 @@ def test_disjoint_data_is_a_stated_assumption_in_the_metadata(saved_adapter):
     engine = _private(loaded, steps=1)
     assert engine.accountant.history[0][2] == 1  # a fresh budget: only this run's step
     assert "disjoint" in engine.privacy_metadata(1e-5)["public_statistics"]
+
+
+def test_adapter_weights_stated_disjoint_stay_of_unknown_origin_after_that_run(saved_adapter):
+    """The thirteenth audit: `dpzoo_adapter_privacy = {}` held for every later run (the run linked
+    the adapter and cleared the statement), so a run back on the adapter's own data composed nothing."""
+    directory, _ = saved_adapter
+    loaded = peft.PeftModel.from_pretrained(_plain_model(), directory, is_trainable=True)
+    loaded.dpzoo_adapter_privacy = {}  # this run's data is disjoint from the adapter's
+    _private(loaded, steps=2).detach()
+    with pytest.raises(PrivacyUsageError, match="stated disjoint for an earlier run"):
+        _private(loaded)  # the next run may be on the adapter's data: state again
+    loaded.dpzoo_adapter_privacy = read_privacy_metadata(directory)
+    assert _private(loaded).accountant.steps == 4 + 2  # the adapter's run and the disjoint one
+
+
+def test_a_stated_adapter_record_counts_the_base_run_it_composed_once(tmp_path):
+    """The thirteenth audit (an overcount): a DP-LoRA run on a DP-trained base composes the base's
+    run; its record, stated for the adapter on the same base, counted that run a second time."""
+    base = _plain_model()
+    engine = dpzoo.PrivacyEngine()
+    base, opt, loader = engine.make_private(module=base, optimizer=torch.optim.SGD(base.parameters(), lr=0.1),
+                                            data_loader=DataLoader(TensorDataset(X, Y), batch_size=16),
+                                            noise_multiplier=1.0, max_grad_norm=1.0, sample_seed=1)  # fmt: skip
+    for _, (x, y) in zip(range(3), loader):
+        F.cross_entropy(base(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    engine.detach()
+    same_base = copy.deepcopy(base)
+    lora = _new_adapter(base)
+    run = _private(lora, steps=2)  # composes the base's run
+    lora.save_pretrained(tmp_path)
+    write_privacy_files(lora, tmp_path, run.privacy_metadata(1e-5), zoo_files=False)
+    again = peft.PeftModel.from_pretrained(same_base, tmp_path, is_trainable=True)
+    again.dpzoo_adapter_privacy = read_privacy_metadata(tmp_path)
+    assert _private(again).accountant.steps == run.accountant.steps  # the base's run once, and the LoRA run
 
 
 def _new_adapter(base: nn.Module):

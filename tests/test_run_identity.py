@@ -44,6 +44,10 @@ was dropped again as if it were that run's own steps; ``save_pretrained`` of a m
 as a whole (its head trained alone, the body of an LM that is gone, an EMA copy of the body) wrote
 none of its steps; a DPTrainer that trained nothing wrote the reloaded directory's stale record.
 And a false refusal: Opacus' record of a noise schedule could not be saved.
+
+Found by the thirteenth (silent): a deep-copied or pickled Opacus accountant kept its run id, so
+two branches of one Opacus run counted as one (Opacus' accountants are now named by identity: a
+copy is another run; conservative, it counts the steps before the copy twice).
 """
 
 from __future__ import annotations
@@ -736,3 +740,31 @@ def test_a_noise_schedule_in_opacus_saves_its_whole_history(tmp_path):
     meta = privacy_metadata(engine, 1e-5, optimizer=opt, data_loader=loader)
     dpzoo.save(unwrap(wrapped), tmp_path / "o", privacy=meta)
     assert _per_mechanism(prior_spending(dpzoo.load(tmp_path / "o"))) == {(0.8, 0.25): 2, (1.5, 0.25): 3}
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_two_branches_of_an_opacus_run_both_count(opacus_model, how):
+    from dpzoo.engines.opacus import make_private
+
+    opacus, clf = opacus_model
+    engine = opacus.PrivacyEngine(accountant="rdp")
+    branches = []
+    for phase in range(3):  # a warm start, then two branches, each with a copy of the engine's accountant
+        module = clf if phase == 0 else copy.deepcopy(clf)
+        if phase:
+            accountant = engine.accountant
+            engine_b = opacus.PrivacyEngine(accountant="rdp")
+            engine_b.accountant = (
+                copy.deepcopy(accountant) if how == "deepcopy" else pickle.loads(pickle.dumps(accountant))
+            )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            wrapped, opt, loader = make_private(engine if phase == 0 else engine_b, module=module,
+                                                optimizer=torch.optim.SGD([p for p in module.parameters()
+                                                                           if p.requires_grad], lr=0.1),
+                                                data_loader=DataLoader(DATA, batch_size=16), noise_multiplier=1.0,
+                                                max_grad_norm=1.0)  # fmt: skip
+        _steps(wrapped, opt, loader, 3 if phase == 0 else 2)
+        wrapped.remove_hooks()
+        branches.append(module)
+    assert _count(prior_spending(_Two(branches[1].backbone, branches[2].backbone))) >= 3 + 2 + 2

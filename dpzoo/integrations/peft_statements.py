@@ -47,6 +47,18 @@ def _stated(module) -> bool:
     return isinstance(meta, Mapping) and not isinstance(meta, LoadedRecord)
 
 
+STATED_DISJOINT = (
+    "dpzoo_unknown_stated_disjoint"  # on a module: weights of unknown origin an earlier run took as disjoint
+)
+
+
+def stated_disjoint_before(module) -> list[tuple[str, str, str]]:
+    """(module, "", what) for weights of unknown origin an earlier run here was told were trained on
+    disjoint data: they are still of unknown origin for this run."""
+    return [(name, "", "weights stated disjoint for an earlier run") for name, m in module.named_modules()
+            if m.__dict__.get(STATED_DISJOINT)]  # fmt: skip
+
+
 def refuse_unknown_origin(module, unknown: list[tuple[str, str, str]]) -> None:
     """Refuse ``unknown`` ((layer, adapter, what)) not covered by a statement on ``module`` or on a
     module holding the layer; every one is named, so one statement is made for all of them."""
@@ -58,7 +70,8 @@ def refuse_unknown_origin(module, unknown: list[tuple[str, str, str]]) -> None:
     for layer, adapter, what in left:
         grouped.setdefault((what, adapter), []).append(layer or "the model")
     names = "; ".join(
-        f"{what} {adapter!r} in {layers[0]}" + (f" and {len(layers) - 1} more layers" if len(layers) > 1 else "")
+        f"{what}{f' {adapter!r}' if adapter else ''} in {layers[0]}"
+        + (f" and {len(layers) - 1} more layers" if len(layers) > 1 else "")
         for (what, adapter), layers in grouped.items()
     )
     raise PrivacyUsageError(
@@ -70,10 +83,16 @@ def refuse_unknown_origin(module, unknown: list[tuple[str, str, str]]) -> None:
 
 
 def clear_marks(module) -> None:
-    """Forget the merge marks of ``module`` and the statements about them once a run composed them."""
+    """Forget the merge marks of ``module`` and the statements about them once a run composed them.
+    Weights stated trained on disjoint data (``{}``) stay of unknown origin (:data:`STATED_DISJOINT`):
+    a later run, which may use that data, is refused until the user states again."""
     for m in module.modules():
         m.__dict__.pop(MARK, None)
-        m.__dict__.pop("dpzoo_adapter_privacy", None)  # composed into this run's history, not twice
+        statement = m.__dict__.pop("dpzoo_adapter_privacy", None)  # composed into this run's history, not twice
+        if statement == {}:
+            object.__setattr__(m, STATED_DISJOINT, True)
+        elif statement:
+            m.__dict__.pop(STATED_DISJOINT, None)  # a record composed: known from now on
         config = getattr(m, "config", None)
         if config is not None and getattr(config, MARK, None) is not None:
             delattr(config, MARK)

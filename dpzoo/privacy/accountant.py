@@ -140,6 +140,8 @@ def _check_single(name: str, history: list) -> None:
 class Accountant:
     """History of subsampled Gaussian steps and the library that turns it into (ε, δ)."""
 
+    dpzoo_keeps_run_id = True  # its run id is an attribute; a copy is a new run (__setstate__)
+
     def __init__(self, name: str = "rdp", history: Iterable = (), group: int = 1):
         spec = accountant_spec(name)
         if spec.requires:

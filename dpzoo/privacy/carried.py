@@ -260,10 +260,14 @@ def prior_spending(module: nn.Module, earlier: Accountant | None = None) -> Spen
             history = [list(h) for h in earlier.history]
             parts.append((key, segments_of(key, getattr(earlier, "dpzoo_segments", None), history), history))
         parts += carried_parts(module, statements=False)
-    out = distinct_histories(parts)
-    for key, segments, history in stated:  # in addition, never instead: an id no other part has
-        out += history
-        out.segments += [[f"stated-{uuid.uuid4().hex}", steps_of(history)]]
+    # stated records add to the rest, never replace it: one with run ids is composed with it by run
+    # (a LoRA run's record holds the base's run it composed), one without gets an id no part has
+    keyed = [part for part in stated if part[0] is not None]
+    out = distinct_histories(parts + keyed)
+    for key, segments, history in stated:
+        if key is None:
+            out += history
+            out.segments += [[f"stated-{uuid.uuid4().hex}", steps_of(history)]]
     return out
 
 
@@ -330,10 +334,11 @@ def refuse_weights_of_unknown_origin(module: nn.Module) -> None:
     applies, on the model or on the module that holds them; refused otherwise, whatever else the
     model carries."""
     from ..integrations.peft_layers import trained_adapters
-    from ..integrations.peft_statements import merged_without_record, refuse_unknown_origin
+    from ..integrations.peft_statements import merged_without_record, refuse_unknown_origin, stated_disjoint_before
 
     unknown = [(layer, a, "adapter") for layer, a in trained_adapters(module)]
     unknown += [(layer, a, "merged adapter") for layer, a in merged_without_record(module)]
+    unknown += stated_disjoint_before(module)
     if unknown:
         refuse_unknown_origin(module, unknown)
 

@@ -18,6 +18,7 @@ id (hand-written or older records) are dropped only when the kept history contai
 from __future__ import annotations
 
 import uuid
+import weakref
 from typing import Any, Iterable, Mapping
 
 from ..errors import PrivacyUsageError
@@ -32,8 +33,18 @@ class Spent(list):
     segments: list
 
 
+_BY_IDENTITY: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+
+
 def run_id(accountant: Any) -> str:
-    """The run id of an accountant (dpzoo's or Opacus'), given on first use."""
+    """The run id of an accountant, given on first use. dpzoo's ``Accountant`` keeps it as an
+    attribute (its ``__setstate__`` makes a pickled or deep copy a run of its own); any other
+    (Opacus') is named by identity, so a copy of it, which goes on apart, is another run."""
+    if not getattr(type(accountant), "dpzoo_keeps_run_id", False):
+        try:
+            return _BY_IDENTITY.setdefault(accountant, uuid.uuid4().hex)
+        except TypeError:  # not weakly referable: an attribute, as dpzoo's
+            pass
     rid = getattr(accountant, "dpzoo_run_id", None)
     if rid is None:
         rid = uuid.uuid4().hex
