@@ -179,7 +179,7 @@ def spending_of(privacy: Mapping[str, Any]) -> dict[str, Any]:
     if not history and privacy.get("noise_multiplier") is not None and privacy.get("steps"):
         history = [[privacy["noise_multiplier"], privacy["sample_rate"], privacy["steps"]]]
     if history:
-        identity = {k: privacy[k] for k in ("run_id", "composed_runs") if k in privacy}
+        identity = {k: privacy[k] for k in ("run_id", "composed_runs", "disjoint_spending") if k in privacy}
         return {"accountant": privacy["accountant"], "history": [list(h) for h in history], **identity}
     return privacy_to_json(dict(privacy)) or {}
 

@@ -48,6 +48,10 @@ And a false refusal: Opacus' record of a noise schedule could not be saved.
 Found by the thirteenth (silent): a deep-copied or pickled Opacus accountant kept its run id, so
 two branches of one Opacus run counted as one (Opacus' accountants are now named by identity: a
 copy is another run; conservative, it counts the steps before the copy twice).
+
+Found by the fourteenth (silent): a LoRA adapter Opacus trained on a DP-trained base lost Opacus'
+steps when merged (the longer link won the base layer); ``dpzoo.save``'s ``config.json`` dropped
+the spending a run on data stated disjoint kept.
 """
 
 from __future__ import annotations
@@ -768,3 +772,69 @@ def test_two_branches_of_an_opacus_run_both_count(opacus_model, how):
         wrapped.remove_hooks()
         branches.append(module)
     assert _count(prior_spending(_Two(branches[1].backbone, branches[2].backbone))) >= 3 + 2 + 2
+
+
+def test_an_adapter_opacus_trained_on_a_dp_trained_base_keeps_both_runs_when_merged():
+    opacus = pytest.importorskip("opacus")
+    from dpzoo.engines.opacus import make_private
+    from dpzoo.integrations.peft import dp_lora
+
+    card = dpzoo.model_card("gpt2")
+    model = dpzoo.load("gpt2", **card.test_overrides)
+    ids = torch.randint(0, card.example_input["vocab_size"], (64, 8), generator=GEN)
+    engine = dpzoo.PrivacyEngine()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                                 data_loader=DataLoader(TensorDataset(ids, ids), batch_size=16),
+                                                 noise_multiplier=0.8, max_grad_norm=1.0, self_check=False,
+                                                 target_delta=1e-5)  # fmt: skip
+    _lm_steps(model, opt, loader, 3)
+    engine.detach()
+    lora = dp_lora(model, r=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapped, opt, loader = make_private(opacus.PrivacyEngine(accountant="rdp"), module=lora, optimizer=torch.optim.SGD(
+            [p for p in lora.parameters() if p.requires_grad], lr=0.5), data_loader=DataLoader(TensorDataset(ids, ids),
+            batch_size=16), noise_multiplier=3.0, max_grad_norm=1.0)  # fmt: skip
+    _lm_steps(wrapped, opt, loader, 2)
+    merged = lora.merge_and_unload()
+    assert _per_mechanism(prior_spending(merged)) == {(0.8, 0.25): 3, (3.0, 0.25): 2}
+
+
+def _lm_steps(model, opt, loader, n):
+    while n > 0:
+        for x, y in loader:
+            if n == 0:
+                break
+            model(input_ids=x, labels=y).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            n -= 1
+
+
+def test_dpzoo_saves_config_json_keeps_the_spending_a_disjoint_run_kept(tmp_path):
+    import shutil
+
+    card = dpzoo.model_card("gpt2")
+    model = dpzoo.load("gpt2", **card.test_overrides)
+    ids = torch.randint(0, card.example_input["vocab_size"], (64, 8), generator=GEN)
+    for sigma, n in ((0.8, 3), (2.0, 2)):
+        engine = dpzoo.PrivacyEngine()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model, opt, loader = engine.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(),
+                                                     lr=0.1), data_loader=DataLoader(TensorDataset(ids, ids),
+                                                     batch_size=16), noise_multiplier=sigma, max_grad_norm=1.0,
+                                                     self_check=False, target_delta=1e-5)  # fmt: skip
+        _lm_steps(model, opt, loader, n)
+        if sigma == 0.8:
+            engine.detach()
+            model.dpzoo_privacy = {}  # the second run's data is disjoint from the first's
+    dpzoo.save(model, tmp_path / "b")
+    engine.detach()
+    (tmp_path / "hub").mkdir()  # what a Hub download brings: config.json and the weights
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tmp_path / "b" / name, tmp_path / "hub" / name)
+    copy_ = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hub")
+    assert _per_mechanism(prior_spending(copy_)) == {(0.8, 0.25): 3, (2.0, 0.25): 2}

@@ -264,13 +264,12 @@ def _note_merged(layer, adapters: list) -> None:
 
 
 def _give_link(module, link) -> None:
+    """The base layer now holds the adapter's ΔW: it carries both links, composed by run (a longer
+    history need not contain the other: an Opacus link holds Opacus' steps only)."""
+    from .peft_adapters import composed
+
     mine = getattr(module, "dpzoo_spending", None)
-    if mine is None or _steps(mine) < _steps(link):  # the longer history covers more (it composed the other)
-        object.__setattr__(module, "dpzoo_spending", link)
-
-
-def _steps(link) -> int:
-    return sum(int(h[2]) for h in getattr(link, "history", ()))
+    object.__setattr__(module, "dpzoo_spending", link if mine is None else composed([mine, link]))
 
 
 def _write_config_marks(model) -> None:

@@ -125,3 +125,22 @@ def _checked_read(meta: dict, path: Path) -> dict[str, Any]:
     except SaveError as e:
         raise SaveError(f"{path}: {e}") from None
     return meta
+
+
+def recorded_origin(module: nn.Module) -> tuple[dict, str] | None:
+    """(privacy record, where) of a model reloaded outside dpzoo: the record a Hugging Face config
+    carries (``config.dpzoo_privacy``, written by :func:`dpzoo.privacy.carried.link_spending` before ``save_pretrained``),
+    else the dpzoo record in the directory ``from_pretrained`` read (``config._name_or_path``; a
+    PEFT model's base too). None for a model with neither."""
+    carried = None
+    for m in module.modules():
+        config = getattr(m, "config", None)
+        path = getattr(config, "_name_or_path", None)
+        if isinstance(path, str) and path and os.path.isdir(path):
+            meta = read_privacy_metadata(path)
+            if meta:  # a full record first: it has ε, δ and the rest, not only the history
+                return meta, path
+        record = getattr(config, "dpzoo_privacy", None)
+        if carried is None and isinstance(record, dict) and record:
+            carried = (record, "the model's config")
+    return carried

@@ -48,7 +48,7 @@ from transformers import Trainer
 from ..errors import DPZooError, MissingDependencyError, PrivacyUsageError
 from ..privacy import DPOptimizer, PoissonBatchSampler, PrivacyEngine, get_noise_multiplier
 from ..privacy.budget import compute_sample_rate
-from ..privacy.carried import prior_spending, recorded_origin, refuse_uncounted_spending
+from ..privacy.carried import prior_spending, refuse_uncounted_spending
 from ..privacy.engine import engine_of
 from .peft_adapters import mark_resumed
 from .trainer_arguments import DPArguments, check_batch_fits, check_trainer_settings, total_steps
@@ -62,7 +62,7 @@ from .trainer_data import (
     user_population,
 )
 from .trainer_loss import loss_kind, per_sample_losses
-from .trainer_save import PRIVACY_FILE, read_privacy_metadata, write_privacy_files
+from .trainer_save import PRIVACY_FILE, read_privacy_metadata, recorded_origin, write_privacy_files
 
 __all__ = ["DPTrainer", "DPArguments", "read_privacy_metadata", "PRIVACY_FILE"]
 

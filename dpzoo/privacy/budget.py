@@ -13,7 +13,6 @@ from .carried import (  # what a model carries: re-exported, so dpzoo.privacy.bu
     link_spending,
     prior_segments,
     prior_spending,
-    recorded_origin,
     spent_inside,
 )
 from .provenance import distinct_histories, record_part, run_id, segments_of
@@ -22,7 +21,6 @@ from .spending import ComposedSpending, FollowingSpending, SpendingLink
 __all__ = [
     "compute_sample_rate",
     "prior_spending",
-    "recorded_origin",
     "SpendingLink",
     "ComposedSpending",
     "FollowingSpending",

@@ -32,7 +32,6 @@ __all__ = [
     "link_spending",
     "write_live_records",
     "attach_loaded_record",
-    "recorded_origin",
     "recorded_origins",
     "prior_spending",
     "prior_segments",
@@ -187,27 +186,6 @@ def attach_loaded_record(model: nn.Module, record: Mapping) -> None:
             object.__setattr__(m, "dpzoo_spending", RecordSpending(parts))
 
 
-def recorded_origin(module: nn.Module) -> tuple[dict, str] | None:
-    """(privacy record, where) of a model reloaded outside dpzoo: the record a Hugging Face config
-    carries (``config.dpzoo_privacy``, written by :func:`link_spending` before ``save_pretrained``),
-    else the dpzoo record in the directory ``from_pretrained`` read (``config._name_or_path``; a
-    PEFT model's base too). None for a model with neither."""
-    from ..integrations.trainer_save import read_privacy_metadata  # imports hub: not at module level
-
-    carried = None
-    for m in module.modules():
-        config = getattr(m, "config", None)
-        path = getattr(config, "_name_or_path", None)
-        if isinstance(path, str) and path and os.path.isdir(path):
-            meta = read_privacy_metadata(path)
-            if meta:  # a full record first: it has ε, δ and the rest, not only the history
-                return meta, path
-        record = getattr(config, "dpzoo_privacy", None)
-        if carried is None and isinstance(record, dict) and record:
-            carried = (record, "the model's config")
-    return carried
-
-
 def recorded_origins(module: nn.Module) -> list[dict]:
     """Every record the Hugging Face models inside ``module`` were reloaded with (two reloaded
     models combined in one carry two): per config, the dpzoo record of the directory it was read
@@ -246,7 +224,7 @@ def prior_spending(module: nn.Module, earlier: Accountant | None = None) -> Spen
     (:mod:`dpzoo.privacy.provenance`): ``earlier`` (an earlier engine's accountant, alive), the
     spending every earlier engine linked to it or a layer (:class:`SpendingLink`), the records
     ``dpzoo.load`` attached (the whole history when recorded, else the last σ, q and step count), the
-    record a Hugging Face reload carries (:func:`recorded_origin`); none of those for a model whose
+    records Hugging Face reloads carry (:func:`recorded_origins`); none of those for a model whose
     ``dpzoo_privacy`` the user set to ``{}`` (new data disjoint from the earlier run's). Then, always,
     what the user stated for LoRA weights of unknown origin (``dpzoo_adapter_privacy`` records,
     :func:`adapter_statements`), in addition."""
