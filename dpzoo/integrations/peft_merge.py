@@ -29,12 +29,11 @@ to see, like any weights loaded with ``load_state_dict``.
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.util
 import inspect
 import sys
 from typing import Any
 
+from .after_import import when_imported
 from .peft_adapters import (
     changes_weights,
     composed,
@@ -56,43 +55,8 @@ _installed: list[Any] = []  # the torch hook handle, once registered
 
 def install() -> None:
     """Watch PEFT merges from now on (idempotent); defers until PEFT is imported."""
-    if _installed:
-        return
-    if "peft.tuners.tuners_utils" in sys.modules:
-        _register()
-    elif not any(isinstance(f, _AfterPeftImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterPeftImport())
-
-
-class _AfterPeftImport(importlib.abc.MetaPathFinder):
-    """Runs :func:`_register` once ``import peft`` has executed; a probe (``importlib.util.find_spec``,
-    as transformers' ``is_peft_available`` does) leaves it in place."""
-
-    searching = False
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != "peft" or self.searching:
-            return None
-        self.searching = True  # the real finders, not this one, find the spec
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            self.searching = False
-        if spec is not None and spec.loader is not None:
-            spec.loader = _RegisterAfter(spec.loader)
-        return spec
-
-
-class _RegisterAfter(importlib.abc.Loader):
-    def __init__(self, loader):
-        self.loader = loader
-
-    def create_module(self, spec):
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self.loader.exec_module(module)
-        _register()
+    if not _installed:
+        when_imported("peft", _register)
 
 
 def _register() -> None:
@@ -131,7 +95,6 @@ def _register() -> None:
         wrapped = functools.wraps(swap)(_after_hotswap(swap))
         wrapped.dpzoo_watched = True  # type: ignore[attr-defined]
         hotswap.hotswap_adapter_from_state_dict = wrapped
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AfterPeftImport)]
 
 
 def _subclasses(cls) -> list:

@@ -337,6 +337,16 @@ def str_override(key: str, doc: str) -> Override:
     return Override(doc, to_kwargs)
 
 
+def num_classes_override() -> Override:
+    """The classifier size of a timm image entry: a new head when it differs from the checkpoint's."""
+    return int_override(
+        "num_classes",
+        "classifier outputs (default 1000); a new head when it differs from the checkpoint's; 0: no classifier "
+        "(pooled features, timm's convention)",
+        minimum=0,
+    )
+
+
 def common_timm_overrides(pools: str, *, features: bool = True) -> dict[str, Override]:
     """The overrides timm entries share: pooling, ``pretrained_cfg_overlay`` and, with ``features``,
     timm's feature extraction (``pools``: the card's list of global_pool values)."""

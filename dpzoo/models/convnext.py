@@ -15,16 +15,12 @@ from ._timm import (
     float_override,
     int_list_override,
     int_override,
+    num_classes_override,
     register_timm_entry,
 )
 
 OVERRIDES = {
-    "num_classes": int_override(
-        "num_classes",
-        "classifier outputs (default 1000); a new head when it differs from the checkpoint's; 0: no classifier "
-        "(pooled features, timm's convention)",
-        minimum=0,
-    ),
+    "num_classes": num_classes_override(),
     "in_chans": int_override("in_chans", "input channels (default 3)"),
     "depths": int_list_override("depths", 4, "blocks per stage, 4 integers (default 3, 3, 9, 3)"),
     "dims": int_list_override("dims", 4, "channels per stage, 4 integers (default 96, 192, 384, 768)"),

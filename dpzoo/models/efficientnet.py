@@ -23,7 +23,14 @@ import torch
 from ..errors import CheckpointError
 from ..registry import ModelCard
 from ._common import card_overrides
-from ._timm import choice_override, common_timm_overrides, float_override, int_override, register_timm_entry
+from ._timm import (
+    choice_override,
+    common_timm_overrides,
+    float_override,
+    int_override,
+    num_classes_override,
+    register_timm_entry,
+)
 
 __all__ = [
     "lukemelas_to_timm",
@@ -163,12 +170,7 @@ _PAPERS = (
 )
 
 OVERRIDES = {
-    "num_classes": int_override(
-        "num_classes",
-        "classifier outputs (default 1000); a new head when it differs from the checkpoint's; 0: no classifier "
-        "(pooled features, timm's convention)",
-        minimum=0,
-    ),
+    "num_classes": num_classes_override(),
     "in_chans": int_override("in_chans", "input channels (default 3; the ImageNet checkpoints need 3)"),
     "drop_rate": float_override("drop_rate", "dropout before the classifier (the TF recipe uses 0.2 for training)"),
     "drop_path_rate": float_override("drop_path_rate", "stochastic depth rate (the TF recipe uses 0.2 for training)"),

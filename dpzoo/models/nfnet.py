@@ -21,17 +21,19 @@ from torch import nn
 from ..errors import OverrideError
 from ..registry import ModelCard
 from ._common import card_overrides
-from ._timm import common_timm_overrides, float_override, int_list_override, int_override, register_timm_entry
+from ._timm import (
+    common_timm_overrides,
+    float_override,
+    int_list_override,
+    int_override,
+    num_classes_override,
+    register_timm_entry,
+)
 
 _CFG_KEYS = ("depths", "channels", "stem_chs")
 
 OVERRIDES = {
-    "num_classes": int_override(
-        "num_classes",
-        "classifier outputs (default 1000); a new head when it differs from the checkpoint's; 0: no classifier "
-        "(pooled features, timm's convention)",
-        minimum=0,
-    ),
+    "num_classes": num_classes_override(),
     "in_chans": int_override("in_chans", "input channels (default 3)"),
     "depths": int_list_override("depths", 4, "blocks per stage, 4 integers (default 3, 4, 6, 3)"),
     "channels": int_list_override(

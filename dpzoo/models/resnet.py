@@ -15,6 +15,7 @@ from ._timm import (
     float_override,
     int_list_override,
     int_override,
+    num_classes_override,
     register_timm_entry,
     stage_width_override,
 )
@@ -27,12 +28,7 @@ _PAPERS = (
 )
 
 OVERRIDES = {
-    "num_classes": int_override(
-        "num_classes",
-        "classifier outputs (default 1000); a new head when it differs from the checkpoint's; 0: no classifier "
-        "(pooled features, timm's convention)",
-        minimum=0,
-    ),
+    "num_classes": num_classes_override(),
     "in_chans": int_override("in_chans", "input channels (default 3)"),
     "layers": int_list_override("layers", 4, "blocks per stage, 4 integers (default the architecture's)"),
     "width": stage_width_override(
