@@ -379,6 +379,66 @@ def test_save_of_an_opacus_trained_zoo_model_round_trips_with_opacus_epsilon(tmp
     assert again.get_epsilon(1e-5) == pytest.approx(eps, rel=1e-9)
 
 
+def _resume_opacus(model, checkpoint, steps):
+    engine = opacus.PrivacyEngine(accountant="rdp")
+    ds = TensorDataset(torch.randn(16, 3, 8, 8), torch.randint(0, 3, (16,)))
+    wrapped, opt, loader = dpzoo_opacus_make_private(engine, module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                                     data_loader=DataLoader(ds, batch_size=8), noise_multiplier=1.3,
+                                                     max_grad_norm=0.8)  # fmt: skip
+    engine.load_checkpoint(path=checkpoint, module=wrapped, optimizer=opt)
+    for _, (x, y) in zip(range(steps), loader):
+        F.cross_entropy(wrapped(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return engine, opt, loader
+
+
+def test_a_run_resumed_from_an_opacus_checkpoint_counts_the_checkpoints_batches_and_run_once(tmp_path):
+    """Opacus' load_checkpoint restores the history but not the batches dpzoo counted (the resumed
+    run was refused), nor the run it continues (its saved model's record counted twice)."""
+    engine, model, opt, loader = _opacus_train(_zoo(), steps=2)
+    engine.save_checkpoint(path=tmp_path / "ck.pt", module=model, optimizer=opt)
+    dpzoo.save(model, tmp_path / "m", privacy=privacy_metadata(engine, 1e-5, optimizer=opt, data_loader=loader))
+
+    resumed, opt2, loader2 = _resume_opacus(dpzoo.load(tmp_path / "m").train(), tmp_path / "ck.pt", 2)
+    meta = privacy_metadata(resumed, 1e-5, optimizer=opt2, data_loader=loader2)
+    assert meta["steps"] == 4 == sum(n for _, _, n in resumed.accountant.history)
+    assert meta["epsilon"] == pytest.approx(resumed.get_epsilon(1e-5), rel=1e-9)  # the saved run's 2 steps once
+    assert meta["epsilon"] > engine.get_epsilon(1e-5)
+
+
+def test_a_resume_from_a_checkpoint_dpzoo_did_not_count_is_refused(tmp_path):
+    model = _zoo()
+    engine = opacus.PrivacyEngine(accountant="rdp")
+    ds = TensorDataset(torch.randn(16, 3, 8, 8), torch.randint(0, 3, (16,)))
+    wrapped, opt, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(ds, batch_size=8),
+        noise_multiplier=1.3,
+        max_grad_norm=0.8,
+    )  # fmt: skip  (Opacus' own: nothing counts)
+    x, y = next(iter(loader))
+    F.cross_entropy(wrapped(x), y).backward()
+    opt.step()
+    engine.save_checkpoint(path=tmp_path / "ck.pt", module=wrapped, optimizer=opt)
+    resumed, opt2, loader2 = _resume_opacus(_zoo(), tmp_path / "ck.pt", 1)
+    with pytest.raises(PrivacyUsageError, match="load_checkpoint after"):
+        privacy_metadata(resumed, 1e-5, optimizer=opt2, data_loader=loader2)
+
+
+def test_a_counting_accountant_pickles_in_a_process_that_has_not_made_its_class(tmp_path):
+    import pickle
+    import subprocess
+    import sys
+
+    engine, *_ = _opacus_train(_zoo(), steps=1)
+    (tmp_path / "a.pkl").write_bytes(pickle.dumps(engine.accountant))
+    code = f"import pickle; a = pickle.load(open({str(tmp_path / 'a.pkl')!r}, 'rb')); print(len(a.history), a.state_dict()['dpzoo_drawn'])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["1", str(engine.accountant.dpzoo_drawn)] and engine.accountant.dpzoo_drawn >= 1
+
+
 def test_saving_an_opacus_wrapped_model_without_privacy_is_refused(tmp_path):
     zoo = _zoo()
     engine, model, opt, loader = _opacus_train(zoo, steps=0)

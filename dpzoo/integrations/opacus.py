@@ -16,7 +16,9 @@ accountant still reports the Poisson-subsampled ε, which does not hold for fixe
 batches; told from the ``data_loader`` make_private returned, refused when none is given), a run
 that took more steps than that loader drew batches (a loop over another loader: the original,
 shuffled one; told by :func:`count_batches`, which ``dpzoo.engines.opacus.make_private`` applies,
-and refused for a loader that does not count),
+and refused for a loader that does not count; the engine's accountant carries the count and the
+runs its history holds through Opacus' ``save_checkpoint`` / ``load_checkpoint``, so a resumed run
+is counted, and the checkpoint's run once),
 Opacus' ``"gdp"`` accountant (an approximation, not an upper bound), a history with several
 sample rates (the metadata holds one), an engine that took no step. ``dpzoo.save`` refuses
 an Opacus-wrapped model without ``privacy=``, so a DP-trained model never silently loses its spend
@@ -38,7 +40,7 @@ from ..errors import AccountingError, MissingDependencyError, PrivacyUsageError,
 from ..live_ref import LiveRef
 from ..privacy.accountant import Accountant, accountant_spec
 from ..privacy.metadata import check_delta
-from ..privacy.provenance import distinct_histories, run_id, steps_of
+from ..privacy.provenance import distinct_histories, run_id, segments_of, steps_of
 
 __all__ = ["unwrap", "unwrap_for_save", "privacy_metadata", "count_batches", "is_poisson_loader", "ACCOUNTANT_NAMES"]
 
@@ -138,7 +140,7 @@ def is_poisson_loader(data_loader) -> bool:
     return any(isinstance(s, poisson) for s in _batch_samplers(data_loader))
 
 
-_COUNTING: dict[type, type] = {}  # Opacus sampler type -> its counting subclass
+_COUNTING: dict[type, type] = {}  # Opacus sampler or accountant type -> its counting subclass
 
 
 def count_batches(data_loader, opacus_engine=None):
@@ -157,18 +159,68 @@ def count_batches(data_loader, opacus_engine=None):
     poisson = (samplers.UniformWithReplacementSampler, samplers.DistributedUniformWithReplacementSampler)
     sampler = next(s for s in _batch_samplers(data_loader) if isinstance(s, poisson))
     if not hasattr(sampler, "dpzoo_drawn"):
-        base = type(sampler)
-        if base not in _COUNTING:  # a module-level name of its own, so the sampler still pickles
-            name = f"Counting{base.__name__}"
-            _COUNTING[base] = type(
-                name, (base,), {"__iter__": _counted_iter, "__module__": __name__, "__qualname__": name}
-            )
-            globals()[name] = _COUNTING[base]
-        sampler.__class__ = _COUNTING[base]
+        sampler.__class__ = _counting_class(type(sampler))
         sampler.dpzoo_drawn = 0
     if opacus_engine is not None:
-        sampler.dpzoo_accountant = LiveRef(getattr(opacus_engine, "accountant", None))
+        accountant = getattr(opacus_engine, "accountant", None)
+        sampler.dpzoo_accountant = LiveRef(accountant)
+        if accountant is not None:
+            _count_through_checkpoints(accountant)
     return data_loader
+
+
+def _count_through_checkpoints(accountant) -> None:
+    """Make ``accountant``'s ``state_dict`` (what Opacus' ``save_checkpoint`` stores) carry the
+    batches its loaders drew and the runs its history holds, and its ``load_state_dict`` (Opacus'
+    ``load_checkpoint``) restore them: a resumed run's steps are then all Poisson batches it can
+    name, and its record names the checkpoint's run, so that run's saved model counts once."""
+    if not getattr(type(accountant), "dpzoo_counting", False):
+        accountant.__class__ = _counting_class(type(accountant))
+
+
+def _state_dict(self, destination=None):
+    state = super(type(self), self).state_dict(destination)
+    key = run_id(self)
+    history = [list(h) for h in self.history]
+    state["dpzoo_drawn"] = int(getattr(self, "dpzoo_drawn", 0))
+    state["dpzoo_runs"] = segments_of(key, getattr(self, "dpzoo_segments", None), history)
+    return state
+
+
+def _load_state_dict(self, state_dict):
+    super(type(self), self).load_state_dict(state_dict)
+    # history replaced: so are its batches and runs (none known from a checkpoint dpzoo did not count)
+    self.dpzoo_drawn = int(state_dict.get("dpzoo_drawn", 0))
+    self.dpzoo_segments = [list(s) for s in state_dict.get("dpzoo_runs", [])]
+
+
+def __getattr__(name: str):
+    """A counting class by name (an unpickler in a process that has not made it yet)."""
+    if name.startswith("Counting"):
+        import opacus.accountants as accountants
+        import opacus.utils.uniform_sampler as samplers
+
+        base = getattr(samplers, name[8:], None) or getattr(accountants, name[8:], None)
+        if isinstance(base, type):
+            return _counting_class(base)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _counting_class(base: type) -> type:
+    """The subclass of an Opacus sampler (counts its batches) or accountant (carries the count
+    through checkpoints), under a module-level name of its own so that its instances pickle."""
+    if base not in _COUNTING:
+        name = f"Counting{base.__name__}"
+        body: dict[str, Any]
+        if hasattr(base, "state_dict"):
+            body = {"state_dict": _state_dict, "load_state_dict": _load_state_dict}
+        else:
+            body = {"__iter__": _counted_iter}
+        _COUNTING[base] = type(
+            name, (base,), {**body, "dpzoo_counting": True, "__module__": __name__, "__qualname__": name}
+        )
+        globals()[name] = _COUNTING[base]
+    return _COUNTING[base]
 
 
 def _counted_iter(self):
@@ -260,7 +312,8 @@ def privacy_metadata(opacus_engine, delta: float, *, optimizer=None, data_loader
         raise PrivacyUsageError(
             f"The engine took {steps} steps but its Poisson loader drew {drawn} batches: the other steps trained on "
             "batches from another loader (the original, shuffled one?), for which Opacus' ε does not hold. Train on "
-            "the loader make_private returned."
+            "the loader make_private returned (a resumed run: call load_checkpoint after "
+            "dpzoo.engines.opacus.make_private, on a checkpoint saved by such a run)."
         )
     check_delta(float(delta), len(getattr(data_loader, "dataset", ())) or None)  # δ ≥ 1/N says nothing
     bound = _max_grad_norm(optimizer) if optimizer is not None else None  # checks it is Opacus' first
@@ -274,6 +327,9 @@ def privacy_metadata(opacus_engine, delta: float, *, optimizer=None, data_loader
         "run_id": run_id(accountant),  # the run the model's OpacusSpending link stands for: counted once
         "history": [[s, q, n] for s, q, n in history],  # every (σ, q): a noise schedule composes too
     }
+    resumed = [list(seg) for seg in getattr(accountant, "dpzoo_segments", None) or []]
+    if resumed:  # the runs of the checkpoint it resumed from (Opacus' load_checkpoint)
+        meta["composed_runs"] = resumed
     if len(sigmas) == 1:  # a noise schedule has no single σ: left out, so nothing composes a wrong one
         meta["noise_multiplier"] = sigmas.pop()
         if optimizer is not None and not math.isclose(optimizer.noise_multiplier, meta["noise_multiplier"]):
@@ -289,9 +345,8 @@ def privacy_metadata(opacus_engine, delta: float, *, optimizer=None, data_loader
                                      "composed_runs": before.segments}  # fmt: skip
     elif before:  # composed, as a dpzoo engine would, each run's steps once (Opacus' first ones may be in it)
         key = run_id(accountant)
-        composed = distinct_histories(
-            [*accountant.dpzoo_earlier_parts, (key, [[key, steps]], [list(h) for h in history])]
-        )
+        own = [list(h) for h in history]
+        composed = distinct_histories([*accountant.dpzoo_earlier_parts, (key, segments_of(key, resumed, own), own)])
         meta.update(epsilon=Accountant(name, list(composed)).get_epsilon(float(delta)), steps=steps_of(composed))
         # every step is in composed_runs' runs: the record's own id has none of its own
         meta.update(history=list(composed), run_id=f"{key}-composed", composed_runs=composed.segments)
