@@ -50,6 +50,7 @@ PRIVACY_FIELDS = {
     "run_id": str,  # the run's identity: a later run that finds this record and the run's own link counts it once
     "composed_runs": list,  # [[run id or None, steps], ...]: the runs this history composed before its own steps
     "disjoint_spending": dict,  # what the model spent before a run on data stated disjoint (outside ε, composed later)
+    "unknown_origin": str,  # weights in the model this record does not account for (a later run is refused until stated)
     "public_statistics": str,  # what the run used from its data outside ε (the user's stated assumption)
     "delta_note": str,  # δ ≥ 1/N accepted by the user (make_private(accept_large_delta=True))
 }

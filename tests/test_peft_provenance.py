@@ -1,7 +1,7 @@
-"""A DP-trained LoRA adapter reloaded through PEFT keeps its budget: PeftModel.from_pretrained
-keeps no trace of the directory (and its dpzoo_privacy.json), so an adapter that was trained
-before and carries no record is refused until the user composes its record or states the data
-are disjoint (recorded in the metadata)."""
+"""A DP-trained LoRA adapter reloaded through PEFT keeps its budget: PeftModel.save_pretrained
+writes its record beside it and from_pretrained / load_adapter link it back; an adapter that was
+trained before and comes without a record (``_bare``: the adapter's files alone) is refused until
+the user composes its record or states the data are disjoint (recorded in the metadata)."""
 
 from __future__ import annotations
 
@@ -66,6 +66,19 @@ def saved_adapter(tmp_path):
     return tmp_path, engine.get_epsilon(1e-5)
 
 
+def _bare(directory):
+    """A copy of the adapter's own files, without its privacy record (trained elsewhere, or saved
+    by something that does not write records)."""
+    import shutil
+
+    bare = directory.parent / f"{directory.name}-bare"
+    if not bare.exists():
+        bare.mkdir()
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            shutil.copy(directory / name, bare / name)
+    return bare
+
+
 def test_a_fresh_adapter_trains_without_a_record():
     model = peft.get_peft_model(_plain_model(), peft.LoraConfig(r=2, target_modules=["fc1", "fc2"]))
     assert _private(model).accountant.history == []
@@ -73,7 +86,7 @@ def test_a_fresh_adapter_trains_without_a_record():
 
 def test_a_reloaded_adapter_without_its_record_is_refused(saved_adapter):
     directory, _ = saved_adapter
-    loaded = peft.PeftModel.from_pretrained(_plain_model(), directory, is_trainable=True)
+    loaded = peft.PeftModel.from_pretrained(_plain_model(), _bare(directory), is_trainable=True)
     with pytest.raises(
         PrivacyUsageError,
         match=r"unknown origin \(adapter 'default' in base_model\.model\.fc1 and 1 more layers\).*read_privacy_metadata",
@@ -83,7 +96,7 @@ def test_a_reloaded_adapter_without_its_record_is_refused(saved_adapter):
 
 def test_its_record_composes(saved_adapter):
     directory, spent = saved_adapter
-    loaded = peft.PeftModel.from_pretrained(_plain_model(), directory, is_trainable=True)
+    loaded = peft.PeftModel.from_pretrained(_plain_model(), _bare(directory), is_trainable=True)
     loaded.dpzoo_privacy = read_privacy_metadata(directory)
     engine = _private(loaded)
     assert engine.get_epsilon(1e-5) == pytest.approx(spent, rel=1e-6)  # before any new step: the adapter's spending
@@ -91,7 +104,7 @@ def test_its_record_composes(saved_adapter):
 
 def test_disjoint_data_is_a_stated_assumption_in_the_metadata(saved_adapter):
     directory, _ = saved_adapter
-    loaded = peft.PeftModel.from_pretrained(_plain_model(), directory, is_trainable=True)
+    loaded = peft.PeftModel.from_pretrained(_plain_model(), _bare(directory), is_trainable=True)
     loaded.dpzoo_privacy = {}
     engine = _private(loaded, steps=1)
     assert engine.accountant.history[0][2] == 1  # a fresh budget: only this run's step
@@ -102,7 +115,7 @@ def test_adapter_weights_stated_disjoint_stay_of_unknown_origin_after_that_run(s
     """The thirteenth audit: `dpzoo_adapter_privacy = {}` held for every later run (the run linked
     the adapter and cleared the statement), so a run back on the adapter's own data composed nothing."""
     directory, _ = saved_adapter
-    loaded = peft.PeftModel.from_pretrained(_plain_model(), directory, is_trainable=True)
+    loaded = peft.PeftModel.from_pretrained(_plain_model(), _bare(directory), is_trainable=True)
     loaded.dpzoo_adapter_privacy = {}  # this run's data is disjoint from the adapter's
     _private(loaded, steps=2).detach()
     with pytest.raises(PrivacyUsageError, match="stated disjoint for an earlier run"):
@@ -143,7 +156,7 @@ def test_a_reloaded_adapter_merged_without_its_record_is_refused(saved_adapter, 
     """PEFT's merge puts ΔW into the base layers and drops the adapter: without the watch, a new
     adapter on the merged model trained with a fresh budget."""
     directory, _ = saved_adapter
-    loaded = peft.PeftModel.from_pretrained(_plain_model(), directory, is_trainable=True)
+    loaded = peft.PeftModel.from_pretrained(_plain_model(), _bare(directory), is_trainable=True)
     if unload == "merge_and_unload":
         merged = loaded.merge_and_unload()
     else:
@@ -161,10 +174,10 @@ def test_a_reloaded_adapter_merged_without_its_record_is_refused(saved_adapter, 
 
 def test_a_merged_adapter_composes_its_record_or_states_disjoint_data(saved_adapter):
     directory, spent = saved_adapter
-    merged = peft.PeftModel.from_pretrained(_plain_model(), directory).merge_and_unload()
+    merged = peft.PeftModel.from_pretrained(_plain_model(), _bare(directory)).merge_and_unload()
     merged.dpzoo_adapter_privacy = read_privacy_metadata(directory)
     assert _private(_new_adapter(merged)).get_epsilon(1e-5) == pytest.approx(spent, rel=1e-6)
-    other = peft.PeftModel.from_pretrained(_plain_model(), directory).merge_and_unload()
+    other = peft.PeftModel.from_pretrained(_plain_model(), _bare(directory)).merge_and_unload()
     fresh = _new_adapter(other)
     fresh.dpzoo_adapter_privacy = {}
     assert "disjoint" in _private(fresh, steps=1).privacy_metadata(1e-5)["public_statistics"]
@@ -206,7 +219,7 @@ def test_merge_adapter_then_a_new_adapter_of_the_same_name_is_refused(saved_adap
     """merge_adapter() keeps the tuner layers; get_peft_model on the base model re-initialises
     'default' (lora_B = 0) and unmerges a zero ΔW: the trained ΔW stays in the weights."""
     directory, _ = saved_adapter
-    loaded = peft.PeftModel.from_pretrained(_plain_model(), directory, is_trainable=True)
+    loaded = peft.PeftModel.from_pretrained(_plain_model(), _bare(directory), is_trainable=True)
     loaded.merge_adapter()
     again = _new_adapter(loaded.get_base_model())
     with pytest.raises(PrivacyUsageError, match="merged adapter 'default'"):
@@ -215,7 +228,7 @@ def test_merge_adapter_then_a_new_adapter_of_the_same_name_is_refused(saved_adap
 
 def test_an_adapter_merged_then_unmerged_leaves_no_mark(saved_adapter):
     directory, _ = saved_adapter
-    loaded = peft.PeftModel.from_pretrained(_plain_model(), directory, is_trainable=True)
+    loaded = peft.PeftModel.from_pretrained(_plain_model(), _bare(directory), is_trainable=True)
     loaded.merge_adapter()
     loaded.unmerge_adapter()
     base = loaded.unload()  # the adapter is dropped, its ΔW taken back out
@@ -348,12 +361,12 @@ def test_a_statement_for_merged_adapters_adds_to_the_models_own_spending(saved_a
     adapter = read_privacy_metadata(directory)["history"]
     lora = _new_adapter(_plain_model())
     own = _private(lora, steps=3)  # this process's run on the model: a link
-    merged = peft.PeftModel.from_pretrained(lora.merge_and_unload(), directory).merge_and_unload()
+    merged = peft.PeftModel.from_pretrained(lora.merge_and_unload(), _bare(directory)).merge_and_unload()
     merged.dpzoo_adapter_privacy = read_privacy_metadata(directory)
     history = _private(_new_adapter(merged)).accountant.history
     assert _per_mechanism(history) == _per_mechanism(own.accountant.history + adapter)  # both runs' steps
     for bad in (False, "disjoint", 0):
-        other = peft.PeftModel.from_pretrained(_plain_model(), directory).merge_and_unload()
+        other = peft.PeftModel.from_pretrained(_plain_model(), _bare(directory)).merge_and_unload()
         other.dpzoo_adapter_privacy = bad
         with pytest.raises(PrivacyUsageError, match="must be a privacy record"):
             _private(_new_adapter(other))
@@ -365,7 +378,7 @@ def test_an_adapter_loaded_over_one_dpzoo_trained_loses_its_link(saved_adapter):
     directory, _ = saved_adapter
     model = _new_adapter(_plain_model())
     _private(model, steps=2)
-    model.load_adapter(directory, adapter_name="default", is_trainable=True)
+    model.load_adapter(_bare(directory), adapter_name="default", is_trainable=True)
     with pytest.raises(PrivacyUsageError, match="adapter 'default'"):
         _private(model)
 
@@ -441,7 +454,7 @@ def test_a_combination_with_an_adapter_of_unknown_origin_keeps_both_parts(saved_
     directory, _ = saved_adapter
     model = _new_adapter(_plain_model())
     own = _private(model, steps=3)
-    model.load_adapter(directory, adapter_name="ext")
+    model.load_adapter(_bare(directory), adapter_name="ext")
     model.add_weighted_adapter(["default", "ext"], [1.0, 1.0], adapter_name="combo", combination_type="cat")
     model.set_adapter("combo")
     merged = model.merge_and_unload(adapter_names=["combo"])
@@ -470,7 +483,7 @@ def test_a_hot_swapped_adapter_loses_the_link(saved_adapter, tmp_path):
     directory, _ = saved_adapter
     model = _new_adapter(_plain_model())
     _private(model, steps=2)
-    hotswap_adapter(model, str(directory), adapter_name="default")
+    hotswap_adapter(model, str(_bare(directory)), adapter_name="default")
     with pytest.raises(PrivacyUsageError, match="adapter 'default'"):
         _private(model)
 
@@ -480,7 +493,7 @@ def test_a_resume_marks_only_the_adapters_it_restored(saved_adapter):
 
     directory, _ = saved_adapter
     model = _new_adapter(_plain_model())
-    model.load_adapter(directory, adapter_name="ext")
+    model.load_adapter(_bare(directory), adapter_name="ext")
     with torch.no_grad():
         model.base_model.model.fc1.lora_B["default"].weight.normal_()  # as restored from a checkpoint
     mark_resumed(model, "checkpoint-2")

@@ -288,7 +288,7 @@ def refuse_save(model: nn.Module) -> None:
     from ..privacy.carried import refuse_weights_of_unknown_origin
     from .peft_statements import refuse_save_of_stated_merges
 
-    refuse_weights_of_unknown_origin(model)  # merged adapters of unknown origin: saved, their spending is lost
+    refuse_weights_of_unknown_origin(model, stated_disjoint=False)  # merged ones of unknown origin: saved, lost
     refuse_save_of_stated_merges(model)
     if is_peft_model(model):
         raise SaveError(

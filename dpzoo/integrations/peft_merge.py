@@ -23,13 +23,16 @@ replaced in its parent (a tuner layer unloaded into a new module, dpzoo's own su
 Installed by ``import dpzoo``: at once if PEFT is imported, else right after PEFT's import
 finishes (a finder on ``sys.meta_path`` that stays until then), so ``import dpzoo`` stays free of
 torch. A merge done in another process, or before dpzoo was imported, leaves nothing in memory
-to see, like any weights loaded with ``load_state_dict``.
+to see, like any weights loaded with ``load_state_dict``. ``PeftModel.save_pretrained`` and
+``load_adapter`` (which ``from_pretrained`` calls) are watched too: the adapter's record is
+written beside it and read back (:mod:`dpzoo.integrations.peft_records`).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 from typing import Any
 
@@ -82,6 +85,7 @@ def _register() -> None:
 
     for cls in _subclasses(peft.PeftModel) + _subclasses(peft.PeftMixedModel):
         _wrap(cls, "load_adapter", _after_load_adapter)
+    _wrap(peft.PeftModel, "save_pretrained", _after_save)
     for cls in _subclasses(BaseTuner):
         _wrap(cls, "add_weighted_adapter", _after_weighted_adapter)
     hotswap = sys.modules.get("peft.utils.hotswap")
@@ -166,10 +170,32 @@ def _after_load_adapter(fn):
 
     def load_adapter(self, *args, **kwargs):
         out = fn(self, *args, **kwargs)
-        forget_adapter(self, signature.bind(self, *args, **kwargs).arguments.get("adapter_name"))
+        given = signature.bind(self, *args, **kwargs).arguments
+        adapter, source = given.get("adapter_name"), given.get("model_id")
+        forget_adapter(self, adapter)
+        if isinstance(adapter, str) and isinstance(source, (str, os.PathLike)):  # its record, if saved beside it
+            from .peft_records import attach_adapter_record  # imports torch: not when dpzoo is imported
+
+            attach_adapter_record(self, source, adapter, (given.get("kwargs") or {}).get("subfolder"))
         return out
 
     return load_adapter
+
+
+def _after_save(fn):
+    signature = inspect.signature(fn)
+
+    def save_pretrained(self, *args, **kwargs):
+        out = fn(self, *args, **kwargs)
+        given = signature.bind(self, *args, **kwargs).arguments
+        if given.get("is_main_process", True):
+            from .peft_records import write_adapter_records
+
+            adapters = given.get("selected_adapters") or list(self.peft_config)
+            write_adapter_records(self, given["save_directory"], adapters)
+        return out
+
+    return save_pretrained
 
 
 def _after_hotswap(fn):

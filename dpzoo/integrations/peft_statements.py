@@ -19,6 +19,7 @@ from ..errors import PrivacyUsageError
 from ..privacy_record import LoadedRecord
 
 __all__ = ["MARK", "merged_without_record", "refuse_unknown_origin", "clear_marks", "refuse_save_of_stated_merges"]
+__all__ += ["UNKNOWN_ORIGIN", "unknown_origin_note", "mark_unknown_origin", "refuse_unnoted_unknown_origin"]
 
 MARK = "dpzoo_merged_adapters"  # on a base layer (a list) and on a Hugging Face config (a sorted list)
 
@@ -50,6 +51,34 @@ def _stated(module) -> bool:
 STATED_DISJOINT = (
     "dpzoo_unknown_stated_disjoint"  # on a module: weights of unknown origin an earlier run took as disjoint
 )
+
+
+UNKNOWN_ORIGIN = (
+    "weights of unknown origin, stated trained on data disjoint from an earlier run's (dpzoo_adapter_privacy = {}): "
+    "their spending is not in this record, and a later run is refused until it is stated again"
+)
+
+
+def unknown_origin_note(module) -> str | None:
+    """What a saved record says (its ``unknown_origin``) of weights in ``module`` still of unknown
+    origin (:data:`STATED_DISJOINT`), so a reload is refused as the model in memory is."""
+    return UNKNOWN_ORIGIN if any(m.__dict__.get(STATED_DISJOINT) for m in module.modules()) else None
+
+
+def refuse_unnoted_unknown_origin(module, privacy: Mapping | None) -> None:
+    """Refuse a record for ``module`` that does not say it holds weights of unknown origin."""
+    if unknown_origin_note(module) and not (privacy or {}).get("unknown_origin"):
+        raise PrivacyUsageError(
+            "This model holds weights of unknown origin stated disjoint for an earlier run, and its record does not say "
+            "so (unknown_origin), so a reload would not refuse a run on their data: save while the engine that trained "
+            "it is attached (dpzoo.save takes its record), or add privacy['unknown_origin']."
+        )
+
+
+def mark_unknown_origin(module, records) -> None:
+    """Mark ``module`` (:data:`STATED_DISJOINT`) if a record it was loaded with has an ``unknown_origin``."""
+    if any(isinstance(r, Mapping) and r.get("unknown_origin") for r in records):
+        object.__setattr__(module, STATED_DISJOINT, True)
 
 
 def stated_disjoint_before(module) -> list[tuple[str, str, str]]:
@@ -89,8 +118,11 @@ def clear_marks(module) -> None:
     for m in module.modules():
         m.__dict__.pop(MARK, None)
         statement = m.__dict__.pop("dpzoo_adapter_privacy", None)  # composed into this run's history, not twice
-        if statement == {}:
-            object.__setattr__(m, STATED_DISJOINT, True)
+        if statement == {}:  # on the model PEFT wraps too: merge_and_unload() returns it
+            from .peft_layers import wrapped_model
+
+            for held in {id(x): x for x in (m, wrapped_model(m)[1])}.values():
+                object.__setattr__(held, STATED_DISJOINT, True)
         elif statement:
             m.__dict__.pop(STATED_DISJOINT, None)  # a record composed: known from now on
         config = getattr(m, "config", None)

@@ -141,6 +141,7 @@ class Accountant:
     """History of subsampled Gaussian steps and the library that turns it into (ε, δ)."""
 
     dpzoo_keeps_run_id = True  # its run id is an attribute; a copy is a new run (__setstate__)
+    dpzoo_delta: float | None = None  # the δ of the engine's run (a record made from its links alone uses it)
 
     def __init__(self, name: str = "rdp", history: Iterable = (), group: int = 1):
         spec = accountant_spec(name)

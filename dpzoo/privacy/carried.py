@@ -67,10 +67,14 @@ class LiveRecord(dict):
             self.current()
 
     @staticmethod
-    def replacing(config, module: nn.Module, accountant_name: str) -> "LiveRecord":
+    def replacing(config, module: nn.Module, accountant_name: str, ran: bool = False) -> "LiveRecord":
         """The live record for ``config`` (of ``module``), keeping the records it held before and
-        the models it was the record of (a later run on a part of the model, or on the model around it)."""
+        the models it was the record of (a later run on a part of the model, or on the model around it).
+        ``ran``: a run made it, which the records' weights of unknown origin did not stop (a statement
+        covered them: ``{}`` marks the model again, which the record then says)."""
         old = getattr(config, "dpzoo_privacy", None)
+        if ran and isinstance(old, dict) and not isinstance(old, LiveRecord) and "unknown_origin" in old:
+            old = {k: v for k, v in old.items() if k != "unknown_origin"}
         if isinstance(old, LiveRecord):
             if not any(ref() is module for ref in old.owners):
                 old.owners.append(weakref.ref(module))
@@ -89,6 +93,12 @@ class LiveRecord(dict):
             composed = distinct_histories(parts + [p for r in self.base for p in record_parts(r)])
             self.clear()  # ``run_id`` names this record; every step is in ``composed_runs``' runs
             self.update(accountant=self.name, history=list(composed), run_id=self.key, composed_runs=composed.segments)
+            from ..integrations.peft_statements import unknown_origin_note
+
+            note = next((n for n in map(unknown_origin_note, alive) if n), None)
+            note = note or next((r["unknown_origin"] for r in self.base if r.get("unknown_origin")), None)
+            if note:
+                self["unknown_origin"] = note
         return {k: dict.__getitem__(self, k) for k in dict.__iter__(self)}  # stored items (dict(self) calls keys())
 
     def __deepcopy__(self, memo: dict):
@@ -166,7 +176,7 @@ def write_live_records(module: nn.Module, accountant_name: str) -> None:
         trains = m is module or any(p.requires_grad for p in m.parameters())
         if trains and config is not None and hasattr(config, "to_json_string") and id(config) not in seen:
             seen.add(id(config))
-            config.dpzoo_privacy = LiveRecord.replacing(config, m, accountant_name)
+            config.dpzoo_privacy = LiveRecord.replacing(config, m, accountant_name, ran=True)
 
 
 def attach_loaded_record(model: nn.Module, record: Mapping) -> None:
@@ -177,6 +187,9 @@ def attach_loaded_record(model: nn.Module, record: Mapping) -> None:
     from ..privacy_record import LoadedRecord
 
     model.dpzoo_privacy = LoadedRecord(record)
+    from ..integrations.peft_statements import mark_unknown_origin
+
+    mark_unknown_origin(model, [record])
     try:
         parts = record_parts(record)
     except PrivacyUsageError:
@@ -304,19 +317,20 @@ def spent_inside(module: nn.Module) -> Spent:
     return distinct_histories(carried_parts(module, statements=False))
 
 
-def refuse_weights_of_unknown_origin(module: nn.Module) -> None:
+def refuse_weights_of_unknown_origin(module: nn.Module, stated_disjoint: bool = True) -> None:
     """Trained LoRA weights no record accounts for: an adapter trained before (a factor that starts
     at zero is not) with no engine's link, and adapters merged into a layer without one
     (:mod:`dpzoo.integrations.peft_merge`). PEFT's from_pretrained keeps no trace of the directory
     a DP run saved the adapter to, and its merge none of the adapter, so the user says which
     applies, on the model or on the module that holds them; refused otherwise, whatever else the
-    model carries."""
+    model carries. ``stated_disjoint=False``: not the weights stated disjoint for an earlier run
+    (a save, whose record says so: ``unknown_origin``)."""
     from ..integrations.peft_layers import trained_adapters
     from ..integrations.peft_statements import merged_without_record, refuse_unknown_origin, stated_disjoint_before
 
     unknown = [(layer, a, "adapter") for layer, a in trained_adapters(module)]
     unknown += [(layer, a, "merged adapter") for layer, a in merged_without_record(module)]
-    unknown += stated_disjoint_before(module)
+    unknown += stated_disjoint_before(module) if stated_disjoint else []
     if unknown:
         refuse_unknown_origin(module, unknown)
 
@@ -362,6 +376,9 @@ def refuse_uncounted_spending(module: nn.Module, privacy: Mapping | None) -> Non
     spending the record does not count (an engine that is gone, Opacus' steps after a dpzoo run's):
     a later run would compose the record only, and its ε would be too small. A record the model
     carries that cannot be composed (no σ) must be the one saved."""
+    from ..integrations.peft_statements import refuse_unnoted_unknown_origin
+
+    refuse_unnoted_unknown_origin(module, privacy)
     try:
         carried = carried_parts(module)
     except PrivacyUsageError:

@@ -256,6 +256,8 @@ class PrivacyEngine(OpacusParity):
             signal.on_empty = None
         from ..integrations.peft_layers import wrapped_model  # peft_layers imports privacy
 
+        if self.target_delta is not None:  # the run's δ, for a record written from the links alone (a PEFT adapter's)
+            self.accountant.dpzoo_delta = float(self.target_delta)
         for m in (module, wrapped_model(module)[1]):  # a PEFT model's merge_and_unload() keeps the record
             m._dpzoo_engine = LiveRef(self)
             link_spending(m, self.accountant)  # outlives this engine, travels with copies and save_pretrained

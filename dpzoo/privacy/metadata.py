@@ -94,6 +94,11 @@ def engine_record(engine: "PrivacyEngine", delta: float | None) -> dict[str, Any
             "run_id": uuid.uuid4().hex,
             "composed_runs": before.segments,
         }
+    from ..integrations.peft_statements import unknown_origin_note  # imports nothing heavy; not at import time
+
+    note = unknown_origin_note(engine.module) if engine.module is not None else None
+    if note:  # a reload must stay refused as the model in memory is
+        record["unknown_origin"] = note
     if engine.dataset_size and delta >= 1.0 / engine.dataset_size:
         record["delta_note"] = (
             f"delta >= 1/N (N = {engine.dataset_size}) accepted by the user (accept_large_delta=True): "

@@ -71,8 +71,8 @@ class RecordSpending(SpendingLink):
     """The spending of a saved record ``dpzoo.load`` read (its parts), kept as a link too: the
     record attribute (``dpzoo_privacy``) is where the user states ``{}``, which must not erase it."""
 
-    def __init__(self, parts: list):
-        self.recorded = parts
+    def __init__(self, parts: list, delta: float | None = None):
+        self.recorded, self.delta = parts, delta  # the record's δ (an adapter's record made from links uses it)
 
     def relink(self, accountant: Accountant) -> None:
         self.recorded = []  # the run that relinks composed it (or keeps it, for data stated disjoint)

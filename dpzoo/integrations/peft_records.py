@@ -1,0 +1,141 @@
+"""A PEFT adapter's privacy record beside its files: ``PeftModel.save_pretrained`` writes it,
+``PeftModel.from_pretrained`` / ``load_adapter`` read it back onto the adapter.
+
+PEFT keeps no trace of where an adapter was loaded from, so before this a DP-trained adapter
+came back as weights of unknown origin (refused until the user stated its record). Now each
+adapter directory ``save_pretrained`` writes gets ``dpzoo_privacy.json`` with what the adapter's
+tensors carry (:func:`adapter_record`: the spending links on its LoRA factors, its
+``modules_to_save`` copies and, with PEFT's ``bias=``, the biases it saves; each run's steps
+once), and a load from a local directory with a record links that record to the adapter's
+tensors (:class:`~dpzoo.privacy.spending.RecordSpending`), so a later run composes it. An
+adapter that carries nothing gets no record (a stale one in the directory is removed): trained
+elsewhere, it is refused on reload as before. ε is computed at the δ of the run that trained it
+(an Opacus-trained adapter, whose δ dpzoo does not know, gets no record: state it as before).
+Weights of unknown origin a run was told were trained on disjoint data stay of unknown origin
+through the record (``unknown_origin``): a later run on the reloaded adapter is refused until
+stated again, as it is before the save.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .peft_adapters import holders
+
+__all__ = ["adapter_record", "write_adapter_records", "attach_adapter_record"]
+
+
+def _adapter_modules(model: nn.Module, adapter: str) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every module whose tensors PEFT saves for ``adapter``."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    configs = getattr(model, "peft_config", None) or {}
+    bias = getattr(configs.get(adapter), "bias", "none")
+    out, seen = [], set()
+    for name, m in model.named_modules():
+        found: list[nn.Module] = []
+        if isinstance(m, BaseTunerLayer):
+            found += holders(m, adapter)
+            if bias != "none":  # PEFT saves the adapted layers' biases ("all": every bias, below)
+                found += [b for b in [getattr(m, "base_layer", None)] if b is not None]
+        copies = getattr(m, "modules_to_save", None)  # ModulesToSaveWrapper: the adapter's trained copy
+        if isinstance(copies, nn.ModuleDict) and adapter in copies:
+            found += list(copies[adapter].modules())
+        if bias == "all" and isinstance(getattr(m, "bias", None), nn.Parameter):
+            found.append(m)
+        out += [(name, f) for f in found if id(f) not in seen and not seen.add(id(f))]  # type: ignore[func-returns-value]
+    return out
+
+
+def _deltas(link) -> list[float]:
+    """The δs of the runs a link stands for (an engine's accountant keeps its run's δ)."""
+    out = [d for d in (getattr(getattr(link, "accountant", None), "dpzoo_delta", None), getattr(link, "delta", None))
+           if isinstance(d, float)]  # fmt: skip
+    for sub in [getattr(link, "source", None), getattr(link, "earlier", None), *(getattr(link, "parts", None) or [])]:
+        if sub is not None:
+            out += _deltas(sub)
+    return out
+
+
+def adapter_record(model: nn.Module, adapter: str) -> dict[str, Any] | None:
+    """The privacy record of ``adapter``'s saved tensors in the PEFT model ``model``: everything
+    their spending links stand for, each run's steps once, ε at the smallest δ of those runs.
+    None when they carry nothing, or no run's δ is known."""
+    from ..integrations.peft_statements import STATED_DISJOINT, UNKNOWN_ORIGIN
+    from ..privacy.accountant import Accountant
+    from ..privacy.provenance import distinct_histories, link_parts, steps_of
+    from ..privacy.spending import SpendingLink
+
+    parts, deltas, names = [], [], []
+    modules = _adapter_modules(model, adapter)
+    for _, m in modules:
+        link = m.__dict__.get("dpzoo_spending")
+        if isinstance(link, SpendingLink):
+            parts += link_parts(link)
+            deltas += _deltas(link)
+            names += [getattr(getattr(link, "accountant", None), "name", None)]
+    composed = distinct_histories(parts)
+    if not composed or not deltas:
+        return None
+    delta = min(deltas)
+    name = next((n for n in names if isinstance(n, str)), "prv")
+    record: dict[str, Any] = {
+        "epsilon": float(Accountant(name, list(composed)).get_epsilon(delta)),
+        "delta": delta,
+        "accountant": name,
+        "steps": steps_of(composed),
+        "sample_rate": max(float(h[1]) for h in composed),
+        "history": [list(h) for h in composed],
+        "run_id": uuid.uuid4().hex,  # every step is in composed_runs' runs: this record adds none
+        "composed_runs": composed.segments,
+    }
+    marked = {id(m) for _, m in model.named_modules() if m.__dict__.get(STATED_DISJOINT)}
+    if marked and (id(model) in marked or any(_under(model, n, marked) for n, _ in modules)):
+        record["unknown_origin"] = UNKNOWN_ORIGIN
+    return record
+
+
+def _under(model: nn.Module, name: str, marked: set[int]) -> bool:
+    """Whether the module called ``name`` or one holding it carries a mark."""
+    parts = name.split(".") if name else []
+    return any(id(model.get_submodule(".".join(parts[:i]))) in marked for i in range(len(parts) + 1))
+
+
+def write_adapter_records(model: nn.Module, save_directory, adapters: list[str]) -> None:
+    """Beside each adapter PEFT saved (``default`` in ``save_directory``, others in a folder of
+    their name), its record; a stale one is removed where the adapter carries nothing."""
+    from .trainer_save import write_privacy_files
+
+    for adapter in adapters:
+        directory = Path(save_directory) if adapter == "default" else Path(save_directory) / adapter
+        if directory.is_dir():
+            write_privacy_files(model, directory, adapter_record(model, adapter), zoo_files=False)
+
+
+def attach_adapter_record(model: nn.Module, model_id, adapter: str, subfolder: str | None = None) -> None:
+    """After PEFT loaded ``adapter`` from ``model_id`` (a local directory): link its record, if
+    the directory has one, to the adapter's tensors, so a later run composes it."""
+    from ..errors import PrivacyUsageError
+    from ..integrations.peft_statements import STATED_DISJOINT
+    from ..privacy.provenance import record_parts
+    from ..privacy.spending import RecordSpending
+    from .trainer_save import read_privacy_metadata
+
+    directory = Path(os.fspath(model_id)) / (subfolder or "")
+    record = read_privacy_metadata(directory) if directory.is_dir() else None
+    if not record:
+        return
+    try:
+        parts = record_parts(record)
+    except PrivacyUsageError:  # no σ to compose with: left of unknown origin, refused by name
+        return
+    for _, m in _adapter_modules(model, adapter):
+        if any(True for _ in m.parameters(recurse=False)):
+            object.__setattr__(m, "dpzoo_spending", RecordSpending(parts, float(record["delta"])))
+            if record.get("unknown_origin"):
+                object.__setattr__(m, STATED_DISJOINT, True)

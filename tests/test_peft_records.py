@@ -1,0 +1,189 @@
+"""PeftModel.save_pretrained writes the adapter's privacy record beside it, and from_pretrained /
+load_adapter link it back: a DP-trained adapter reloaded through PEFT composes its spending
+without a statement, each run once; what the record cannot account for stays refused."""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from collections import OrderedDict
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import dpzoo
+from dpzoo.errors import PrivacyUsageError
+from dpzoo.integrations.trainer_save import PRIVACY_FILE, read_privacy_metadata
+
+peft = pytest.importorskip("peft")
+
+g = torch.Generator().manual_seed(0)
+X, Y = torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g)
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _plain() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(OrderedDict(fc1=nn.Linear(6, 8), act=nn.ReLU(), fc2=nn.Linear(8, 3)))
+
+
+def _lora(base=None, **extra) -> nn.Module:
+    return peft.get_peft_model(
+        base if base is not None else _plain(), peft.LoraConfig(r=2, target_modules=["fc1"], **extra)
+    )
+
+
+def _private(model, steps: int = 0, mode: str = "lora", sigma: float = 1.0, **extra):
+    engine = dpzoo.PrivacyEngine()
+    model, opt, loader = engine.make_private(
+        module=model,
+        optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5),
+        data_loader=DataLoader(TensorDataset(X, Y), batch_size=16),
+        noise_multiplier=sigma,
+        max_grad_norm=1.0,
+        mode=mode,
+        sample_seed=1,
+        **{"target_delta": 1e-5, **extra},
+    )
+    for _, (x, y) in zip(range(steps), loader):
+        if len(y):
+            F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return engine
+
+
+def test_save_pretrained_writes_the_record_and_from_pretrained_composes_it(tmp_path):
+    model = _lora(modules_to_save=["fc2"])
+    run = _private(model, steps=4)
+    model.save_pretrained(tmp_path)
+    record = read_privacy_metadata(tmp_path)
+    assert record["steps"] == 4 and record["epsilon"] == pytest.approx(run.get_epsilon(1e-5), rel=1e-9)
+    assert record["delta"] == 1e-5 and record["history"] == [list(h) for h in run.accountant.history]
+
+    loaded = peft.PeftModel.from_pretrained(_plain(), tmp_path, is_trainable=True)
+    head = loaded.base_model.model.fc2.modules_to_save["default"]
+    assert getattr(head, "dpzoo_spending", None) is not None  # the saved head copy is linked too
+    again = _private(loaded, steps=2)
+    assert again.accountant.steps == 4 + 2
+    assert again.get_epsilon(1e-5) > run.get_epsilon(1e-5)
+
+
+def test_an_adapter_on_a_dp_trained_base_counts_the_bases_run_once(tmp_path):
+    base = _plain()
+    engine = _private(base, steps=3, mode="auto")
+    engine.detach()
+    same_base = copy.deepcopy(base)
+    lora = _lora(base)
+    run = _private(lora, steps=2)  # composes the base's run
+    lora.save_pretrained(tmp_path)
+    reloaded = peft.PeftModel.from_pretrained(same_base, tmp_path, is_trainable=True)
+    assert _private(reloaded).accountant.steps == run.accountant.steps == 3 + 2
+
+
+def test_load_adapter_links_the_named_adapter_from_its_folder(tmp_path):
+    model = _lora()
+    model.add_adapter("other", peft.LoraConfig(r=2, target_modules=["fc1"]))
+    model.set_adapter("other")
+    _private(model, steps=3)  # trains "other" only
+    model.save_pretrained(tmp_path)
+    assert not (tmp_path / PRIVACY_FILE).exists()  # "default" spent nothing
+    assert read_privacy_metadata(tmp_path / "other")["steps"] == 3
+
+    fresh = _lora()
+    fresh.load_adapter(tmp_path / "other", adapter_name="other", is_trainable=True)
+    fresh.set_adapter("other")
+    assert _private(fresh).accountant.steps == 3
+
+
+def test_a_stale_record_is_removed_when_the_adapter_saved_carries_nothing(tmp_path):
+    trained = _lora()
+    _private(trained, steps=2)
+    trained.save_pretrained(tmp_path)
+    assert (tmp_path / PRIVACY_FILE).exists()
+    _lora().save_pretrained(tmp_path)  # a fresh adapter over it: the old claim must not stay
+    assert not (tmp_path / PRIVACY_FILE).exists()
+
+
+def test_without_a_known_delta_no_record_is_written_and_the_reload_is_refused(tmp_path):
+    model = _lora()
+    _private(model, steps=2, target_delta=None)
+    model.save_pretrained(tmp_path)
+    assert not (tmp_path / PRIVACY_FILE).exists()
+    loaded = peft.PeftModel.from_pretrained(_plain(), tmp_path, is_trainable=True)
+    with pytest.raises(PrivacyUsageError, match="unknown origin"):
+        _private(loaded)
+
+
+def test_weights_stated_disjoint_stay_of_unknown_origin_through_the_saved_record(tmp_path):
+    """An adapter of unknown origin, stated disjoint for one run (``{}``), is refused for the next
+    run in memory; its saved record keeps that, so the reloaded adapter is refused too."""
+    first = _lora()
+    _private(first, steps=2)
+    first.save_pretrained(tmp_path / "first")
+    (tmp_path / "first" / PRIVACY_FILE).rename(tmp_path / "first.json")  # its record lost: unknown origin
+    loaded = peft.PeftModel.from_pretrained(_plain(), tmp_path / "first", is_trainable=True)
+    loaded.dpzoo_adapter_privacy = {}
+    _private(loaded, steps=1)
+    loaded.save_pretrained(tmp_path / "second")
+    assert "unknown origin" in read_privacy_metadata(tmp_path / "second")["unknown_origin"]
+    again = peft.PeftModel.from_pretrained(_plain(), tmp_path / "second", is_trainable=True)
+    with pytest.raises(PrivacyUsageError, match="stated disjoint for an earlier run"):
+        _private(again)
+    again.dpzoo_adapter_privacy = json.loads((tmp_path / "first.json").read_text())
+    assert _private(again).accountant.steps == 2 + 1
+
+
+def _unknown_adapter(base, targets):
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=2, target_modules=targets))
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.normal_()  # trained elsewhere, loaded without its record
+    lora.dpzoo_adapter_privacy = {}  # stated: trained on data disjoint from this run's
+    return lora
+
+
+def test_weights_stated_disjoint_stay_of_unknown_origin_through_dpzoo_save_and_load(tmp_path):
+    zoo = dpzoo.load("mlp-tanh", in_features=6, num_classes=3, width=8)
+    lora = _unknown_adapter(zoo, [n for n, m in zoo.named_modules() if isinstance(m, nn.Linear)][:1])
+    _private(lora, steps=1, train_head=None)
+    merged = lora.merge_and_unload().requires_grad_(True)
+    with pytest.raises(PrivacyUsageError, match="stated disjoint for an earlier run"):
+        _private(merged, mode="auto")  # in memory: the merged model keeps the mark
+    dpzoo.save(merged, tmp_path / "m")
+    assert "unknown origin" in dpzoo.privacy_metadata(tmp_path / "m")["unknown_origin"]
+    with pytest.raises(PrivacyUsageError, match="stated disjoint for an earlier run"):
+        _private(dpzoo.load(tmp_path / "m").requires_grad_(True), mode="auto")
+    stated = dpzoo.load(tmp_path / "m").requires_grad_(True)
+    stated.dpzoo_adapter_privacy = {}  # stated again, for this run
+    assert _private(stated, mode="auto").accountant.steps == 1
+
+
+def test_weights_stated_disjoint_stay_of_unknown_origin_through_save_pretrained(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    lora = _unknown_adapter(transformers.GPT2LMHeadModel(config), ["c_attn"])
+    ids = torch.randint(0, 50, (32, 8))
+    engine = dpzoo.PrivacyEngine()
+    engine.make_private(module=lora, optimizer=torch.optim.SGD([p for p in lora.parameters() if p.requires_grad], lr=0.1),
+                        data_loader=DataLoader(TensorDataset(ids), batch_size=8), noise_multiplier=1.0,
+                        max_grad_norm=1.0, mode="lora")  # fmt: skip
+    lora.merge_and_unload().save_pretrained(tmp_path)
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
+    again = dpzoo.PrivacyEngine()
+    with pytest.raises(PrivacyUsageError, match="stated disjoint for an earlier run"):
+        again.make_private(module=reloaded, optimizer=torch.optim.SGD(reloaded.parameters(), lr=0.1),
+                           data_loader=DataLoader(TensorDataset(ids), batch_size=8), noise_multiplier=1.0,
+                           max_grad_norm=1.0)  # fmt: skip
