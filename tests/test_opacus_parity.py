@@ -407,6 +407,27 @@ def test_a_run_resumed_from_an_opacus_checkpoint_counts_the_checkpoints_batches_
     assert meta["epsilon"] > engine.get_epsilon(1e-5)
 
 
+def test_a_checkpoint_loaded_into_an_engine_that_trained_starts_another_run(tmp_path):
+    """The fifteenth audit: the engine kept its run id, so its model saved before the load and the
+    one saved after counted the engine's own steps before and after the load as one run's (the max)."""
+    first, model, opt, loader = _opacus_train(_zoo(), steps=2)
+    first.save_checkpoint(path=tmp_path / "ck.pt", module=model, optimizer=opt)
+    engine, model, opt, loader = _opacus_train(_zoo(), steps=2)
+    before = privacy_metadata(engine, 1e-5, optimizer=opt, data_loader=loader)
+    dpzoo.save(model, tmp_path / "b1", privacy=before)
+    engine.load_checkpoint(path=tmp_path / "ck.pt", module=model, optimizer=opt)
+    for _, (x, y) in zip(range(2), loader):
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    meta = privacy_metadata(engine, 1e-5, optimizer=opt, data_loader=loader)
+    dpzoo.save(model, tmp_path / "b2", privacy=meta)
+    both = nn.ModuleList([dpzoo.load(tmp_path / "b1"), dpzoo.load(tmp_path / "b2")])
+    from dpzoo.privacy.budget import spent_inside
+
+    assert sum(n for _, _, n in spent_inside(both)) == before["steps"] + meta["steps"] == 2 + 4
+
+
 def test_a_resume_from_a_checkpoint_dpzoo_did_not_count_is_refused(tmp_path):
     model = _zoo()
     engine = opacus.PrivacyEngine(accountant="rdp")

@@ -187,3 +187,69 @@ def test_weights_stated_disjoint_stay_of_unknown_origin_through_save_pretrained(
         again.make_private(module=reloaded, optimizer=torch.optim.SGD(reloaded.parameters(), lr=0.1),
                            data_loader=DataLoader(TensorDataset(ids), batch_size=8), noise_multiplier=1.0,
                            max_grad_norm=1.0)  # fmt: skip
+
+
+# The fifteenth independent audit's findings: each was a silent undercount on the commit before.
+
+
+@pytest.mark.parametrize("init", [False, "olora"])
+def test_an_adapter_of_any_init_loaded_without_a_record_is_refused(tmp_path, init):
+    """A factor that does not start at zero cannot tell trained from fresh: loaded without a record
+    (here: no target_delta, so none was written), the adapter composed nothing."""
+    model = _lora(init_lora_weights=init)
+    _private(model, steps=2, target_delta=None)
+    model.save_pretrained(tmp_path)
+    loaded = peft.PeftModel.from_pretrained(_plain(), tmp_path, is_trainable=True)
+    with pytest.raises(PrivacyUsageError, match="unknown origin"):
+        _private(loaded)
+
+
+def test_an_untrained_adapter_loaded_without_a_record_trains(tmp_path):
+    _lora().save_pretrained(tmp_path)  # lora_B = 0: moves nothing
+    assert _private(peft.PeftModel.from_pretrained(_plain(), tmp_path, is_trainable=True)).accountant.steps == 0
+
+
+@pytest.mark.parametrize("bias", ["all", "lora_only"])
+def test_an_adapters_biases_loaded_onto_a_dp_trained_base_compose_with_it(tmp_path, bias):
+    """The record replaced the base layer's link, whose weight still held the base's run."""
+    adapter = _lora(bias=bias)
+    _private(adapter, steps=3)
+    adapter.save_pretrained(tmp_path)
+    base = _plain()
+    _private(base, steps=4, mode="auto").detach()
+    moved = nn.Sequential(OrderedDict(fc1=base.fc1, act=nn.ReLU(), fc2=nn.Linear(8, 3)))  # fc1 carries the run
+    loaded = peft.PeftModel.from_pretrained(moved, tmp_path, is_trainable=True)
+    assert _private(loaded).accountant.steps == 4 + 3
+
+
+def test_a_combination_with_an_adapter_of_unknown_origin_is_saved_without_a_record(tmp_path):
+    """add_weighted_adapter of a trained adapter and one of unknown origin: the saved record held
+    the known one's steps only, and the reload composed them."""
+    unknown = _lora()
+    _private(unknown, steps=4)
+    unknown.save_pretrained(tmp_path / "u")
+    (tmp_path / "u" / PRIVACY_FILE).unlink()
+    model = _lora()
+    _private(model, steps=3)
+    model.load_adapter(tmp_path / "u", adapter_name="u")
+    model.add_weighted_adapter(["default", "u"], [1.0, 1.0], adapter_name="combo", combination_type="linear")
+    model.set_adapter("combo")
+    model.delete_adapter("u")
+    model.save_pretrained(tmp_path / "out", selected_adapters=["combo"])
+    assert not (tmp_path / "out" / "combo" / PRIVACY_FILE).exists()
+    reloaded = peft.PeftModel.from_pretrained(_plain(), tmp_path / "out" / "combo", is_trainable=True)
+    with pytest.raises(PrivacyUsageError, match="unknown origin"):
+        _private(reloaded)
+
+
+def test_a_statement_on_the_lora_layer_survives_merge_and_unload(tmp_path):
+    unknown = _lora()
+    _private(unknown, steps=4)
+    unknown.save_pretrained(tmp_path)
+    (tmp_path / PRIVACY_FILE).unlink()
+    loaded = peft.PeftModel.from_pretrained(_plain(), tmp_path, is_trainable=True)
+    loaded.base_model.model.fc1.dpzoo_adapter_privacy = {}  # on the module holding the layer
+    _private(loaded, steps=2)
+    merged = loaded.merge_and_unload().requires_grad_(True)
+    with pytest.raises(PrivacyUsageError, match="stated disjoint for an earlier run"):
+        _private(merged, mode="auto")

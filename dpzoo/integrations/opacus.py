@@ -40,7 +40,7 @@ from ..errors import AccountingError, MissingDependencyError, PrivacyUsageError,
 from ..live_ref import LiveRef
 from ..privacy.accountant import Accountant, accountant_spec
 from ..privacy.metadata import check_delta
-from ..privacy.provenance import distinct_histories, run_id, segments_of, steps_of
+from ..privacy.provenance import distinct_histories, new_run, run_id, segments_of, steps_of
 
 __all__ = ["unwrap", "unwrap_for_save", "privacy_metadata", "count_batches", "is_poisson_loader", "ACCOUNTANT_NAMES"]
 
@@ -189,6 +189,7 @@ def _state_dict(self, destination=None):
 
 def _load_state_dict(self, state_dict):
     super(type(self), self).load_state_dict(state_dict)
+    new_run(self)  # what it held before is gone from its history (and from the module's weights): another run
     # history replaced: so are its batches and runs (none known from a checkpoint dpzoo did not count)
     self.dpzoo_drawn = int(state_dict.get("dpzoo_drawn", 0))
     self.dpzoo_segments = [list(s) for s in state_dict.get("dpzoo_runs", [])]

@@ -22,6 +22,8 @@ __all__ = [
     "set_link",
     "flag_partly_unknown",
     "partly_unknown",
+    "flag_loaded_unknown",
+    "loaded_unknown",
     "is_linked",
     "forget_adapter",
     "mark_resumed",
@@ -32,6 +34,7 @@ __all__ = [
 ]
 
 PARTLY_UNKNOWN = "dpzoo_partly_unknown"  # an adapter combined from linked and unknown ones (add_weighted_adapter)
+LOADED_UNKNOWN = "dpzoo_loaded_unknown"  # an adapter loaded without a record: trained elsewhere, whatever its init
 
 
 def entry(container, adapter: str):
@@ -75,6 +78,18 @@ def partly_unknown(layer, adapter: str) -> bool:
     return any(getattr(m, PARTLY_UNKNOWN, False) for m in holders(layer, adapter))
 
 
+def flag_loaded_unknown(model, adapter: str) -> None:
+    """``adapter`` was loaded into ``model`` without a record: its tensors come from elsewhere,
+    whatever they are (an initialisation that is not zero cannot tell trained from fresh)."""
+    for layer in model.modules():
+        for m in holders(layer, adapter):
+            object.__setattr__(m, LOADED_UNKNOWN, True)
+
+
+def loaded_unknown(layer, adapter: str) -> bool:
+    return any(m.__dict__.get(LOADED_UNKNOWN, False) for m in holders(layer, adapter))
+
+
 def is_linked(layer, adapter: str) -> bool:
     """Whether a dpzoo engine trained ``adapter`` here, or a DPTrainer resume restored it, and no
     part of it is of unknown origin."""
@@ -92,6 +107,7 @@ def forget_adapter(model, adapter) -> None:
         for m in holders(layer, adapter):
             m.__dict__.pop("dpzoo_spending", None)
             m.__dict__.pop("dpzoo_resumed_from", None)
+            m.__dict__.pop(LOADED_UNKNOWN, None)
 
 
 def mark_resumed(model, checkpoint: str) -> None:

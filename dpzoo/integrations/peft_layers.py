@@ -360,8 +360,9 @@ def trained_adapters(model: nn.Module) -> list[tuple[str, str]]:
     """(layer, adapter) for adapters whose initialisation sets a factor to zero (lora_B; an
     Embedding's lora_embedding_A; AdaLoRA's lora_E, its lora_B starts random) but whose factor is
     not zero now, and that no dpzoo engine trained here (no spending link): trained before,
-    elsewhere (loaded with ``PeftModel.from_pretrained`` or ``load_adapter``); and adapters of
-    PEFT's other tuner families that move the weights with no link."""
+    elsewhere (loaded with ``PeftModel.from_pretrained`` or ``load_adapter``); adapters of any
+    initialisation loaded without a record that move the weights; and adapters of PEFT's other
+    tuner families that move the weights with no link."""
     if _loaded_peft() is None:
         return []
     zero_init = {  # adapter name -> the factors that start at zero
@@ -370,7 +371,7 @@ def trained_adapters(model: nn.Module) -> list[tuple[str, str]]:
         for n, c in _peft_configs(m).items()
         if getattr(c, "init_lora_weights", True) in ZERO_B_INITS
     }
-    from .peft_adapters import is_linked, other_tuners_trained
+    from .peft_adapters import changes_weights, is_linked, loaded_unknown, other_tuners_trained
 
     found = []
     for layer_name, layer in lora_layers(model).items():
@@ -384,5 +385,10 @@ def trained_adapters(model: nn.Module) -> list[tuple[str, str]]:
                 if not is_linked(layer, name) and any(bool(t.detach().ne(0).any()) for t in tensors):
                     if (layer_name, name) not in found:
                         found.append((layer_name, name))
+    for layer_name, layer in lora_layers(model).items():  # loaded without a record, whatever the init
+        for name in getattr(layer, "lora_A", {}).keys():
+            unknown = loaded_unknown(layer, name) and not is_linked(layer, name) and changes_weights(layer, name)
+            if unknown and (layer_name, name) not in found:
+                found.append((layer_name, name))
     found += [f for f in other_tuners_trained(model) if f not in found]
     return found

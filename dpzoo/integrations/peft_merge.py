@@ -41,6 +41,7 @@ from .peft_adapters import (
     changes_weights,
     composed,
     fingerprint,
+    flag_loaded_unknown,
     flag_partly_unknown,
     forget_adapter,
     has_adapter,
@@ -48,7 +49,7 @@ from .peft_adapters import (
     set_link,
     spending_link,
 )
-from .peft_statements import MARK, merged_without_record
+from .peft_statements import MARK, STATED_DISJOINT, merged_without_record
 
 __all__ = ["install"]
 
@@ -173,10 +174,14 @@ def _after_load_adapter(fn):
         given = signature.bind(self, *args, **kwargs).arguments
         adapter, source = given.get("adapter_name"), given.get("model_id")
         forget_adapter(self, adapter)
-        if isinstance(adapter, str) and isinstance(source, (str, os.PathLike)):  # its record, if saved beside it
+        if isinstance(adapter, str):
             from .peft_records import attach_adapter_record  # imports torch: not when dpzoo is imported
 
-            attach_adapter_record(self, source, adapter, (given.get("kwargs") or {}).get("subfolder"))
+            local = isinstance(source, (str, os.PathLike))  # its record, if saved beside it
+            if not (
+                local and attach_adapter_record(self, source, adapter, (given.get("kwargs") or {}).get("subfolder"))
+            ):
+                flag_loaded_unknown(self, adapter)  # trained elsewhere, whatever its initialisation
         return out
 
     return load_adapter
@@ -204,7 +209,10 @@ def _after_hotswap(fn):
     def hotswap(*args, **kwargs):
         out = fn(*args, **kwargs)
         bound = signature.bind(*args, **kwargs).arguments
-        forget_adapter(bound.get("model"), bound.get("adapter_name"))
+        model, adapter = bound.get("model"), bound.get("adapter_name")
+        forget_adapter(model, adapter)
+        if model is not None and isinstance(adapter, str):
+            flag_loaded_unknown(model, adapter)  # a state dict from elsewhere: no record comes with it
         return out
 
     return hotswap
@@ -278,7 +286,7 @@ def _on_child_assigned(parent, name: str, value) -> None:
     if value is None or old is None or old is value:
         return None
     holders = [m for m in (old, _base_layer_of(old)) if m is not None and m is not value]
-    if not any(MARK in m.__dict__ or "dpzoo_spending" in m.__dict__ for m in holders):
+    if not any(MARK in m.__dict__ or "dpzoo_spending" in m.__dict__ or STATED_DISJOINT in m.__dict__ for m in holders):
         return None
     if any(m is old for m in value.modules()):  # old is wrapped, not replaced (a tuner layer around it)
         return None
@@ -287,6 +295,8 @@ def _on_child_assigned(parent, name: str, value) -> None:
             marks = value.__dict__.setdefault(MARK, [])
             if adapter not in marks:
                 marks.append(adapter)
+        if m.__dict__.get(STATED_DISJOINT):  # weights of unknown origin a run was told were disjoint: still unknown
+            object.__setattr__(value, STATED_DISJOINT, True)
         link = m.__dict__.get("dpzoo_spending")
         if getattr(link, "history", None):
             _give_link(value, link)

@@ -30,25 +30,30 @@ from .peft_adapters import holders
 __all__ = ["adapter_record", "write_adapter_records", "attach_adapter_record"]
 
 
-def _adapter_modules(model: nn.Module, adapter: str) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every module whose tensors PEFT saves for ``adapter``."""
+def _adapter_modules(model: nn.Module, adapter: str) -> list[tuple[str, nn.Module, bool]]:
+    """(name, module, own) of every module whose tensors PEFT saves for ``adapter``; ``own``: all
+    of its tensors are the adapter's (its factors, its modules_to_save copy), not only a bias."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     configs = getattr(model, "peft_config", None) or {}
     bias = getattr(configs.get(adapter), "bias", "none")
-    out, seen = [], set()
+    out: list[tuple[str, nn.Module, bool]] = []
+    seen: set[int] = set()
     for name, m in model.named_modules():
-        found: list[nn.Module] = []
+        found: list[tuple[nn.Module, bool]] = []
         if isinstance(m, BaseTunerLayer):
-            found += holders(m, adapter)
+            found += [(h, True) for h in holders(m, adapter)]
             if bias != "none":  # PEFT saves the adapted layers' biases ("all": every bias, below)
-                found += [b for b in [getattr(m, "base_layer", None)] if b is not None]
+                found += [(b, False) for b in [getattr(m, "base_layer", None)] if b is not None]
         copies = getattr(m, "modules_to_save", None)  # ModulesToSaveWrapper: the adapter's trained copy
         if isinstance(copies, nn.ModuleDict) and adapter in copies:
-            found += list(copies[adapter].modules())
+            found += [(c, True) for c in copies[adapter].modules()]
         if bias == "all" and isinstance(getattr(m, "bias", None), nn.Parameter):
-            found.append(m)
-        out += [(name, f) for f in found if id(f) not in seen and not seen.add(id(f))]  # type: ignore[func-returns-value]
+            found.append((m, False))
+        for f, own in found:
+            if id(f) not in seen:
+                seen.add(id(f))
+                out.append((name, f, own))
     return out
 
 
@@ -70,10 +75,13 @@ def adapter_record(model: nn.Module, adapter: str) -> dict[str, Any] | None:
     from ..privacy.accountant import Accountant
     from ..privacy.provenance import distinct_histories, link_parts, steps_of
     from ..privacy.spending import SpendingLink
+    from .peft_adapters import partly_unknown
 
+    if any(partly_unknown(layer, adapter) for layer in model.modules()):
+        return None  # combined with weights of unknown origin: no record could hold them; refused on reload
     parts, deltas, names = [], [], []
     modules = _adapter_modules(model, adapter)
-    for _, m in modules:
+    for _, m, _own in modules:
         link = m.__dict__.get("dpzoo_spending")
         if isinstance(link, SpendingLink):
             parts += link_parts(link)
@@ -95,7 +103,7 @@ def adapter_record(model: nn.Module, adapter: str) -> dict[str, Any] | None:
         "composed_runs": composed.segments,
     }
     marked = {id(m) for _, m in model.named_modules() if m.__dict__.get(STATED_DISJOINT)}
-    if marked and (id(model) in marked or any(_under(model, n, marked) for n, _ in modules)):
+    if marked and (id(model) in marked or any(_under(model, n, marked) for n, _, _ in modules)):
         record["unknown_origin"] = UNKNOWN_ORIGIN
     return record
 
@@ -117,25 +125,31 @@ def write_adapter_records(model: nn.Module, save_directory, adapters: list[str])
             write_privacy_files(model, directory, adapter_record(model, adapter), zoo_files=False)
 
 
-def attach_adapter_record(model: nn.Module, model_id, adapter: str, subfolder: str | None = None) -> None:
+def attach_adapter_record(model: nn.Module, model_id, adapter: str, subfolder: str | None = None) -> bool:
     """After PEFT loaded ``adapter`` from ``model_id`` (a local directory): link its record, if
-    the directory has one, to the adapter's tensors, so a later run composes it."""
+    the directory has one, to the adapter's tensors, so a later run composes it (on a layer whose
+    bias alone it loaded, composed with what the layer carried). Whether it linked one."""
     from ..errors import PrivacyUsageError
     from ..integrations.peft_statements import STATED_DISJOINT
     from ..privacy.provenance import record_parts
-    from ..privacy.spending import RecordSpending
+    from ..privacy.spending import ComposedSpending, RecordSpending, SpendingLink
     from .trainer_save import read_privacy_metadata
 
     directory = Path(os.fspath(model_id)) / (subfolder or "")
     record = read_privacy_metadata(directory) if directory.is_dir() else None
     if not record:
-        return
+        return False
     try:
         parts = record_parts(record)
     except PrivacyUsageError:  # no σ to compose with: left of unknown origin, refused by name
-        return
-    for _, m in _adapter_modules(model, adapter):
+        return False
+    for _, m, own in _adapter_modules(model, adapter):
         if any(True for _ in m.parameters(recurse=False)):
-            object.__setattr__(m, "dpzoo_spending", RecordSpending(parts, float(record["delta"])))
+            link = RecordSpending(parts, float(record["delta"]))
+            earlier = m.__dict__.get("dpzoo_spending")
+            if not own and isinstance(earlier, SpendingLink):  # its weight is still the base's
+                link = ComposedSpending([earlier, link])
+            object.__setattr__(m, "dpzoo_spending", link)
             if record.get("unknown_origin"):
                 object.__setattr__(m, STATED_DISJOINT, True)
+    return True

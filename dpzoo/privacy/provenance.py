@@ -23,7 +23,7 @@ from typing import Any, Iterable, Mapping
 
 from ..errors import PrivacyUsageError
 
-__all__ = ["run_id", "segments_of", "link_parts", "record_part", "distinct_histories", "Spent", "steps_of",
+__all__ = ["run_id", "new_run", "segments_of", "link_parts", "record_part", "distinct_histories", "Spent", "steps_of",
            "first_steps", "after_steps", "record_parts", "history_of"]  # fmt: skip
 
 
@@ -49,6 +49,20 @@ def run_id(accountant: Any) -> str:
     if rid is None:
         rid = uuid.uuid4().hex
         accountant.dpzoo_run_id = rid
+    return rid
+
+
+def new_run(accountant: Any) -> str:
+    """Give ``accountant`` a new run id: its history was replaced (a checkpoint loaded over it), so
+    what it holds from now on is not the run its earlier records and links name."""
+    rid = uuid.uuid4().hex
+    if getattr(type(accountant), "dpzoo_keeps_run_id", False):
+        accountant.dpzoo_run_id = rid
+    else:
+        try:
+            _BY_IDENTITY[accountant] = rid
+        except TypeError:
+            accountant.dpzoo_run_id = rid
     return rid
 
 
