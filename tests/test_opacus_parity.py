@@ -428,6 +428,32 @@ def test_a_checkpoint_loaded_into_an_engine_that_trained_starts_another_run(tmp_
     assert sum(n for _, _, n in spent_inside(both)) == before["steps"] + meta["steps"] == 2 + 4
 
 
+def test_a_checkpoint_carries_what_its_model_spent_before_opacus(tmp_path):
+    """The sixteenth audit: a fresh model resumed from the checkpoint of an Opacus run on a
+    dpzoo-trained model lost the dpzoo run (in the record and in a later dpzoo run)."""
+    zoo = _zoo()
+    engine = dpzoo.PrivacyEngine()
+    ds = TensorDataset(torch.randn(16, 3, 8, 8), torch.randint(0, 3, (16,)))
+    model, opt, loader = engine.make_private(module=zoo, optimizer=torch.optim.SGD(zoo.parameters(), lr=0.1),
+                                             data_loader=DataLoader(ds, batch_size=8), noise_multiplier=2.0,
+                                             max_grad_norm=1.0)  # fmt: skip
+    for _, (x, y) in zip(range(2), loader):
+        if len(y):
+            F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    engine.detach()
+    first, wrapped, opt, loader = _opacus_train(zoo, steps=1)
+    first.save_checkpoint(path=tmp_path / "ck.pt", module=wrapped, optimizer=opt)
+    fresh = _zoo()
+    resumed, opt2, loader2 = _resume_opacus(fresh, tmp_path / "ck.pt", 1)
+    history = privacy_metadata(resumed, 1e-5, optimizer=opt2, data_loader=loader2)["history"]
+    assert [2.0, 0.5, 2] in history and sum(n for _, _, n in history) == 2 + 2
+    from dpzoo.privacy.budget import spent_inside
+
+    assert sum(n for _, _, n in spent_inside(fresh)) == 2 + 2  # what a later dpzoo run on it composes
+
+
 def test_a_resume_from_a_checkpoint_dpzoo_did_not_count_is_refused(tmp_path):
     model = _zoo()
     engine = opacus.PrivacyEngine(accountant="rdp")

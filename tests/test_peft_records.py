@@ -253,3 +253,31 @@ def test_a_statement_on_the_lora_layer_survives_merge_and_unload(tmp_path):
     merged = loaded.merge_and_unload().requires_grad_(True)
     with pytest.raises(PrivacyUsageError, match="stated disjoint for an earlier run"):
         _private(merged, mode="auto")
+
+
+# The sixteenth independent audit's finding: `dpzoo_privacy = {}` covered an adapter of unknown
+# origin for one run, and every later run, copy and record forgot it was unknown.
+
+
+@pytest.mark.parametrize("where", ["model", "layer"])
+def test_a_model_statement_that_covered_unknown_weights_holds_for_one_run(tmp_path, where):
+    unknown = _lora()
+    _private(unknown, steps=4)
+    unknown.save_pretrained(tmp_path / "u")
+    (tmp_path / "u" / PRIVACY_FILE).unlink()
+    loaded = peft.PeftModel.from_pretrained(_plain(), tmp_path / "u", is_trainable=True)
+    holder = loaded if where == "model" else loaded.base_model.model.fc1
+    holder.dpzoo_privacy = {}  # the data are disjoint from the weights' (of unknown origin)
+    _private(loaded, steps=2)
+    with pytest.raises(PrivacyUsageError, match="stated disjoint for an earlier run"):
+        _private(loaded)
+    loaded.save_pretrained(tmp_path / "out")
+    assert "unknown origin" in read_privacy_metadata(tmp_path / "out")["unknown_origin"]
+
+
+def test_a_model_statement_without_unknown_weights_does_not_refuse_later_runs():
+    model = _lora()
+    _private(model, steps=2).detach()
+    model.dpzoo_privacy = {}  # the earlier run's data are disjoint: its spending is kept for later runs
+    _private(model, steps=1).detach()
+    assert _private(model).accountant.steps == 2 + 1

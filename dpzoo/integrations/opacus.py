@@ -184,6 +184,8 @@ def _state_dict(self, destination=None):
     history = [list(h) for h in self.history]
     state["dpzoo_drawn"] = int(getattr(self, "dpzoo_drawn", 0))
     state["dpzoo_runs"] = segments_of(key, getattr(self, "dpzoo_segments", None), history)
+    state["dpzoo_earlier"] = [[k, seg, h] for k, seg, h in getattr(self, "dpzoo_earlier_parts", [])]  # the model's
+    state["dpzoo_earlier_disjoint"] = bool(getattr(self, "dpzoo_earlier_disjoint", False))  # spending before Opacus
     return state
 
 
@@ -193,6 +195,12 @@ def _load_state_dict(self, state_dict):
     # history replaced: so are its batches and runs (none known from a checkpoint dpzoo did not count)
     self.dpzoo_drawn = int(state_dict.get("dpzoo_drawn", 0))
     self.dpzoo_segments = [list(s) for s in state_dict.get("dpzoo_runs", [])]
+    # what the checkpoint's model carried before Opacus, beside what this one did (its weights are the checkpoint's)
+    earlier = [tuple(p) for p in state_dict.get("dpzoo_earlier", [])]
+    self.dpzoo_earlier_parts = list(getattr(self, "dpzoo_earlier_parts", [])) + earlier
+    self.dpzoo_earlier_disjoint = bool(getattr(self, "dpzoo_earlier_disjoint", False)) and (
+        not earlier or bool(state_dict.get("dpzoo_earlier_disjoint"))
+    )
 
 
 def __getattr__(name: str):

@@ -111,13 +111,30 @@ def refuse_unknown_origin(module, unknown: list[tuple[str, str, str]]) -> None:
     )
 
 
-def clear_marks(module) -> None:
+def unknown_weights(module, stated_disjoint: bool = True) -> list[tuple[str, str, str]]:
+    """(layer, adapter, what) for every weight of unknown origin in ``module``: adapters trained
+    elsewhere, adapters merged without a record, and (``stated_disjoint``) weights an earlier run
+    was told were trained on disjoint data."""
+    from .peft_layers import trained_adapters
+
+    unknown = [(layer, a, "adapter") for layer, a in trained_adapters(module)]
+    unknown += [(layer, a, "merged adapter") for layer, a in merged_without_record(module)]
+    return unknown + (stated_disjoint_before(module) if stated_disjoint else [])
+
+
+def clear_marks(module, unknown: bool = False, disjoint: bool = False) -> None:
     """Forget the merge marks of ``module`` and the statements about them once a run composed them.
-    Weights stated trained on disjoint data (``{}``) stay of unknown origin (:data:`STATED_DISJOINT`):
-    a later run, which may use that data, is refused until the user states again."""
+    Weights stated trained on disjoint data (``dpzoo_adapter_privacy = {}``, or, with ``unknown``
+    weights present, ``dpzoo_privacy = {}``) stay of unknown origin (:data:`STATED_DISJOINT`):
+    a later run, which may use that data, is refused until the user states again. ``disjoint``:
+    the model's own ``dpzoo_privacy = {}``, which the run cleared."""
     for m in module.modules():
         m.__dict__.pop(MARK, None)
         statement = m.__dict__.pop("dpzoo_adapter_privacy", None)  # composed into this run's history, not twice
+        plain = disjoint if m is module else m.__dict__.get("dpzoo_privacy") == {}
+        if unknown and plain:  # {} covered weights of unknown origin, for this run only
+            m.__dict__.pop("dpzoo_privacy", None)
+            statement = {} if statement is None else statement
         if statement == {}:  # on the model PEFT wraps too: merge_and_unload() returns it
             from .peft_layers import wrapped_model
 

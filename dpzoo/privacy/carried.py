@@ -145,8 +145,11 @@ def link_spending(module: nn.Module, accountant: Accountant) -> None:
     config.json, so a ``from_pretrained`` of any copy of the weights composes it). A run on data
     stated disjoint (``dpzoo_privacy = {}``) did not compose what the model carried: the links keep
     it for later runs (``kept``), and the statement, made for this run, is cleared."""
+    from ..integrations.peft_statements import clear_marks, unknown_weights
+
     disjoint = module.__dict__.get("dpzoo_privacy") == {}
     kept = carried_parts(module, statements=False) if disjoint else None
+    unknown = bool(unknown_weights(module))  # before this run links them: a {} statement covered them
     for m in module.modules():  # the model, and every layer it trains (a layer can be reused elsewhere)
         if m is not module and not any(p.requires_grad for p in m.parameters(recurse=False)):
             continue
@@ -161,9 +164,7 @@ def link_spending(module: nn.Module, accountant: Accountant) -> None:
     if disjoint:
         del module.dpzoo_privacy
     write_live_records(module, accountant.name)
-    from ..integrations.peft_statements import clear_marks
-
-    clear_marks(module)  # merged adapters the user stated a record for: this spending now covers them
+    clear_marks(module, unknown, disjoint)  # this spending covers what was stated; {} leaves the weights unknown
 
 
 def write_live_records(module: nn.Module, accountant_name: str) -> None:
@@ -325,12 +326,9 @@ def refuse_weights_of_unknown_origin(module: nn.Module, stated_disjoint: bool = 
     applies, on the model or on the module that holds them; refused otherwise, whatever else the
     model carries. ``stated_disjoint=False``: not the weights stated disjoint for an earlier run
     (a save, whose record says so: ``unknown_origin``)."""
-    from ..integrations.peft_layers import trained_adapters
-    from ..integrations.peft_statements import merged_without_record, refuse_unknown_origin, stated_disjoint_before
+    from ..integrations.peft_statements import refuse_unknown_origin, unknown_weights
 
-    unknown = [(layer, a, "adapter") for layer, a in trained_adapters(module)]
-    unknown += [(layer, a, "merged adapter") for layer, a in merged_without_record(module)]
-    unknown += stated_disjoint_before(module) if stated_disjoint else []
+    unknown = unknown_weights(module, stated_disjoint)
     if unknown:
         refuse_unknown_origin(module, unknown)
 

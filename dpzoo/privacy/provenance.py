@@ -120,8 +120,11 @@ def _own_parts(link: Any) -> list[tuple]:
         opacus, earlier = link.opacus, getattr(link, "earlier", None)
         own = [[float(s), float(q), int(n)] for s, q, n in opacus.history] if opacus is not None else []
         key = run_id(opacus) if own else ""
-        return (link_parts(earlier) if earlier is not None else []) + (
-            [(key, segments_of(key, getattr(opacus, "dpzoo_segments", None), own), own)] if own else []
+        before = list(getattr(opacus, "dpzoo_earlier_parts", None) or [])  # a checkpoint's model's too
+        return (
+            (link_parts(earlier) if earlier is not None else [])
+            + before
+            + ([(key, segments_of(key, getattr(opacus, "dpzoo_segments", None), own), own)] if own else [])
         )
     accountant = getattr(link, "accountant", None)
     history = [list(h) for h in getattr(accountant, "history", None) or []]
