@@ -281,3 +281,44 @@ def test_a_model_statement_without_unknown_weights_does_not_refuse_later_runs():
     model.dpzoo_privacy = {}  # the earlier run's data are disjoint: its spending is kept for later runs
     _private(model, steps=1).detach()
     assert _private(model).accountant.steps == 2 + 1
+
+
+# The seventeenth independent audit's findings.
+
+
+def test_a_stated_record_that_holds_weights_of_unknown_origin_covers_only_its_own_spending(tmp_path):
+    """The record of a run on weights stated disjoint says so (unknown_origin); stated for a reload,
+    it made those weights known, and the next save dropped unknown_origin."""
+    unknown = _lora()
+    _private(unknown, steps=4)
+    unknown.save_pretrained(tmp_path / "u")
+    (tmp_path / "u" / PRIVACY_FILE).unlink()
+    loaded = peft.PeftModel.from_pretrained(_plain(), tmp_path / "u", is_trainable=True)
+    loaded.dpzoo_adapter_privacy = {}
+    _private(loaded, steps=2)
+    loaded.save_pretrained(tmp_path / "r1")
+    record = read_privacy_metadata(tmp_path / "r1")
+    again = peft.PeftModel.from_pretrained(_plain(), tmp_path / "r1", is_trainable=True)
+    again.dpzoo_adapter_privacy = record
+    with pytest.raises(PrivacyUsageError, match="states only its own spending"):
+        _private(again)
+    again.dpzoo_privacy, again.dpzoo_adapter_privacy = record, {}  # its spending composed, the rest stated
+    assert _private(again, steps=1).accountant.steps == 2 + 1
+    again.save_pretrained(tmp_path / "r2")
+    assert read_privacy_metadata(tmp_path / "r2").get("unknown_origin")
+
+
+def test_a_shallow_copy_does_not_make_a_second_run_on_one_statement():
+    """copy.copy shares the layers and the statement: a run on the original used it."""
+    base = _plain()
+    lora = _lora(base)
+    with torch.no_grad():
+        for n, p in lora.named_parameters():
+            if "lora_B" in n:
+                p.normal_()  # trained elsewhere
+    merged = lora.merge_and_unload().requires_grad_(True)
+    merged.dpzoo_adapter_privacy = {}
+    twin = copy.copy(merged)
+    _private(merged, steps=2, mode="auto").detach()
+    with pytest.raises(PrivacyUsageError, match="unknown origin"):
+        _private(twin, mode="auto")

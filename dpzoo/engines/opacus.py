@@ -145,10 +145,11 @@ def link_opacus_spending(module: nn.Module, opacus_accountant) -> None:
     own = run_id(opacus_accountant)  # a second make_private adds what the model carries now (Opacus' own steps aside)
     found = [part for part in carried_parts(module, statements=False) if part[0] != own]
     opacus_accountant.dpzoo_earlier_parts = list(getattr(opacus_accountant, "dpzoo_earlier_parts", [])) + found
-    if module.__dict__.get("dpzoo_privacy") == {}:
+    from ..integrations.peft_statements import disjoint_statement, use
+
+    if disjoint_statement(module):  # for this run: a copy made before it shares the object
         opacus_accountant.dpzoo_earlier_disjoint = True
-    if module.__dict__.get("dpzoo_privacy") == {}:
-        del module.dpzoo_privacy
+        use(module.__dict__.pop("dpzoo_privacy"))
     for m in module.modules():
         if m is not module and not any(p.requires_grad for p in m.parameters(recurse=False)):
             continue

@@ -102,16 +102,9 @@ def adapter_record(model: nn.Module, adapter: str) -> dict[str, Any] | None:
         "run_id": uuid.uuid4().hex,  # every step is in composed_runs' runs: this record adds none
         "composed_runs": composed.segments,
     }
-    marked = {id(m) for _, m in model.named_modules() if m.__dict__.get(STATED_DISJOINT)}
-    if marked and (id(model) in marked or any(_under(model, n, marked) for n, _, _ in modules)):
+    if any(m.__dict__.get(STATED_DISJOINT) for m in model.modules()):  # anywhere: its layers, holders, the model
         record["unknown_origin"] = UNKNOWN_ORIGIN
     return record
-
-
-def _under(model: nn.Module, name: str, marked: set[int]) -> bool:
-    """Whether the module called ``name`` or one holding it carries a mark."""
-    parts = name.split(".") if name else []
-    return any(id(model.get_submodule(".".join(parts[:i]))) in marked for i in range(len(parts) + 1))
 
 
 def write_adapter_records(model: nn.Module, save_directory, adapters: list[str]) -> None:

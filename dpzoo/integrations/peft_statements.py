@@ -20,6 +20,7 @@ from ..privacy_record import LoadedRecord
 
 __all__ = ["MARK", "merged_without_record", "refuse_unknown_origin", "clear_marks", "refuse_save_of_stated_merges"]
 __all__ += ["UNKNOWN_ORIGIN", "unknown_origin_note", "mark_unknown_origin", "refuse_unnoted_unknown_origin"]
+__all__ += ["used", "use", "disjoint_statement", "unknown_weights", "stated_disjoint_before", "STATED_DISJOINT"]
 
 MARK = "dpzoo_merged_adapters"  # on a base layer (a list) and on a Hugging Face config (a sorted list)
 
@@ -39,13 +40,38 @@ def merged_without_record(module, configs: bool = True) -> list[tuple[str, str]]
     return out
 
 
-def _stated(module) -> bool:
-    """The user stated the provenance of adapters in this module: ``dpzoo_adapter_privacy`` (a record
-    or ``{}``), or a ``dpzoo_privacy`` record they set (one ``dpzoo.load`` attached does not count)."""
-    if isinstance(module.__dict__.get("dpzoo_adapter_privacy"), Mapping):
-        return True
+_USED: list = []  # the statements runs were made on (kept alive, so that an id stays theirs)
+
+
+def used(statement) -> bool:
+    """Whether a run was made on this statement object: a copy of the model made before that run
+    (``copy.copy`` shares it) must not make another run on it."""
+    return any(s is statement for s in _USED)
+
+
+def use(statement) -> None:
+    if isinstance(statement, dict) and not used(statement):
+        _USED.append(statement)
+
+
+def disjoint_statement(module) -> bool:
+    """``module.dpzoo_privacy = {}`` stated, and no run was made on it yet."""
     meta = module.__dict__.get("dpzoo_privacy")
-    return isinstance(meta, Mapping) and not isinstance(meta, LoadedRecord)
+    return meta == {} and not used(meta)
+
+
+def _stated(module) -> bool:
+    """The user stated the provenance of adapters in this module, for a run not made yet:
+    ``dpzoo_adapter_privacy`` (a record or ``{}``), or a ``dpzoo_privacy`` record they set (one
+    ``dpzoo.load`` attached does not count). A record that itself holds weights of unknown origin
+    (``unknown_origin``) states only its own spending."""
+    for key in ("dpzoo_adapter_privacy", "dpzoo_privacy"):
+        meta = module.__dict__.get(key)
+        if not isinstance(meta, Mapping) or used(meta) or (key == "dpzoo_privacy" and isinstance(meta, LoadedRecord)):
+            continue
+        if not meta.get("unknown_origin"):
+            return True
+    return False
 
 
 STATED_DISJOINT = (
@@ -107,7 +133,9 @@ def refuse_unknown_origin(module, unknown: list[tuple[str, str, str]]) -> None:
         f"Trained LoRA weights of unknown origin ({names}) and no privacy record for them: if they come "
         "from a DP run, compose its budget with model.dpzoo_adapter_privacy = "
         "dpzoo.integrations.transformers.read_privacy_metadata(ADAPTER_DIR); if they were trained on other data "
-        "than this run's, set model.dpzoo_adapter_privacy = {} (recorded in the metadata as a stated assumption)."
+        "than this run's, set model.dpzoo_adapter_privacy = {} (recorded in the metadata as a stated assumption). A "
+        "record whose unknown_origin says it holds such weights states only its own spending: compose it with "
+        "model.dpzoo_privacy = record and state the rest with model.dpzoo_adapter_privacy = {}."
     )
 
 
@@ -122,29 +150,38 @@ def unknown_weights(module, stated_disjoint: bool = True) -> list[tuple[str, str
     return unknown + (stated_disjoint_before(module) if stated_disjoint else [])
 
 
-def clear_marks(module, unknown: bool = False, disjoint: bool = False) -> None:
+def clear_marks(module, unknown: list | None = None, disjoint: bool = False) -> None:
     """Forget the merge marks of ``module`` and the statements about them once a run composed them.
     Weights stated trained on disjoint data (``dpzoo_adapter_privacy = {}``, or, with ``unknown``
     weights present, ``dpzoo_privacy = {}``) stay of unknown origin (:data:`STATED_DISJOINT`):
     a later run, which may use that data, is refused until the user states again. ``disjoint``:
-    the model's own ``dpzoo_privacy = {}``, which the run cleared."""
+    the model's own ``dpzoo_privacy = {}``, which the run cleared. ``unknown``: the weights of
+    unknown origin the run found (:func:`unknown_weights`); their layers are marked too (a shallow
+    copy of the model shares them)."""
+    stated_disjoint = False
     for m in module.modules():
         m.__dict__.pop(MARK, None)
         statement = m.__dict__.pop("dpzoo_adapter_privacy", None)  # composed into this run's history, not twice
-        plain = disjoint if m is module else m.__dict__.get("dpzoo_privacy") == {}
+        use(statement)
+        plain = disjoint if m is module else disjoint_statement(m)
         if unknown and plain:  # {} covered weights of unknown origin, for this run only
-            m.__dict__.pop("dpzoo_privacy", None)
+            use(m.__dict__.pop("dpzoo_privacy", None))
             statement = {} if statement is None else statement
+        if isinstance(statement, Mapping) and statement.get("unknown_origin"):
+            statement = {}  # a record that holds weights of unknown origin: they stay unknown
         if statement == {}:  # on the model PEFT wraps too: merge_and_unload() returns it
             from .peft_layers import wrapped_model
 
             for held in {id(x): x for x in (m, wrapped_model(m)[1])}.values():
                 object.__setattr__(held, STATED_DISJOINT, True)
+            stated_disjoint = True
         elif statement:
             m.__dict__.pop(STATED_DISJOINT, None)  # a record composed: known from now on
         config = getattr(m, "config", None)
         if config is not None and getattr(config, MARK, None) is not None:
             delattr(config, MARK)
+    for layer, _, _ in unknown or [] if stated_disjoint else []:
+        object.__setattr__(module.get_submodule(layer) if layer else module, STATED_DISJOINT, True)
 
 
 def refuse_save_of_stated_merges(module) -> None:

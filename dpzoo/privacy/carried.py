@@ -145,11 +145,11 @@ def link_spending(module: nn.Module, accountant: Accountant) -> None:
     config.json, so a ``from_pretrained`` of any copy of the weights composes it). A run on data
     stated disjoint (``dpzoo_privacy = {}``) did not compose what the model carried: the links keep
     it for later runs (``kept``), and the statement, made for this run, is cleared."""
-    from ..integrations.peft_statements import clear_marks, unknown_weights
+    from ..integrations.peft_statements import clear_marks, disjoint_statement, unknown_weights, use
 
-    disjoint = module.__dict__.get("dpzoo_privacy") == {}
+    disjoint = disjoint_statement(module)
     kept = carried_parts(module, statements=False) if disjoint else None
-    unknown = bool(unknown_weights(module))  # before this run links them: a {} statement covered them
+    unknown = unknown_weights(module)  # before this run links them: a {} statement covered them
     for m in module.modules():  # the model, and every layer it trains (a layer can be reused elsewhere)
         if m is not module and not any(p.requires_grad for p in m.parameters(recurse=False)):
             continue
@@ -162,7 +162,7 @@ def link_spending(module: nn.Module, accountant: Accountant) -> None:
         if kept:
             link.kept = kept
     if disjoint:
-        del module.dpzoo_privacy
+        use(module.__dict__.pop("dpzoo_privacy"))  # for this run: a copy made before it shares the object
     write_live_records(module, accountant.name)
     clear_marks(module, unknown, disjoint)  # this spending covers what was stated; {} leaves the weights unknown
 
@@ -246,7 +246,9 @@ def prior_spending(module: nn.Module, earlier: Accountant | None = None) -> Spen
     refuse_weights_of_unknown_origin(module)
     refuse_shared_config(module)
     parts = []
-    if getattr(module, "dpzoo_privacy", None) != {}:  # {}: the user stated the new data disjoint
+    from ..integrations.peft_statements import disjoint_statement
+
+    if not disjoint_statement(module):  # {}: the user stated the new data disjoint
         if earlier is not None:
             key = run_id(earlier)
             history = [list(h) for h in earlier.history]
@@ -337,14 +339,16 @@ def stated_assumptions(module: nn.Module) -> list[str]:
     """What the user stated about data outside ε, for the privacy metadata: public data behind an
     adapter's initialisation, that a model trained before saw other data (dpzoo_privacy = {}), and
     that adapters of unknown origin did (dpzoo_adapter_privacy = {}, on any module)."""
+    from ..integrations.peft_statements import disjoint_statement, used
+
     out = list(getattr(module, "dpzoo_public_init", {}).values())
-    if getattr(module, "dpzoo_privacy", None) == {}:
+    if disjoint_statement(module):
         out.append(
             "the model was trained before on data stated to be disjoint from this run's (model.dpzoo_privacy = {}): "
             "that spending is not composed"
         )
     for name, m in module.named_modules():
-        if m.__dict__.get("dpzoo_adapter_privacy") == {}:
+        if m.__dict__.get("dpzoo_adapter_privacy") == {} and not used(m.__dict__["dpzoo_adapter_privacy"]):
             out.append(
                 f"LoRA weights of unknown origin in {name or 'the model'} stated to be trained on data disjoint from this "
                 "run's (dpzoo_adapter_privacy = {}): their spending is not composed"
