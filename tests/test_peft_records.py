@@ -322,3 +322,87 @@ def test_a_shallow_copy_does_not_make_a_second_run_on_one_statement():
     _private(merged, steps=2, mode="auto").detach()
     with pytest.raises(PrivacyUsageError, match="unknown origin"):
         _private(twin, mode="auto")
+
+
+# The eighteenth independent audit's findings.
+
+
+def _reloaded_without_record(tmp_path, **config):
+    trained = _lora(**config)
+    for n, p in trained.named_parameters():
+        if config and "lora_" in n:
+            p.requires_grad_(False)  # only the head copy / the biases train
+    _private(trained, steps=3, mode="auto" if config else "lora").detach()
+    trained.save_pretrained(tmp_path / "u")
+    (tmp_path / "u" / PRIVACY_FILE).unlink()
+    return peft.PeftModel.from_pretrained(_plain(), tmp_path / "u", is_trainable=True)
+
+
+def _opacus_steps(model, steps):
+    opacus = pytest.importorskip("opacus")
+    from dpzoo.engines.opacus import make_private
+
+    engine = opacus.PrivacyEngine(accountant="rdp")
+    params = [p for p in model.parameters() if p.requires_grad]
+    wrapped, opt, loader = make_private(engine, module=model, optimizer=torch.optim.SGD(params, lr=0.5),
+                                        data_loader=DataLoader(TensorDataset(X, Y), batch_size=16),
+                                        noise_multiplier=1.3, max_grad_norm=1.0)  # fmt: skip
+    for _, (x, y) in zip(range(steps), loader):
+        F.cross_entropy(wrapped(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return engine, opt, loader
+
+
+def test_opacus_refuses_weights_of_unknown_origin_and_keeps_statements_to_one_run(tmp_path):
+    """Opacus trained an adapter of unknown origin (linking it, so it looked known afterwards), and
+    left out the record stated for it."""
+    from dpzoo.integrations.opacus import privacy_metadata
+
+    loaded = _reloaded_without_record(tmp_path)
+    with pytest.raises(PrivacyUsageError, match="unknown origin"):
+        _opacus_steps(loaded, 2)
+    loaded.dpzoo_adapter_privacy = {}
+    engine, opt, loader = _opacus_steps(loaded, 2)
+    assert privacy_metadata(engine, 1e-5, optimizer=opt, data_loader=loader).get("unknown_origin")
+    with pytest.raises(PrivacyUsageError, match="unknown origin"):
+        _private(loaded)  # the statement was for the Opacus run
+
+
+def test_opacus_composes_the_record_stated_for_an_adapter(tmp_path):
+    from dpzoo.integrations.opacus import privacy_metadata
+
+    trained = _lora()
+    _private(trained, steps=3).detach()
+    trained.save_pretrained(tmp_path / "a")
+    record = read_privacy_metadata(tmp_path / "a")
+    (tmp_path / "a" / PRIVACY_FILE).unlink()
+    loaded = peft.PeftModel.from_pretrained(_plain(), tmp_path / "a", is_trainable=True)
+    loaded.dpzoo_adapter_privacy = record
+    engine, opt, loader = _opacus_steps(loaded, 2)
+    assert privacy_metadata(engine, 1e-5, optimizer=opt, data_loader=loader)["steps"] == 3 + 2
+
+
+def test_a_load_into_an_existing_adapter_links_only_the_layers_it_loaded(tmp_path):
+    """An adapter file for fc1 loaded over an adapter of unknown origin on fc1 and fc2: its record
+    was linked to fc2 too, whose weights it did not hold."""
+    unknown = peft.get_peft_model(_plain(), peft.LoraConfig(r=2, target_modules=["fc1", "fc2"]))
+    _private(unknown, steps=3).detach()
+    unknown.save_pretrained(tmp_path / "u")
+    (tmp_path / "u" / PRIVACY_FILE).unlink()
+    known = _lora()  # fc1 only
+    _private(known, steps=2, sigma=2.0).detach()
+    known.save_pretrained(tmp_path / "k")
+    loaded = peft.PeftModel.from_pretrained(_plain(), tmp_path / "u", is_trainable=True)
+    loaded.load_adapter(tmp_path / "k", adapter_name="default", is_trainable=True)
+    with pytest.raises(PrivacyUsageError, match="unknown origin.*fc2"):
+        _private(loaded)
+    loaded.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out" / PRIVACY_FILE).exists()  # part of it is of unknown origin: no record
+
+
+@pytest.mark.parametrize("config", [{"modules_to_save": ["fc2"]}, {"bias": "all"}])
+def test_a_head_copy_or_biases_loaded_without_a_record_are_of_unknown_origin(tmp_path, config):
+    loaded = _reloaded_without_record(tmp_path, **config)
+    with pytest.raises(PrivacyUsageError, match="loaded without a record"):
+        _private(loaded, mode="auto")

@@ -28,7 +28,7 @@ from ..errors import MissingDependencyError, UnsupportedModuleError
 from ..grad_norms import reps as R
 from ..grad_norms import rules  # noqa: F401  (registers the built-in rules in RULES)
 from ..grad_norms.registry import RULES, find_rule
-from ..privacy.carried import refuse_shared_config
+from ..privacy.carried import adapter_statements, refuse_shared_config, refuse_weights_of_unknown_origin
 from ..privacy.spending import SpendingLink
 from ..surgery.tied import find_tied_parameters
 
@@ -111,6 +111,8 @@ def make_private(privacy_engine, *, module: nn.Module, grad_sample_mode: str = "
 
     check_opacus_compatible(module, grad_sample_mode)
     refuse_shared_config(module)  # its record would replace another model's
+    adapter_statements(module)  # a statement that is not a record or {} is refused by name
+    refuse_weights_of_unknown_origin(module)  # as dpzoo's engine: weights no record accounts for
     register_opacus_rules()
     made = privacy_engine.make_private(module=module, grad_sample_mode=grad_sample_mode, **kwargs)
     if is_poisson_loader(made[-1]):  # (module, optimizer, [criterion,] data_loader)
@@ -139,21 +141,34 @@ def link_opacus_spending(module: nn.Module, opacus_accountant) -> None:
     data stated disjoint (``model.dpzoo_privacy = {}``, cleared: it was for this run), keeps it
     beside (``disjoint_spending``)."""
     from ..integrations.opacus import ACCOUNTANT_NAMES
+    from ..integrations.peft_statements import (
+        clear_marks,
+        disjoint_statement,
+        unknown_origin_note,
+        unknown_weights,
+        use,
+    )
     from ..privacy.carried import carried_parts, write_live_records
     from ..privacy.provenance import run_id
 
     own = run_id(opacus_accountant)  # a second make_private adds what the model carries now (Opacus' own steps aside)
+    unknown = unknown_weights(module)  # before Opacus' link covers them: the statements that let this run on
     found = [part for part in carried_parts(module, statements=False) if part[0] != own]
     opacus_accountant.dpzoo_earlier_parts = list(getattr(opacus_accountant, "dpzoo_earlier_parts", [])) + found
-    from ..integrations.peft_statements import disjoint_statement, use
-
-    if disjoint_statement(module):  # for this run: a copy made before it shares the object
+    stated = list(getattr(opacus_accountant, "dpzoo_stated_parts", []))  # records stated for adapters: always composed
+    opacus_accountant.dpzoo_stated_parts = stated + [p for p in adapter_statements(module) if p not in stated]
+    disjoint = disjoint_statement(module)
+    if disjoint:  # for this run: a copy made before it shares the object
         opacus_accountant.dpzoo_earlier_disjoint = True
         use(module.__dict__.pop("dpzoo_privacy"))
     for m in module.modules():
         if m is not module and not any(p.requires_grad for p in m.parameters(recurse=False)):
             continue
+        m.__dict__.pop("dpzoo_loaded_without_record", None)  # this run was allowed on it: statements cover it
         earlier = getattr(m, "dpzoo_spending", None)
         if not (isinstance(earlier, OpacusSpending) and earlier.opacus is opacus_accountant):
             object.__setattr__(m, "dpzoo_spending", OpacusSpending(opacus_accountant, earlier))
+    clear_marks(module, unknown, disjoint)  # statements used; weights stated disjoint stay of unknown origin
+    if unknown_origin_note(module):  # the record privacy_metadata writes says so
+        opacus_accountant.dpzoo_unknown_origin = True
     write_live_records(module, ACCOUNTANT_NAMES.get(opacus_accountant.mechanism(), "prv"))

@@ -186,6 +186,8 @@ def _state_dict(self, destination=None):
     state["dpzoo_runs"] = segments_of(key, getattr(self, "dpzoo_segments", None), history)
     state["dpzoo_earlier"] = [[k, seg, h] for k, seg, h in getattr(self, "dpzoo_earlier_parts", [])]  # the model's
     state["dpzoo_earlier_disjoint"] = bool(getattr(self, "dpzoo_earlier_disjoint", False))  # spending before Opacus
+    state["dpzoo_stated"] = [[k, seg, h] for k, seg, h in getattr(self, "dpzoo_stated_parts", [])]
+    state["dpzoo_unknown_origin"] = bool(getattr(self, "dpzoo_unknown_origin", False))
     return state
 
 
@@ -196,6 +198,11 @@ def _load_state_dict(self, state_dict):
     self.dpzoo_drawn = int(state_dict.get("dpzoo_drawn", 0))
     self.dpzoo_segments = [list(s) for s in state_dict.get("dpzoo_runs", [])]
     # what the checkpoint's model carried before Opacus, beside what this one did (its weights are the checkpoint's)
+    stated = [tuple(p) for p in state_dict.get("dpzoo_stated", [])]
+    self.dpzoo_stated_parts = list(getattr(self, "dpzoo_stated_parts", [])) + stated
+    self.dpzoo_unknown_origin = bool(
+        getattr(self, "dpzoo_unknown_origin", False) or state_dict.get("dpzoo_unknown_origin")
+    )
     earlier = [tuple(p) for p in state_dict.get("dpzoo_earlier", [])]
     self.dpzoo_earlier_parts = list(getattr(self, "dpzoo_earlier_parts", [])) + earlier
     self.dpzoo_earlier_disjoint = bool(getattr(self, "dpzoo_earlier_disjoint", False)) and (
@@ -348,17 +355,24 @@ def privacy_metadata(opacus_engine, delta: float, *, optimizer=None, data_loader
             )
     if bound is not None:
         meta["max_grad_norm"] = bound
-    before = distinct_histories(list(getattr(accountant, "dpzoo_earlier_parts", ())))  # what the model carried
+    earlier = list(getattr(accountant, "dpzoo_earlier_parts", ()))  # what the model carried
+    stated = list(getattr(accountant, "dpzoo_stated_parts", ()))  # records stated for adapters: always composed
+    before = distinct_histories(earlier)
     if before and getattr(accountant, "dpzoo_earlier_disjoint", False):  # stated disjoint: beside ε, for later runs
         meta["disjoint_spending"] = {"history": list(before), "run_id": f"{run_id(accountant)}-before",
                                      "composed_runs": before.segments}  # fmt: skip
-    elif before:  # composed, as a dpzoo engine would, each run's steps once (Opacus' first ones may be in it)
+        earlier = []
+    if earlier or stated:  # composed, as a dpzoo engine would, each run's steps once (Opacus' first ones may be in it)
         key = run_id(accountant)
         own = [list(h) for h in history]
-        composed = distinct_histories([*accountant.dpzoo_earlier_parts, (key, segments_of(key, resumed, own), own)])
+        composed = distinct_histories([*earlier, *stated, (key, segments_of(key, resumed, own), own)])
         meta.update(epsilon=Accountant(name, list(composed)).get_epsilon(float(delta)), steps=steps_of(composed))
         # every step is in composed_runs' runs: the record's own id has none of its own
         meta.update(history=list(composed), run_id=f"{key}-composed", composed_runs=composed.segments)
+    if getattr(accountant, "dpzoo_unknown_origin", False):  # weights of unknown origin stated disjoint for this run
+        from .peft_statements import UNKNOWN_ORIGIN
+
+        meta["unknown_origin"] = UNKNOWN_ORIGIN
     secure = getattr(opacus_engine, "secure_mode", None)
     if secure is True:
         meta["noise"] = "secret (Opacus secure_mode=True: torchcsprng)"

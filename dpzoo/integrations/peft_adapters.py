@@ -23,6 +23,7 @@ __all__ = [
     "flag_partly_unknown",
     "partly_unknown",
     "flag_loaded_unknown",
+    "LOADED_OTHER",
     "loaded_unknown",
     "is_linked",
     "forget_adapter",
@@ -35,6 +36,7 @@ __all__ = [
 
 PARTLY_UNKNOWN = "dpzoo_partly_unknown"  # an adapter combined from linked and unknown ones (add_weighted_adapter)
 LOADED_UNKNOWN = "dpzoo_loaded_unknown"  # an adapter loaded without a record: trained elsewhere, whatever its init
+LOADED_OTHER = "dpzoo_loaded_without_record"  # a modules_to_save copy or bias PEFT loaded without a record
 
 
 def entry(container, adapter: str):
@@ -78,12 +80,13 @@ def partly_unknown(layer, adapter: str) -> bool:
     return any(getattr(m, PARTLY_UNKNOWN, False) for m in holders(layer, adapter))
 
 
-def flag_loaded_unknown(model, adapter: str) -> None:
+def flag_loaded_unknown(model, adapter: str, only: set[int] | None = None) -> None:
     """``adapter`` was loaded into ``model`` without a record: its tensors come from elsewhere,
     whatever they are (an initialisation that is not zero cannot tell trained from fresh)."""
     for layer in model.modules():
         for m in holders(layer, adapter):
-            object.__setattr__(m, LOADED_UNKNOWN, True)
+            if only is None or id(m) in only:
+                object.__setattr__(m, LOADED_UNKNOWN, True)
 
 
 def loaded_unknown(layer, adapter: str) -> bool:
@@ -100,11 +103,13 @@ def is_linked(layer, adapter: str) -> bool:
     )
 
 
-def forget_adapter(model, adapter) -> None:
+def forget_adapter(model, adapter, only: set[int] | None = None) -> None:
     """The adapter's tensors now come from elsewhere (loaded, hot-swapped): no engine trained them,
-    no resume restored them."""
+    no resume restored them (``only``: the ids of the modules whose tensors a load replaced)."""
     for layer in model.modules() if model is not None and adapter is not None else ():
         for m in holders(layer, adapter):
+            if only is not None and id(m) not in only:
+                continue
             m.__dict__.pop("dpzoo_spending", None)
             m.__dict__.pop("dpzoo_resumed_from", None)
             m.__dict__.pop(LOADED_UNKNOWN, None)

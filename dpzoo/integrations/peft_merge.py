@@ -41,7 +41,6 @@ from .peft_adapters import (
     changes_weights,
     composed,
     fingerprint,
-    flag_loaded_unknown,
     flag_partly_unknown,
     forget_adapter,
     has_adapter,
@@ -170,18 +169,22 @@ def _after_load_adapter(fn):
     signature = inspect.signature(fn)
 
     def load_adapter(self, *args, **kwargs):
-        out = fn(self, *args, **kwargs)
         given = signature.bind(self, *args, **kwargs).arguments
         adapter, source = given.get("adapter_name"), given.get("model_id")
-        forget_adapter(self, adapter)
-        if isinstance(adapter, str):
-            from .peft_records import attach_adapter_record  # imports torch: not when dpzoo is imported
+        if not isinstance(adapter, str):
+            out = fn(self, *args, **kwargs)
+            forget_adapter(self, adapter)
+            return out
+        from .peft_records import attach_adapter_record, flag_loaded_without_record, loaded_modules, snapshot
 
-            local = isinstance(source, (str, os.PathLike))  # its record, if saved beside it
-            if not (
-                local and attach_adapter_record(self, source, adapter, (given.get("kwargs") or {}).get("subfolder"))
-            ):
-                flag_loaded_unknown(self, adapter)  # trained elsewhere, whatever its initialisation
+        before = snapshot(self, adapter)  # (imports torch: not when dpzoo is imported)
+        out = fn(self, *args, **kwargs)
+        loaded = loaded_modules(self, adapter, before)  # an adapter already there keeps the layers not in the file
+        forget_adapter(self, adapter, loaded)
+        local = isinstance(source, (str, os.PathLike))  # its record, if saved beside it
+        subfolder = (given.get("kwargs") or {}).get("subfolder")
+        if not (local and attach_adapter_record(self, source, adapter, subfolder, loaded)):
+            flag_loaded_without_record(self, adapter, loaded)  # trained elsewhere, whatever its initialisation
         return out
 
     return load_adapter
@@ -207,12 +210,19 @@ def _after_hotswap(fn):
     signature = inspect.signature(fn)
 
     def hotswap(*args, **kwargs):
-        out = fn(*args, **kwargs)
         bound = signature.bind(*args, **kwargs).arguments
         model, adapter = bound.get("model"), bound.get("adapter_name")
-        forget_adapter(model, adapter)
-        if model is not None and isinstance(adapter, str):
-            flag_loaded_unknown(model, adapter)  # a state dict from elsewhere: no record comes with it
+        if model is None or not isinstance(adapter, str):
+            out = fn(*args, **kwargs)
+            forget_adapter(model, adapter)
+            return out
+        from .peft_records import flag_loaded_without_record, loaded_modules, snapshot
+
+        before = snapshot(model, adapter)
+        out = fn(*args, **kwargs)
+        loaded = loaded_modules(model, adapter, before)
+        forget_adapter(model, adapter, loaded)
+        flag_loaded_without_record(model, adapter, loaded)  # a state dict from elsewhere: no record comes with it
         return out
 
     return hotswap

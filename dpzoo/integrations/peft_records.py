@@ -27,7 +27,8 @@ from torch import nn
 
 from .peft_adapters import holders
 
-__all__ = ["adapter_record", "write_adapter_records", "attach_adapter_record"]
+__all__ = ["adapter_record", "write_adapter_records", "attach_adapter_record", "snapshot", "loaded_modules"]
+__all__ += ["flag_loaded_without_record"]
 
 
 def _adapter_modules(model: nn.Module, adapter: str) -> list[tuple[str, nn.Module, bool]]:
@@ -77,8 +78,8 @@ def adapter_record(model: nn.Module, adapter: str) -> dict[str, Any] | None:
     from ..privacy.spending import SpendingLink
     from .peft_adapters import partly_unknown
 
-    if any(partly_unknown(layer, adapter) for layer in model.modules()):
-        return None  # combined with weights of unknown origin: no record could hold them; refused on reload
+    if any(partly_unknown(layer, adapter) for layer in model.modules()) or _unknown_part(model, adapter):
+        return None  # (partly) of unknown origin: no record could hold it; refused on reload
     parts, deltas, names = [], [], []
     modules = _adapter_modules(model, adapter)
     for _, m, _own in modules:
@@ -107,6 +108,15 @@ def adapter_record(model: nn.Module, adapter: str) -> dict[str, Any] | None:
     return record
 
 
+def _unknown_part(model: nn.Module, adapter: str) -> bool:
+    """Some of the adapter's saved tensors are of unknown origin (loaded without a record, not trained since)."""
+    from .peft_layers import trained_adapters
+
+    if any(a == adapter for _, a in trained_adapters(model)):
+        return True
+    return any(m.__dict__.get("dpzoo_loaded_without_record") for _, m, _ in _adapter_modules(model, adapter))
+
+
 def write_adapter_records(model: nn.Module, save_directory, adapters: list[str]) -> None:
     """Beside each adapter PEFT saved (``default`` in ``save_directory``, others in a folder of
     their name), its record; a stale one is removed where the adapter carries nothing."""
@@ -118,7 +128,47 @@ def write_adapter_records(model: nn.Module, save_directory, adapters: list[str])
             write_privacy_files(model, directory, adapter_record(model, adapter), zoo_files=False)
 
 
-def attach_adapter_record(model: nn.Module, model_id, adapter: str, subfolder: str | None = None) -> bool:
+def snapshot(model: nn.Module, adapter: str) -> dict[int, tuple]:
+    """What the modules holding ``adapter``'s saved tensors hold now (parameter identities and
+    versions), to tell afterwards which ones a load replaced."""
+    return {id(m): _state(m, own) for _, m, own in _adapter_modules(model, adapter)}
+
+
+def _state(m: nn.Module, own: bool) -> tuple:
+    """Each tensor's identity and two float64 sums (a hot swap writes through ``.data``, which no
+    version counter sees); of a layer whose bias alone the adapter saves, the bias."""
+    import torch
+
+    tensors = list(m.parameters(recurse=False)) if own else [b for b in [getattr(m, "bias", None)] if b is not None]
+    with torch.no_grad():
+        return tuple((id(p), float(p.double().sum()), float(p.double().abs().sum())) for p in tensors)
+
+
+def loaded_modules(model: nn.Module, adapter: str, before: dict[int, tuple]) -> set[int]:
+    """Ids of the modules whose tensors a load of ``adapter`` replaced (new, or written into):
+    PEFT loads an adapter file into an existing adapter layer by layer, leaving the others."""
+    return {id(m) for _, m, own in _adapter_modules(model, adapter) if before.get(id(m)) != _state(m, own)}
+
+
+def flag_loaded_without_record(model: nn.Module, adapter: str, only: set[int]) -> None:
+    """Mark what a load replaced without a record as of unknown origin: the adapter's factors
+    (:func:`~dpzoo.integrations.peft_adapters.flag_loaded_unknown`), and its ``modules_to_save``
+    copies and biases (their links dropped where all their tensors were replaced)."""
+    from .peft_adapters import LOADED_OTHER, flag_loaded_unknown
+    from .peft_layers import lora_layers
+
+    lora_factors = {id(h) for layer in lora_layers(model).values() for h in holders(layer, adapter)}
+    flag_loaded_unknown(model, adapter, only & lora_factors)  # told trained from fresh by their ΔW
+    for _, m, own in _adapter_modules(model, adapter):
+        if id(m) in only and id(m) not in lora_factors and any(True for _ in m.parameters(recurse=False)):
+            if own:
+                m.__dict__.pop("dpzoo_spending", None)
+            object.__setattr__(m, LOADED_OTHER, True)
+
+
+def attach_adapter_record(
+    model: nn.Module, model_id, adapter: str, subfolder: str | None = None, only: set[int] | None = None
+) -> bool:
     """After PEFT loaded ``adapter`` from ``model_id`` (a local directory): link its record, if
     the directory has one, to the adapter's tensors, so a later run composes it (on a layer whose
     bias alone it loaded, composed with what the layer carried). Whether it linked one."""
@@ -137,7 +187,8 @@ def attach_adapter_record(model: nn.Module, model_id, adapter: str, subfolder: s
     except PrivacyUsageError:  # no σ to compose with: left of unknown origin, refused by name
         return False
     for _, m, own in _adapter_modules(model, adapter):
-        if any(True for _ in m.parameters(recurse=False)):
+        if (only is None or id(m) in only) and any(True for _ in m.parameters(recurse=False)):
+            m.__dict__.pop("dpzoo_loaded_without_record", None)
             link = RecordSpending(parts, float(record["delta"]))
             earlier = m.__dict__.get("dpzoo_spending")
             if not own and isinstance(earlier, SpendingLink):  # its weight is still the base's

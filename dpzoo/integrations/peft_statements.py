@@ -147,6 +147,8 @@ def unknown_weights(module, stated_disjoint: bool = True) -> list[tuple[str, str
 
     unknown = [(layer, a, "adapter") for layer, a in trained_adapters(module)]
     unknown += [(layer, a, "merged adapter") for layer, a in merged_without_record(module)]
+    unknown += [(name, "", "weights PEFT loaded without a record") for name, m in module.named_modules()
+                if m.__dict__.get("dpzoo_loaded_without_record")]  # fmt: skip
     return unknown + (stated_disjoint_before(module) if stated_disjoint else [])
 
 

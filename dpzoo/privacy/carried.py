@@ -154,6 +154,7 @@ def link_spending(module: nn.Module, accountant: Accountant) -> None:
         if m is not module and not any(p.requires_grad for p in m.parameters(recurse=False)):
             continue
         link = getattr(m, "dpzoo_spending", None)
+        m.__dict__.pop("dpzoo_loaded_without_record", None)  # this run was allowed on it: statements cover it
         if isinstance(link, SpendingLink):  # updated, not replaced: the deep copies that follow it follow along
             link.relink(accountant)
         else:

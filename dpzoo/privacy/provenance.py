@@ -121,6 +121,7 @@ def _own_parts(link: Any) -> list[tuple]:
         own = [[float(s), float(q), int(n)] for s, q, n in opacus.history] if opacus is not None else []
         key = run_id(opacus) if own else ""
         before = list(getattr(opacus, "dpzoo_earlier_parts", None) or [])  # a checkpoint's model's too
+        before += list(getattr(opacus, "dpzoo_stated_parts", None) or [])  # records the user stated for adapters
         return (
             (link_parts(earlier) if earlier is not None else [])
             + before
