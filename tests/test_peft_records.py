@@ -406,3 +406,54 @@ def test_a_head_copy_or_biases_loaded_without_a_record_are_of_unknown_origin(tmp
     loaded = _reloaded_without_record(tmp_path, **config)
     with pytest.raises(PrivacyUsageError, match="loaded without a record"):
         _private(loaded, mode="auto")
+
+
+# The nineteenth independent audit's findings.
+
+
+def test_a_checkpoint_of_a_run_on_weights_of_unknown_origin_marks_the_model_it_resumes(tmp_path):
+    """Opacus' load_checkpoint (and dpzoo's engine.load_state_dict) restored the run's history
+    into a fresh model, which then looked known: the next run composed only the resumed run."""
+    loaded = _reloaded_without_record(tmp_path)
+    loaded.dpzoo_privacy = {}  # stated for the Opacus run
+    engine, opt, loader = _opacus_steps(loaded, 2)
+    engine.save_checkpoint(path=tmp_path / "ck.pt", module=loaded, optimizer=opt)
+    fresh = _lora()
+    resumed, opt2, loader2 = _opacus_steps(fresh, 0)
+    resumed.load_checkpoint(path=tmp_path / "ck.pt", module=fresh, optimizer=opt2)
+    with pytest.raises(PrivacyUsageError, match="unknown origin"):
+        _private(fresh)
+
+
+def test_an_engine_checkpoint_of_a_run_on_weights_of_unknown_origin_marks_the_model_it_resumes(tmp_path):
+    loaded = _reloaded_without_record(tmp_path)
+    loaded.dpzoo_adapter_privacy = {}
+    run = _private(loaded, steps=2)
+    state = run.state_dict()
+    run.detach()
+    fresh = _lora()
+    again = _private(fresh)
+    again.load_state_dict(state)
+    again.detach()
+    with pytest.raises(PrivacyUsageError, match="unknown origin"):
+        _private(fresh)
+
+
+def test_an_adapter_loads_with_low_cpu_mem_usage(tmp_path):
+    trained = _lora()
+    _private(trained, steps=3).detach()
+    trained.save_pretrained(tmp_path)
+    loaded = peft.PeftModel.from_pretrained(_plain(), tmp_path, is_trainable=True, low_cpu_mem_usage=True)
+    assert _private(loaded).accountant.steps == 3
+
+
+def test_one_record_can_be_stated_for_two_models(tmp_path):
+    trained = _lora()
+    _private(trained, steps=3).detach()
+    trained.save_pretrained(tmp_path / "a")
+    record = read_privacy_metadata(tmp_path / "a")
+    (tmp_path / "a" / PRIVACY_FILE).unlink()
+    for _ in range(2):  # a record composes its runs once wherever it is stated: it is not used up
+        loaded = peft.PeftModel.from_pretrained(_plain(), tmp_path / "a", is_trainable=True)
+        loaded.dpzoo_adapter_privacy = record
+        assert _private(loaded, steps=1).accountant.steps == 3 + 1

@@ -28,6 +28,7 @@ from ..errors import MissingDependencyError, UnsupportedModuleError
 from ..grad_norms import reps as R
 from ..grad_norms import rules  # noqa: F401  (registers the built-in rules in RULES)
 from ..grad_norms.registry import RULES, find_rule
+from ..live_ref import LiveRef
 from ..privacy.carried import adapter_statements, refuse_shared_config, refuse_weights_of_unknown_origin
 from ..privacy.spending import SpendingLink
 from ..surgery.tied import find_tied_parameters
@@ -171,4 +172,5 @@ def link_opacus_spending(module: nn.Module, opacus_accountant) -> None:
     clear_marks(module, unknown, disjoint)  # statements used; weights stated disjoint stay of unknown origin
     if unknown_origin_note(module):  # the record privacy_metadata writes says so
         opacus_accountant.dpzoo_unknown_origin = True
+    opacus_accountant.dpzoo_module = LiveRef(module)  # a checkpoint loaded later marks the model it loads into
     write_live_records(module, ACCOUNTANT_NAMES.get(opacus_accountant.mechanism(), "prv"))

@@ -203,6 +203,11 @@ def _load_state_dict(self, state_dict):
     self.dpzoo_unknown_origin = bool(
         getattr(self, "dpzoo_unknown_origin", False) or state_dict.get("dpzoo_unknown_origin")
     )
+    module = getattr(self, "dpzoo_module", lambda: None)()  # the model load_checkpoint loaded the weights into
+    if state_dict.get("dpzoo_unknown_origin") and module is not None:
+        from .peft_statements import mark_weights_unknown
+
+        mark_weights_unknown(module)
     earlier = [tuple(p) for p in state_dict.get("dpzoo_earlier", [])]
     self.dpzoo_earlier_parts = list(getattr(self, "dpzoo_earlier_parts", [])) + earlier
     self.dpzoo_earlier_disjoint = bool(getattr(self, "dpzoo_earlier_disjoint", False)) and (

@@ -140,8 +140,9 @@ def _state(m: nn.Module, own: bool) -> tuple:
     import torch
 
     tensors = list(m.parameters(recurse=False)) if own else [b for b in [getattr(m, "bias", None)] if b is not None]
-    with torch.no_grad():
-        return tuple((id(p), float(p.double().sum()), float(p.double().abs().sum())) for p in tensors)
+    with torch.no_grad():  # a meta tensor (PEFT's low_cpu_mem_usage) holds nothing yet: any load replaces it
+        return tuple((id(p), "meta") if p.is_meta else (id(p), float(p.double().sum()), float(p.double().abs().sum()))
+                     for p in tensors)  # fmt: skip
 
 
 def loaded_modules(model: nn.Module, adapter: str, before: dict[int, tuple]) -> set[int]:

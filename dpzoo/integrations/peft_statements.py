@@ -20,7 +20,15 @@ from ..privacy_record import LoadedRecord
 
 __all__ = ["MARK", "merged_without_record", "refuse_unknown_origin", "clear_marks", "refuse_save_of_stated_merges"]
 __all__ += ["UNKNOWN_ORIGIN", "unknown_origin_note", "mark_unknown_origin", "refuse_unnoted_unknown_origin"]
-__all__ += ["used", "use", "disjoint_statement", "unknown_weights", "stated_disjoint_before", "STATED_DISJOINT"]
+__all__ += [
+    "mark_weights_unknown",
+    "used",
+    "use",
+    "disjoint_statement",
+    "unknown_weights",
+    "stated_disjoint_before",
+    "STATED_DISJOINT",
+]
 
 MARK = "dpzoo_merged_adapters"  # on a base layer (a list) and on a Hugging Face config (a sorted list)
 
@@ -101,6 +109,17 @@ def refuse_unnoted_unknown_origin(module, privacy: Mapping | None) -> None:
         )
 
 
+def mark_weights_unknown(module) -> None:
+    """Mark ``module``'s trained weights as holding weights of unknown origin (a checkpoint of a
+    run on such weights, loaded into a fresh model): the model, the model PEFT wraps, and every
+    module with trainable parameters."""
+    from .peft_layers import wrapped_model
+
+    trained = [m for m in module.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
+    for m in {id(x): x for x in (module, wrapped_model(module)[1], *trained)}.values():
+        object.__setattr__(m, STATED_DISJOINT, True)
+
+
 def mark_unknown_origin(module, records) -> None:
     """Mark ``module`` (:data:`STATED_DISJOINT`) if a record it was loaded with has an ``unknown_origin``."""
     if any(isinstance(r, Mapping) and r.get("unknown_origin") for r in records):
@@ -164,7 +183,8 @@ def clear_marks(module, unknown: list | None = None, disjoint: bool = False) -> 
     for m in module.modules():
         m.__dict__.pop(MARK, None)
         statement = m.__dict__.pop("dpzoo_adapter_privacy", None)  # composed into this run's history, not twice
-        use(statement)
+        if statement == {}:  # (a record may be stated again: its runs compose once)
+            use(statement)
         plain = disjoint if m is module else disjoint_statement(m)
         if unknown and plain:  # {} covered weights of unknown origin, for this run only
             use(m.__dict__.pop("dpzoo_privacy", None))

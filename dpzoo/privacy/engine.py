@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader
 from ..errors import DPZooError, PrivacyUsageError
 from ..grad_norms import attach_norm_hooks
 from ..grad_norms.cost import check_budget
+from ..integrations.peft_statements import mark_weights_unknown, unknown_origin_note
 from ..live_ref import LiveRef
 from .accountant import Accountant, accountant_spec
 from .arguments import (
@@ -385,10 +386,13 @@ class PrivacyEngine(OpacusParity):
             "max_grad_norm": self.max_grad_norm,
             "mode": self.mode,
             "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+            "unknown_origin": bool(self.module is not None and unknown_origin_note(self.module)),
         }
 
     def load_state_dict(self, state: dict) -> None:
         restore_history(self.accountant, {"accountant": state["accountant"]})  # composed after what it holds
+        if state.get("unknown_origin") and self.module is not None:  # the weights it restores hold such weights
+            mark_weights_unknown(self.module)
         if self.optimizer is not None and state.get("optimizer"):
             self.optimizer.load_state_dict(state["optimizer"])
         if state.get("mode") and state["mode"] != self.mode and self.module is not None:
