@@ -42,7 +42,8 @@ def add_image_options(s: argparse.ArgumentParser) -> None:
         "--image-size",
         type=positive_int,
         default=None,
-        help="image models: images are resized to N×N pixels (default: 16 for digits, 32 for an image folder)",
+        help="image models: images are resized to N×N pixels (default: the model card's recipe if it has one, "
+        "else 16 for digits, 32 for an image folder)",
     )
     option(
         s,

@@ -290,7 +290,7 @@ def _train_kwargs(kind: str, args: argparse.Namespace) -> dict:
         "sample_seed": args.sample_seed,
     }
     if kind in CLASSIFIER_KINDS:
-        size = args.image_size or (16 if common["data"] == "digits" else 32)
+        size = args.image_size or common.pop("image_size", None) or (16 if common["data"] == "digits" else 32)
         return {
             **common,
             **image_choices(args),

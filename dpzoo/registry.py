@@ -11,7 +11,9 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import inspect
+import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 from .errors import InvalidArgumentError, OverrideError, UnknownModelError
@@ -102,11 +104,39 @@ class ModelCard:
         if self.train_defaults:
             args = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.train_defaults.items())
             lines += ["", "## Recipe", "", f"`dpzoo train {self.name}` defaults to `{args}`."]
+        lines += ["", "## DP results", ""] + _results_lines(self.name)
         if self.papers:
             lines += ["", "## Papers", ""] + [f"- {p}" for p in self.papers]
         if self.notes:
             lines += ["", "## Notes", "", self.notes.strip()]
         return "\n".join(lines) + "\n"
+
+
+RESULTS_FILE = Path(__file__).parent / "models" / "dp_results.json"  # written by benchmarks/zoo_results.py
+
+
+def dp_results(name: str) -> dict[str, Any] | None:
+    """The measured DP result of a zoo entry (``benchmarks/zoo_results.py``), or None."""
+    try:
+        return json.loads(RESULTS_FILE.read_text()).get(name)
+    except (OSError, ValueError):
+        return None
+
+
+def _results_lines(name: str) -> list[str]:
+    r = dp_results(name)
+    if r is None:
+        return ["None measured yet (`benchmarks/zoo_results.py` measures the image entries on the bundled digits)."]
+    spread = f"{r['test_accuracy_min']:.1%}–{r['test_accuracy_max']:.1%}"
+    return [
+        f"Measured by `python benchmarks/zoo_results.py {name}` on {r['measured']['date']} "
+        f"({r['measured']['machine']}); {r['runs']} runs, secret noise:",
+        "",
+        "| data | configuration | ε (δ) | steps | test accuracy | without DP | command |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| {r['data']} | {r['configuration']} | {r['epsilon']:g} ({r['delta']:g}, {r['accountant']}) | {r['steps']} "
+        f"| {r['test_accuracy_mean']:.1%} ({spread}) | {r['non_private_test_accuracy']:.1%} | `{r['command']}` |",
+    ]
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,34 @@ def test_no_stray_cards():
     assert cards == set(dpzoo.list_models())
 
 
+def test_a_card_renders_the_measured_dp_results_of_its_entry(tmp_path, monkeypatch):
+    import json
+
+    from dpzoo import registry
+
+    measured = {"model": "wrn16-4-gn", "data": "digits", "configuration": "small", "epsilon": 7.99, "delta": 1e-5,
+                "accountant": "rdp", "steps": 220, "runs": 3, "test_accuracy_mean": 0.5123,
+                "test_accuracy_min": 0.5, "test_accuracy_max": 0.53, "non_private_test_accuracy": 0.9,
+                "command": "dpzoo train wrn16-4-gn --epsilon 8", "measured": {"date": "2026-11-27", "machine": "m"}}  # fmt: skip
+    (tmp_path / "dp_results.json").write_text(json.dumps({"wrn16-4-gn": measured}))
+    monkeypatch.setattr(registry, "RESULTS_FILE", tmp_path / "dp_results.json")
+    card = dpzoo.model_card("wrn16-4-gn").to_markdown()
+    assert "| digits | small | 7.99 (1e-05, rdp) | 220 | 51.2% (50.0%–53.0%) | 90.0% |" in card
+    assert "None measured yet" in dpzoo.model_card("resnet18-gn-bias").to_markdown()
+
+
+def test_the_packaged_results_are_the_benchmarks(monkeypatch):
+    """dpzoo/models/dp_results.json holds what benchmarks/zoo_results.py wrote for each entry."""
+    import json
+
+    from dpzoo.registry import RESULTS_FILE
+
+    packaged = json.loads(RESULTS_FILE.read_text())
+    for name, result in packaged.items():
+        written = ROOT / "benchmarks" / "results" / "zoo" / f"{name}.json"
+        assert name in dpzoo.list_models() and json.loads(written.read_text()) == result
+
+
 def test_register_user_model(tmp_path):
     class Tiny(nn.Module):
         def __init__(self, width=4):

@@ -60,6 +60,8 @@ _CARD = ModelCard(
     ),
     overrides=card_overrides(OVERRIDES),
     test_overrides={"num_classes": 10, "depths": [1, 1, 1, 1], "dims": [8, 16, 32, 64], "ls_init_value": 0.5},
+    # its 4× stem and three 2× downsamplings (2×2 convolutions, no padding) need 32 pixels: digits are upscaled
+    train_defaults={"image_size": 32},
     example_input={"kind": "image", "shape": [3, 32, 32]},
     notes=(
         "The pretrained tags were trained with LayerNorm, the normalisation dpzoo fine-tunes them with: unlike "
