@@ -427,6 +427,21 @@ def test_resume_of_a_dp_lora_run_takes_the_restored_adapter_as_its_own(tmp_path)
     assert resumed.privacy_engine.accountant.history == first.privacy_engine.accountant.history
 
 
+def test_a_plain_peft_model_in_lora_mode_trains_with_the_trainers_own_optimizer(tmp_path):
+    """The twentieth audit: mode="lora" made the classifier head trainable after the Trainer had
+    built its optimizer from the LoRA factors, and the run was refused ("not in the optimizer")."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(_plain_bert_classifier(), peft.LoraConfig(r=2, target_modules=["query", "value"]))
+    trainer = DPTrainer(model, targs(tmp_path, max_steps=2), train_dataset=TextSet(24, classes=3),
+                        data_collator=pad_collate,
+                        privacy=DPArguments(noise_multiplier=1.0, target_delta=1e-5, mode="lora"))  # fmt: skip
+    trainer.train()
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    in_optimizer = {id(p) for group in trainer.privacy_engine.optimizer.param_groups for p in group["params"]}
+    assert any("classifier" in n for n in trained) and trainer.privacy_engine.steps == 2
+    assert {id(p) for p in model.parameters() if p.requires_grad} <= in_optimizer
+
+
 def _plain_bert_classifier():
     """A plain transformers BERT classifier (not a zoo model), 1 layer, 3 labels."""
     torch.manual_seed(0)

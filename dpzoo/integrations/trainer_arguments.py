@@ -54,7 +54,7 @@ class DPArguments:
     token_reduction: str = field(
         default="mean", metadata=_help("a sequence's loss over its own tokens: mean | sum (never across samples)")
     )
-    train_head: str | None = field(default="auto", metadata=_help("mode=bitfit: head trained in full"))
+    train_head: str | None = field(default="auto", metadata=_help("mode=bitfit or lora: head trained in full"))
     noise_seed: int | None = field(default=None, metadata=_help("tests only: reproducible, not secret, noise"))
     sample_seed: int | None = field(default=None, metadata=_help("tests only: reproducible Poisson sampling"))
     self_check: bool = field(default=True, metadata=_help("compare per-sample norms with brute force on step 1"))

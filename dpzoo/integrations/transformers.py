@@ -50,6 +50,7 @@ from ..privacy import DPOptimizer, PoissonBatchSampler, PrivacyEngine, get_noise
 from ..privacy.budget import compute_sample_rate
 from ..privacy.carried import prior_spending, refuse_uncounted_spending
 from ..privacy.engine import engine_of
+from ..privacy.modes import apply_mode
 from .peft_adapters import mark_resumed
 from .trainer_arguments import DPArguments, check_batch_fits, check_trainer_settings, total_steps
 from .trainer_data import (
@@ -130,7 +131,8 @@ class DPTrainer(Trainer):
         earlier = engine_of(model)
         if earlier is not None and earlier.module is model:  # not the engine of a model this one is a copy of
             earlier.detach()  # an earlier run on this model (e.g. a second train()): its spending composes
-        if self.optimizer is None:
+        if self.optimizer is None:  # the Trainer builds it from what requires grad: the mode's set first
+            apply_mode(p.mode, model, p.train_head)
             self.create_optimizer()
         optimizer = _plain_optimizer(self.optimizer)
         sigma = p.noise_multiplier
