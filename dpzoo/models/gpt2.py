@@ -36,7 +36,7 @@ CARD = ModelCard(
         "random initialisation; `pretrained=True`: hub `openai-community/gpt2`; `weights=DIR`: a Hugging Face "
         'directory; any hub id is a tag too: `dpzoo.load("gpt2.org/model", pretrained=True)` or `pretrained_tag=`'
     ),
-    pretrained_tags={"openai-community/gpt2": "Hugging Face hub (124M, MIT licence)"},
+    pretrained_tags={"openai-community/gpt2": "Hugging Face hub (124M, MIT licence; LayerNorm: DP-ready as it is)"},
     license="MIT (OpenAI GPT-2 weights); Apache-2.0 (transformers code)",
     papers=(
         "Radford et al., Language Models are Unsupervised Multitask Learners, 2019",

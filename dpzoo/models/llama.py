@@ -91,7 +91,7 @@ def _card(name, summary, default, test):
         test,
         hub=hub,
         hub_note=" (gated: accept Meta's licence first)",
-        tags={hub: "Hugging Face hub (gated)"} if name == "llama-bias" else {},
+        tags={hub: "Hugging Face hub (gated; RMSNorm: DP-ready as it is)"} if name == "llama-bias" else {},
         licence="Llama 2 Community Licence (weights); Apache-2.0 (transformers code)",
         papers=("Touvron et al., Llama 2, 2023",),
     )

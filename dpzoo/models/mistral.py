@@ -37,7 +37,7 @@ _TEST = {"vocab_size": 256, "num_layers": 2, "width": 64, "num_heads": 4, "num_k
         _TEST,
         hub=HUB,
         hub_note="",
-        tags={HUB: "Hugging Face hub"},
+        tags={HUB: "Hugging Face hub (RMSNorm: DP-ready as it is)"},
         licence="Apache-2.0 (Mistral-7B-v0.1 weights; transformers code)",
         papers=("Jiang et al., Mistral 7B, 2023",),
         cls="MistralForCausalLM",

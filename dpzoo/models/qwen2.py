@@ -28,6 +28,8 @@ _QWEN25_05B = {  # Qwen2.5-0.5B's config
 }
 _TEST = {"vocab_size": 256, "num_layers": 2, "width": 64, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 128}
 
+_READY = "Hugging Face hub (RMSNorm: DP-ready as it is)"
+
 
 @register_model(
     "qwen2-bias",
@@ -38,7 +40,7 @@ _TEST = {"vocab_size": 256, "num_layers": 2, "width": 64, "num_heads": 4, "num_k
         _TEST,
         hub=HUB,
         hub_note="",
-        tags={HUB: "Hugging Face hub", "Qwen/Qwen2.5-1.5B": "Hugging Face hub"},
+        tags={HUB: _READY, "Qwen/Qwen2.5-1.5B": _READY},
         licence="Apache-2.0 (Qwen2.5-0.5B and -1.5B weights; transformers code)",
         papers=("Qwen Team, Qwen2 Technical Report, 2024",),
         cls="Qwen2ForCausalLM",

@@ -66,7 +66,7 @@ CARD = ModelCard(
         f"random initialisation; `pretrained=True`: hub `{HUB}`; `weights=DIR`: a Hugging Face directory; any hub "
         'id is a tag too: `dpzoo.load("t5-small.org/model", pretrained=True)` or `pretrained_tag=`'
     ),
-    pretrained_tags={HUB: "Hugging Face hub (60M, Apache-2.0; trained without dropout noise from private data)"},
+    pretrained_tags={HUB: "Hugging Face hub (60M, Apache-2.0; T5LayerNorm, an RMSNorm: DP-ready as it is)"},
     license="Apache-2.0 (T5 weights and transformers code)",
     papers=(
         "Raffel et al., Exploring the Limits of Transfer Learning with a Unified Text-to-Text Transformer, JMLR 2020",

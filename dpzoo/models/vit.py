@@ -67,7 +67,9 @@ def _builder(size: str):
             "in-place ops switched off where a module offers the switch",
         ),
         weight_source="random initialisation; `pretrained=True`: timm hub; `weights=PATH`: a local timm checkpoint",
-        pretrained_tags={tag: f"timm hub `timm/{arch}.{tag}` (ImageNet-21k, fine-tuned on 1k)"},
+        pretrained_tags={
+            tag: f"timm hub `timm/{arch}.{tag}` (ImageNet-21k, fine-tuned on 1k; LayerNorm: DP-ready as it is)"
+        },
         license="Apache-2.0 (timm code and weights)",
         papers=(
             "Dosovitskiy et al., An Image is Worth 16x16 Words, ICLR 2021",
