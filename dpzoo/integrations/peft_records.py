@@ -1,19 +1,20 @@
 """A PEFT adapter's privacy record beside its files: ``PeftModel.save_pretrained`` writes it,
 ``PeftModel.from_pretrained`` / ``load_adapter`` read it back onto the adapter.
 
-PEFT keeps no trace of where an adapter was loaded from, so before this a DP-trained adapter
-came back as weights of unknown origin (refused until the user stated its record). Now each
+PEFT keeps no trace of where an adapter was loaded from, so the record travels as a file: each
 adapter directory ``save_pretrained`` writes gets ``dpzoo_privacy.json`` with what the adapter's
-tensors carry (:func:`adapter_record`: the spending links on its LoRA factors, its
+saved tensors carry (:func:`adapter_record`: the spending links on its LoRA factors, its
 ``modules_to_save`` copies and, with PEFT's ``bias=``, the biases it saves; each run's steps
-once), and a load from a local directory with a record links that record to the adapter's
-tensors (:class:`~dpzoo.privacy.spending.RecordSpending`), so a later run composes it. An
-adapter that carries nothing gets no record (a stale one in the directory is removed): trained
-elsewhere, it is refused on reload as before. ε is computed at the δ of the run that trained it
-(an Opacus-trained adapter, whose δ dpzoo does not know, gets no record: state it as before).
-Weights of unknown origin a run was told were trained on disjoint data stay of unknown origin
-through the record (``unknown_origin``): a later run on the reloaded adapter is refused until
-stated again, as it is before the save.
+once; ε at the smallest δ of the runs that trained it). No record is written for an adapter that
+carries nothing (a stale one is removed), one whose δ is unknown (trained by Opacus), or one
+partly of unknown origin; weights of unknown origin stated disjoint for a run are noted
+(``unknown_origin``), so a reload is refused as the model in memory is.
+
+A load links the record to the modules whose tensors it replaced (:func:`snapshot`,
+:func:`loaded_modules`: an adapter file loaded into an existing adapter leaves the other layers
+as they were), composed with a base layer's own link where only its bias was loaded. Without a
+record, what it replaced is of unknown origin (:func:`flag_loaded_without_record`), refused by
+a later run until the user states where it came from.
 """
 
 from __future__ import annotations
