@@ -273,6 +273,14 @@ def _check_options(kind: str, args: argparse.Namespace, opts: set[str]) -> None:
         raise InvalidArgumentError(f"--data {data!r} cannot be read (permissions).")
 
 
+def default_image_size(name: str, data: str) -> int:
+    """The pixels images are resized to without ``--image-size``: the entry's recipe (its card's
+    ``train_defaults``) if it names a size, else 16 for the digits and 32 for an image folder."""
+    from .registry import model_card  # (lazily, as _recipe: the CLI's help stays free of the zoo)
+
+    return int(model_card(name).train_defaults.get("image_size") or (16 if data == "digits" else 32))
+
+
 def _train_kwargs(kind: str, args: argparse.Namespace) -> dict:
     common = {
         "data": args.data or DEFAULT_DATA[kind],
@@ -290,7 +298,8 @@ def _train_kwargs(kind: str, args: argparse.Namespace) -> dict:
         "sample_seed": args.sample_seed,
     }
     if kind in CLASSIFIER_KINDS:
-        size = args.image_size or common.pop("image_size", None) or (16 if common["data"] == "digits" else 32)
+        common.pop("image_size", None)  # the recipe's, when it has one: default_image_size
+        size = args.image_size or default_image_size(args.name, common["data"])
         return {
             **common,
             **image_choices(args),

@@ -106,11 +106,9 @@ def test_a_scheduled_run_records_its_schedule_and_a_wrong_one_is_refused(tmp_pat
 @pytest.mark.parametrize("name", [n for n in dpzoo.list_models() if dpzoo.model_card(n).task == "image-classification"])
 def test_every_image_entry_takes_the_clis_default_digits_size(name):
     """`dpzoo train convnext-tiny` crashed in torch on 16-pixel digits (its card now upscales them)."""
-    from dpzoo.cli import build_parser
-    from dpzoo.cli_train import _train_kwargs
+    from dpzoo.cli_train import default_image_size
 
-    kwargs = _train_kwargs("image", build_parser().parse_args(["train", name]))
+    size = default_image_size(name, "digits")
     card = dpzoo.model_card(name)
-    overrides = {**card.test_overrides, **({"img_size": kwargs["image_size"]} if "img_size" in card.overrides else {})}
-    size = kwargs["image_size"]
+    overrides = {**card.test_overrides, **({"img_size": size} if "img_size" in card.overrides else {})}
     assert dpzoo.load(name, **overrides)(torch.randn(2, 3, size, size)).shape == (2, 10)
