@@ -109,15 +109,22 @@ def refuse_unnoted_unknown_origin(module, privacy: Mapping | None) -> None:
         )
 
 
+def _mark_with_wrapped(module, *more) -> None:
+    """:data:`STATED_DISJOINT` on ``module``, on the model PEFT wraps in it (``merge_and_unload()``
+    returns that one) and on ``more``."""
+    from .peft_layers import wrapped_model
+
+    for m in {id(x): x for x in (module, wrapped_model(module)[1], *more)}.values():
+        object.__setattr__(m, STATED_DISJOINT, True)
+
+
 def mark_weights_unknown(module) -> None:
     """Mark ``module``'s trained weights as holding weights of unknown origin (a checkpoint of a
     run on such weights, loaded into a fresh model): the model, the model PEFT wraps, and every
     module with trainable parameters."""
-    from .peft_layers import wrapped_model
-
-    trained = [m for m in module.modules() if any(p.requires_grad for p in m.parameters(recurse=False))]
-    for m in {id(x): x for x in (module, wrapped_model(module)[1], *trained)}.values():
-        object.__setattr__(m, STATED_DISJOINT, True)
+    _mark_with_wrapped(
+        module, *(m for m in module.modules() if any(p.requires_grad for p in m.parameters(recurse=False)))
+    )
 
 
 def mark_unknown_origin(module, records) -> None:
@@ -191,11 +198,8 @@ def clear_marks(module, unknown: list | None = None, disjoint: bool = False) -> 
             statement = {} if statement is None else statement
         if isinstance(statement, Mapping) and statement.get("unknown_origin"):
             statement = {}  # a record that holds weights of unknown origin: they stay unknown
-        if statement == {}:  # on the model PEFT wraps too: merge_and_unload() returns it
-            from .peft_layers import wrapped_model
-
-            for held in {id(x): x for x in (m, wrapped_model(m)[1])}.values():
-                object.__setattr__(held, STATED_DISJOINT, True)
+        if statement == {}:
+            _mark_with_wrapped(m)
             stated_disjoint = True
         elif statement:
             m.__dict__.pop(STATED_DISJOINT, None)  # a record composed: known from now on
