@@ -93,6 +93,7 @@ def main() -> None:
         dpzoo.save(model, args.save)  # every rank takes part; rank 0 writes, with the privacy metadata
         if rank == 0:
             print("saved to", args.save, dpzoo.privacy_metadata(args.save)["epsilon"])
+    dist.barrier()  # every rank done before any tears gloo/NCCL down (an early leaver can abort the others)
     dist.destroy_process_group()
 
 

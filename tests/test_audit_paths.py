@@ -27,6 +27,7 @@ elsewhere (tests/test_grad_norms_*.py).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import socket
 import warnings
@@ -141,6 +142,9 @@ def _distributed_audits(rank, world, port):
         dist.all_gather_object(gathered, bounds)
         if rank == 0:
             torch.save(gathered, os.environ["DPZOO_AUDIT_OUT"])
+        # both ranks done before either tears gloo down (a rank leaving mid-teardown aborted the
+        # other with SIGABRT in CI); bounded, so a failed rank cannot hang it
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=120))
     finally:
         DPOptimizer.clip_factors = original
         dist.destroy_process_group()
