@@ -28,6 +28,9 @@ MODES = [
     "opacus-ghost",
 ]
 BASELINE = "nonprivate-full"
+# the physical floor of full DP training: the non-private step plus a Gaussian draw (dpzoo's secret
+# generator) added to every trainable coordinate's gradient, what no DP step can avoid
+FLOOR = "floor"
 # a second baseline for a mode: its ratio to this one is reported too (bias-only vs bias-only)
 SECOND_BASELINE = {"dpzoo-bitfit": "nonprivate-bias"}
 
@@ -95,15 +98,18 @@ def failure(e: BaseException) -> dict:
     return {"status": status, "reason": f"{type(e).__name__}: {' '.join(str(e).split())}"[:300]}
 
 
-def build(cfg: dict, device: str = "cpu"):
-    """(model, x, y, criterion, forward) of a config, seeded: every call gives the same weights and batch."""
+def build(cfg: dict, device: str = "cpu", model_mode: Any = None):
+    """(model, x, y, criterion, forward) of a config, seeded: every call gives the same weights and
+    batch. ``model_mode``: a context (e.g. a ``FakeTensorMode``) the model is built in, not the data."""
     import torch
 
     import dpzoo
 
     torch.manual_seed(0)
+    in_mode = model_mode if model_mode is not None else contextlib.nullcontext()
     if cfg["kind"] == "image":
-        model = dpzoo.load(cfg["name"], num_classes=10)
+        with in_mode:
+            model = dpzoo.load(cfg["name"], num_classes=10)
         x = torch.randn(cfg["batch"], 3, cfg["size"], cfg["size"])
         y = torch.randint(0, 10, (cfg["batch"],))
         crit = torch.nn.CrossEntropyLoss()
@@ -111,7 +117,8 @@ def build(cfg: dict, device: str = "cpu"):
     elif cfg["kind"] == "seqrec":
         from dpzoo.losses import SequenceCrossEntropy
 
-        model = dpzoo.load(cfg["name"], num_items=cfg["items"], max_len=cfg["seq"])
+        with in_mode:
+            model = dpzoo.load(cfg["name"], num_items=cfg["items"], max_len=cfg["seq"])
         x = torch.randint(1, cfg["items"] + 1, (cfg["batch"], cfg["seq"]))
         y = torch.randint(1, cfg["items"] + 1, (cfg["batch"], cfg["seq"]))
         if hasattr(model, "set_token_frequencies"):  # Re-Attention active in every mode, as in training
@@ -130,16 +137,19 @@ def build(cfg: dict, device: str = "cpu"):
             max_positions=cfg["seq"],
         )
         if cfg["kind"] == "llama":
-            with torch.device(device):  # initialised where it trains: 1.1B weights take a while on a CPU
+            with torch.device(device), in_mode:  # initialised where it trains: 1.1B weights take a while on a CPU
                 model = dpzoo.load("llama-bias", **shape, num_kv_heads=cfg["kv_heads"], intermediate_size=cfg["mlp"])
         else:
             no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-            model = dpzoo.load("gpt2", **shape, tie_word_embeddings=cfg["tied"], **no_dropout)
+            with in_mode:
+                model = dpzoo.load("gpt2", **shape, tie_word_embeddings=cfg["tied"], **no_dropout)
         x = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"]))
         y = x.clone()
         crit = SequenceCrossEntropy(shift=True)
         fwd = lambda m, x: m(input_ids=x).logits  # noqa: E731
-    return model.to(device).train(), x.to(device), y.to(device), crit, fwd
+    if device != "cpu":  # (built on the CPU; .to would swap a fake tensor's parameters, see cost_report.py)
+        model, x, y = model.to(device), x.to(device), y.to(device)
+    return model.train(), x, y, crit, fwd
 
 
 @dataclass
@@ -158,6 +168,7 @@ class Runner:
     loader: Any = None  # dpzoo: the engine's loader (the engine steps only on batches from it)
     engine: Any = None
     steps: int = field(default=0)
+    noise_floor: bool = False  # FLOOR: noise on every trainable coordinate before the optimizer step
 
     def _sync(self) -> None:
         if self.device.startswith("cuda"):
@@ -176,6 +187,13 @@ class Runner:
                 loss = self.crit(self.fwd(self.model, x), y)
         with phase("backward"):
             loss.backward()
+        if self.noise_floor:
+            from dpzoo.privacy.data import secret_generator
+
+            with phase("noise"):
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.add_(torch.empty_like(p).normal_(0.0, 1.0, generator=secret_generator(p.device)))
         with phase("optimizer"):
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
@@ -201,9 +219,18 @@ class Runner:
         return sum(int(h[2]) for h in self.engine.accountant.history)
 
 
-def make_runner(config: str | dict, mode: str, device: str = "cpu", precision: str = "fp32") -> Runner:
+def make_runner(
+    config: str | dict,
+    mode: str,
+    device: str = "cpu",
+    precision: str = "fp32",
+    model_mode: Any = None,
+    engine_kwargs: dict | None = None,
+) -> Runner:
     """Build ``mode`` on ``config`` (a name of :data:`ALL_CONFIGS` or a config dict); raises
-    :class:`Unsupported` when the library refuses the combination."""
+    :class:`Unsupported` when the library refuses the combination. ``model_mode``: a context the
+    model, its optimizer and engine are built in (not the data), e.g. ``cost_trace``'s;
+    ``engine_kwargs``: more arguments to dpzoo's ``make_private`` (e.g. ``self_check=False``)."""
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -212,61 +239,64 @@ def make_runner(config: str | dict, mode: str, device: str = "cpu", precision: s
 
     warnings.filterwarnings("ignore")
     cfg = ALL_CONFIGS[config] if isinstance(config, str) else config
-    model, x, y, crit, fwd = build(cfg, device)
+    model, x, y, crit, fwd = build(cfg, device, model_mode)
+    in_mode = model_mode if model_mode is not None else contextlib.nullcontext()
     if mode == "nonprivate-bias":
         for n, p in model.named_parameters():
             p.requires_grad_(n.endswith("bias"))
-    elif not (mode == "nonprivate-full" or mode.startswith(("dpzoo-", "opacus-"))):
+    elif not (mode in ("nonprivate-full", FLOOR) or mode.startswith(("dpzoo-", "opacus-"))):
         raise ValueError(f"unknown mode {mode!r}")
     opt = torch.optim.SGD(list(model.parameters()), lr=1e-4)
     loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r} ({', '.join(PRECISIONS)})")
-    run = Runner(mode, model, opt, crit, fwd, x, y, device, precision)
-    try:
-        if mode.startswith("dpzoo-"):
-            name = mode.removeprefix("dpzoo-")
-            if name not in TRAINING_MODES:
-                raise Unsupported(f"dpzoo has no mode {name!r} (modes: {', '.join(TRAINING_MODES)})")
-            engine = dpzoo.PrivacyEngine()
-            # batch_size = N: q = 1, so every Poisson batch is the whole (fixed) batch, as for the others
-            run.model, run.opt, run.loader = engine.make_private(
-                module=model,
-                optimizer=opt,
-                data_loader=loader,
-                noise_multiplier=1.0,
-                max_grad_norm=1.0,
-                mode=name,
-                train_head=None,
-            )
-            run.engine = engine
-        elif mode.startswith("opacus-"):
-            from opacus import PrivacyEngine
+    run = Runner(mode, model, opt, crit, fwd, x, y, device, precision, noise_floor=mode == FLOOR)
+    with in_mode:
+        try:
+            if mode.startswith("dpzoo-"):
+                name = mode.removeprefix("dpzoo-")
+                if name not in TRAINING_MODES:
+                    raise Unsupported(f"dpzoo has no mode {name!r} (modes: {', '.join(TRAINING_MODES)})")
+                engine = dpzoo.PrivacyEngine()
+                # batch_size = N: q = 1, so every Poisson batch is the whole (fixed) batch, as for the others
+                run.model, run.opt, run.loader = engine.make_private(
+                    module=model,
+                    optimizer=opt,
+                    data_loader=loader,
+                    noise_multiplier=1.0,
+                    max_grad_norm=1.0,
+                    mode=name,
+                    train_head=None,
+                    **(engine_kwargs or {}),
+                )
+                run.engine = engine
+            elif mode.startswith("opacus-"):
+                from opacus import PrivacyEngine
 
-            from dpzoo.engines.opacus import make_private
+                from dpzoo.engines.opacus import make_private
 
-            gsm = {"opacus-hooks": "hooks", "opacus-ghost": "ghost"}.get(mode)
-            if gsm is None:
-                raise Unsupported(f"no Opacus mode {mode!r} (opacus-hooks, opacus-ghost)")
-            engine = PrivacyEngine()
-            out = make_private(
-                engine,
-                module=model,
-                optimizer=opt,
-                data_loader=loader,
-                noise_multiplier=1.0,
-                max_grad_norm=1.0,
-                poisson_sampling=False,
-                criterion=crit,
-                grad_sample_mode=gsm,
-            )
-            if gsm == "ghost":
-                run.model, run.opt, run.crit, _ = out
-            else:
-                run.model, run.opt, _ = out
-            run.engine = engine
-    except dpzoo.DPZooError as e:
-        raise Unsupported(" ".join(str(e).split())[:300]) from e
+                gsm = {"opacus-hooks": "hooks", "opacus-ghost": "ghost"}.get(mode)
+                if gsm is None:
+                    raise Unsupported(f"no Opacus mode {mode!r} (opacus-hooks, opacus-ghost)")
+                engine = PrivacyEngine()
+                out = make_private(
+                    engine,
+                    module=model,
+                    optimizer=opt,
+                    data_loader=loader,
+                    noise_multiplier=1.0,
+                    max_grad_norm=1.0,
+                    poisson_sampling=False,
+                    criterion=crit,
+                    grad_sample_mode=gsm,
+                )
+                if gsm == "ghost":
+                    run.model, run.opt, run.crit, _ = out
+                else:
+                    run.model, run.opt, _ = out
+                run.engine = engine
+        except dpzoo.DPZooError as e:
+            raise Unsupported(" ".join(str(e).split())[:300]) from e
     return run
 
 

@@ -11,7 +11,11 @@ over non-private full training's time in the same round, so noise common to a ro
 reported ratio is the median of the per-round ratios; the interval is their min–max over the
 rounds, which, read as a distribution-free confidence interval for that median, covers it with
 probability 1 − 2^(1 − rounds) (93.8% for 5 rounds, 98.4% for 7). DP-BiTFiT is also reported
-against non-private bias-only training, round by round in the same way.
+against non-private bias-only training, round by round in the same way. On a CPU (``--floor``)
+the physical floor of full DP training is timed among the modes: the non-private step plus a
+Gaussian draw added to every trainable coordinate's gradient, the part of a DP step no method
+avoids (on 2 CPU cores the noise alone is a large part of a small model's step); a DP mode's ratio
+reads against the floor's, ``floor`` in the JSON.
 
 Memory, per mode, in a separate process each (``--no-memory`` skips it), as a ratio to
 non-private full: on CPU the peak RSS during the training steps minus the RSS before them (the
@@ -41,6 +45,7 @@ from bench_modes import (
     ALL_CONFIGS,
     BASELINE,
     CONFIGS,
+    FLOOR,
     MODES,
     PRECISIONS,
     SECOND_BASELINE,
@@ -295,6 +300,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="CAP",
         help="GPU: also find each mode's largest batch (doubling from the config's, up to CAP); 0: skip",
     )
+    ap.add_argument(
+        "--floor",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also time the physical floor (the non-private step plus a noise draw per trainable coordinate); "
+        "default: on CPU",
+    )
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
     ap.add_argument("--worker", nargs=2, metavar=("CONFIG", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -352,20 +364,21 @@ def main(argv=None) -> int:
     for config in args.configs:
         t0 = time.time()
         modes = config_modes(config, args.modes)
+        timed = modes + [FLOOR] if (args.floor if args.floor is not None else not cuda) else modes
         entry = {"config": ALL_CONFIGS[config], "modes": modes}
         if cuda and not args.no_memory:  # in this process, before the timing's runners take memory
             entry["memory"] = memory_config(config, modes, device, args.threads, args.precision, args.memory_steps)
         timer = time_config_pairwise if args.pairwise else time_config
         try:
-            entry["time"] = timer(config, modes, device, args.rounds, args.steps_per_round, args.warmup, args.precision)
+            entry["time"] = timer(config, timed, device, args.rounds, args.steps_per_round, args.warmup, args.precision)
         except SystemExit as e:  # the baseline itself failed (e.g. out of memory): the other configs still run
             entry["time"] = {"modes": {}, "error": str(e)}
             print(e, flush=True)
         if not cuda and not args.no_memory:  # a mode refused while timing is not run again
-            ok = [m for m, r in entry["time"]["modes"].items() if r["status"] == "ok"]
+            ok = [m for m, r in entry["time"]["modes"].items() if r["status"] == "ok" and m != FLOOR]
             entry["memory"] = memory_config(config, ok, device, args.threads, args.precision, args.memory_steps)
         if args.max_batch:
-            ok = [m for m, r in entry["time"]["modes"].items() if r["status"] == "ok"]
+            ok = [m for m, r in entry["time"]["modes"].items() if r["status"] == "ok" and m != FLOOR]
             entry["largest_batch"] = {m: largest_batch(config, m, device, args.precision, args.max_batch) for m in ok}
         data["configs"][config] = entry
         print(f"{config}: {time.time() - t0:.0f}s", flush=True)

@@ -100,7 +100,8 @@ def test_tiny_run_json(tiny_run):
     assert meta["machine"]["device"] == "cpu" and meta["machine"]["torch"] and meta["machine"]["threads"] == 1
     assert (out / "training_step.png").stat().st_size > 0
     run = data["configs"]["gpt2-tiny-tied"]["time"]
-    timed = [m for m in meta["modes"] if m != "opacus-ghost"]
+    # on a CPU the physical floor is timed among the modes (not a mode of meta's list)
+    timed = [m for m in meta["modes"] if m != "opacus-ghost"] + [bench_modes.FLOOR]
     assert run["orders"] == [bench.round_order(timed, r) for r in range(5)]
     modes = run["modes"]
     base = modes["nonprivate-full"]
@@ -129,6 +130,9 @@ def test_table_prints_the_json(tiny_run):
     text = table.tables(data)
     row = next(ln for ln in text.splitlines() if ln.startswith("| gpt2-tiny-tied"))
     cells = [c.strip() for c in row.strip("|").split("|")]
+    header = next(ln for ln in text.splitlines() if ln.startswith("| step time"))
+    assert header.rstrip(" |").endswith("opacus-ghost | floor")
+    cells = cells[:-1]  # the floor's column
     assert cells[1] == "1.00× [1.00–1.00]" and cells[-1] == "unsupported"
     q = data["configs"]["gpt2-tiny-tied"]["time"]["modes"]["opacus-hooks"]["time_ratio"]
     assert cells[-2] == f"{q['median']:.2f}× [{q['low']:.2f}–{q['high']:.2f}]"
@@ -197,7 +201,24 @@ def test_pairwise_timing_gives_every_mode_its_own_pass_against_the_baseline(tmp_
         "nonprivate-bias": ["nonprivate-bias", "nonprivate-full"],
         "dpzoo-bk": ["dpzoo-bk", "nonprivate-full"],
         "dpzoo-bitfit": ["dpzoo-bitfit", "nonprivate-bias", "nonprivate-full"],
+        "floor": ["floor", "nonprivate-full"],
     }
     modes = run["modes"]
     assert modes["dpzoo-bk"]["dp_steps"] == 6 and "time_ratio_second" in modes["dpzoo-bitfit"]
     assert modes["nonprivate-full"]["time_ratio"]["per_round"] == [1.0] * 5
+
+
+def test_the_floor_is_the_non_private_step_plus_noise_on_every_trainable_coordinate():
+    """Built from the same seed, the floor's step moves the weights as the non-private step does
+    plus SGD's step on fresh noise: different weights, by about lr·σ per coordinate."""
+    import torch
+
+    runs = {m: bench_modes.make_runner("gpt2-tiny-tied", m) for m in ("nonprivate-full", bench_modes.FLOOR)}
+    for a, b in zip(*(r.model.parameters() for r in runs.values())):
+        assert torch.equal(a, b)  # the same start
+    for run in runs.values():
+        run.step()
+    plain, floor = ([p.detach() for p in r.model.parameters()] for r in runs.values())
+    moved = torch.cat([(f - p).flatten() for f, p in zip(floor, plain)])
+    assert moved.numel() == sum(p.numel() for p in plain)
+    assert 0.5e-4 < moved.std().item() < 2e-4  # lr 1e-4 times N(0, 1)

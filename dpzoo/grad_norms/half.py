@@ -29,10 +29,13 @@ import torch
 
 __all__ = [
     "HALF", "upcast", "exact_matmuls", "product", "split_bfloat16", "round_toward_zero", "shared_scale", "kept_bits",
-    "scaled_product",
+    "scaled_product", "TENSOR_CORE_DEVICES",
 ]  # fmt: skip
 
 HALF = (torch.float16, torch.bfloat16)
+# device types whose half products run as one float32-output product (``out_dtype``); the cost
+# report (benchmarks/cost_trace.py) adds "cpu" to trace on a CPU the operators CUDA runs
+TENSOR_CORE_DEVICES = {"cuda"}
 
 
 def upcast(t: torch.Tensor) -> torch.Tensor:
@@ -53,7 +56,8 @@ def exact_matmuls():
 
 
 def _on_tensor_cores(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.dtype in HALF and a.is_cuda and b.is_cuda
+    devices = TENSOR_CORE_DEVICES
+    return a.dtype == b.dtype and a.dtype in HALF and a.device.type in devices and b.device.type in devices
 
 
 def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,181 @@
+"""benchmarks/cost_trace.py, gpu_model.py and cost_report.py: exact counts of a step without
+computing it, the roofline model, the report."""
+
+from __future__ import annotations
+
+import collections
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))  # the scripts import their helper modules by their bare names
+
+import bench_modes  # noqa: E402
+import cost_report  # noqa: E402
+import cost_trace  # noqa: E402
+import gpu_model  # noqa: E402
+
+
+def _traced(fn):
+    tracer = cost_trace.ShapeTrace()
+    tracer.recording = True
+    with tracer:
+        out = fn()
+    return tracer.trace, out
+
+
+def _kernels(trace, name):
+    return [op for op in trace.ops if op.kernel and op.name.startswith(name)]
+
+
+def test_linear_forward_and_backward_flops_and_bytes_are_the_hand_computed_ones():
+    B, din, dout = 8, 24, 40
+    layer = nn.Linear(din, dout)
+
+    def step():
+        x = torch.randn(B, din)
+        layer(x).sum().backward()
+
+    trace, _ = _traced(step)
+    (addmm,) = _kernels(trace, "aten.addmm")
+    assert addmm.flops == 2 * B * din * dout
+    assert addmm.read == 4 * (dout + B * din + din * dout)  # bias, input, weight
+    assert addmm.written == 4 * B * dout
+    mms = _kernels(trace, "aten.mm")
+    assert sorted(op.flops for op in mms) == [2 * B * din * dout]  # the weight gradient (no input gradient)
+    assert sum(op.flops for op in trace.ops if op.unit == "fp32") == 4 * B * din * dout
+    assert all(op.unit == "memory" for op in trace.ops if not op.name.startswith(("aten.addmm", "aten.mm")))
+
+
+def test_conv2d_flops_are_the_hand_computed_ones_and_half_products_run_on_tensor_cores():
+    B, cin, cout, k, hw = 2, 3, 5, 3, 10
+    conv = nn.Conv2d(cin, cout, k, padding=1)
+    trace, out = _traced(lambda: conv(torch.randn(B, cin, hw, hw)))
+    assert out.shape == (B, cout, hw, hw) and isinstance(out, torch.Tensor)
+    (op,) = _kernels(trace, "aten.convolution")
+    assert op.flops == 2 * B * cout * hw * hw * cin * k * k
+    assert op.written == 4 * B * cout * hw * hw and op.unit == "fp32"
+    trace, _ = _traced(lambda: torch.randn(4, 8, 16).bfloat16() @ torch.randn(4, 16, 2).bfloat16())
+    assert _kernels(trace, "aten.bmm")[0].unit == "tc_half"
+    trace, _ = _traced(lambda: torch.randn(4, 8, 16).double() @ torch.randn(4, 16, 2).double())
+    assert _kernels(trace, "aten.bmm")[0].unit == "fp64"
+
+
+def test_nothing_is_computed_and_live_memory_is_counted():
+    n = 2**20  # 4 MB of float32
+    tracer = cost_trace.ShapeTrace()
+    tracer.recording = True
+    with tracer:
+        a = torch.ones(n)
+        b = a * 3
+        assert tracer.live_bytes() == 8 * n
+        del a
+        c = b + 1
+    assert tracer.trace.peak_bytes == 8 * n  # a freed before c
+    assert tracer.live_bytes() == 8 * n
+    assert c.shape == (n,)
+    assert not bool((c == 4).all())  # values were never computed (the memory is whatever was there)
+
+
+def test_a_traced_step_runs_the_operators_of_a_real_step():
+    """The shape-only step launches the same operators, in the same order, as the step computed
+    for real (after the same warm-up) whose host reads get the same answers (those of a step where
+    no check fires: on real data a check may fire on a few rows, e.g. the zero gradient of a shifted
+    LM's last position, and costs a few small kernels more), for the non-private and DP modes."""
+    config = bench_modes.TINY_CONFIGS["gpt2-tiny-tied"]
+    for mode in ("nonprivate-full", "dpzoo-bk-mixopt", "dpzoo-bitfit"):
+        traced = [op.name for op in cost_trace.trace_step(config, mode, "fp32").ops]
+        run = bench_modes.make_runner(config, mode, "cpu", "fp32", engine_kwargs=cost_trace.ENGINE)
+        for _ in range(2):
+            run.step()
+        names = []
+
+        class Names(torch.utils._python_dispatch.TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                names.append(str(func))
+                if func in cost_trace.HOST_READS:
+                    return cost_trace.passing_answer(func, args)
+                return func(*args, **(kwargs or {}))
+
+        batch = run.next_batch()
+        with Names():
+            run.train_step(batch)
+        assert names == traced, mode
+
+
+def test_counts_are_deterministic_and_the_dp_step_costs_more():
+    config = bench_modes.TINY_CONFIGS["llama-tiny"]
+    a = cost_trace.summarize(cost_trace.trace_step(config, "dpzoo-bk-mixopt", "bf16"))
+    b = cost_trace.summarize(cost_trace.trace_step(config, "dpzoo-bk-mixopt", "bf16"))
+    base = cost_trace.summarize(cost_trace.trace_step(config, "nonprivate-full", "bf16"))
+    assert a == b
+    assert a["kernels"] > base["kernels"] and a["host_reads"] > base["host_reads"] == 0
+    assert a["python_calls"] > base["python_calls"] > 0
+    assert "tc_half" in a["gflops"] and "fp32" not in base["gflops"]  # autocast: the products in bf16
+
+
+def _op(flops=0.0, nbytes=0, unit="memory", kernel=True, sync=False):
+    return cost_trace.Op("x", flops, nbytes, 0, "float32", unit, kernel, sync)
+
+
+def test_roofline_takes_the_slower_of_compute_and_memory_and_the_host_waits_at_reads():
+    d = gpu_model.Device("test", {u: 1e12 for u in gpu_model.UNITS[1:]}, 1e12, {u: 1.0 for u in gpu_model.UNITS[1:]},
+                         memory_efficiency=1.0, kernel_s=1e-6, host_op_s=1e-6, host_call_s=0.0, host_read_s=1e-3)  # fmt: skip
+    compute = cost_trace.Trace([_op(flops=5e9, nbytes=1e6, unit="fp32")])
+    assert gpu_model.predict(compute, d)["ms"] == pytest.approx(5.001)  # + the kernel's fixed 1 µs
+    memory = cost_trace.Trace([_op(flops=5e9, nbytes=7e9, unit="fp32")])
+    assert gpu_model.predict(memory, d)["ms"] == pytest.approx(7.001)
+    tiny = cost_trace.Trace([_op(nbytes=1)] * 10)  # launch-bound: host 1 µs per op, kernel 1 µs
+    assert gpu_model.predict(tiny, d)["ms"] == pytest.approx(0.01)
+    # a host read between two 2 ms kernels: no overlap across it, plus its latency
+    synced = cost_trace.Trace([_op(nbytes=2e9), _op(kernel=False, sync=True), _op(nbytes=2e9)])
+    p = gpu_model.predict(synced, d)
+    assert p["ms"] == pytest.approx(2.001 + 1.0 + 2.001) and p["bound"] == "device"
+    calls = dataclasses_replace(d, host_call_s=1e-3)
+    assert gpu_model.predict(cost_trace.Trace([_op(nbytes=1)], python_calls=4), calls)["ms"] == pytest.approx(4.001)
+
+
+def dataclasses_replace(d, **kw):
+    import dataclasses
+
+    return dataclasses.replace(d, **kw)
+
+
+def test_calibration_recovers_constants_that_explain_the_ratios():
+    """Synthetic cells whose 'measured' ratios come from a device with grid constants: the
+    calibration finds constants that reproduce every ratio, in and out of sample."""
+    truth = dataclasses_replace(gpu_model.DEVICES["h100"], memory_efficiency=0.4, host_op_s=8e-6, host_call_s=1e-6)
+    cells = collections.defaultdict(list)
+    for i, n in enumerate((10, 200, 3000)):
+        base = gpu_model.arrays(cost_trace.Trace([_op(nbytes=4e8)] * 20, python_calls=100))
+        mode = gpu_model.arrays(cost_trace.Trace([_op(nbytes=4e8)] * 20 + [_op(nbytes=1e4)] * n, python_calls=100 * n))
+        ratio = gpu_model.predict(mode, truth)["ms"] / gpu_model.predict(base, truth)["ms"]
+        cells[f"g{i % 2}"].append((mode, base, ratio))
+    fitted, held_out = gpu_model.calibrate(dict(cells), gpu_model.DEVICES["h100"])
+    assert all(abs(e) < 0.05 for e in gpu_model.ratio_errors([c for v in cells.values() for c in v], fitted))
+    assert set(held_out) == {"g0", "g1"}
+
+
+def test_report_writes_counts_ratios_and_predictions(tmp_path):
+    argv = ["--configs", "gpt2-tiny-tied", "--precisions", "bf16", "--modes", "dpzoo-bitfit", "opacus-ghost"]
+    assert cost_report.main(argv + ["--no-validate", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "cost_report.json").read_text())
+    rows = data["configs"]["gpt2-tiny-tied"]["precisions"]["bf16"]
+    assert set(rows) == {"nonprivate-full", "nonprivate-bias", "dpzoo-bitfit", "opacus-ghost"}
+    assert rows["opacus-ghost"]["status"] == "failed" and "tied" in rows["opacus-ghost"]["reason"]
+    bitfit = rows["dpzoo-bitfit"]
+    assert bitfit["ratio"]["kernels"] > 1 and bitfit["ratio_to_second"]["kernels"] > bitfit["ratio"]["kernels"]
+    assert set(bitfit["predicted"]) == {"h100", "h200"} and bitfit["predicted"]["h100"]["ms"] > 0
+    # the H200's bandwidth is higher, its compute the same: never slower
+    assert bitfit["predicted"]["h200"]["device_ms"] <= bitfit["predicted"]["h100"]["device_ms"]
+
+
+def test_measured_cells_are_read_from_every_table():
+    for _, _, patterns, _ in cost_report.TABLES:
+        cells = cost_report.measured_cells(patterns)
+        assert cells and all(c["measured_ratio"] > 0 and c["mode"] != "nonprivate-full" for c in cells)
