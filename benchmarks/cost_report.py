@@ -97,6 +97,7 @@ def report(traces: dict, devices: dict) -> dict:
             continue
         row = {"status": "ok", **cost_trace.summarize(t)}
         row["predicted"] = {name: gpu_model.predict(t, d) for name, d in devices.items()}
+        row["by_source_h100"] = gpu_model.by_source(t, devices["h100"])
         rows[mode] = row
     for cfg in out.values():
         for rows in cfg["precisions"].values():

@@ -53,6 +53,7 @@ NO_KERNEL = {
     aten.set_.source_Storage_storage_offset,
 }
 HALF = (torch.bfloat16, torch.float16)
+MODE_LOOKUPS = ("torch/_library/simple_registry.py",)  # run per operator only under a Python dispatch mode
 # no first-step self-check (it compares values); the planner's memory budget of an 80 GB GPU (half
 # its memory, the engine's default there), not of the machine that traces: the same plan anywhere
 ENGINE = {"self_check": False, "memory_budget": 40 * 2**30}
@@ -70,6 +71,7 @@ class Op:
     unit: str  # "tc_half", "tc_half_out32", "tc_tf32", "fp32", "fp64" (products) or "memory"
     kernel: bool  # launches device work
     sync: bool  # the host waits for the device's answer
+    source: str = ""  # the innermost dpzoo function that ran it ("" for the model's own and torch's)
 
 
 @dataclass
@@ -200,8 +202,9 @@ class ShapeTrace(TorchDispatchMode):
     def _record(self, func, args, kwargs, outputs, sync=False, flops_out=None, view=False) -> None:
         if not self.recording:
             return
+        source = _dpzoo_source()
         if view:
-            self.trace.ops.append(Op(str(func), 0.0, 0, 0, "", "memory", False, False))
+            self.trace.ops.append(Op(str(func), 0.0, 0, 0, "", "memory", False, False, source))
             return
         inputs = _tensors((args, {k: v for k, v in kwargs.items() if k != "out"}))
         written = sum(_bytes(t) for t in outputs)
@@ -213,7 +216,7 @@ class ShapeTrace(TorchDispatchMode):
             flops = float(max([t.numel() for t in inputs + outputs] or [0]))
         dtype = str((inputs or outputs or [torch.empty(0)])[0].dtype).removeprefix("torch.")
         kernel = not sync and func not in NO_KERNEL
-        self.trace.ops.append(Op(str(func), flops, read, written, dtype, _unit(func, inputs), kernel, sync))
+        self.trace.ops.append(Op(str(func), flops, read, written, dtype, _unit(func, inputs), kernel, sync, source))
         self.trace.peak_bytes = max(self.trace.peak_bytes, self.live_bytes())
 
 
@@ -253,9 +256,21 @@ def trace_step(config: str | dict, mode: str, precision: str = "fp32", warmup: i
     return tracer.trace
 
 
+def _dpzoo_source() -> str:
+    """``grad_norms/reps.py:_gram``: the innermost dpzoo function on the stack, or ""."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if "/dpzoo/" in path:
+            return f"{path.rsplit('/dpzoo/', 1)[1]}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return ""
+
+
 @contextlib.contextmanager
 def _count_python_calls(trace: Trace):
-    """Count the Python function calls of the step into ``trace``, not those of the tracer itself."""
+    """Count the Python function calls of the step into ``trace``, not those of the tracer itself
+    (its dispatch handler, and the rule lookups torch makes for any Python dispatch mode)."""
     dispatch = ShapeTrace.__torch_dispatch__.__code__
     inside = 0
 
@@ -263,7 +278,7 @@ def _count_python_calls(trace: Trace):
         nonlocal inside
         if frame.f_code is dispatch:
             inside += 1 if event == "call" else -1 if event == "return" else 0
-        elif event == "call" and not inside:
+        elif event == "call" and not inside and not frame.f_code.co_filename.endswith(MODE_LOOKUPS):
             trace.python_calls += 1
 
     sys.setprofile(profile)

@@ -141,3 +141,20 @@ def calibrate(cells: dict, device: Device) -> tuple[Device, dict]:
 
     held_out = {g: ratio_errors(cells[g], fit([h for h in cells if h != g])) for g in cells}
     return fit(list(cells)), held_out
+
+
+def by_source(trace: Trace, device: Device, top: int = 8) -> list[dict]:
+    """The dpzoo functions whose operators cost most device time on ``device`` (``""``: the
+    model's own and torch's operators), with their operator and host-read counts."""
+    a = arrays(trace)
+    rates = np.array([np.inf] + [device.rate(u) for u in UNITS[1:]])
+    dev = np.maximum(a.flops / rates[a.unit], a.nbytes / (device.bandwidth * device.memory_efficiency))
+    dev = np.where(a.kernel, dev + device.kernel_s, 0.0)
+    rows: dict = {}
+    for op, t in zip(trace.ops, dev):
+        r = rows.setdefault(op.source or "(model, loss, optimizer)", {"device_ms": 0.0, "ops": 0, "host_reads": 0})
+        r["device_ms"] += t * 1e3
+        r["ops"] += 1
+        r["host_reads"] += op.sync
+    ranked = sorted(rows.items(), key=lambda kv: -kv[1]["device_ms"])[:top]
+    return [{"source": k, **v} for k, v in ranked]

@@ -110,9 +110,16 @@ def test_a_traced_step_runs_the_operators_of_a_real_step():
 
 def test_counts_are_deterministic_and_the_dp_step_costs_more():
     config = bench_modes.TINY_CONFIGS["llama-tiny"]
-    a = cost_trace.summarize(cost_trace.trace_step(config, "dpzoo-bk-mixopt", "bf16"))
+    dp = cost_trace.trace_step(config, "dpzoo-bk-mixopt", "bf16")
+    plain = cost_trace.trace_step(config, "nonprivate-full", "bf16")
+    a, base = cost_trace.summarize(dp), cost_trace.summarize(plain)
     b = cost_trace.summarize(cost_trace.trace_step(config, "dpzoo-bk-mixopt", "bf16"))
-    base = cost_trace.summarize(cost_trace.trace_step(config, "nonprivate-full", "bf16"))
+    # every operator is attributed to the dpzoo function that ran it: no DP machinery in non-private training
+    assert not any(op.source.startswith(("grad_norms/", "privacy/")) for op in plain.ops)
+    assert any(op.source.startswith("nn/") for op in plain.ops)  # dpzoo's own RMSNorm module
+    top = gpu_model.by_source(dp, gpu_model.DEVICES["h100"])
+    assert any(r["source"].startswith("grad_norms/") for r in top)
+    assert sum(r["host_reads"] for r in gpu_model.by_source(dp, gpu_model.DEVICES["h100"], top=1000)) == a["host_reads"]
     assert a == b
     assert a["kernels"] > base["kernels"] and a["host_reads"] > base["host_reads"] == 0
     assert a["python_calls"] > base["python_calls"] > 0
