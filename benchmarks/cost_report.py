@@ -192,6 +192,13 @@ def plot(validation: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _plain(x):
+    """numpy scalars (the model's arithmetic) as Python numbers, for JSON."""
+    if hasattr(x, "item"):
+        return x.item()
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
 def _commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -230,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         result["devices"] = {k: dataclasses.asdict(d) for k, d in devices.items()}
     result["configs"] = report(traces, devices)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cost_report.json").write_text(json.dumps(result, indent=1))
+    (args.out / "cost_report.json").write_text(json.dumps(result, indent=1, default=_plain))
     if not args.no_validate:
         plot(result["validation"], args.out / "validation.png")
         for t in result["validation"]["tables"]:
