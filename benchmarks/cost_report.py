@@ -136,13 +136,13 @@ def validate(traces: dict) -> dict:
     arrays = {k: gpu_model.arrays(t) for k, t in traces.items() if not isinstance(t, str)}
     tables = []
     for label, device, patterns, code in TABLES:
-        cells = [c for c in measured_cells(patterns) if _key(c) in arrays and _base(c) in arrays]
+        cells = [c for c in measured_cells(patterns) if cell_key(c) in arrays and baseline_key(c) in arrays]
         tables.append((label, device, code, cells))
     label, device, _, cells = tables[0]
     groups: dict = {}
     for c in cells:
         groups.setdefault(f"{c['config']} {c['precision']}", []).append(c)
-    triples = {g: [(arrays[_key(c)], arrays[_base(c)], c["measured_ratio"]) for c in cs] for g, cs in groups.items()}
+    triples = {g: [(arrays[cell_key(c)], arrays[baseline_key(c)], c["measured_ratio"]) for c in cs] for g, cs in groups.items()}
     fitted, held_out = gpu_model.calibrate(triples, gpu_model.DEVICES[device])
     for g, cs in groups.items():
         for c, e in zip(cs, held_out[g]):
@@ -152,21 +152,21 @@ def validate(traces: dict) -> dict:
     for label, device, code, cells in tables:
         d = dataclasses.replace(gpu_model.DEVICES[device], **constants)
         for c in cells:
-            mode_ms = gpu_model.predict(arrays[_key(c)], d)["ms"]
+            mode_ms = gpu_model.predict(arrays[cell_key(c)], d)["ms"]
             c["predicted_ms"] = mode_ms
-            c["predicted_ratio"] = mode_ms / gpu_model.predict(arrays[_base(c)], d)["ms"]
+            c["predicted_ratio"] = mode_ms / gpu_model.predict(arrays[baseline_key(c)], d)["ms"]
             c["error"] = c["predicted_ratio"] / c["measured_ratio"] - 1
-            c["traced_memory_ratio"] = traces[_key(c)].peak_bytes / traces[_base(c)].peak_bytes
+            c["traced_memory_ratio"] = traces[cell_key(c)].peak_bytes / traces[baseline_key(c)].peak_bytes
         within = sum(abs(c["error"]) <= 0.2 for c in cells)
         out["tables"].append({"table": label, "device": device, "code": code, "cells": cells, "within_20pct": within})
     return out
 
 
-def _key(c: dict) -> tuple:
+def cell_key(c: dict) -> tuple:
     return c["config"], c["mode"], c["precision"]
 
 
-def _base(c: dict) -> tuple:
+def baseline_key(c: dict) -> tuple:
     return c["config"], bench_modes.BASELINE, c["precision"]
 
 

@@ -87,8 +87,9 @@ def test_a_traced_step_runs_the_operators_of_a_real_step():
     for real (after the same warm-up) whose host reads get the same answers (those of a step where
     no check fires: on real data a check may fire on a few rows, e.g. the zero gradient of a shifted
     LM's last position, and costs a few small kernels more), for the non-private and DP modes."""
-    config = bench_modes.TINY_CONFIGS["gpt2-tiny-tied"]
-    for mode in ("nonprivate-full", "dpzoo-bk-mixopt", "dpzoo-bitfit"):
+    gpt2, resnet = bench_modes.TINY_CONFIGS["gpt2-tiny-tied"], dict(bench_modes.CONFIGS["resnet18-gn-bias@32"], batch=4)
+    cases = [(gpt2, "nonprivate-full"), (gpt2, "dpzoo-bk-mixopt"), (gpt2, "dpzoo-bitfit"), (resnet, "dpzoo-bk-mixopt")]
+    for config, mode in cases:
         traced = [op.name for op in cost_trace.trace_step(config, mode, "fp32").ops]
         run = bench_modes.make_runner(config, mode, "cpu", "fp32", engine_kwargs=cost_trace.ENGINE)
         for _ in range(2):

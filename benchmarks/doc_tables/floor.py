@@ -1,0 +1,58 @@
+"""docs/BENCHMARKS.md's CPU step cost against the physical floor (benchmarks/results/floor): the
+non-private step plus a noise draw for every trainable coordinate, timed among the modes."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from doc_tables import figures, table
+from doc_tables.gpu import load, ratio
+
+FLOOR = "benchmarks/results/floor/training_step.json"
+COMMAND = "--modes dpzoo-bk-mixopt --rounds 9 --no-memory --out benchmarks/results/floor"
+LABELS = {"gpt2-4x256-v1024-tied": "GPT-2 4×256 (tied), B16 T128", "resnet18-gn-bias@32": "ResNet-18-GN 32², B32"}
+DP_MODES = ("dpzoo-bk-mixopt",)
+
+
+def over_floor(modes: dict, mode: str) -> dict:
+    """A mode's per-round time over the floor's in the same round: median, min, max."""
+    per_round = [
+        statistics.median(m) / statistics.median(f) for m, f in zip(modes[mode]["round_ms"], modes["floor"]["round_ms"])
+    ]
+    return {"median": statistics.median(per_round), "low": min(per_round), "high": max(per_round)}
+
+
+def _cell(q: dict) -> str:
+    return f"{q['median']:.2f}× [{q['low']:.2f}–{q['high']:.2f}]"
+
+
+@table("cpu-floor", files=[FLOOR], command=COMMAND)
+def floor_table(root: Path) -> str:
+    data = load(root, FLOOR)
+    lines = [
+        "| config | non-private (ms) | floor / non-private | "
+        + " | ".join(f"{m.removeprefix('dpzoo-')} / non-private | {m.removeprefix('dpzoo-')} / floor" for m in DP_MODES)
+        + " |",
+        "| --- | --- | --- |" + " --- | --- |" * len(DP_MODES),
+    ]
+    for config, entry in data["configs"].items():
+        modes = entry["time"]["modes"]
+        cells = [LABELS.get(config, config), f"{modes['nonprivate-full']['median_ms']:.0f}"]
+        cells.append(_cell(modes["floor"]["time_ratio"]))
+        for m in DP_MODES:
+            cells += [_cell(modes[m]["time_ratio"]), _cell(over_floor(modes, m))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+@figures("cpu-floor", files=[FLOOR], command=COMMAND)
+def floor_figures(root: Path) -> set[str]:
+    """Medians and interval ends of every ratio in the table, and the step times."""
+    out: set[str] = set()
+    for entry in load(root, FLOOR)["configs"].values():
+        modes = entry["time"]["modes"]
+        qs = [modes[m]["time_ratio"] for m in ("floor", *DP_MODES)] + [over_floor(modes, m) for m in DP_MODES]
+        out |= {f"{q[k]:.2f}" for q in qs for k in ("median", "low", "high")}
+        out |= {f"{m['median_ms']:.0f}" for m in modes.values() if m.get("status") == "ok"}
+    return out | {ratio(1.15).removesuffix("×")}
