@@ -142,7 +142,9 @@ def validate(traces: dict) -> dict:
     groups: dict = {}
     for c in cells:
         groups.setdefault(f"{c['config']} {c['precision']}", []).append(c)
-    triples = {g: [(arrays[cell_key(c)], arrays[baseline_key(c)], c["measured_ratio"]) for c in cs] for g, cs in groups.items()}
+    triples = {
+        g: [(arrays[cell_key(c)], arrays[baseline_key(c)], c["measured_ratio"]) for c in cs] for g, cs in groups.items()
+    }
     fitted, held_out = gpu_model.calibrate(triples, gpu_model.DEVICES[device])
     for g, cs in groups.items():
         for c, e in zip(cs, held_out[g]):
@@ -185,6 +187,10 @@ def plot(validation: dict, path: Path) -> None:
     ax.plot(lim, lim, "k-", lw=0.8)
     ax.fill_between(lim, [v * 0.8 for v in lim], [v * 1.2 for v in lim], color="grey", alpha=0.2)
     ax.set(xscale="log", yscale="log", xlim=lim, ylim=lim, xlabel="measured step time / non-private")
+    ticks = [0.5, 1, 2, 4, 8]
+    ax.set_xticks(ticks, [f"{t:g}×" for t in ticks])
+    ax.set_yticks(ticks, [f"{t:g}×" for t in ticks])
+    ax.minorticks_off()
     ax.set(ylabel="predicted step time / non-private", title="GPU model: DP/non-private time ratios")
     ax.legend(fontsize=7)
     fig.tight_layout()
