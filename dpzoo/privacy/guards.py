@@ -45,10 +45,10 @@ def check_optimizer_parameters(module: nn.Module, optimizer: torch.optim.Optimiz
 def check_step_parameters(module: nn.Module, hooks: NormHooks, optimizer: torch.optim.Optimizer) -> None:
     """At each step: the optimizer still trains exactly the parameters ``hooks`` clip."""
     hooked = {id(p) for p in hooks.trainable_parameters.values() if p.requires_grad}
-    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
     in_opt = {id(p): p for g in optimizer.param_groups for p in g["params"] if p.requires_grad}
     extra = [p for pid, p in in_opt.items() if pid not in hooked]
-    if extra:
+    if extra:  # the model's names only for the message: walking the model every step costs host time
+        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
         label = ", ".join(names.get(id(p), f"<not in the model, shape {tuple(p.shape)}>") for p in extra[:6])
         raise PrivacyUsageError(
             f"The optimizer now trains parameter(s) dpzoo does not clip: {label}. They would be updated with raw "
@@ -67,7 +67,8 @@ def trainable_changed(module: nn.Module, hooks: NormHooks) -> bool:
     """True if parameters were frozen or unfrozen since ``hooks`` were planned (they must be
     planned again); refuses a forward in which the hooked parameters are not the model's own."""
     hooked = hooks.trainable_parameters
-    present = {id(p) for p in module.parameters()}
+    params = list(module.parameters())  # one walk of the model for both checks
+    present = {id(p) for p in params}
     swapped = [n for n, p in hooked.items() if id(p) not in present]
     if swapped:
         raise PrivacyUsageError(
@@ -78,7 +79,7 @@ def trainable_changed(module: nn.Module, hooks: NormHooks) -> bool:
     if any(not p.requires_grad for p in hooked.values()):
         return True
     ids = {id(p) for p in hooked.values()}
-    return any(p.requires_grad and id(p) not in ids for p in module.parameters())
+    return any(p.requires_grad and id(p) not in ids for p in params)
 
 
 def _checksums(module: nn.Module) -> dict[str, tuple[float, float]]:
