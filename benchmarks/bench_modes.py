@@ -226,11 +226,13 @@ def make_runner(
     precision: str = "fp32",
     model_mode: Any = None,
     engine_kwargs: dict | None = None,
+    foreach: bool | None = None,
 ) -> Runner:
     """Build ``mode`` on ``config`` (a name of :data:`ALL_CONFIGS` or a config dict); raises
     :class:`Unsupported` when the library refuses the combination. ``model_mode``: a context the
     model, its optimizer and engine are built in (not the data), e.g. ``cost_trace``'s;
-    ``engine_kwargs``: more arguments to dpzoo's ``make_private`` (e.g. ``self_check=False``)."""
+    ``engine_kwargs``: more arguments to dpzoo's ``make_private`` (e.g. ``self_check=False``);
+    ``foreach``: the optimizer's (None: torch's default, multi-tensor kernels on CUDA only)."""
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -246,7 +248,7 @@ def make_runner(
             p.requires_grad_(n.endswith("bias"))
     elif not (mode in ("nonprivate-full", FLOOR) or mode.startswith(("dpzoo-", "opacus-"))):
         raise ValueError(f"unknown mode {mode!r}")
-    opt = torch.optim.SGD(list(model.parameters()), lr=1e-4)
+    opt = torch.optim.SGD(list(model.parameters()), lr=1e-4, foreach=foreach)
     loader = DataLoader(TensorDataset(x, y), batch_size=len(x))
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r} ({', '.join(PRECISIONS)})")

@@ -2,7 +2,7 @@
 (:mod:`cost_trace`), its H100 and H200 step time predicted (:mod:`gpu_model`), and the model
 checked against every measured GPU table in benchmarks/results.
 
-    python benchmarks/cost_report.py --out benchmarks/results/cost          # all (~10 min on 2 cores)
+    python benchmarks/cost_report.py --out benchmarks/results/cost          # all (~20 min on 2 cores)
     python benchmarks/cost_report.py --configs gpt2-small-t128 --precisions bf16 --no-validate
 
 Writes ``cost_report.json``: per configuration, precision and mode the counts (operators, kernels,
@@ -141,7 +141,7 @@ def validate(traces: dict) -> dict:
     label, device, _, cells = tables[0]
     groups: dict = {}
     for c in cells:
-        groups.setdefault(f"{c['config']} {c['precision']}", []).append(c)
+        groups.setdefault(c["config"], []).append(c)  # both precisions of a configuration held out together
     triples = {
         g: [(arrays[cell_key(c)], arrays[baseline_key(c)], c["measured_ratio"]) for c in cs] for g, cs in groups.items()
     }

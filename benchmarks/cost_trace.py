@@ -8,19 +8,25 @@ hooks, Opacus) runs at a GPU configuration's real size on any machine in seconds
 operator it records FLOPs (``torch.utils.flop_counter``'s formulas for products and convolutions;
 one per element written or read otherwise), bytes read and written, its dtype, whether it is a
 product a GPU runs on tensor cores, and whether it makes the host wait for the device; and the
-peak of live tensor memory. The counts depend only on the code and the sizes: the same on any
-machine.
+peak of live tensor memory. The counts depend only on the code, the library versions and the
+sizes, not on the machine.
 
 What it cannot see, by construction:
 
 - values: an operator the host reads (``.item()``, ``bool(t)``, ``nonzero``) gets the answer of
   a step where every check passes (nothing non-finite, nothing out of range, nothing lost), so the
   trace follows the path a normal step takes; dpzoo's first-step self-check is off.
-- the device: the trace runs CPU tensors under CPU autocast, with dpzoo's tensor-core product
-  path on (:data:`dpzoo.grad_norms.half.TENSOR_CORE_DEVICES`), so the operators are those CUDA runs
-  up to autocast's per-device lists (equal for the products, the norms and the softmaxes here).
+- the device: the trace runs CPU tensors, with dpzoo's tensor-core product path on
+  (:data:`dpzoo.grad_norms.half.TENSOR_CORE_DEVICES`), the optimizer's multi-tensor (foreach)
+  kernels as on CUDA, and the CPU attention kernels counted by the formulas of the GPU's. Under
+  CPU autocast softmax, log-softmax, layer norm and sums stay in bf16 where CUDA autocast runs them
+  in float32: a bf16 trace leaves out those casts and counts their bytes at half width (the
+  non-private step as much as the DP step).
 - fusion and library choices inside a kernel (cuDNN, cuBLAS, flash attention): one operator is one
   kernel with the bytes of its inputs and outputs.
+
+The counts are the same on any machine for the same versions of torch, transformers and Python
+(the lock: constraints.txt); the Python-call count is CPython's (``sys.setprofile``).
 """
 
 from __future__ import annotations
@@ -44,15 +50,17 @@ aten = torch.ops.aten
 # operators whose result the host reads: the answer a passing step gets
 HOST_READS = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonzero.default, aten.equal.default}
 # operators that allocate or relabel memory without a kernel
-NO_KERNEL = {
-    aten.empty.memory_format,
-    aten.empty_strided.default,
-    aten.empty_like.default,
-    aten._unsafe_view.default,
-    aten.lift_fresh.default,
-    aten.set_.source_Storage_storage_offset,
-}
+NO_KERNEL = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default, aten.lift_fresh.default}
 HALF = (torch.bfloat16, torch.float16)
+# operators that relabel memory (no kernel, no new storage): run for real
+RELABELS = {aten.set_, aten._unsafe_view}
+# in-place operators that write their destination without reading it
+WRITE_ONLY = {aten.copy_, aten.fill_, aten.zero_, aten.normal_, aten.uniform_, aten.bernoulli_, aten.random_}
+# the CPU's attention kernels counted by the formulas of the GPU's (same products)
+FORMULA_OF = {
+    aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: aten._scaled_dot_product_flash_attention_backward,
+}
 MODE_LOOKUPS = ("torch/_library/simple_registry.py",)  # run per operator only under a Python dispatch mode
 # no first-step self-check (it compares values); the planner's memory budget of an 80 GB GPU (half
 # its memory, the engine's default there), not of the machine that traces: the same plan anywhere
@@ -108,14 +116,27 @@ def _tensors(tree) -> list[torch.Tensor]:
 
 
 def _unit(func, inputs: list[torch.Tensor]) -> str:
-    if func._overloadpacket not in flop_registry:
+    packet = FORMULA_OF.get(func._overloadpacket, func._overloadpacket)
+    if packet not in flop_registry:
         return "memory"
     dtype = inputs[0].dtype if inputs else torch.float32
     if dtype in HALF:  # a float32 result of half operands (out_dtype) runs other kernels than half-in, half-out
         return "tc_half_out32" if func._overloadname == "dtype" else "tc_half"
     if dtype == torch.float64:
         return "fp64"
+    if "conv" in str(packet):  # cuDNN runs float32 convolutions on TF32 tensor cores unless told not to
+        return "tc_tf32" if torch.backends.cudnn.allow_tf32 else "fp32"
     return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tc_tf32"
+
+
+def _mutated(func, args, kwargs) -> list[torch.Tensor]:
+    """The tensors an operator without results writes (its arguments marked ``a!``)."""
+    names = [a.name for a in func._schema.arguments]
+    out = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is not None and a.alias_info.is_write:
+            out += _tensors(args[i] if i < len(args) else kwargs.get(names[i]))
+    return out
 
 
 def passing_answer(func, args):
@@ -155,13 +176,14 @@ class ShapeTrace(TorchDispatchMode):
             if s.data_ptr() not in counted:
                 self._live[next(self._serial)] = (StorageWeakRef(s), s.nbytes(), s.data_ptr())
                 self._live_bytes += s.nbytes()
+                counted.add(s.data_ptr())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in HOST_READS:
             self._record(func, args, kwargs, [], sync=True)
             return passing_answer(func, args)
-        if func._overloadpacket is aten.set_:  # re-points a tensor at a storage: no kernel, no memory
+        if func._overloadpacket in RELABELS:  # no kernel, no new memory: the real (free) operator
             self._record(func, args, kwargs, [], view=True)
             return func(*args, **kwargs)
         rets = func._schema.returns
@@ -174,6 +196,9 @@ class ShapeTrace(TorchDispatchMode):
             out = func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
         if any(aliased):  # in place or out=: the written argument is the result
             result = self._written(func, args, kwargs)
+        elif not rets:  # in place on lists (the _foreach_ operators): what they write are their arguments
+            self._record(func, args, kwargs, _mutated(func, args, kwargs), flops_out=out)
+            return None
         else:
             result = tree_map(self._allocate, out)
         self._record(func, args, kwargs, _tensors(result), flops_out=out)
@@ -207,10 +232,13 @@ class ShapeTrace(TorchDispatchMode):
             self.trace.ops.append(Op(str(func), 0.0, 0, 0, "", "memory", False, False, source))
             return
         inputs = _tensors((args, {k: v for k, v in kwargs.items() if k != "out"}))
+        if func._overloadpacket in WRITE_ONLY:  # fills or copies into its destination without reading it
+            inputs = [t for t in inputs if not any(t is o for o in outputs)]
         written = sum(_bytes(t) for t in outputs)
         read = sum(_bytes(t) for t in inputs)
-        if func._overloadpacket in flop_registry and flops_out is not None:
-            formula = flop_registry[func._overloadpacket]
+        packet = FORMULA_OF.get(func._overloadpacket, func._overloadpacket)
+        if packet in flop_registry and flops_out is not None:
+            formula = flop_registry[packet]
             flops = float(formula(*tree_map(_meta, args), **tree_map(_meta, kwargs), out_val=flops_out))
         else:
             flops = float(max([t.numel() for t in inputs + outputs] or [0]))
@@ -235,7 +263,8 @@ def trace_step(config: str | dict, mode: str, precision: str = "fp32", warmup: i
     with fx_config.patch(meta_nonzero_assume_all_nonzero=True), _seeded():
         try:
             with tracer:
-                run = bench_modes.make_runner(config, mode, "cpu", precision, engine_kwargs=ENGINE)
+                # foreach: the multi-tensor optimizer kernels torch uses on CUDA
+                run = bench_modes.make_runner(config, mode, "cpu", precision, engine_kwargs=ENGINE, foreach=True)
             for i in range(warmup + 1):
                 batch = run.next_batch()  # outside the mode: the Poisson sampler draws real indices
                 tracer.track(_tensors(batch))

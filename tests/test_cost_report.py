@@ -59,11 +59,34 @@ def test_conv2d_flops_are_the_hand_computed_ones_and_half_products_run_on_tensor
     assert out.shape == (B, cout, hw, hw) and isinstance(out, torch.Tensor)
     (op,) = _kernels(trace, "aten.convolution")
     assert op.flops == 2 * B * cout * hw * hw * cin * k * k
-    assert op.written == 4 * B * cout * hw * hw and op.unit == "fp32"
+    assert op.written == 4 * B * cout * hw * hw and op.unit == "tc_tf32"  # cuDNN's default for float32
     trace, _ = _traced(lambda: torch.randn(4, 8, 16).bfloat16() @ torch.randn(4, 16, 2).bfloat16())
     assert _kernels(trace, "aten.bmm")[0].unit == "tc_half"
     trace, _ = _traced(lambda: torch.randn(4, 8, 16).double() @ torch.randn(4, 16, 2).double())
     assert _kernels(trace, "aten.bmm")[0].unit == "fp64"
+
+
+def test_in_place_foreach_and_attention_operators_are_counted_as_a_gpu_runs_them():
+    n = 1000
+    a, b = torch.randn(n), torch.randn(n)
+    trace, _ = _traced(lambda: torch.empty_like(a).normal_())
+    (draw,) = _kernels(trace, "aten.normal_")
+    assert (draw.read, draw.written) == (0, 4 * n)  # a fill does not read its destination
+    trace, _ = _traced(lambda: a.add_(b))
+    (add,) = _kernels(trace, "aten.add_")
+    assert (add.read, add.written) == (8 * n, 4 * n)
+    trace, _ = _traced(lambda: torch._foreach_add_([a, b], [b, a]))
+    (step,) = _kernels(trace, "aten._foreach_add_")  # one multi-tensor kernel for the list
+    assert (step.read, step.written) == (16 * n, 8 * n)
+    trace, out = _traced(lambda: torch.randn(6, 4) @ torch.randn(3, 4, 5))  # a batched matmul's view
+    assert out.shape == (3, 6, 5) and not _kernels(trace, "aten._unsafe_view")
+    B, H, T, D = 2, 3, 16, 8
+    q, k, v = (torch.randn(B, H, T, D, requires_grad=True) for _ in range(3))
+    trace, _ = _traced(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v).sum().backward())
+    fwd = [op for op in _kernels(trace, "aten._scaled_dot_product") if "backward" not in op.name]
+    bwd = [op for op in _kernels(trace, "aten._scaled_dot_product") if "backward" in op.name]
+    assert [op.flops for op in fwd] == [4 * B * H * T * T * D]  # Q·Kᵀ and P·V
+    assert bwd and bwd[0].flops > fwd[0].flops and fwd[0].unit == "fp32"
 
 
 def test_nothing_is_computed_and_live_memory_is_counted():
@@ -91,7 +114,7 @@ def test_a_traced_step_runs_the_operators_of_a_real_step():
     cases = [(gpt2, "nonprivate-full"), (gpt2, "dpzoo-bk-mixopt"), (gpt2, "dpzoo-bitfit"), (resnet, "dpzoo-bk-mixopt")]
     for config, mode in cases:
         traced = [op.name for op in cost_trace.trace_step(config, mode, "fp32").ops]
-        run = bench_modes.make_runner(config, mode, "cpu", "fp32", engine_kwargs=cost_trace.ENGINE)
+        run = bench_modes.make_runner(config, mode, "cpu", "fp32", engine_kwargs=cost_trace.ENGINE, foreach=True)
         for _ in range(2):
             run.step()
         names = []
@@ -166,7 +189,8 @@ def test_calibration_recovers_constants_that_explain_the_ratios():
         cells[f"g{i % 2}"].append((mode, base, ratio))
     fitted, held_out = gpu_model.calibrate(dict(cells), gpu_model.DEVICES["h100"])
     assert all(abs(e) < 0.05 for e in gpu_model.ratio_errors([c for v in cells.values() for c in v], fitted))
-    assert set(held_out) == {"g0", "g1"}
+    assert set(held_out) == {"g0", "g1"} and [len(v) for v in held_out.values()] == [2, 1]
+    assert all(abs(e) < 0.05 for v in held_out.values() for e in v)  # fitted on the other group alone
 
 
 def test_report_writes_counts_ratios_and_predictions(tmp_path):
