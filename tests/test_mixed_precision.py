@@ -254,6 +254,38 @@ def test_a_linear_under_bf16_autocast_hands_over_its_factors_in_bf16(monkeypatch
     assert (torch.bfloat16, torch.bfloat16, 10) in seen  # the first Linear's input Gram, in bf16
 
 
+@pytest.mark.parametrize("padding_mode", ["zeros", "reflect"])
+def test_a_conv_under_bf16_autocast_hands_over_its_patches_in_bf16(padding_mode):
+    """A convolution's rule only pads and unfolds: its patches reach the products in bfloat16 (the
+    input as autocast cast it; padding commutes with the cast), its bias sums in float32, and the
+    norms and clipped sums are still those of torch's per-sample gradients under the same autocast."""
+    from dpzoo.grad_norms.assembly import rule_operands
+    from dpzoo.grad_norms.registry import find_rule
+
+    conv = nn.Conv2d(3, 4, 3, padding=1, padding_mode=padding_mode)
+    x, g = torch.randn(2, 3, 6, 6), torch.randn(2, 4, 6, 6).bfloat16()
+    (a,), got = rule_operands(find_rule(conv), (x,), g)
+    assert a.dtype == torch.bfloat16 and torch.equal(a, x.bfloat16()) and got is g
+    reps = find_rule(conv).fn(conv, (a,), g, {"weight", "bias"})
+    assert reps["weight"].left.dtype == reps["weight"].right.dtype == torch.bfloat16
+    assert reps["bias"].grad.dtype == torch.float32
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, padding_mode=padding_mode), nn.GroupNorm(2, 4), nn.ReLU(),
+                          nn.Conv2d(4, 2, 3, stride=2), nn.Flatten(), nn.Linear(8, 3))  # fmt: skip
+    inputs = {"x": torch.randn(5, 3, 6, 6), "y": torch.randint(0, 3, (5,))}
+    scale = torch.rand(5, dtype=torch.float64, generator=torch.Generator().manual_seed(9)) + 0.1
+
+    def autocast_loss(m, x, y):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return F.cross_entropy(m(x), y, reduction="sum").float()
+
+    total, _, clipped = reference(model, autocast_loss, inputs, 5, scale.float())
+    for mode in ("ghost", "instantiate"):
+        with attach_norm_hooks(model, mode=mode) as hooks:
+            hooks.backward(autocast_loss(model, **inputs))
+            _check(hooks, total, clipped, scale, 1e-2)
+
+
 def test_norm_matmuls_run_at_highest_precision_and_restore_the_users_setting():
     from dpzoo.grad_norms.half import exact_matmuls
 

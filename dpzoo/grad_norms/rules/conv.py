@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
 from ...errors import UnsupportedModuleError
+from ..half import upcast
 from ..registry import register_rule
 from ..reps import Dense, Factored, instantiate
 
@@ -111,12 +112,14 @@ def _conv_rule(module, activations, grad_output, params, pad_fn=_module_padding)
                 f"the module's output {g.shape[2]}: the module does not compute what the Conv rule assumes."
             )
         out["weight"] = Factored(g, patches, tuple(module.weight.shape))
-    if "bias" in params:
-        out["bias"] = Dense(grad_output.reshape(grad_output.shape[0], grad_output.shape[1], -1).sum(2))
+    if "bias" in params:  # summed over positions in float32 when the output gradient is half
+        out["bias"] = Dense(upcast(grad_output).reshape(grad_output.shape[0], grad_output.shape[1], -1).sum(2))
     return out
 
 
-@register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d, activation_free={"bias"}, methods=("_conv_forward",))
+# half_factors: the rule only pads, unfolds and reshapes (a layer under bf16 autocast hands over its
+# input as autocast cast it, and padding commutes with that cast), so the products are those of .half
+@register_rule(nn.Conv1d, nn.Conv2d, nn.Conv3d, activation_free={"bias"}, methods=("_conv_forward",), half_factors=True)
 def conv_rule(module, activations, grad_output, params):
     return _conv_rule(module, activations, grad_output, params)
 
