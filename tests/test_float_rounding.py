@@ -195,6 +195,32 @@ def test_an_underflowing_sample_is_clipped_through_make_private():
     assert released <= 1 + 1e-5  # 1.11 R with a width-blind underflow allowance (unclipped: 30 R)
 
 
+@pytest.mark.parametrize("kind", ["dense", "instantiated"])
+def test_a_dense_norm_of_underflowing_squares_is_never_zero(kind):
+    """Found by the independent audit of the bf16 convolution path: on the dense (instantiation)
+    path, a sample whose entries all square below float32's range got norm 0, so clip factor 1,
+    and added 1.72-1.83 R to the sum at R = 1e-37. Accumulated in float64 and rounded up, the
+    norm is at least the exact one and the released sum stays within R."""
+    g = torch.Generator().manual_seed(0)
+    values = (torch.rand(4, 3, 5, generator=g) + 0.5) * 1e-39  # subnormal: squares underflow in float32
+    if kind == "dense":
+        rep = R.Dense(values)
+    else:  # a Linear's factors (T = 3) whose products are representable, their squares not
+        left = (torch.rand(4, 1, 3, 2, generator=g) + 0.5) * 1e-20
+        right = (torch.rand(4, 1, 3, 5, generator=g) + 0.5) * 1e-20
+        rep = R.Factored(left, right, (2, 5))
+    param = R.ParamGrad([rep], ghost=False)
+    sq = param.sq_norm()
+    exact = R.instantiate(rep).double().flatten(1).square().sum(1)
+    assert (sq.double() >= exact).all() and (sq > 0).all()
+    r = 1e-37
+    scale = (r / sq.double().sqrt()).clamp(max=1.0).float()
+    for i in range(4):  # each sample's contribution to the released sum, alone
+        alone = torch.zeros(4)
+        alone[i] = scale[i]
+        assert param.clipped_sum(alone).double().norm().item() <= r * (1 + 1e-6)
+
+
 def test_a_half_precision_parameter_is_noised_in_float32_then_cast():
     """The mechanism for a bfloat16 parameter is float32: sum + noise there, one cast after. In
     the parameter's dtype the sum was rounded before the noise (a sample could read (1 + 2⁻⁹) R)."""
