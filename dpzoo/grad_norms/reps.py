@@ -234,11 +234,8 @@ def _sq_norm(rep: Rep, ghost: bool | None) -> torch.Tensor:
 
 
 def _dense_sq_norm(grad: torch.Tensor) -> torch.Tensor:
-    """Σ g² per sample: row norms over the last dimension (fused: no squared copy), their squares
-    summed one dimension at a time (what :mod:`.rounding`'s bound assumes), accumulated in float64
-    and rounded up into float32 (or float64): never below the sum of the squares. In float32 the
-    squares of values below 2⁻⁶³ underflow; an independent audit found samples of tiny gradients
-    given norm 0, so clip factor 1, adding 1.8 R to the sum at R = 1e-37."""
+    """Σ g² per sample: row norms (fused, no squared copy), squares summed one dimension at a time,
+    in float64, rounded up: float32 squares below 2⁻¹²⁶ underflow (docs/DESIGN.md "Floating point")."""
     if grad.dim() <= 2:
         sq = torch.linalg.vector_norm(grad.flatten(1), dim=1, dtype=torch.float64).square()
     else:
