@@ -84,13 +84,18 @@ def arrays(trace: Trace) -> Arrays:
     )
 
 
-def predict(trace: Trace | Arrays, device: Device) -> dict:
-    """Predicted step time (ms), and its parts: device time, host time, whether the host bounds it."""
-    a = trace if isinstance(trace, Arrays) else arrays(trace)
+def kernel_seconds(a: Arrays, device: Device) -> np.ndarray:
+    """Each operator's device time: its roofline plus the kernel's fixed time (0 for no kernel)."""
     rates = np.array([np.inf] + [device.rate(u) for u in UNITS[1:]])
     compute = a.flops / rates[a.unit]
     memory = a.nbytes / (device.bandwidth * device.memory_efficiency)
-    dev = np.where(a.kernel, np.maximum(compute, memory) + device.kernel_s, 0.0)
+    return np.where(a.kernel, np.maximum(compute, memory) + device.kernel_s, 0.0)
+
+
+def predict(trace: Trace | Arrays, device: Device) -> dict:
+    """Predicted step time (ms), and its parts: device time, host time, whether the host bounds it."""
+    a = trace if isinstance(trace, Arrays) else arrays(trace)
+    dev = kernel_seconds(a, device)
     segments = a.reads + 1
     seg_dev = np.bincount(a.segment, weights=dev, minlength=segments)
     # the Python calls spread over the segments as the operators are
@@ -146,10 +151,7 @@ def calibrate(cells: dict, device: Device) -> tuple[Device, dict]:
 def by_source(trace: Trace, device: Device, top: int = 8) -> list[dict]:
     """The dpzoo functions whose operators cost most device time on ``device`` (``""``: the
     model's own and torch's operators), with their operator and host-read counts."""
-    a = arrays(trace)
-    rates = np.array([np.inf] + [device.rate(u) for u in UNITS[1:]])
-    dev = np.maximum(a.flops / rates[a.unit], a.nbytes / (device.bandwidth * device.memory_efficiency))
-    dev = np.where(a.kernel, dev + device.kernel_s, 0.0)
+    dev = kernel_seconds(arrays(trace), device)
     rows: dict = {}
     for op, t in zip(trace.ops, dev):
         r = rows.setdefault(op.source or "(model, loss, optimizer)", {"device_ms": 0.0, "ops": 0, "host_reads": 0})

@@ -43,6 +43,17 @@ def _lora(base=None, **extra) -> nn.Module:
     )
 
 
+def _saved_without_its_record(path) -> dict:
+    """A DP-trained adapter (3 steps) saved to ``path`` with its record file taken away: the record,
+    for a test to state."""
+    trained = _lora()
+    _private(trained, steps=3).detach()
+    trained.save_pretrained(path)
+    record = read_privacy_metadata(path)
+    (path / PRIVACY_FILE).unlink()
+    return record
+
+
 def _private(model, steps: int = 0, mode: str = "lora", sigma: float = 1.0, **extra):
     engine = dpzoo.PrivacyEngine()
     model, opt, loader = engine.make_private(
@@ -372,11 +383,7 @@ def test_opacus_refuses_weights_of_unknown_origin_and_keeps_statements_to_one_ru
 def test_opacus_composes_the_record_stated_for_an_adapter(tmp_path):
     from dpzoo.integrations.opacus import privacy_metadata
 
-    trained = _lora()
-    _private(trained, steps=3).detach()
-    trained.save_pretrained(tmp_path / "a")
-    record = read_privacy_metadata(tmp_path / "a")
-    (tmp_path / "a" / PRIVACY_FILE).unlink()
+    record = _saved_without_its_record(tmp_path / "a")
     loaded = peft.PeftModel.from_pretrained(_plain(), tmp_path / "a", is_trainable=True)
     loaded.dpzoo_adapter_privacy = record
     engine, opt, loader = _opacus_steps(loaded, 2)
@@ -448,11 +455,7 @@ def test_an_adapter_loads_with_low_cpu_mem_usage(tmp_path):
 
 
 def test_one_record_can_be_stated_for_two_models(tmp_path):
-    trained = _lora()
-    _private(trained, steps=3).detach()
-    trained.save_pretrained(tmp_path / "a")
-    record = read_privacy_metadata(tmp_path / "a")
-    (tmp_path / "a" / PRIVACY_FILE).unlink()
+    record = _saved_without_its_record(tmp_path / "a")
     for _ in range(2):  # a record composes its runs once wherever it is stated: it is not used up
         loaded = peft.PeftModel.from_pretrained(_plain(), tmp_path / "a", is_trainable=True)
         loaded.dpzoo_adapter_privacy = record

@@ -36,6 +36,7 @@ import torch
 
 from . import reps as R
 from . import rounding
+from .rounding import round_up
 
 __all__ = ["GHOST_FLOOR", "LOOSE", "RECHECK", "row_sums", "sq_norm64", "triangle_bound", "guard", "round_up"]
 
@@ -98,12 +99,6 @@ def sq_norm64(reps: list, rows: torch.Tensor) -> torch.Tensor:
         for j in range(i + 1, len(rs)):
             total = total + 2 * R.inner(rs[i], rs[j], ghost=True)
     return total.clamp_min(0)
-
-
-def round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` (float64) in ``dtype``, never below it: rounding to nearest may round down."""
-    y = x.to(dtype)
-    return torch.where(y.double() < x, torch.nextafter(y, y.new_tensor(float("inf"))), y)
 
 
 def guard(reps: list, total: torch.Tensor) -> torch.Tensor:

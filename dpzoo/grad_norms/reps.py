@@ -38,7 +38,7 @@ import torch
 
 from ..errors import InvalidArgumentError
 from .half import HALF, exact_matmuls, kept_bits, product, round_toward_zero, scaled_product, shared_scale, upcast
-from .rounding import GRAM_CHUNK, sum_per_sample
+from .rounding import GRAM_CHUNK, round_up, sum_per_sample
 
 __all__ = [
     "Dense",
@@ -240,8 +240,7 @@ def _dense_sq_norm(grad: torch.Tensor) -> torch.Tensor:
         sq = torch.linalg.vector_norm(grad.flatten(1), dim=1, dtype=torch.float64).square()
     else:
         sq = sum_per_sample(torch.linalg.vector_norm(grad, dim=-1, dtype=torch.float64).square())
-    out = sq.to(torch.promote_types(grad.dtype, torch.float32))
-    return torch.where(out.double() < sq, torch.nextafter(out, out.new_tensor(float("inf"))), out)
+    return round_up(sq, torch.promote_types(grad.dtype, torch.float32))
 
 
 def without_samples(rep: Rep, drop: torch.Tensor) -> Rep:

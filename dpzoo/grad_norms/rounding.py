@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GRAM_CHUNK", "mechanism_dtype", "unit_roundoff", "gamma", "sum_per_sample", "pair_length", "error_bound"]
+__all__ = [
+    "GRAM_CHUNK", "mechanism_dtype", "unit_roundoff", "gamma", "sum_per_sample", "pair_length", "error_bound", "round_up",
+]  # fmt: skip
 
 GRAM_CHUNK = 256  # Gram matrices are summed over chunks of this many features (reps._gram)
 
@@ -129,3 +131,9 @@ def _width(rep) -> int:
     """Products per entry that can underflow: both factors' features, a dense use's entries."""
     kind, _, r, c, _ = _lengths(rep)
     return rep.grad[0].numel() if kind == "dense" else (r + c if kind == "factored" else c)
+
+
+def round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (float64) in ``dtype``, never below it: rounding to nearest may round down."""
+    y = x.to(dtype)
+    return torch.where(y.double() < x, torch.nextafter(y, y.new_tensor(float("inf"))), y)
