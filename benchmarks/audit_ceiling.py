@@ -33,7 +33,7 @@ from scipy import optimize
 from dpzoo.audit import DEFAULT_GUESS_FRACTIONS
 from dpzoo.audit.gdp import gdp_epsilon, gdp_lower_bound
 from dpzoo.audit.guesses import best_guesses
-from dpzoo.privacy.accountant import Accountant, get_noise_multiplier
+from dpzoo.privacy.accounting.accountant import Accountant, get_noise_multiplier
 
 EACH = 0.975  # each estimator's confidence in the white-box audit
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from dpzoo.hub import load, privacy_metadata
+from dpzoo.hub.load_save import load, privacy_metadata
 from dpzoo.seqrec import reattention as ep
 from dpzoo.seqrec.metrics import ndcg_hit_at_k, target_ranks
 from dpzoo.seqrec.train import evaluate, get_dataset, train_seqrec

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 import dpzoo
 from dpzoo.datasets import digits_dataset
-from dpzoo.train import evaluate_accuracy, train_image_classifier
+from dpzoo.runs.classifier import evaluate_accuracy, train_image_classifier
 
 MODEL = "cnn-tanh-gn"
 

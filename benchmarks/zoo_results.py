@@ -30,7 +30,7 @@ RESULTS = ROOT / "dpzoo" / "models" / "dp_results.json"
 
 
 def image_entries() -> list[str]:
-    from dpzoo.cli_kinds import model_kind
+    from dpzoo.cli.kinds import model_kind
     from dpzoo.registry import list_models
 
     out = []
@@ -62,7 +62,7 @@ def non_private(name: str, metrics: dict, seed: int = 0) -> tuple[float, float]:
     from torch.utils.data import DataLoader
 
     import dpzoo
-    from dpzoo.train import evaluate_accuracy, image_splits
+    from dpzoo.runs.classifier import evaluate_accuracy, image_splits
 
     t = time.perf_counter()
     torch.manual_seed(seed)

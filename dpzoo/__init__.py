@@ -40,10 +40,10 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names __getattr__ imports o
     from . import frost
     from .audit import audit
     from .grad_norms import NormHooks, attach_norm_hooks, register_rule
-    from .hub import create_model, load, privacy_metadata, read_config, save
+    from .hub.load_save import create_model, load, privacy_metadata, read_config, save
+    from .hub.privacy_card import privacy_statement
     from .privacy import DPGradScaler, PrivacyEngine, register_accountant, unregister_accountant
     from .privacy.verify import verify
-    from .privacy_card import privacy_statement
     from .summary import ModelSummary, summary
     from .surgery import check_dp_ready, find_inplace_ops, find_tied_parameters, make_dp_ready
 
@@ -66,10 +66,10 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     "frost": (".frost", None),
     "audit": (".audit", "audit"),
     **{n: (".grad_norms", n) for n in ("NormHooks", "attach_norm_hooks", "register_rule")},
-    **{n: (".hub", n) for n in ("create_model", "load", "privacy_metadata", "read_config", "save")},
+    **{n: (".hub.load_save", n) for n in ("create_model", "load", "privacy_metadata", "read_config", "save")},
     **{n: (".privacy", n) for n in ("PrivacyEngine", "DPGradScaler", "register_accountant", "unregister_accountant")},
     "verify": (".privacy.verify", "verify"),
-    "privacy_statement": (".privacy_card", "privacy_statement"),
+    "privacy_statement": (".hub.privacy_card", "privacy_statement"),
     **{n: (".summary", n) for n in ("ModelSummary", "summary")},
     **{n: (".surgery", n) for n in ("check_dp_ready", "find_inplace_ops", "find_tied_parameters", "make_dp_ready")},
 }

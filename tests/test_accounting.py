@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 import dpzoo
 from dpzoo import frost
 from dpzoo.errors import AccountingError
-from dpzoo.privacy import accountant as A
-from dpzoo.privacy.accountant import Accountant, get_noise_multiplier
+from dpzoo.privacy.accounting import accountant as A
+from dpzoo.privacy.accounting.accountant import Accountant, get_noise_multiplier
 
 opacus = pytest.importorskip("opacus")
 

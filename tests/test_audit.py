@@ -393,7 +393,7 @@ def test_each_modes_canary_model_states_its_canaries_gradients_as_autograd_compu
 
 def test_cli_audit_controls_are_the_audits():
     from dpzoo.audit import BROKEN
-    from dpzoo.cli_choices import AUDIT_CONTROLS
+    from dpzoo.cli.choices import AUDIT_CONTROLS
 
     assert tuple(AUDIT_CONTROLS) == BROKEN
 

@@ -22,9 +22,9 @@ from dpzoo import device_memory
 from dpzoo.cli import build_parser, main
 from dpzoo.errors import InvalidArgumentError
 from dpzoo.grad_norms.cost import BUDGET_FRACTION, default_budget
-from dpzoo.hub import load as hub_load
+from dpzoo.hub.load_save import load as hub_load
 from dpzoo.losses import SequenceCrossEntropy
-from dpzoo.progress import StepBar
+from dpzoo.runs.progress import StepBar
 from dpzoo.seqrec import memory
 from dpzoo.seqrec.train import train_seqrec
 
@@ -328,7 +328,7 @@ def test_the_command_line_defaults_to_auto_for_sequence_models_and_takes_a_numbe
 # -- the progress bar --------------------------------------------------------------------------------------
 def test_the_progress_bar_shows_seconds_per_step_and_micro_batches(capsys, monkeypatch):
     now = [0.0]
-    monkeypatch.setattr("dpzoo.progress.time.monotonic", lambda: now[0])
+    monkeypatch.setattr("dpzoo.runs.progress.time.monotonic", lambda: now[0])
     for micro, shown in ((4, "3.2 s/step · 4 micro-batches]"), (1, "3.2 s/step]"), (None, "3.2 s/step]")):
         with StepBar(3, "job", enabled=True) as bar:
             for _ in range(3):

@@ -1,6 +1,6 @@
 """``dpzoo train --config FILE``: a YAML or JSON file of the train options, as timm's train.py takes
 them; the command line wins, every value is checked as its option checks it, and a mistake is one
-line (dpzoo/cli_config.py)."""
+line (dpzoo/cli/config.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _done(kw):
 @pytest.fixture
 def trainer(monkeypatch):
     seen = {}
-    monkeypatch.setattr("dpzoo.train.train_image_classifier", lambda **kw: seen.update(kw) or _done(kw))
+    monkeypatch.setattr("dpzoo.runs.classifier.train_image_classifier", lambda **kw: seen.update(kw) or _done(kw))
     return seen
 
 

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import dpzoo
 from dpzoo.cli import main
-from dpzoo.run_loop import TrainingLoop
+from dpzoo.runs.loop import TrainingLoop
 from dpzoo.seqrec.metrics import ndcg_hit_at_k, target_ranks
 from dpzoo.seqrec.train import get_dataset, popularity_baseline, train_seqrec
 

@@ -67,7 +67,7 @@ def test_parquet_trains_like_the_csv(tmp_path):
 
 
 def test_resume_continues_on_the_same_table(tmp_path):
-    from dpzoo.train import train_image_classifier
+    from dpzoo.runs.classifier import train_image_classifier
 
     data, out = _csv(tmp_path / "table.csv", _rows()), tmp_path / "run"
 

@@ -15,8 +15,8 @@ import pytest
 from cli_errors import one_line_error
 
 from dpzoo.cli import build_parser
-from dpzoo.cli_choices import BUILTIN_ACCOUNTANTS, BUILTIN_DATASETS, BUILTIN_MODELS, BUILTIN_MODES, DEFAULT_CLI_MODE
-from dpzoo.run_io import prepare_out_dir
+from dpzoo.cli.choices import BUILTIN_ACCOUNTANTS, BUILTIN_DATASETS, BUILTIN_MODELS, BUILTIN_MODES, DEFAULT_CLI_MODE
+from dpzoo.runs.files import prepare_out_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 # a tiny sequence run: 500 synthetic users, q = 0.256, 4 steps an epoch
@@ -162,7 +162,7 @@ def test_train_help_lists_the_registries():
 
 _REGISTRIES = """
 import json
-from dpzoo.privacy.accounting_registry import ACCOUNTANTS, accountant_spec
+from dpzoo.privacy.accounting.registry import ACCOUNTANTS, accountant_spec
 from dpzoo.privacy.modes import DEFAULT_CLI_MODE, TRAINING_MODES
 from dpzoo.registry import list_models, model_card
 from dpzoo.seqrec.downloads import DATASETS

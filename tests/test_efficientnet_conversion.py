@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import dpzoo
-from dpzoo.checkpoint import read_state_dict, sha256_file
+from dpzoo.hub.checkpoint import read_state_dict, sha256_file
 from dpzoo.models import efficientnet as eff
 
 NAME = "efficientnet-lite0-gn-bias"

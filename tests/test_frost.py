@@ -269,7 +269,7 @@ def test_composed_epsilon_of_selection_and_training_meets_the_target():
     total = engine.get_epsilon(delta)
     assert eps - 0.05 <= total <= eps  # ComputeSigma's tolerance is 0.01 in ε
     # DP-SGD alone spends about r_ε · ε (Algorithm 3)
-    from dpzoo.privacy.accountant import Accountant
+    from dpzoo.privacy.accounting.accountant import Accountant
 
     sgd = Accountant("rdp", [[sel.noise_multiplier, sel.sgd_sample_rate, sel.sgd_steps]]).get_epsilon(delta)
     assert 0.9 * eps - 0.02 <= sgd <= 0.9 * eps
@@ -278,7 +278,7 @@ def test_composed_epsilon_of_selection_and_training_meets_the_target():
 
 def test_engine_calibrates_after_a_spent_history():
     """make_private(target_epsilon=…) with an accountant that already holds selection composes."""
-    from dpzoo.privacy.accountant import Accountant
+    from dpzoo.privacy.accounting.accountant import Accountant
 
     acc = Accountant("rdp", [[3.0, 0.2, 5]])  # spends about ε = 0.8
     model = nn.Linear(8, 4)
@@ -291,13 +291,13 @@ def test_engine_calibrates_after_a_spent_history():
         target_delta=1e-5,
         epochs=1,
     )
-    alone = dpzoo.privacy.accountant.get_noise_multiplier(2.0, 1e-5, 0.1, 10)
+    alone = dpzoo.privacy.accounting.accountant.get_noise_multiplier(2.0, 1e-5, 0.1, 10)
     assert engine.noise_multiplier > alone  # less budget left, more noise
     engine.accountant.step(engine.noise_multiplier, 0.1, 10)
     assert engine.get_epsilon(1e-5) <= 2.0
     engine.detach()
     with pytest.raises(ValueError, match="already spends"):
-        dpzoo.privacy.accountant.get_noise_multiplier(0.01, 1e-5, 0.1, 10, history=[[0.5, 1.0, 10]])
+        dpzoo.privacy.accounting.accountant.get_noise_multiplier(0.01, 1e-5, 0.1, 10, history=[[0.5, 1.0, 10]])
 
 
 def test_selection_costs_a_small_fraction_of_an_epoch():

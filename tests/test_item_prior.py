@@ -10,7 +10,7 @@ import torch
 
 import dpzoo
 from dpzoo.errors import InvalidArgumentError
-from dpzoo.privacy.accountant import Accountant
+from dpzoo.privacy.accounting.accountant import Accountant
 from dpzoo.privacy.budget import prior_spending
 from dpzoo.seqrec.item_prior import item_weights, log_prior, private_item_weights, set_output_prior
 from dpzoo.seqrec.train import get_dataset, train_seqrec

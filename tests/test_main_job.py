@@ -11,7 +11,7 @@ import torch
 
 import dpzoo
 from dpzoo.cli import main
-from dpzoo.train import train_image_classifier
+from dpzoo.runs.classifier import train_image_classifier
 
 
 def test_the_main_job_recipe_reaches_90_percent_at_epsilon_8():
@@ -25,7 +25,7 @@ def test_the_main_job_recipe_reaches_90_percent_at_epsilon_8():
 
 def test_the_cli_uses_the_cards_recipe_unless_told_otherwise(tmp_path, monkeypatch):
     seen = {}
-    monkeypatch.setattr("dpzoo.train.train_image_classifier", lambda **kw: seen.update(kw) or _done(kw))
+    monkeypatch.setattr("dpzoo.runs.classifier.train_image_classifier", lambda **kw: seen.update(kw) or _done(kw))
     assert main(["train", "cnn-tanh-gn", "--quiet"]) == 0
     assert (seen["epochs"], seen["batch_size"], seen["lr"]) == (30, 256, 1e-2)
     assert main(["train", "cnn-tanh-gn", "--epochs", "3", "--quiet"]) == 0
@@ -40,7 +40,7 @@ def _done(kw):
 
 def test_optimizer_and_weight_decay_reach_the_trainer(monkeypatch):
     seen = {}
-    monkeypatch.setattr("dpzoo.train.train_image_classifier", lambda **kw: seen.update(kw) or _done(kw))
+    monkeypatch.setattr("dpzoo.runs.classifier.train_image_classifier", lambda **kw: seen.update(kw) or _done(kw))
     assert main(["train", "cnn-tanh-gn", "--optimizer", "adamw", "--weight-decay", "0.01", "--quiet"]) == 0
     assert (seen["optimizer"], seen["weight_decay"]) == ("adamw", 0.01)
 
@@ -54,7 +54,7 @@ def test_sgd_with_weight_decay_trains_and_is_recorded():
 
 
 def test_learning_rate_schedules_rise_over_the_warmup_then_follow_their_shape():
-    from dpzoo.train import lr_schedule
+    from dpzoo.runs.classifier import lr_schedule
 
     def factors(schedule, warmup, total=10):
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
@@ -78,12 +78,12 @@ def test_learning_rate_schedules_rise_over_the_warmup_then_follow_their_shape():
 def test_schedule_is_recorded_and_reaches_the_trainer_and_sequence_models_refuse_it(monkeypatch, capsys):
     from cli_errors import one_line_error
 
-    from dpzoo.cli_image import SCHEDULES
-    from dpzoo.train import SCHEDULES as TRAINER_SCHEDULES
+    from dpzoo.cli.image import SCHEDULES
+    from dpzoo.runs.classifier import SCHEDULES as TRAINER_SCHEDULES
 
     assert SCHEDULES == TRAINER_SCHEDULES
     seen = {}
-    monkeypatch.setattr("dpzoo.train.train_image_classifier", lambda **kw: seen.update(kw) or _done(kw))
+    monkeypatch.setattr("dpzoo.runs.classifier.train_image_classifier", lambda **kw: seen.update(kw) or _done(kw))
     assert main(["train", "cnn-tanh-gn", "--schedule", "cosine", "--warmup", "0.1", "--quiet"]) == 0
     assert (seen["schedule"], seen["warmup"]) == ("cosine", 0.1)
     monkeypatch.undo()
@@ -106,7 +106,7 @@ def test_a_scheduled_run_records_its_schedule_and_a_wrong_one_is_refused(tmp_pat
 @pytest.mark.parametrize("name", [n for n in dpzoo.list_models() if dpzoo.model_card(n).task == "image-classification"])
 def test_every_image_entry_takes_the_clis_default_digits_size(name):
     """`dpzoo train convnext-tiny` crashed in torch on 16-pixel digits (its card now upscales them)."""
-    from dpzoo.cli_train import default_image_size
+    from dpzoo.cli.train import default_image_size
 
     size = default_image_size(name, "digits")
     card = dpzoo.model_card(name)

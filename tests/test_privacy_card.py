@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import dpzoo
 from dpzoo.cli import main
-from dpzoo.privacy_card import membership_tpr_bound, read_card
+from dpzoo.hub.privacy_card import membership_tpr_bound, read_card
 
 SCHEMA = json.loads((Path(__file__).parents[1] / "docs" / "privacy_card.schema.json").read_text())
 
@@ -61,7 +61,7 @@ def test_a_pretrained_start_is_the_cards_base_model():
     jsonschema = pytest.importorskip("jsonschema")
     import yaml
 
-    from dpzoo.privacy_card import render_card
+    from dpzoo.hub.privacy_card import render_card
 
     text = render_card("bert-base", None, base_model="google-bert/bert-base-uncased")
     front = yaml.safe_load(text.split("---\n")[1])
@@ -105,7 +105,7 @@ def test_a_hand_edited_card_is_refused_on_load(tmp_path, edit, message):
 
 
 def test_the_statement_says_when_there_is_no_guarantee_or_a_seed_breaks_it():
-    from dpzoo.privacy_card import statement_from_record
+    from dpzoo.hub.privacy_card import statement_from_record
 
     base = {
         "epsilon": 2.0,
@@ -273,7 +273,7 @@ def test_an_audit_of_another_model_is_refused(tmp_path, capsys):
     """Model A's audit (file and block) put beside model B, whose σ, q and steps differ; and A's
     result handed to record_audit for B."""
     from dpzoo.audit import record_audit
-    from dpzoo.privacy_card import render_card
+    from dpzoo.hub.privacy_card import render_card
 
     a, *_ = _audited(tmp_path / "a", capsys)
     b, _ = _trained(tmp_path / "b", epsilon=4.0, n=512, batch_size=64, epochs=2, delta=1e-5)
@@ -384,8 +384,8 @@ def test_the_registry_record_has_the_registrys_fields_and_the_models_numbers(tmp
 
 
 def test_the_registry_record_describes_composed_releases_and_per_example_clipping():
-    from dpzoo.deployments_registry import registry_record
-    from dpzoo.privacy.accountant import Accountant
+    from dpzoo.hub.deployments_registry import registry_record
+    from dpzoo.privacy.accounting.accountant import Accountant
 
     history = [[0.6, 0.25, 4, 2], [2.0, 0.125, 8, 2]]  # user-level DP by example-level sampling, k = 2
     record = {

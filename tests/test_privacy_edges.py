@@ -341,7 +341,7 @@ def test_reproducible_noise_warns_and_is_recorded():
 
 def test_dpzoo_train_twice_with_the_default_seed_gives_different_models(tmp_path):
     """Before: `dpzoo train` with its default --seed 0 produced two bit-identical private models."""
-    from dpzoo.train import train_image_classifier
+    from dpzoo.runs.classifier import train_image_classifier
 
     outs = []
     for k in range(2):

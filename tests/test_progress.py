@@ -1,4 +1,4 @@
-"""The per-step progress bar of long jobs (dpzoo.progress.StepBar): training runs (tests/test_cli_runs.py),
+"""The per-step progress bar of long jobs (dpzoo.runs.progress.StepBar): training runs (tests/test_cli_runs.py),
 DP-FROST selection and audits here; each shows its steps and ε on a terminal and nothing otherwise."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from torch.utils.data import DataLoader, TensorDataset
 import dpzoo
 from dpzoo import frost
 from dpzoo.cli import main
-from dpzoo.progress import StepBar
+from dpzoo.runs.progress import StepBar
 
 
 def test_step_bar_shows_loss_and_epsilon_and_asks_the_accountant_sparingly(capsys, monkeypatch):
     asked = []
     clock = iter(range(0, 10_000, 1))  # each monotonic() call: one more second
-    monkeypatch.setattr("dpzoo.progress.time.monotonic", lambda: float(next(clock)))
+    monkeypatch.setattr("dpzoo.runs.progress.time.monotonic", lambda: float(next(clock)))
     with StepBar(20, "job", enabled=True, epsilon=lambda: asked.append(1) or 0.5 * len(asked)) as bar:
         for i in range(20):
             bar.step(torch.tensor(2.0 - 0.1 * i))

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpzoo
-from dpzoo.privacy.accountant import Accountant
+from dpzoo.privacy.accounting.accountant import Accountant
 
 GEN = torch.Generator().manual_seed(0)
 X, Y = torch.randn(64, 6, generator=GEN), torch.randint(0, 3, (64,), generator=GEN)

@@ -13,10 +13,10 @@ from torch.utils.data import DataLoader, TensorDataset
 import dpzoo
 from dpzoo.cli import build_parser
 from dpzoo.errors import AccountingError, DPZooError, PrivacyUsageError
-from dpzoo.privacy import accountant as A
 from dpzoo.privacy import engine as E
 from dpzoo.privacy import modes as M
-from dpzoo.privacy.accountant import ACCOUNTANTS, Accountant, get_noise_multiplier
+from dpzoo.privacy.accounting import accountant as A
+from dpzoo.privacy.accounting.accountant import ACCOUNTANTS, Accountant, get_noise_multiplier
 from dpzoo.seqrec import DatasetSpec, load_dataset, register_dataset
 from dpzoo.seqrec import downloads as D
 

@@ -71,7 +71,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import dpzoo
 from dpzoo.errors import PrivacyUsageError
 from dpzoo.integrations.trainer_save import write_privacy_files
-from dpzoo.privacy.accountant import Accountant
+from dpzoo.privacy.accounting.accountant import Accountant
 from dpzoo.privacy.budget import prior_spending
 
 GEN = torch.Generator().manual_seed(0)

@@ -13,7 +13,7 @@ from grad_reference import check_against_brute_force
 
 import dpzoo
 from dpzoo.cli import main
-from dpzoo.privacy.accountant import Accountant
+from dpzoo.privacy.accounting.accountant import Accountant
 from dpzoo.seqrec.item_prior import item_weights, log_prior, set_output_prior
 from dpzoo.seqrec.train import RECIPE_OVERRIDES, get_dataset, train_seqrec
 
@@ -26,8 +26,8 @@ def test_train_seqrec_defaults_are_the_recipe():
 
 
 def test_cli_sequence_defaults_reach_train_seqrec(monkeypatch):
+    import dpzoo.runs.classifier as image_train
     import dpzoo.seqrec.train as seqrec_train
-    import dpzoo.train as image_train
 
     seen = {}
 

@@ -312,7 +312,7 @@ def _mog_reference_epsilon(sigma: float, q: float, k: int, delta: float) -> floa
 
 @pytest.mark.parametrize("k, q, sigma", [(3, 0.2, 0.9)])
 def test_a_k_example_entry_is_the_mixture_of_gaussians_of_an_independent_integration(k, q, sigma):
-    from dpzoo.privacy.accountant import Accountant
+    from dpzoo.privacy.accounting.accountant import Accountant
 
     got = Accountant("pld", [[sigma, q, 1, k]]).get_epsilon(1e-3)
     want = _mog_reference_epsilon(sigma, q, k, 1e-3)
@@ -324,7 +324,7 @@ def test_a_k_example_account_lies_between_example_level_and_group_privacy():
     example-level one and below group privacy's (kε, k·e^((k−1)ε)·δ) bound (Dwork & Roth, Thm 2.2)."""
     import math
 
-    from dpzoo.privacy.accountant import Accountant
+    from dpzoo.privacy.accounting.accountant import Accountant
 
     sigma, q, steps, k, delta = 1.2, 0.02, 50, 3, 1e-6
     example = Accountant("pld", [[sigma, q, steps]]).get_epsilon(delta)
@@ -338,7 +338,7 @@ def test_a_k_example_account_lies_between_example_level_and_group_privacy():
 @pytest.mark.parametrize("name", ["rdp", "prv"])
 def test_other_accountants_refuse_k_example_entries_naming_pld(name):
     from dpzoo.errors import AccountingError
-    from dpzoo.privacy.accountant import Accountant, get_noise_multiplier
+    from dpzoo.privacy.accounting.accountant import Accountant, get_noise_multiplier
 
     with pytest.raises(AccountingError, match="use accountant='pld'"):
         Accountant(name, [[1.0, 0.1, 10, 2]])
@@ -347,7 +347,7 @@ def test_other_accountants_refuse_k_example_entries_naming_pld(name):
 
 
 def test_noise_for_a_target_covers_the_k_examples_and_entries_merge_by_k():
-    from dpzoo.privacy.accountant import Accountant, get_noise_multiplier
+    from dpzoo.privacy.accounting.accountant import Accountant, get_noise_multiplier
 
     sigma = get_noise_multiplier(3.0, 1e-5, 0.05, 5, "pld", tolerance=0.05, group=2)
     acc = Accountant("pld", group=2)
@@ -385,7 +385,7 @@ def test_example_level_sampling_keeps_k_examples_per_user_and_records_the_mixtur
 
 
 def dpzoo_epsilon_one_per_user(steps):
-    from dpzoo.privacy.accountant import Accountant
+    from dpzoo.privacy.accounting.accountant import Accountant
 
     return Accountant("pld", [[1.0, 6 / 27, steps]]).get_epsilon(1e-3)
 
@@ -407,7 +407,7 @@ def test_a_user_level_model_saves_a_card_that_states_the_unit_and_loads_back(tmp
     from torch.utils.data import DataLoader, TensorDataset
 
     import dpzoo
-    from dpzoo.privacy_card import read_card
+    from dpzoo.hub.privacy_card import read_card
 
     jsonschema = pytest.importorskip("jsonschema")
     torch.manual_seed(0)

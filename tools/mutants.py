@@ -111,14 +111,14 @@ def one_layer_left_out():
 
 
 def accountant_half_q():
-    from dpzoo.privacy.accountant import Accountant
+    from dpzoo.privacy.accounting.accountant import Accountant
 
     original = Accountant.step
     Accountant.step = lambda self, sigma, q, steps=1: original(self, sigma, q / 2, steps)
 
 
 def accountant_last_entry_only():
-    import dpzoo.privacy.accountant as acc
+    import dpzoo.privacy.accounting.accountant as acc
 
     original = acc._epsilon
     acc._epsilon = lambda name, history, delta: original(name, history[-1:], delta)

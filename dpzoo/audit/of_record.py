@@ -69,8 +69,8 @@ def record_audit(
     into the model directory ``directory``: ``dpzoo_audit.json``, then the card with its ``audit:``
     block. Refused if they are not the white-box audit of the directory's record and its control.
     Returns the block."""
+    from ..hub.privacy_card import read_card, render_card
     from ..integrations.trainer_save import read_privacy_metadata
-    from ..privacy_card import read_card, render_card
 
     directory = Path(directory)
     with replacing_audit():

@@ -92,7 +92,7 @@ def _recomputed(run: Mapping[str, Any], result: Mapping[str, Any], seed: int, cl
     and recomputed from its scores: (claimed ε, bound, most it could show, canaries, confidence)."""
     import torch
 
-    from ..privacy.accountant import Accountant
+    from ..privacy.accounting.accountant import Accountant
     from .run import audit_from_scores
 
     m = result["mechanism"]
@@ -234,7 +234,7 @@ def check_audit(directory, card_audit: Any, record: Mapping[str, Any]) -> bool:
     import json
     from pathlib import Path
 
-    from ..privacy_card import CARD_NAME, same_value
+    from ..hub.privacy_card import CARD_NAME, same_value
 
     if _REPLACING.get():
         return False

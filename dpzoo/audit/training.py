@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..errors import WeakPrivacyWarning
-from ..progress import StepBar
+from ..runs.progress import StepBar
 
 __all__ = ["BROKEN", "train_audited_model"]
 

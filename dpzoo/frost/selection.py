@@ -29,11 +29,11 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from ..errors import AccountingError, DPZooError, InvalidArgumentError
-from ..privacy.accountant import Accountant, accountant_spec, get_noise_multiplier
+from ..privacy.accounting.accountant import Accountant, accountant_spec, get_noise_multiplier
 from ..privacy.bitfit import default_head
 from ..privacy.engine import PrivacyEngine
 from ..privacy.metadata import check_delta
-from ..progress import StepBar
+from ..runs.progress import StepBar
 from . import magnitudes as MG
 from .partitions import Partition, resolve_partitions
 from .psel import PartitionGradientMeasure, default_loss, psel

@@ -38,7 +38,7 @@ from torch import nn
 
 from ..errors import AccountingError, MissingDependencyError, PrivacyUsageError, SaveError
 from ..live_ref import LiveRef
-from ..privacy.accountant import Accountant, accountant_spec
+from ..privacy.accounting.accountant import Accountant, accountant_spec
 from ..privacy.metadata import check_delta
 from ..privacy.provenance import distinct_histories, new_run, run_id, segments_of, steps_of
 

@@ -74,7 +74,7 @@ def adapter_record(model: nn.Module, adapter: str) -> dict[str, Any] | None:
     their spending links stand for, each run's steps once, ε at the smallest δ of those runs.
     None when they carry nothing, or no run's δ is known."""
     from ..integrations.peft_statements import STATED_DISJOINT, UNKNOWN_ORIGIN
-    from ..privacy.accountant import Accountant
+    from ..privacy.accounting.accountant import Accountant
     from ..privacy.provenance import distinct_histories, link_parts, steps_of
     from ..privacy.spending import SpendingLink
     from .peft_adapters import partly_unknown

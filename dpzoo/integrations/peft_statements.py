@@ -7,7 +7,7 @@ finds adapters trained before and loaded without a record. Both are refused
 on a module holding them: ``dpzoo_adapter_privacy = read_privacy_metadata(ADAPTER_DIR)`` (its
 spending is composed in addition to the model's own) or ``{}`` (trained on data disjoint from
 this run's, recorded in the metadata); a ``dpzoo_privacy`` record the user set counts too, one
-``dpzoo.load`` attached (:class:`~dpzoo.privacy_record.LoadedRecord`) does not. A DP run that
+``dpzoo.load`` attached (:class:`~dpzoo.hub.privacy_record.LoadedRecord`) does not. A DP run that
 composed the statement clears it and the marks (:func:`clear_marks`).
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from ..errors import PrivacyUsageError
-from ..privacy_record import LoadedRecord
+from ..hub.privacy_record import LoadedRecord
 
 __all__ = ["MARK", "merged_without_record", "refuse_unknown_origin", "clear_marks", "refuse_save_of_stated_merges"]
 __all__ += ["UNKNOWN_ORIGIN", "unknown_origin_note", "mark_unknown_origin", "refuse_unnoted_unknown_origin"]

@@ -2,7 +2,7 @@
 every checkpoint), read back by :func:`read_privacy_metadata`.
 
 Any model: ``save_pretrained``'s files plus ``dpzoo_privacy.json`` (:data:`PRIVACY_FILE`), the
-fields of :data:`dpzoo.hub.PRIVACY_FIELDS` (ε, δ, accountant, steps, sample rate, σ, R, how noise
+fields of :data:`dpzoo.hub.load_save.PRIVACY_FIELDS` (ε, δ, accountant, steps, sample rate, σ, R, how noise
 and sampling were drawn, the self-check's outcome); an infinite ε (σ = 0) is the string ``"inf"``,
 as in ``dpzoo_config.json``. A model built by :func:`dpzoo.load` is also written with
 :func:`dpzoo.save`'s semantics: its ``model.safetensors`` (privacy in the header too, and still
@@ -24,8 +24,8 @@ from typing import Any, Mapping
 from torch import nn
 
 from ..errors import SaveError
-from ..hub import CONFIG_NAME, PRIVACY_FIELDS, WEIGHTS_NAME, privacy_metadata, save
-from ..privacy_card import CARD_NAME, check_card, read_card, render_card
+from ..hub.load_save import CONFIG_NAME, PRIVACY_FIELDS, WEIGHTS_NAME, privacy_metadata, save
+from ..hub.privacy_card import CARD_NAME, check_card, read_card, render_card
 
 __all__ = ["PRIVACY_FILE", "write_privacy_files", "read_privacy_metadata", "is_zoo_model"]
 

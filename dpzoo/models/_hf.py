@@ -14,14 +14,14 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from transformers.utils import logging as hf_logging
 
-from ..checkpoint import (
+from ..errors import CheckpointError, OverrideError
+from ..hub.checkpoint import (
     lacks_bias,
     load_added_biases,
     load_state_dict_checked,
     read_state_dict,
     split_dp_ready_state_dict,
 )
-from ..errors import CheckpointError, OverrideError
 from ..nn.hf_position_ids import with_per_sample_position_ids
 from ..surgery import make_dp_ready
 from ._common import reject_unknown, split_patch_options

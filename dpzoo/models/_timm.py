@@ -11,8 +11,8 @@ import timm
 import torch
 from torch import nn
 
-from ..checkpoint import load_added_biases, load_state_dict_checked, read_state_dict, split_dp_ready_state_dict
 from ..errors import CheckpointError, OverrideError
+from ..hub.checkpoint import load_added_biases, load_state_dict_checked, read_state_dict, split_dp_ready_state_dict
 from ..registry import ModelCard, register_model
 from ..surgery import make_dp_ready
 from ._common import Override, OverrideTable, library_kwargs, resolve_synonyms, split_patch_options
@@ -47,7 +47,7 @@ def load_local_checkpoint(
     when ``num_classes_overridden``; ``ignore_unexpected``: fnmatch patterns of keys to skip).
 
     A checkpoint of the DP-ready model (``dpzoo.save``'s ``model.safetensors``) loads too: its added
-    biases are returned, to load with :func:`dpzoo.checkpoint.load_added_biases` after patching, and
+    biases are returned, to load with :func:`dpzoo.hub.checkpoint.load_added_biases` after patching, and
     the BatchNorm running statistics GroupNorm dropped may be missing. Returns {} otherwise.
     """
     sd = dict(path) if isinstance(path, Mapping) else read_state_dict(path)  # a file, or a state dict in memory

@@ -1,7 +1,7 @@
 """dpzoo's DP training engine: Poisson sampling, per-sample clipping through the norm hooks,
 Gaussian noise, accounting (see :class:`PrivacyEngine`)."""
 
-from .accountant import (
+from .accounting.accountant import (
     ACCOUNTANTS,
     Accountant,
     AccountantSpec,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import warnings
 
 from ..errors import DPZooError, PrivacyUsageError, WeakPrivacyWarning
-from .accountant import Accountant, get_noise_multiplier
+from .accounting.accountant import Accountant, get_noise_multiplier
 from .caller import first_frame_outside_dpzoo
 from .carried import (  # what a model carries: re-exported, so dpzoo.privacy.budget stays the one import
     link_spending,

@@ -23,7 +23,7 @@ from typing import Mapping
 from torch import nn
 
 from ..errors import PrivacyUsageError
-from .accountant import Accountant
+from .accounting.accountant import Accountant
 from .provenance import Spent, distinct_histories, history_of, link_parts, record_parts, run_id, segments_of, steps_of
 from .spending import RecordSpending, SpendingLink
 
@@ -183,10 +183,10 @@ def write_live_records(module: nn.Module, accountant_name: str) -> None:
 
 def attach_loaded_record(model: nn.Module, record: Mapping) -> None:
     """What ``dpzoo.load`` attaches for a saved record: ``model.dpzoo_privacy`` (a
-    :class:`~dpzoo.privacy_record.LoadedRecord`, what a re-save records) and a
+    :class:`~dpzoo.hub.privacy_record.LoadedRecord`, what a re-save records) and a
     :class:`~dpzoo.privacy.spending.RecordSpending` link (kept when the user states ``{}`` there).
     A record without σ gets no link: a later run refuses it by name."""
-    from ..privacy_record import LoadedRecord
+    from ..hub.privacy_record import LoadedRecord
 
     model.dpzoo_privacy = LoadedRecord(record)
     from ..integrations.peft_statements import mark_unknown_origin

@@ -37,7 +37,7 @@ from ..grad_norms import attach_norm_hooks
 from ..grad_norms.cost import check_budget
 from ..integrations.peft_statements import mark_weights_unknown, unknown_origin_note
 from ..live_ref import LiveRef
-from .accountant import Accountant, accountant_spec
+from .accounting.accountant import Accountant, accountant_spec
 from .arguments import (
     check_layers,
     check_loader,

@@ -37,7 +37,7 @@ import torch
 from ..errors import NoGradientWarning, PrivacyUsageError, UnsupportedModuleError
 from ..grad_norms.hooks import NormHooks
 from ..grad_norms.loss_pool import check_reduction, take_record
-from .accountant import Accountant
+from .accounting.accountant import Accountant
 from .budget import restore_history
 from .clipping import AUTOMATIC_GAMMA as AUTOMATIC_GAMMA  # re-exported: it was defined here
 from .clipping import CLIPPING, clip_factors

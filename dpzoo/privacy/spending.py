@@ -12,7 +12,7 @@ carries in all is composed in :mod:`dpzoo.privacy.carried`.
 
 from __future__ import annotations
 
-from .accountant import Accountant
+from .accounting.accountant import Accountant
 from .provenance import distinct_histories, link_parts
 
 __all__ = ["SpendingLink", "FollowingSpending", "ComposedSpending", "RecordSpending"]

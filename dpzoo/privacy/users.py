@@ -13,7 +13,7 @@ Differential Privacy", SaTML 2025, §3–4), each with its accounting:
   are kept for the whole run (chosen at random once), then examples are Poisson-sampled at q and
   clipped one by one. A user's j ~ Binomial(k, q) sampled examples move the sum by at most j·R:
   a mixture of Gaussians, which dp-accounting's PLD accounts tightly (the paper's ELS accountant;
-  history entries [σ, q, steps, k], :mod:`dpzoo.privacy.accounting_backends`).
+  history entries [σ, q, steps, k], :mod:`dpzoo.privacy.accounting.backends`).
 
 Which of a user's examples are taken depends on that user's data alone, so it is part of the
 per-user mechanism. The loader keeps each user's examples next to each other in the batch (ULS)

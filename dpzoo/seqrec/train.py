@@ -4,7 +4,7 @@ One sequence per user is one sample of Poisson sampling and per-sample clipping,
 guarantee is user-level. Automatic clipping with C = 1, learning rate with 20% linear
 warm-up then linear decay (App. E.3), evaluation of NDCG@10 / HIT@10 on the validation and
 test items every ``eval_every`` epochs (:mod:`dpzoo.seqrec.metrics`), beside the popularity
-ranking as a reference. The run (:class:`dpzoo.run_loop.TrainingLoop`) shows a progress bar,
+ranking as a reference. The run (:class:`dpzoo.runs.loop.TrainingLoop`) shows a progress bar,
 appends each evaluation to metrics.csv (and TensorBoard), saves checkpoints it can resume from
 with the same ε bookkeeping, and at the end writes metrics.json, a plot and the model with
 its privacy metadata.
@@ -19,13 +19,13 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ..errors import DPZooError, InvalidArgumentError
-from ..hub import load, save
+from ..hub.load_save import load, save
 from ..losses import SequenceCrossEntropy
 from ..privacy import PrivacyEngine
-from ..privacy.accountant import Accountant
-from ..run_io import open_run, write_json
-from ..run_loop import TrainingLoop, check_loop_arguments, resolve_device
-from ..run_plots import plot_metrics
+from ..privacy.accounting.accountant import Accountant
+from ..runs.files import open_run, write_json
+from ..runs.loop import TrainingLoop, check_loop_arguments, resolve_device
+from ..runs.plots import plot_metrics
 from .dataset import SequenceDataset, sasrec_preprocess
 from .downloads import DATASETS, load_dataset
 from .item_prior import ITEM_PRIORS, item_weights, log_prior, private_item_weights, set_output_prior
@@ -153,7 +153,7 @@ def train_seqrec(
     and the non-private shuffling; Poisson membership and noise are secret unless
     ``sample_seed`` / ``noise_seed`` are given (tests only: recorded in the metadata).
     ``out``, ``overwrite``, ``checkpoint_every``, ``resume``, ``progress`` and
-    ``step_callback``: as in :func:`dpzoo.train.train_image_classifier`. ``max_physical_batch_size``
+    ``step_callback``: as in :func:`dpzoo.runs.classifier.train_image_classifier`. ``max_physical_batch_size``
     bounds the users of one forward and backward pass (each Poisson batch is split into micro-batches;
     memory and time only, the DP step is the same): a number, None (whole batches), or "auto" (the
     default): the largest micro-batch whose estimated peak memory fits in half of the memory available

@@ -138,7 +138,7 @@ def _entry(name: str, card: ModelCard, make, split_patch_options, reject_unknown
         reject_unknown(name, arch, card.overrides)
         model = make_dp_ready(make(arch), groupnorm=False, **patch)
         if weights is not None:
-            from ..checkpoint import load_state_dict_checked, read_state_dict
+            from ..hub.checkpoint import load_state_dict_checked, read_state_dict
 
             load_state_dict_checked(model, read_state_dict(weights), source=f"checkpoint {weights}")
         return model

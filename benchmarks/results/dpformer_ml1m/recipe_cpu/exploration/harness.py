@@ -18,7 +18,7 @@ import time
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from dpzoo.hub import load
+from dpzoo.hub.load_save import load
 from dpzoo.losses import SequenceCrossEntropy
 from dpzoo.privacy import PrivacyEngine
 from dpzoo.seqrec.downloads import load_dataset

@@ -18,7 +18,7 @@ import datetime
 import math
 from typing import Any, Mapping
 
-from .errors import PrivacyUsageError
+from ..errors import PrivacyUsageError
 from .privacy_card import FLAVOUR, TRUST_MODEL, UNITS, statement_from_record
 
 __all__ = ["registry_record", "TEMPLATE_LAYOUT"]

@@ -1,7 +1,7 @@
 """The registry of accountants: which names ``Accountant``, the engine and the command line accept.
 
 Accountants are registered (:func:`register_accountant`, the built-ins too, from
-:mod:`dpzoo.privacy.accounting_backends`): a name, a function turning a (σ, q, steps) history
+:mod:`dpzoo.privacy.accounting.backends`): a name, a function turning a (σ, q, steps) history
 into ε at δ through a library, whether it composes a multi-entry history and whether its ε is an
 upper bound (the engine refuses one that is not). ``ACCOUNTANTS`` is a live view of the
 registered names; :func:`unregister_accountant` removes a user's registration (not a built-in).
@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Callable
 
-from ..errors import AccountingError
-from .accounting_backends import dp_accounting_epsilon, opacus_epsilon
+from ...errors import AccountingError
+from .backends import dp_accounting_epsilon, opacus_epsilon
 
 __all__ = [
     "ACCOUNTANTS",

@@ -8,8 +8,8 @@ import argparse
 import json
 from pathlib import Path
 
-from .cli_args import option
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
+from .args import option
 
 __all__ = ["add_eval_parser", "cmd_eval"]
 
@@ -55,8 +55,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     metrics = _run_metrics(run)
     import torch
 
-    from .hub import load
-    from .train import evaluate_accuracy
+    from ..hub.load_save import load
+    from ..runs.classifier import evaluate_accuracy
 
     data = args.data or metrics["data"]
     if data != "digits" and Path(data).exists():
@@ -69,7 +69,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         )
     model = load(run)
     if "text" in metrics:  # packed (ids, mask) inputs, as the run trained it
-        from .datasets.text import PackedTextClassifier
+        from ..datasets.text import PackedTextClassifier
 
         model = PackedTextClassifier(model)
     accuracy = evaluate_accuracy(model, test, torch.device("cpu"))
@@ -94,12 +94,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
 def _eval_set(metrics: dict, data: str, run: Path):
     """(dataset, class names) to score: the run's own test split when ``data`` is the run's (or
     digits), else every example of ``data`` (an image folder's val/ or test/ split if it has one)."""
-    from .datasets import image_folder_eval_set, table_eval_set
-    from .train import image_splits, table_data
+    from ..datasets import image_folder_eval_set, table_eval_set
+    from ..runs.classifier import image_splits, table_data
 
     seed, own = int(metrics.get("seed", 0)), data in (metrics["data"], "digits")
     if "text" in metrics:  # a text run: the tokenizer saved beside its model
-        from .datasets.text import load_tokenizer, text_eval_set, text_splits
+        from ..datasets.text import load_tokenizer, text_eval_set, text_splits
 
         tokenizer = load_tokenizer(run / "model")
         column, length = metrics["text"]["column"], int(metrics["text"]["max_length"])

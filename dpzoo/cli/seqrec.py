@@ -1,11 +1,11 @@
 """The options of ``dpzoo train`` that only sequence models take (``--max-len``, ``--item-prior``,
-``--amazon-columns``, ...); ``dpzoo.cli_train`` refuses them for image models."""
+``--amazon-columns``, ...); ``dpzoo.cli.train`` refuses them for image models."""
 
 from __future__ import annotations
 
 import argparse
 
-from .cli_args import option, positive_float, positive_int
+from .args import option, positive_float, positive_int
 
 __all__ = ["add_seqrec_options"]
 

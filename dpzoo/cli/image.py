@@ -1,7 +1,7 @@
 """The options of ``dpzoo train`` that only classifiers take: image, tabular and text
 (``--optimizer``, ``--schedule``, ``--warmup``), image only (``--image-size``, ``--full-size``),
 tables (``--label-column``), text only (``--text-column``, ``--max-tokens``, ``--weights``,
-``--pretrained``); ``dpzoo.cli_train`` refuses them for the other kinds (a sequence model's
+``--pretrained``); ``dpzoo.cli.train`` refuses them for the other kinds (a sequence model's
 schedule is the DPFormer recipe's: 20% warm-up, then linear decay)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import os
 
-from .cli_args import option, positive_int
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
+from .args import option, positive_int
 
 __all__ = [
     "add_image_options",
@@ -22,7 +22,11 @@ __all__ = [
     "CLASSIFIER_ONLY",
 ]
 
-SCHEDULES = ("constant", "cosine", "linear")  # dpzoo.train.SCHEDULES (not imported: the parser loads no torch)
+SCHEDULES = (
+    "constant",
+    "cosine",
+    "linear",
+)  # dpzoo.runs.classifier.SCHEDULES (not imported: the parser loads no torch)
 CLASSIFIER_ONLY = {  # dest -> (flag, the kinds it is for)
     **{dest: (f"--{dest.replace('_', '-')}", ("image",)) for dest in ("full_size", "image_size")},
     **{dest: (f"--{dest}", ("image", "tabular", "text")) for dest in ("optimizer", "schedule", "warmup")},

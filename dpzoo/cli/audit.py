@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from .cli_args import nonnegative_int, option, positive_float, positive_int, unit_interval
-from .cli_choices import AUDIT_CONTROLS, mode_names, usable_accountants
-from .errors import DPZooError
+from ..errors import DPZooError
+from .args import nonnegative_int, option, positive_float, positive_int, unit_interval
+from .choices import AUDIT_CONTROLS, mode_names, usable_accountants
 
 __all__ = ["add_audit_parser"]
 
@@ -31,10 +31,10 @@ def _audit_run(args) -> int:
     control at the same settings), print the statement's sentence and record both in its card."""
     import torch
 
-    from .audit import audit_record, record_audit
-    from .audit.recorded import replacing_audit
-    from .hub import run_model_directory
-    from .integrations.trainer_save import read_privacy_metadata
+    from ..audit import audit_record, record_audit
+    from ..audit.recorded import replacing_audit
+    from ..hub.load_save import run_model_directory
+    from ..integrations.trainer_save import read_privacy_metadata
 
     given = [n for n, v in args.audit_defaults.items() if getattr(args, n) != v]
     if given:
@@ -61,7 +61,7 @@ def _audit_run(args) -> int:
         )
     block = record_audit(directory, result, control, seed=args.seed)
     if args.out:
-        from .run_io import writable_dir
+        from ..runs.files import writable_dir
 
         out = writable_dir(args.out)
         payload = [r.to_dict() for r in (result, control) if r is not None]
@@ -83,8 +83,8 @@ def _cmd_audit(args) -> int:
     3: with --with-controls, a positive control did not fire (the audit is too weak to vouch)."""
     import torch
 
-    from .audit import WHITE_BOX_CANARIES, audit, plot_scores
-    from .run_io import writable_dir
+    from ..audit import WHITE_BOX_CANARIES, audit, plot_scores
+    from ..runs.files import writable_dir
 
     if args.run is not None:
         return _audit_run(args)

@@ -8,16 +8,16 @@ dpzoo prepare NAME [--set k=v ...] [--weights PATH] [--out DIR]
                                      forward/backward on a synthetic batch, save it
 dpzoo cards --write DIR              (re)write the markdown model cards
 dpzoo train NAME [--data digits] [--epsilon 8] [--epochs 10] [--out DIR] [--resume DIR] ...
-                                     private training on a built-in dataset (dpzoo.cli_train)
+                                     private training on a built-in dataset (dpzoo.cli.train)
 dpzoo audit [--epsilon 2] [--delta 1e-5] [--canaries 1000|2500] [--epochs 10] [--full-batch] [--mode auto]
             [--broken NAME | --with-controls] [--white-box] [--out DIR] [--seed 0]
                                      empirical lower bound on ε in one training run (exit 1
-                                     when it exceeds the claimed ε; dpzoo.cli_audit)
+                                     when it exceeds the claimed ε; dpzoo.cli.audit)
 dpzoo audit --run RUN_DIR [--with-controls]
                                      audit a saved model's mechanism, recorded in its card
 
 Every mistake is one line on stderr (``dpzoo: error: ...``) and exit code 2: argparse's errors
-(:class:`dpzoo.cli_args.Parser`), every :class:`~dpzoo.DPZooError` a command raises, and an
+(:class:`dpzoo.cli.args.Parser`), every :class:`~dpzoo.DPZooError` a command raises, and an
 operating-system error (a file that cannot be read or written). Ctrl-C during training saves
 a checkpoint and exits 130 with the command that resumes. torch, timm and transformers are
 imported inside the commands, so ``dpzoo --help`` answers at once.
@@ -31,12 +31,12 @@ import sys
 import warnings
 from pathlib import Path
 
-from .cli_args import Parser, key_value, option
-from .cli_audit import add_audit_parser
-from .cli_config import with_config
-from .cli_eval import add_eval_parser
-from .cli_train import add_train_parser
-from .errors import DPZooError
+from ..errors import DPZooError
+from .args import Parser, key_value, option
+from .audit import add_audit_parser
+from .config import with_config
+from .evaluate import add_eval_parser
+from .train import add_train_parser
 
 __all__ = ["build_parser", "main"]
 
@@ -59,7 +59,7 @@ def _example_batch(card, batch_size=4):
 
 
 def _cmd_list(args) -> int:
-    from .registry import list_models, model_card
+    from ..registry import list_models, model_card
 
     for name in list_models(args.pattern):
         print(f"{name:<24} {model_card(name).summary}")
@@ -69,7 +69,7 @@ def _cmd_list(args) -> int:
 def _cmd_card(args) -> int:
     """A zoo entry's model card, or a saved model's (or a run's) privacy statement."""
     if Path(args.name).is_dir():
-        from .privacy_card import privacy_statement
+        from ..hub.privacy_card import privacy_statement
 
         if args.registry:
             return _print_registry_record(args.name)
@@ -77,7 +77,7 @@ def _cmd_card(args) -> int:
         return 0
     if args.registry:
         raise DPZooError(f"--registry needs a saved private model's directory; {args.name} is not a directory.")
-    from .registry import model_card
+    from ..registry import model_card
 
     print(model_card(args.name).to_markdown(), end="")
     return 0
@@ -86,10 +86,10 @@ def _cmd_card(args) -> int:
 def _print_registry_record(directory) -> int:
     import yaml
 
-    from .deployments_registry import registry_record
-    from .hub import run_model_directory
-    from .integrations.trainer_save import read_privacy_metadata
-    from .privacy_card import read_card
+    from ..hub.deployments_registry import registry_record
+    from ..hub.load_save import run_model_directory
+    from ..hub.privacy_card import read_card
+    from ..integrations.trainer_save import read_privacy_metadata
 
     model_dir = run_model_directory(directory)
     record, front = read_privacy_metadata(model_dir), read_card(model_dir) or {}
@@ -105,8 +105,8 @@ def _print_registry_record(directory) -> int:
 
 
 def _build(args):
-    from .hub import load
-    from .registry import model_card
+    from ..hub.load_save import load
+    from ..registry import model_card
 
     overrides = dict(args.set or [])
     if getattr(args, "small", False):
@@ -120,7 +120,7 @@ def _build(args):
 
 
 def _cmd_summary(args) -> int:
-    from .summary import summary
+    from ..summary import summary
 
     print(summary(_build(args)))
     return 0
@@ -129,10 +129,10 @@ def _cmd_summary(args) -> int:
 def _cmd_prepare(args) -> int:
     import torch
 
-    from .hub import save
-    from .registry import model_card
-    from .summary import summary
-    from .surgery import check_dp_ready
+    from ..hub.load_save import save
+    from ..registry import model_card
+    from ..summary import summary
+    from ..surgery import check_dp_ready
 
     card = model_card(args.name)
     model = _build(args)
@@ -160,7 +160,7 @@ def _cmd_prepare(args) -> int:
 
 
 def _cmd_cards(args) -> int:
-    from .registry import list_models, model_card
+    from ..registry import list_models, model_card
 
     out = Path(args.write)
     out.mkdir(parents=True, exist_ok=True)

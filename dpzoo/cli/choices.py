@@ -116,7 +116,7 @@ def trainable_models_help() -> str:
 
 def usable_accountants() -> list[str]:
     """Registered accountants whose ε is an upper bound (the engine refuses the others, e.g. 'gdp')."""
-    registry = _live("dpzoo.privacy.accounting_registry")
+    registry = _live("dpzoo.privacy.accounting.registry")
     if registry is None:
         return list(BUILTIN_ACCOUNTANTS)
     return [name for name in registry.ACCOUNTANTS if registry.accountant_spec(name).upper_bound]

@@ -8,7 +8,7 @@
   stderr is not a terminal (``progress=None``) or with ``progress=False``. The loss is that of
   private training data: it is shown on the terminal only, never written to a file;
 * an evaluation every ``eval_every`` epochs and after the last, appended at once to
-  ``metrics.csv`` and TensorBoard (:class:`dpzoo.run_io.MetricsLog`);
+  ``metrics.csv`` and TensorBoard (:class:`dpzoo.runs.files.MetricsLog`);
 * a checkpoint (model, optimizer, the engine's state with the accountant's history, LR
   schedule, progress, RNG states) after every epoch or every N steps, replaced atomically;
 * on Ctrl-C a checkpoint at the last completed step and a message saying how to resume. With
@@ -36,9 +36,9 @@ from typing import Any, Callable
 
 import torch
 
-from .errors import CheckpointError, InvalidArgumentError
+from ..errors import CheckpointError, InvalidArgumentError
 from .progress import StepBar
-from .run_io import CHECKPOINT_NAME, MetricsLog, save_checkpoint
+from .files import CHECKPOINT_NAME, MetricsLog, save_checkpoint
 
 __all__ = ["TrainingLoop", "check_loop_arguments", "resolve_device"]
 

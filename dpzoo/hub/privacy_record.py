@@ -9,7 +9,7 @@ import ast
 import math
 from typing import Any, Mapping
 
-from .errors import CheckpointError, SaveError
+from ..errors import CheckpointError, SaveError
 
 __all__ = [
     "PRIVACY_FIELDS",

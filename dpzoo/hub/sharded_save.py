@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .errors import SaveError
-from .grad_norms.sharded import is_dtensor
-from .privacy.engine import engine_of
+from ..errors import SaveError
+from ..grad_norms.sharded import is_dtensor
+from ..privacy.engine import engine_of
 
 __all__ = ["save_if_sharded", "GatheredModel"]
 

@@ -1,6 +1,6 @@
 """``dpzoo train``: its options, their checks against the model, and the run (or its resumption).
 
-Values are checked when parsed (:mod:`dpzoo.cli_args`); what depends on the model is checked
+Values are checked when parsed (:mod:`dpzoo.cli.args`); what depends on the model is checked
 here before anything is loaded: an option that does not apply to the model's kind (``--max-len``
 for an image classifier, ``--full-size`` for a sequence model, privacy options with
 ``--non-private``) is refused, never ignored, and ``--out`` must be new or empty
@@ -15,7 +15,8 @@ import argparse
 import os
 from typing import Any
 
-from .cli_args import (
+from ..errors import InvalidArgumentError
+from .args import (
     checkpoint_every,
     given,
     key_value,
@@ -27,7 +28,7 @@ from .cli_args import (
     positive_int,
     unit_interval,
 )
-from .cli_choices import (
+from .choices import (
     DEFAULT_CLI_MODE,
     datasets_help,
     max_len_help,
@@ -36,8 +37,8 @@ from .cli_choices import (
     trainable_models_help,
     usable_accountants,
 )
-from .cli_config import add_config_option
-from .cli_image import (
+from .config import add_config_option
+from .image import (
     add_image_options,
     check_image_options,
     check_table_options,
@@ -45,7 +46,7 @@ from .cli_image import (
     image_choices,
     text_choices,
 )
-from .cli_kinds import (
+from .kinds import (
     CLASSIFIER_KINDS,
     DEFAULT_DATA,
     DEFAULT_EVAL_EVERY,
@@ -55,8 +56,7 @@ from .cli_kinds import (
     KIND_WORDS,
     model_kind,
 )
-from .cli_seqrec import add_seqrec_options
-from .errors import InvalidArgumentError
+from .seqrec import add_seqrec_options
 
 __all__ = ["add_train_parser", "cmd_train"]
 
@@ -259,7 +259,7 @@ def _check_options(kind: str, args: argparse.Namespace, opts: set[str]) -> None:
         return check_table_options(args, data)
     if kind == "text":
         return check_text_options(args, data)
-    from .seqrec.downloads import DATASETS
+    from ..seqrec.downloads import DATASETS
 
     if data in DATASETS or data == "synthetic":
         return
@@ -276,7 +276,7 @@ def _check_options(kind: str, args: argparse.Namespace, opts: set[str]) -> None:
 def default_image_size(name: str, data: str) -> int:
     """The pixels images are resized to without ``--image-size``: the entry's recipe (its card's
     ``train_defaults``) if it names a size, else 16 for the digits and 32 for an image folder."""
-    from .registry import model_card  # (lazily, as _recipe: the CLI's help stays free of the zoo)
+    from ..registry import model_card  # (lazily, as _recipe: the CLI's help stays free of the zoo)
 
     return int(model_card(name).train_defaults.get("image_size") or (16 if data == "digits" else 32))
 
@@ -325,13 +325,13 @@ def _train_kwargs(kind: str, args: argparse.Namespace) -> dict:
 def _recipe(kind: str, name: str) -> dict[str, Any]:
     """Epochs, batch size and learning rate: the entry's own recipe (its card's train_defaults) over
     the defaults of its kind."""
-    from .registry import model_card
+    from ..registry import model_card
 
     return {**DEFAULT_STEPS[kind], **model_card(name).train_defaults}
 
 
 def _resume_kwargs(args: argparse.Namespace, opts: set[str]) -> tuple[str, dict]:
-    from .run_io import load_checkpoint
+    from ..runs.files import load_checkpoint
 
     extra = sorted(opts - RESUME_OPTIONS)
     if extra:
@@ -372,15 +372,15 @@ def cmd_train(args: argparse.Namespace) -> int:
         log=(lambda message: None) if args.quiet else (lambda message: print(message, flush=True)),
         handle_sigint=True,
     )
-    from .run_io import no_empty_out_left
+    from ..runs.files import no_empty_out_left
 
     with no_empty_out_left(kwargs.get("out")):
         if kind in CLASSIFIER_KINDS:
-            from .train import train_image_classifier
+            from ..runs.classifier import train_image_classifier
 
             result = train_image_classifier(**kwargs)
         else:
-            from .seqrec.train import train_seqrec
+            from ..seqrec.train import train_seqrec
 
             result = train_seqrec(**kwargs)
     if args.quiet:

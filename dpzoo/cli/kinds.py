@@ -1,12 +1,12 @@
 """The kinds of model ``dpzoo train`` trains (by the zoo entry's task), what each defaults to, and
-which options only some kinds take (:mod:`dpzoo.cli_train` refuses the others)."""
+which options only some kinds take (:mod:`dpzoo.cli.train` refuses the others)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from .cli_image import CLASSIFIER_ONLY
-from .errors import DPZooError
+from ..errors import DPZooError
+from .image import CLASSIFIER_ONLY
 
 __all__ = [
     "KINDS",
@@ -30,7 +30,7 @@ KIND_WORDS = {k: f"a{'n' * (k == 'image')} {k} classifier" for k in ("image", "t
 KIND_WORDS["seqrec"] = "a sequence model"
 KIND_PLURALS = {"image": "image classifiers", "tabular": "tabular classifiers", "text": "text classifiers"}
 KIND_PLURALS["seqrec"] = "sequence models"
-CLASSIFIER_KINDS = ("image", "tabular", "text")  # trained by dpzoo.train.train_image_classifier
+CLASSIFIER_KINDS = ("image", "tabular", "text")  # trained by dpzoo.runs.classifier.train_image_classifier
 # options of some kinds only: dest -> (flag, the kinds it is for)
 KIND_ONLY = {
     **CLASSIFIER_ONLY,
@@ -52,7 +52,7 @@ DEFAULT_STEPS: dict[str, dict[str, Any]] = {
 
 def model_kind(name: str) -> str:
     """The kind of a zoo entry ``dpzoo train`` trains ("image", "tabular", "text" or "seqrec"); others are refused."""
-    from .registry import model_card
+    from ..registry import model_card
 
     task = model_card(name).task
     if task not in KINDS:

@@ -21,13 +21,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from . import __version__
+from .. import __version__
+from ..errors import CheckpointError, OverrideError, SaveError
+from ..integrations.opacus import unwrap_for_save
+from ..integrations.peft_layers import refuse_save as refuse_peft_save
+from ..privacy.carried import attach_loaded_record, refuse_uncounted_spending
+from ..privacy.engine import engine_of
+from ..registry import LOAD_KEYWORDS, OVERRIDE_SYNONYMS, get_entry, is_model, reject_unknown_overrides, split_name
 from .checkpoint import give_default_permissions, load_state_dict_checked, state_dict_mismatch
-from .errors import CheckpointError, OverrideError, SaveError
-from .integrations.opacus import unwrap_for_save
-from .integrations.peft_layers import refuse_save as refuse_peft_save
-from .privacy.carried import attach_loaded_record, refuse_uncounted_spending
-from .privacy.engine import engine_of
 from .privacy_card import CARD_NAME, check_saved_card, render_card
 from .privacy_record import (
     PRIVACY_FIELDS,
@@ -38,7 +39,6 @@ from .privacy_record import (
     refuse_file_beside_hf_record,
     spending_of,
 )
-from .registry import LOAD_KEYWORDS, OVERRIDE_SYNONYMS, get_entry, is_model, reject_unknown_overrides, split_name
 from .sharded_save import save_if_sharded
 
 __all__ = ["load", "create_model", "save", "read_config", "privacy_metadata", "PRIVACY_FIELDS", "CONFIG_NAME"]
@@ -215,10 +215,10 @@ def save(
     into the safetensors header. A model trained by dpzoo's engine fills it in itself; one Opacus
     wrapped is unwrapped and needs ``privacy=dpzoo.integrations.opacus.privacy_metadata(engine, delta, data_loader=loader)``.
     ``datasets``: names of the (public, named) datasets it was trained on, for its card's front matter
-    (``README.md``, :mod:`dpzoo.privacy_card`; never a private file's path).
+    (``README.md``, :mod:`dpzoo.hub.privacy_card`; never a private file's path).
     """
     if (sharded := save_if_sharded(model, directory, save, privacy, overwrite)) is not None:
-        return sharded  # FSDP2: every rank gathers, rank 0 writes (dpzoo.sharded_save)
+        return sharded  # FSDP2: every rank gathers, rank 0 writes (dpzoo.hub.sharded_save)
     refuse_peft_save(model)
     model = unwrap_for_save(model, privacy)  # Opacus' GradSampleModule -> the zoo model
     config = getattr(model, "dpzoo_config", None)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError, SaveError
+from ..errors import CheckpointError, SaveError
 
 __all__ = [
     "RUN_OUTPUTS",

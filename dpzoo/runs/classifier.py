@@ -3,7 +3,7 @@
 Image classifiers (ResNet-GN, ViT, EfficientNet-GN) train on scikit-learn's digits (bundled,
 no download) or on the user's image folder (:mod:`dpzoo.datasets.image_folder`); tabular
 classifiers (``mlp-tanh``) on the digits as 64 features or on the user's CSV or Parquet file
-(:mod:`dpzoo.datasets.table`); privately, with dpzoo's engine. The run (:class:`dpzoo.run_loop.TrainingLoop`)
+(:mod:`dpzoo.datasets.table`); privately, with dpzoo's engine. The run (:class:`dpzoo.runs.loop.TrainingLoop`)
 shows a progress bar with the loss and the ε spent, evaluates the test accuracy every
 ``eval_every`` epochs into ``metrics.csv`` (and TensorBoard when installed), saves checkpoints
 it can resume from with the same ε bookkeeping, and at the end writes metrics.json, a plot
@@ -20,15 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from .datasets import digits_dataset, digits_features, image_folder_splits, is_image_folder, is_table, table_splits
-from .datasets.text import PackedTextClassifier, load_tokenizer, text_splits
-from .errors import DPZooError, InvalidArgumentError
-from .hub import load, save
-from .privacy import PrivacyEngine
-from .registry import model_card
-from .run_io import open_run, write_json
-from .run_loop import TrainingLoop, check_loop_arguments, resolve_device
-from .run_plots import plot_metrics
+from ..datasets import digits_dataset, digits_features, image_folder_splits, is_image_folder, is_table, table_splits
+from ..datasets.text import PackedTextClassifier, load_tokenizer, text_splits
+from ..errors import DPZooError, InvalidArgumentError
+from ..hub.load_save import load, save
+from ..privacy import PrivacyEngine
+from ..registry import model_card
+from .files import open_run, write_json
+from .loop import TrainingLoop, check_loop_arguments, resolve_device
+from .plots import plot_metrics
 
 __all__ = [
     "train_image_classifier",

@@ -4,8 +4,8 @@ The accountant keeps the history of (noise multiplier σ, sample rate q, steps) 
 Poisson-subsampled Gaussian mechanism, as Opacus does; ε is computed from that history by
 the library when asked (every entry composed) — never by a hand-written accountant: the
 libraries are dp-accounting's RDP and PLD accountants and Opacus' PRV, RDP and Gaussian-DP
-ones (:mod:`dpzoo.privacy.accounting_backends`, with the analyses they implement), looked up by
-name in the registry (:mod:`dpzoo.privacy.accounting_registry`). :func:`get_noise_multiplier`
+ones (:mod:`dpzoo.privacy.accounting.backends`, with the analyses they implement), looked up by
+name in the registry (:mod:`dpzoo.privacy.accounting.registry`). :func:`get_noise_multiplier`
 inverts that ε: the smallest σ whose ε, composed after a history, meets a target.
 
 ``"gdp"`` (Opacus' ``GaussianAccountant``, Bu, Dong, Long & Su 2020) is an approximation, not a
@@ -16,7 +16,7 @@ selection followed by training, or a run resumed with another σ.
 The history is the accountant's state: it is saved in training checkpoints and restored on
 resume. This module also exports the registry's names (``ACCOUNTANTS``,
 :func:`register_accountant`, :func:`unregister_accountant`, :func:`accountant_spec`,
-:class:`AccountantSpec`), so ``dpzoo.privacy.accountant`` is the one import for accounting.
+:class:`AccountantSpec`), so ``dpzoo.privacy.accounting.accountant`` is the one import for accounting.
 """
 
 from __future__ import annotations
@@ -27,15 +27,9 @@ import math
 import numbers
 from typing import Iterable
 
-from ..errors import AccountingError, MissingDependencyError
-from .accounting_registry import (
-    ACCOUNTANTS,
-    AccountantSpec,
-    accountant_spec,
-    register_accountant,
-    unregister_accountant,
-)
-from .provenance import run_id
+from ...errors import AccountingError, MissingDependencyError
+from ..provenance import run_id
+from .registry import ACCOUNTANTS, AccountantSpec, accountant_spec, register_accountant, unregister_accountant
 
 __all__ = [
     "Accountant",
@@ -63,7 +57,7 @@ def _number(value, arg: str) -> float:
 def _entry(noise_multiplier, sample_rate, steps, group=1) -> list:
     """A validated [σ, q, steps] history entry, or [σ, q, steps, k] for steps where each of a
     user's k examples is Poisson-sampled at q (user-level DP by example-level sampling: the
-    user's contribution is a mixture of Gaussians, :mod:`dpzoo.privacy.accounting_backends`)."""
+    user's contribution is a mixture of Gaussians, :mod:`dpzoo.privacy.accounting.backends`)."""
     sigma = _number(noise_multiplier, "noise_multiplier")
     if not (math.isfinite(sigma) and sigma >= 0):
         raise AccountingError(f"noise_multiplier must be a finite number >= 0 (0 = no noise, ε = ∞), got {sigma}.")

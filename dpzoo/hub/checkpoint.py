@@ -16,8 +16,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from .errors import CheckpointError
-from .surgery.tied import find_tied_parameters
+from ..errors import CheckpointError
+from ..surgery.tied import find_tied_parameters
 
 __all__ = [
     "read_state_dict",

@@ -25,8 +25,8 @@ from typing import Any, Mapping, Sequence
 
 import yaml
 
-from . import __version__
-from .errors import CheckpointError
+from .. import __version__
+from ..errors import CheckpointError
 
 __all__ = [
     "CARD_NAME",
@@ -67,7 +67,7 @@ MECHANISM = "DP-SGD (Gaussian, Poisson sampling)"
 
 
 def _accounting(accountant: str) -> dict[str, Any]:
-    from .privacy.accounting_registry import accountant_spec
+    from ..privacy.accounting.registry import accountant_spec
 
     try:
         spec = accountant_spec(accountant)
@@ -136,7 +136,7 @@ def privacy_statement(model_or_dir: Any, fpr: float = 0.01) -> str:
     --out`` run, or a Hugging Face directory ``DPTrainer`` saved), or a privacy record itself."""
     audit = None
     if isinstance(model_or_dir, (str, Path)):
-        from .hub import run_model_directory
+        from .load_save import run_model_directory
 
         audit = ((read_card(run_model_directory(model_or_dir)) or {}).get("privacy") or {}).get("audit")
     return statement_from_record(_record_of(model_or_dir), fpr, audit=audit)
@@ -146,11 +146,11 @@ def _record_of(obj: Any) -> Mapping[str, Any] | None:
     if obj is None or isinstance(obj, Mapping):
         return obj
     if isinstance(obj, (str, Path)):
-        from .hub import run_model_directory
-        from .integrations.trainer_save import read_privacy_metadata
+        from ..integrations.trainer_save import read_privacy_metadata
+        from .load_save import run_model_directory
 
         return read_privacy_metadata(run_model_directory(obj))
-    from .privacy.engine import engine_of
+    from ..privacy.engine import engine_of
 
     engine = engine_of(obj)
     if engine is not None and engine.steps > 0:
@@ -229,7 +229,7 @@ def statement_from_record(
         f"self-check: {record.get('self_check', 'not recorded')}" + (": the stated ε may not hold." if failed else "."),
     ]
     if audit is not None:
-        from .audit.recorded import audit_sentence
+        from ..audit.recorded import audit_sentence
 
         lines.append(audit_sentence(audit, record["sample_rate"]))
     lines.append(SCOPE)
@@ -306,7 +306,7 @@ def check_card(directory: str | Path, record: Mapping[str, Any] | None, header: 
             f"{path} states no privacy guarantee, but the model carries one: rewrite it with dpzoo.save."
         )
     versions = _card_versions(card)
-    from .audit.recorded import check_audit, stated_audits
+    from ..audit.recorded import check_audit, stated_audits
 
     audited = card.get("audit") is None or check_audit(Path(directory), card["audit"], record)  # False: being replaced
     if audited and stated_audits(body) != (card.get("audit") is not None):
@@ -381,8 +381,8 @@ def same_value(a, b) -> bool:
 
 
 def _recompute(path: Path, card: Mapping[str, Any]) -> None:
-    from .privacy.accountant import Accountant
-    from .privacy.accounting_registry import accountant_spec
+    from ..privacy.accounting.accountant import Accountant
+    from ..privacy.accounting.registry import accountant_spec
 
     history, eps = card.get("history"), card.get("epsilon")
     if not history or eps == "inf":

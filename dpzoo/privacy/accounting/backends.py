@@ -14,7 +14,7 @@ dpzoo computes no ε itself; every built-in accountant is one of these library c
 * ``"gdp"``: Opacus' ``GaussianAccountant``, Gaussian DP via the central limit theorem
   (Bu, Dong, Long & Su 2020). An *approximation*, not a bound (Opacus warns that it can
   underestimate ε), and it only reads the *last* (σ, q, steps) of a history
-  (:func:`opacus_epsilon`; the registry marks it so, :mod:`dpzoo.privacy.accounting_registry`).
+  (:func:`opacus_epsilon`; the registry marks it so, :mod:`dpzoo.privacy.accounting.registry`).
 
 Opacus' accountants come with ``pip install "dpzoo[opacus]"``. The libraries are imported when ε
 is asked for, not when this module is.

@@ -13,8 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
-from .cli_args import option
-from .errors import InvalidArgumentError
+from ..errors import InvalidArgumentError
+from .args import option
 
 __all__ = ["add_config_option", "with_config"]
 
