@@ -381,6 +381,50 @@ NEVER_SEEN = {  # each accepted before the review, each moving the clipped sum b
     "singular values": lambda o, y: torch.linalg.svdvals(o).sum(),
     "a custom autograd Function": lambda o, y: _Centre.apply(o).pow(2).sum(),
 }
+_PERM = torch.arange(8).flip(0)
+# Operations no list names, each working along the samples: the 21st independent audit measured
+# each accepted and moving the clipped sum by 1.3-3.8 R; an unknown operation is now per-sample only
+# when torch tags it pointwise, an in-place one is read as its out-of-place form, and the batch as
+# another operation's table or filters mixes samples.
+UNLISTED = {
+    "an FFT along the samples": lambda o, y: torch.fft.fft(o, dim=0).abs().sum(),
+    "fftn over every dimension (its default)": lambda o, y: torch.fft.fftn(o).abs().sum(),
+    "fft2 of a batch of 1-d signals": lambda o, y: torch.fft.fft2(o).abs().sum(),
+    "renorm of each column across samples": lambda o, y: torch.renorm(o, 2, 1, 1.0).pow(3).sum(),
+    "msort (along dimension 0)": lambda o, y: (torch.msort(o) * o).sum(),
+    "rot90": lambda o, y: (torch.rot90(o, 2) * o).sum(),
+    "cumprod in place": lambda o, y: o.clone().cumprod_(0).sum(),
+    "cumsum in place": lambda o, y: o.clone().cumsum_(0).pow(2).sum(),
+    "index_add of the outputs by a permutation": lambda o, y: (
+        torch.zeros(8, 3, dtype=F64).index_add(0, _PERM, o) * o
+    ).sum(),
+    "index_copy": lambda o, y: (torch.zeros(8, 3, dtype=F64).index_copy(0, _PERM, o) * o).sum(),
+    "scatter": lambda o, y: (torch.zeros(8, 3, dtype=F64).scatter(0, _PERM[:, None].expand(-1, 3), o) * o).sum(),
+    "the outputs as an embedding table": lambda o, y: (F.embedding(_PERM, o) * o).sum(),
+    "embedding_bag over the outputs": lambda o, y: (
+        F.embedding_bag(torch.stack([torch.arange(8), _PERM], 1), o).pow(2).sum()
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(UNLISTED))
+def test_unlisted_operations_along_the_samples_are_refused(name):
+    with pytest.raises(LossMixingError, match="mixes samples"):
+        step(mlp(), classification(), UNLISTED[name])
+
+
+def test_a_spectral_loss_over_each_samples_own_dimensions_trains_exactly():
+    """fftn over the last dimension only (each sample's own signal) and pointwise functions no list
+    names (torch tags them pointwise) stay per-sample: the DP step equals the brute-force one."""
+    data = classification()
+    x, y = data.tensors
+    model = mlp()
+    loss = lambda o, y: (torch.fft.fftn(o, dim=(-1,)).abs() + torch.special.erfinv(torch.tanh(o) * 0.5)).sum()  # noqa: E731
+    expected = dp_sgd_update(model, lambda m, x, y: loss(m(x), y), {"x": x, "y": y}, len(y), R, 0.0, None, "abadi")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    step(model, data, loss, loss_reduction="sum")
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach() - before[n], expected[n], rtol=1e-9, atol=1e-12)
 
 
 def _l(o, y):

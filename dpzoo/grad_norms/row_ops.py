@@ -5,6 +5,8 @@ single rows). Read by :mod:`.row_rules`, which decides what is refused.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = ["across", "result_dim", "dims_of", "touches", "window_of", "sliced", "picked_row", "absolute_row",
@@ -15,7 +17,8 @@ ADDITIVE = {"add", "__add__", "__radd__", "__iadd__", "add_", "sub", "__sub__", 
 SCALING = {"mul", "__mul__", "__rmul__", "__imul__", "mul_", "div", "__truediv__", "__itruediv__", "div_",
            "true_divide", "divide"}  # fmt: skip
 DIVIDE = {"div", "__truediv__", "__itruediv__", "div_", "true_divide", "divide"}
-VIEWS = {"float", "double", "half", "bfloat16", "to", "type_as", "clone", "contiguous", "detach", "squeeze",
+VIEWS = {"float", "double", "half", "bfloat16", "long", "int", "short", "bool", "byte", "char", "cpu", "cuda",
+         "type", "to", "type_as", "broadcast_to", "broadcast_tensors", "clone", "contiguous", "detach", "squeeze",
          "unsqueeze", "view", "reshape", "flatten", "unflatten", "view_as", "reshape_as", "expand", "expand_as",
          "requires_grad_", "retain_grad", "real", "__getitem__"}  # fmt: skip
 ELEMENTWISE = {
@@ -43,6 +46,14 @@ BATCH_FIRST = {"conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose
                "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_max_pool1d", "adaptive_max_pool2d",
                "interpolate", "upsample", "pixel_shuffle", "unfold", "fold", "linear", "embedding",
                "scaled_dot_product_attention", "dropout1d", "dropout2d"}  # fmt: skip
+TRANSFORMS = {
+    **{f"fft_{k}": (-1,) for k in ("fft", "ifft", "rfft", "irfft", "hfft", "ihfft")},
+    **{f"fft_{k}2": (-2, -1) for k in ("fft", "ifft", "rfft", "irfft", "hfft", "ihfft")},
+    **{f"fft_{k}n": "all" for k in ("fft", "ifft", "rfft", "irfft", "hfft", "ihfft")},
+    "fft_fftshift": "all",
+    "fft_ifftshift": "all",
+}
+LIKE = {"zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like", "randint_like"}
 MEAN_LOSSES = {"cross_entropy", "nll_loss"}
 LOSSES = MEAN_LOSSES | {
     "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss", "binary_cross_entropy", "binary_cross_entropy_with_logits",
@@ -66,14 +77,17 @@ def across(name: str, args, kwargs, lead, out) -> str | None:
     or mean over it), "mix" (anything else across it), "row" (picks one sample), "select" (a
     boolean mask), "subset" / "reorder" (some rows, or all in another order)."""
     dim, ndim = lead.rows.sample_dim, lead.dim()
+    name = out_of_place(name)
     if name in MIXERS:
         return "mix"
     if name == "__getitem__":
         return index_kind(args, dim)
     if name in ("select", "unbind", "narrow") and touches(dims_of(name, args, kwargs), dim, ndim):
         return {"select": "row", "unbind": "split", "narrow": "window"}[name]
-    if name in MOVES or name in VIEWS or name in ELEMENTWISE or name in ADDITIVE - {"sum", "nansum"}:
+    if name in MOVES or name in VIEWS or name in ELEMENTWISE or name in LIKE or name in ADDITIVE - {"sum", "nansum"}:
         return None
+    if name in LOSSES:  # without gradient (with gradient the rules read losses first)
+        return None if kwargs.get("reduction") == "none" else "pool"
     dims = dims_of(name, args, kwargs)
     over = touches(dims, dim, ndim)
     if name in LINEAR_OVER_DIM:
@@ -86,14 +100,21 @@ def across(name: str, args, kwargs, lead, out) -> str | None:
         return ("split" if name in ("chunk", "split", "tensor_split") else "reorder") if over else None
     if name in PRODUCTS:
         return product_kind(name, args, lead)
+    if name in TRANSFORMS:  # torch.fft: along `dim` (third positional), else its defaults
+        dims = kwargs.get("dim", args[2] if len(args) > 2 and "shift" not in name else None)
+        dims = args[1] if dims is None and "shift" in name and len(args) > 1 else dims
+        dims = TRANSFORMS[name] if dims is None else (dims,) if isinstance(dims, int) else tuple(dims)
+        return "mix" if touches(dims, dim, ndim) else None
     if name in BATCH_FIRST:
-        return None if dim == 0 else "mix"
+        return None if dim == 0 and args and args[0] is lead else "mix"  # not the batch as a table or filters
     return norm_kind(name, args, kwargs, dim, ndim)
 
 
 def norm_kind(name: str, args, kwargs, dim: int, ndim: int) -> str | None:
-    """Normalisations: which dimensions their statistics run over; other unknown operations are
-    batch-first when the samples lead and the result keeps them."""
+    """Normalisations: which dimensions their statistics run over. Any other operation no list
+    names is per-sample only when torch tags it pointwise (one element from the same element of
+    its inputs); else it is taken to mix samples (default-deny: an unknown operation's ``dim``
+    cannot be trusted to mean what it means for a reduction, e.g. ``renorm``'s)."""
     if name in ("layer_norm", "rms_norm"):
         shape = kwargs.get("normalized_shape", args[1] if len(args) > 1 else ())
         shape = (shape,) if isinstance(shape, int) else tuple(shape)
@@ -107,7 +128,45 @@ def norm_kind(name: str, args, kwargs, dim: int, ndim: int) -> str | None:
         return "mix" if training and dim != 1 else None
     if name == "local_response_norm":
         return "mix" if dim == 1 else None
-    return None if dim == 0 else "mix"
+    if not pointwise(name):
+        import os
+
+        if os.environ.get("DPZOO_LOG_UNKNOWN"):
+            with open(os.environ["DPZOO_LOG_UNKNOWN"], "a") as f:
+                f.write(f"{name} {dim} {ndim}\n")
+    return None if pointwise(name) else "mix"
+
+
+def out_of_place(name: str) -> str:
+    """``cumsum_`` -> ``cumsum``: an in-place operation treats the samples as its out-of-place form."""
+    if name.endswith("_") and not name.endswith("__") and len(name) > 1:
+        return name[:-1]
+    return name
+
+
+DUNDER_ATEN = {"invert": "bitwise_not", "and": "bitwise_and", "or": "bitwise_or", "xor": "bitwise_xor",
+               "rand": "bitwise_and", "ror": "bitwise_or", "rxor": "bitwise_xor", "iand": "bitwise_and",
+               "ior": "bitwise_or", "ixor": "bitwise_xor", "floordiv": "floor_divide", "rfloordiv": "floor_divide",
+               "mod": "remainder", "rmod": "remainder", "lshift": "bitwise_left_shift",
+               "rshift": "bitwise_right_shift"}  # fmt: skip
+
+
+@functools.lru_cache(maxsize=None)
+def pointwise(name: str) -> bool:
+    """Whether torch tags the ATen operation of this name pointwise (``torch.Tag.pointwise``)."""
+    bare = name.strip("_")
+    bare = DUNDER_ATEN.get(bare, bare)
+    for candidate in (bare, bare[1:] if bare.startswith(("r", "i")) else None, "special_" + bare):
+        if not candidate:
+            continue
+        try:
+            packet = getattr(torch.ops.aten, candidate)
+            overloads = [getattr(packet, o) for o in packet.overloads()]
+        except (AttributeError, RuntimeError):
+            continue
+        if any(torch.Tag.pointwise in o.tags for o in overloads):  # scalar-only overloads carry no tags
+            return True
+    return False
 
 
 def product_kind(name: str, args, lead) -> str | None:

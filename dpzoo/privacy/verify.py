@@ -146,8 +146,11 @@ def self_check(
         hooks_norms = {n: v.detach().sqrt().double() for n, v in sq.items()}
         # random per-row weights (not all ones): a per-sample gradient given to the wrong row changes
         # the weighted sum even when the rows the norm check compares are left in place
+        # the weights are signed powers of two, so c * w is exact in any precision: Gaussian weights
+        # rounded to a bf16 cotangent moved a sum of cancelling rows by ~1% (a false refusal)
         gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "little"))
-        weights = torch.randn(batch, generator=gen, dtype=torch.float64).to(outs[0].device)
+        signs = torch.randint(0, 2, (batch,), generator=gen, dtype=torch.float64) * 2 - 1
+        weights = (signs * 2.0 ** torch.randint(-4, 5, (batch,), generator=gen)).to(outs[0].device)
         summed = {n: g.detach().double() for n, g in hooks.clipped_sum(weights.to(outs[0].dtype)).items()}
         hooks_sum_ones = (
             hooks.clipped_sum(torch.ones(batch, dtype=outs[0].dtype, device=outs[0].device))
