@@ -219,3 +219,198 @@ def test_no_test_takes_its_expected_clip_factors_from_dpzoo():
         if ("dpzoo.privacy.clipping", "clip_factors") in _imports(p)
     ]
     assert users == []
+
+
+# -- functions that fit on a screen or two, and imports without cycles (issue 31) ---------------
+
+MAX_FUNCTION_LINES = 80  # from `def` to the end, the docstring not counted
+ONE_PIECE = "must be one piece"  # a docstring that says why a longer function cannot be split
+# Functions over the limit when the rule was introduced, with their length then: each may only
+# shrink (split it and delete its line); none may be added. docs/DESIGN.md "Package map".
+LONG_FUNCTIONS = {
+    ("dpzoo/seqrec/train.py", "train_seqrec"): 248,
+    ("dpzoo/runs/classifier.py", "train_image_classifier"): 197,
+    ("dpzoo/privacy/verify.py", "self_check"): 173,
+    ("dpzoo/cli/train.py", "add_train_parser"): 148,
+    ("dpzoo/audit/run.py", "audit"): 146,
+    ("dpzoo/audit/training.py", "train_audited_model"): 134,
+    ("dpzoo/privacy/engine.py", "make_private"): 130,
+    ("dpzoo/integrations/opacus.py", "privacy_metadata"): 116,
+    ("dpzoo/frost/selection.py", "select"): 112,
+    ("dpzoo/models/_hf.py", "build_hf"): 99,
+    ("dpzoo/privacy/accounting/accountant.py", "get_noise_multiplier"): 89,
+    ("dpzoo/cli/audit.py", "add_audit_parser"): 84,
+}
+
+
+def _long_functions(files) -> dict[tuple[str, str], int]:
+    """(file, function) -> body lines, for every function over the limit whose docstring does not
+    say why it must be one piece."""
+    found = {}
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            lines = node.end_lineno - node.lineno + 1
+            doc = ast.get_docstring(node)
+            if doc is not None:
+                first = node.body[0]
+                lines -= first.end_lineno - first.lineno + 1
+            if lines > MAX_FUNCTION_LINES and ONE_PIECE not in (doc or ""):
+                found[(_rel(path), node.name)] = lines
+    return found
+
+
+def test_functions_fit_on_a_screen_or_two():
+    found = _long_functions(LIBRARY)
+    new = {k: v for k, v in found.items() if k not in LONG_FUNCTIONS}
+    grown = {k: (LONG_FUNCTIONS[k], v) for k, v in found.items() if k in LONG_FUNCTIONS and v > LONG_FUNCTIONS[k]}
+    assert new == {}, f"functions over {MAX_FUNCTION_LINES} lines: {new}; split them (or say why not: {ONE_PIECE!r})"
+    assert grown == {}, f"listed long functions grew (listed, now): {grown}"
+    gone = sorted(set(LONG_FUNCTIONS) - set(found))
+    assert gone == [], f"{gone} are short now (or gone): delete them from LONG_FUNCTIONS"
+
+
+def test_the_length_check_finds_a_long_function(tmp_path):
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    short = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES - 1))  # with its def line: the limit
+    probe = ROOT / "tests" / "_layout_probe_long_tmp.py"
+    probe.write_text(f'def long():\n    """A docstring."""\n{body}\n    return x0\n\n\ndef fits():\n{short}\n')
+    try:
+        found = _long_functions([probe])
+        probe.write_text(f'def long():\n    """It {ONE_PIECE}: a reason."""\n{body}\n    return x0\n')
+        excused = _long_functions([probe])
+    finally:
+        probe.unlink()
+    assert found == {("tests/_layout_probe_long_tmp.py", "long"): MAX_FUNCTION_LINES + 2} and excused == {}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph(files, top_level_only: bool) -> dict[str, set[str]]:
+    """Module -> the library modules it imports (``from P import name`` counts as P.name when that
+    is a module); imports under ``if TYPE_CHECKING:`` are not imports."""
+    modules = {_module_name(p): p for p in files}
+
+    def resolve(name: str) -> str:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(n)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+            for stmt in node.body
+            for n in ast.walk(stmt)
+        }
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets: set[str] = set()
+        for node in tree.body if top_level_only else ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.Import):
+                targets |= {resolve(a.name) for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([node.module] if node.module else []))
+                targets |= {resolve(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base) for a in node.names}
+        graph[name] = {t for t in targets if t and t != name}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), 10_000))
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_when_modules_load():
+    """Module-level imports (what runs on ``import``) form no cycle."""
+    assert _cycles(_import_graph(LIBRARY, top_level_only=True)) == []
+
+
+# Modules that reach each other only through imports inside functions (a lower layer calling up
+# lazily: the registries filling themselves, the engine and the records it reads). This set may
+# only shrink; no module may join a cycle. docs/DESIGN.md "Package map".
+LAZILY_CYCLIC = {
+    "dpzoo", "dpzoo.audit.canary_models", "dpzoo.audit.recorded", "dpzoo.audit.run", "dpzoo.audit.task",
+    "dpzoo.audit.training", "dpzoo.grad_norms", "dpzoo.grad_norms.assembly", "dpzoo.grad_norms.audit",
+    "dpzoo.grad_norms.capture", "dpzoo.grad_norms.float_guard", "dpzoo.grad_norms.ghost", "dpzoo.grad_norms.hooks",
+    "dpzoo.grad_norms.plan", "dpzoo.grad_norms.registry", "dpzoo.grad_norms.reps", "dpzoo.grad_norms.rules",
+    "dpzoo.grad_norms.rules.attention", "dpzoo.grad_norms.rules.conv", "dpzoo.grad_norms.rules.conv_transpose",
+    "dpzoo.grad_norms.rules.embedding", "dpzoo.grad_norms.rules.hf_conv1d", "dpzoo.grad_norms.rules.hf_positions",
+    "dpzoo.grad_norms.rules.instance_norm", "dpzoo.grad_norms.rules.layerscale", "dpzoo.grad_norms.rules.linear",
+    "dpzoo.grad_norms.rules.norms", "dpzoo.grad_norms.rules.prelu", "dpzoo.grad_norms.rules.scaled_embedding",
+    "dpzoo.hub.load_save", "dpzoo.hub.privacy_card", "dpzoo.hub.sharded_save", "dpzoo.integrations.hf_save_watch",
+    "dpzoo.integrations.opacus", "dpzoo.integrations.peft", "dpzoo.integrations.peft_adapters",
+    "dpzoo.integrations.peft_layers", "dpzoo.integrations.peft_merge", "dpzoo.integrations.peft_records",
+    "dpzoo.integrations.peft_statements", "dpzoo.integrations.trainer_save", "dpzoo.models", "dpzoo.models._common",
+    "dpzoo.models._hf", "dpzoo.models._timm", "dpzoo.models.bert", "dpzoo.models.cnn", "dpzoo.models.convnext",
+    "dpzoo.models.efficientnet", "dpzoo.models.gemma", "dpzoo.models.gpt2", "dpzoo.models.llama",
+    "dpzoo.models.mistral", "dpzoo.models.mlp", "dpzoo.models.nfnet", "dpzoo.models.qwen2", "dpzoo.models.resnet",
+    "dpzoo.models.t5", "dpzoo.models.vit", "dpzoo.models.wrn", "dpzoo.privacy", "dpzoo.privacy.arguments",
+    "dpzoo.privacy.batch_memory", "dpzoo.privacy.budget", "dpzoo.privacy.carried", "dpzoo.privacy.engine",
+    "dpzoo.privacy.grad_scaler", "dpzoo.privacy.guards", "dpzoo.privacy.metadata", "dpzoo.privacy.modes",
+    "dpzoo.privacy.optimizer", "dpzoo.privacy.verify", "dpzoo.privacy.watch", "dpzoo.registry", "dpzoo.seqrec.zoo",
+    "dpzoo.surgery", "dpzoo.surgery.dp_ready",
+}  # fmt: skip
+
+
+def test_lazy_import_cycles_only_shrink():
+    cyclic = {m for c in _cycles(_import_graph(LIBRARY, top_level_only=False)) for m in c}
+    assert sorted(cyclic - LAZILY_CYCLIC) == [], "modules joined an import cycle: import downwards only"
+    assert sorted(LAZILY_CYCLIC - cyclic) == [], "modules left every cycle: delete them from LAZILY_CYCLIC"
+
+
+def test_the_cycle_checks_find_a_cycle():
+    probe = ROOT / "tests" / "_layout_probe_cycle_tmp"
+    probe.mkdir()
+    try:
+        (probe / "a.py").write_text("from . import b\n")
+        (probe / "b.py").write_text("def f():\n    from . import a\n")
+        (probe / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from . import a\n")
+        files = sorted(probe.glob("*.py"))
+        lazy = _cycles(_import_graph(files, top_level_only=False))
+        loading = _cycles(_import_graph(files, top_level_only=True))
+    finally:
+        for p in probe.glob("*.py"):
+            p.unlink()
+        probe.rmdir()
+    names = ["tests._layout_probe_cycle_tmp.a", "tests._layout_probe_cycle_tmp.b"]
+    assert lazy == [names] and loading == []
