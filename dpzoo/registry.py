@@ -112,11 +112,11 @@ class ModelCard:
         return "\n".join(lines) + "\n"
 
 
-RESULTS_FILE = Path(__file__).parent / "models" / "dp_results.json"  # written by benchmarks/zoo_results.py
+RESULTS_FILE = Path(__file__).parent / "models" / "dp_results.json"  # benchmarks/zoo_results.py, zoo_text_results.py
 
 
 def dp_results(name: str) -> dict[str, Any] | None:
-    """The measured DP result of a zoo entry (``benchmarks/zoo_results.py``), or None."""
+    """The measured DP result of a zoo entry (``benchmarks/zoo_results.py``, ``zoo_text_results.py``), or None."""
     try:
         return json.loads(RESULTS_FILE.read_text()).get(name)
     except (OSError, ValueError):
@@ -126,17 +126,37 @@ def dp_results(name: str) -> dict[str, Any] | None:
 def _results_lines(name: str) -> list[str]:
     r = dp_results(name)
     if r is None:
-        return ["None measured yet (`benchmarks/zoo_results.py` measures the image entries on the bundled digits)."]
-    spread = f"{r['test_accuracy_min']:.1%}–{r['test_accuracy_max']:.1%}"
-    return [
-        f"Measured by `python benchmarks/zoo_results.py {name}` on {r['measured']['date']} "
-        f"({r['measured']['machine']}); {r['runs']} runs, secret noise:",
+        return [
+            "None measured yet (`benchmarks/zoo_results.py` measures the image entries on the bundled digits, "
+            "`benchmarks/zoo_text_results.py` the language entries on the bundled docstring sentences)."
+        ]
+    metric = r.get("metric", "test_accuracy")
+    bits = metric == "test_bits_per_byte"  # causal LMs: lower is better
+    show = (lambda v: f"{v:.2f}") if bits else (lambda v: f"{v:.1%}")
+    spread = f"{show(r[f'{metric}_min'])}–{show(r[f'{metric}_max'])}"
+    header = "test bits per byte (lower is better)" if bits else "test accuracy"
+    by = r["command"] if "metric" in r else f"python benchmarks/zoo_results.py {name}"
+    lines = [
+        f"Measured by `{by}` on {r['measured']['date']} ({r['measured']['machine']}); {r['runs']} runs, secret noise:",
         "",
-        "| data | configuration | ε (δ) | steps | test accuracy | without DP | command |",
+        f"| data | configuration | ε (δ) | steps | {header} | without DP | command |",
         "| --- | --- | --- | --- | --- | --- | --- |",
         f"| {r['data']} | {r['configuration']} | {r['epsilon']:g} ({r['delta']:g}, {r['accountant']}) | {r['steps']} "
-        f"| {r['test_accuracy_mean']:.1%} ({spread}) | {r['non_private_test_accuracy']:.1%} | `{r['command']}` |",
+        f"| {show(r[f'{metric}_mean'])} ({spread}) | {show(r[f'non_private_{metric}'])} | `{r['command']}` |",
     ]
+    if "metric" in r:  # language entries: the recipe and the reference point
+        ref = (
+            f"a uniform guess is {r['uniform_bits_per_byte']:g} bits"
+            if bits
+            else f"chance is {r['chance_accuracy']:.0%}, always the most frequent family {r['majority_test_accuracy']:.1%}"
+        )
+        lines += [
+            "",
+            f"Trained from scratch on {r['train_size']} sentences ({r['test_size']} held out), {r['tokens']}; "
+            f"Adam lr {r['lr']:g}, expected batch {r['batch_size']}, {r['epochs']} epochs, clipping {r['max_grad_norm']:g}, "
+            f"σ {r['noise_multiplier']:g}; without DP: the same recipe, clipping and noise off; {ref}.",
+        ]
+    return lines
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,50 @@ def test_a_card_renders_the_measured_dp_results_of_its_entry(tmp_path, monkeypat
     assert "None measured yet" in dpzoo.model_card("resnet18-gn-bias").to_markdown()
 
 
+def test_a_language_card_renders_its_measured_metric(tmp_path, monkeypatch):
+    import json
+
+    from dpzoo import registry
+
+    measured = {"model": "gpt2", "kind": "lm", "data": "stdlib sentences", "configuration": "small", "epsilon": 7.99,
+                "delta": 1e-5, "accountant": "rdp", "steps": 180, "runs": 3, "metric": "test_bits_per_byte",
+                "test_bits_per_byte_mean": 4.5123, "test_bits_per_byte_min": 4.4, "test_bits_per_byte_max": 4.6,
+                "non_private_test_bits_per_byte": 3.9, "uniform_bits_per_byte": 8.0, "train_size": 1109,
+                "test_size": 277, "tokens": "UTF-8 bytes", "lr": 0.003, "batch_size": 128, "epochs": 20,
+                "max_grad_norm": 1.0, "noise_multiplier": 1.2,
+                "command": "python benchmarks/zoo_text_results.py gpt2", "measured": {"date": "2026-11-27", "machine": "m"}}  # fmt: skip
+    classifier = {**measured, "model": "bert-base", "kind": "classifier", "metric": "test_accuracy",
+                  "test_accuracy_mean": 0.3456, "test_accuracy_min": 0.3, "test_accuracy_max": 0.4,
+                  "non_private_test_accuracy": 0.5, "chance_accuracy": 0.2, "majority_test_accuracy": 0.29}  # fmt: skip
+    del classifier["uniform_bits_per_byte"]
+    (tmp_path / "dp_results.json").write_text(json.dumps({"gpt2": measured, "bert-base": classifier}))
+    monkeypatch.setattr(registry, "RESULTS_FILE", tmp_path / "dp_results.json")
+    card = dpzoo.model_card("gpt2").to_markdown()
+    assert "| test bits per byte (lower is better) | without DP |" in card
+    assert (
+        "| 7.99 (1e-05, rdp) | 180 | 4.51 (4.40–4.60) | 3.90 | `python benchmarks/zoo_text_results.py gpt2` |" in card
+    )
+    assert "Measured by `python benchmarks/zoo_text_results.py gpt2`" in card and "uniform guess is 8 bits" in card
+    card = dpzoo.model_card("bert-base").to_markdown()
+    assert "| test accuracy | without DP |" in card and "| 34.6% (30.0%–40.0%) | 50.0% |" in card
+    assert "chance is 20%, always the most frequent family 29.0%" in card
+
+
+def test_every_language_entry_has_a_measured_result():
+    """benchmarks/zoo_text_results.py measured every language entry (dpzoo/models/dp_results.json)."""
+    import json
+
+    from dpzoo.registry import RESULTS_FILE
+
+    packaged = json.loads(RESULTS_FILE.read_text())
+    tasks = ("sequence-classification", "causal-lm", "text2text-generation")
+    language = [n for n in dpzoo.list_models() if dpzoo.model_card(n).task in tasks]
+    assert len(language) >= 9 and all(packaged.get(n, {}).get("metric") for n in language)
+    for name in language:
+        r = packaged[name]
+        assert r["command"] == f"python benchmarks/zoo_text_results.py {name}" and r["epsilon"] <= 8.0
+
+
 def test_the_packaged_results_are_the_benchmarks(monkeypatch):
     """dpzoo/models/dp_results.json holds what benchmarks/zoo_results.py wrote for each entry."""
     import json
