@@ -203,6 +203,12 @@ def add_audit_parser(sub) -> None:
         help="every step trains on the whole training set (q = 1, --epochs steps): with --white-box, the setting "
         "whose bound comes closest to the claim (docs/RESULTS.md); default: Poisson batches of --batch-size",
     )
+    _add_run_options(s)
+    s.set_defaults(fn=_cmd_audit, audit_defaults={n: s.get_default(n) for n in MECHANISM_OPTIONS})
+
+
+def _add_run_options(s) -> None:
+    """The audit's optimizer, bound, accountant, seed and output (``--run``: a saved model's)."""
     option(s, "--lr", type=positive_float, default=2.0, help="SGD's learning rate")
     option(s, "--max-grad-norm", type=positive_float, default=1.0, help="the clipping bound R")
     option(s, "--confidence", type=unit_interval, default=0.95, help="confidence of the lower bound")
@@ -234,4 +240,3 @@ def add_audit_parser(sub) -> None:
         help="a saved private model (a `dpzoo train --out` run or a dpzoo.save directory): audit its mechanism "
         "(σ, q, steps, R, clipping from its record) white-box and write the result into its card; default: none",
     )
-    s.set_defaults(fn=_cmd_audit, audit_defaults={n: s.get_default(n) for n in MECHANISM_OPTIONS})

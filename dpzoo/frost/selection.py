@@ -199,14 +199,7 @@ def select(
     iterations with the selection's ε so far (None: when stderr is a terminal).
     ``accept_large_delta``: allow δ ≥ 1/N, as ``make_private`` does (then pass it there too).
     """
-    if not 0 < ratio <= 1:
-        raise DPZooError(f"ratio (γ, the fraction of parameters to unfreeze) must be in (0, 1], got {ratio}")
-    if not 0 < sample_rate <= 1:
-        raise DPZooError(f"sample_rate (q_ps) must be in (0, 1], got {sample_rate}")
-    if iterations < 1 or epochs < 1:
-        raise DPZooError(f"iterations and epochs must be >= 1, got {iterations}, {epochs}")
-    if method not in MG.METHODS or alpha not in (1, 2):
-        raise DPZooError(f"method must be one of {MG.METHODS} and alpha 1 or 2, got {method!r}, {alpha!r}")
+    _check_arguments(ratio, sample_rate, iterations, epochs, method, alpha)
     iterations = 1 if single else iterations
     dataset = data_loader.dataset
     n = len(dataset)
@@ -232,39 +225,14 @@ def select(
     measure = PartitionGradientMeasure(
         model, dataset, data_loader.collate_fn, loss_fn or default_loss, method, alpha, clip, max_physical_batch_size
     )
-    acc = Accountant(accountant)  # one step per noisy release, as psel makes them
-
-    def released(t: int) -> None:
-        acc.step(sigma_ps, sample_rate)
-        bar.step()
-
-    # no loss to show: the selection has none of its own; ε is the selection's spend so far
-    with StepBar(
-        iterations, "DP-FROST selection", enabled=progress, epsilon=lambda: acc.get_epsilon(target_delta)
-    ) as bar:
-        chosen, estimates, log = psel(
-            measure,
-            parts,
-            n,
-            sigma_ps,
-            sample_rate,
-            iterations,
-            ratio,
-            gap,
-            method,
-            alpha,
-            clip,
-            gen,
-            pgm_iterations,
-            on_iteration=released,
-        )
-    if acc.steps != iterations:  # psel releases once per iteration; anything else would misstate ε
-        raise AccountingError(f"DP-FROST selection made {acc.steps} releases for {iterations} iterations.")
-    keep = {n for p in chosen for n in p.params} | set(head)
+    psel_args = (parts, n, sigma_ps, sample_rate, iterations, ratio, gap, method, alpha, clip)
+    chosen, estimates, log, acc = _psel_accounted(
+        measure, psel_args, gen, pgm_iterations, accountant, target_delta, progress
+    )
     if freeze:
+        keep = {n for p in chosen for n in p.params} | set(head)
         for name, p in model.named_parameters():
-            if name not in keep:
-                p.requires_grad_(False)
+            p.requires_grad_(p.requires_grad and name in keep)
     return FrostSelection(
         selected=chosen,
         partitions=parts,
@@ -282,3 +250,34 @@ def select(
         samples_seen=measure.samples,
         history=log,
     )
+
+
+def _check_arguments(ratio, sample_rate, iterations, epochs, method, alpha) -> None:
+    if not 0 < ratio <= 1:
+        raise DPZooError(f"ratio (γ, the fraction of parameters to unfreeze) must be in (0, 1], got {ratio}")
+    if not 0 < sample_rate <= 1:
+        raise DPZooError(f"sample_rate (q_ps) must be in (0, 1], got {sample_rate}")
+    if iterations < 1 or epochs < 1:
+        raise DPZooError(f"iterations and epochs must be >= 1, got {iterations}, {epochs}")
+    if method not in MG.METHODS or alpha not in (1, 2):
+        raise DPZooError(f"method must be one of {MG.METHODS} and alpha 1 or 2, got {method!r}, {alpha!r}")
+
+
+def _psel_accounted(measure, psel_args, gen, pgm_iterations, accountant, target_delta, progress):
+    """(chosen, estimates, log, accountant) of :func:`psel` with ``psel_args``; every noisy release
+    is recorded in the accountant as it is made, and a count other than one per iteration refused."""
+    sigma_ps, sample_rate, iterations = psel_args[2], psel_args[3], psel_args[4]
+    acc = Accountant(accountant)  # one step per noisy release, as psel makes them
+
+    def released(t: int) -> None:
+        acc.step(sigma_ps, sample_rate)
+        bar.step()
+
+    # no loss to show: the selection has none of its own; ε is the selection's spend so far
+    with StepBar(
+        iterations, "DP-FROST selection", enabled=progress, epsilon=lambda: acc.get_epsilon(target_delta)
+    ) as bar:
+        chosen, estimates, log = psel(measure, *psel_args, gen, pgm_iterations, on_iteration=released)
+    if acc.steps != iterations:  # psel releases once per iteration; anything else would misstate ε
+        raise AccountingError(f"DP-FROST selection made {acc.steps} releases for {iterations} iterations.")
+    return chosen, estimates, log, acc

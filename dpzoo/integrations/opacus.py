@@ -6,23 +6,21 @@ out of Opacus' wrapper, and the privacy that Opacus' accountant recorded for it.
     dpzoo.save(model, "runs/m", privacy=privacy_metadata(opacus_engine, delta=1e-5, optimizer=optimizer))
     dpzoo.load("runs/m")                                       # the zoo model, Opacus' ε in its metadata
 
-:func:`unwrap` takes the model out of ``GradSampleModule`` / ``GradSampleModuleFastGradientClipping``
-(and Opacus' or torch's DDP wrapper inside it) without removing Opacus' hooks, so training can go
-on after saving. :func:`privacy_metadata` reads only what Opacus records: ε from the engine's own
-accountant at the ``delta`` the user names (Opacus keeps no δ), the (σ, q, steps) history, and the
-clipping bound if the optimizer is given. It refuses what would make the saved claim false or
-unusable: a run whose batches were not Poisson-sampled (Opacus' ``poisson_sampling=False``: its
-accountant still reports the Poisson-subsampled ε, which does not hold for fixed-size shuffled
-batches; told from the ``data_loader`` make_private returned, refused when none is given), a run
-that took more steps than that loader drew batches (a loop over another loader: the original,
-shuffled one; told by :func:`count_batches`, which ``dpzoo.engines.opacus.make_private`` applies,
-and refused for a loader that does not count; the engine's accountant carries the count and the
-runs its history holds through Opacus' ``save_checkpoint`` / ``load_checkpoint``, so a resumed run
-is counted, and the checkpoint's run once),
-Opacus' ``"gdp"`` accountant (an approximation, not an upper bound), a history with several
-sample rates (the metadata holds one), an engine that took no step. ``dpzoo.save`` refuses
-an Opacus-wrapped model without ``privacy=``, so a DP-trained model never silently loses its spend
-(a later dpzoo engine composes after it); ``dpzoo.save(unwrap(model), dir)`` saves it without.
+:func:`unwrap` takes the model out of ``GradSampleModule`` / ``GradSampleModuleFastGradientClipping`` (and
+Opacus' or torch's DDP wrapper inside it) without removing Opacus' hooks, so training can go on after saving.
+:func:`privacy_metadata` reads only what Opacus records: ε from the engine's own accountant at the ``delta``
+the user names (Opacus keeps no δ), the (σ, q, steps) history, and the clipping bound if the optimizer is
+given. It refuses what would make the saved claim false or unusable: a run whose batches were not Poisson-
+sampled (Opacus' ``poisson_sampling=False``: its accountant still reports the Poisson-subsampled ε, which does
+not hold for fixed-size shuffled batches; told from the ``data_loader`` make_private returned, refused when
+none is given), a run that took more steps than that loader drew batches (a loop over another loader: the
+original, shuffled one; told by :func:`count_batches`, which ``dpzoo.engines.opacus.make_private`` applies,
+and refused for a loader that does not count; the engine's accountant carries the count and the runs its
+history holds through Opacus' ``save_checkpoint`` / ``load_checkpoint``, so a resumed run is counted, and the
+checkpoint's run once), Opacus' ``"gdp"`` accountant (an approximation, not an upper bound), a history with
+several sample rates (the metadata holds one), an engine that took no step. ``dpzoo.save`` refuses an Opacus-
+wrapped model without ``privacy=``, so a DP-trained model never silently loses its spend (a later dpzoo engine
+composes after it); ``dpzoo.save(unwrap(model), dir)`` saves it without.
 
 Needs Opacus only for :func:`privacy_metadata`; importing this module does not import Opacus.
 """
@@ -92,7 +90,7 @@ def unwrap_for_save(model: nn.Module, privacy: Mapping[str, Any] | None) -> nn.M
     return inner
 
 
-def _opacus_accountant_type() -> type:
+def _opacus_accountant_type() -> Any:  # Any: isinstance narrows nothing to `object`
     try:
         from opacus.accountants.accountant import IAccountant
     except ImportError as e:  # pragma: no cover - exercised without the extra
@@ -269,7 +267,48 @@ def privacy_metadata(opacus_engine, delta: float, *, optimizer=None, data_loader
     ``BatchMemoryManager``'s), required: the ε Opacus reports holds only for Poisson batches. Opacus'
     noise is secret only with ``secure_mode=True``; the metadata's ``noise`` says which. Refused
     (see the module docstring) where the record would be false."""
-    accountant = getattr(opacus_engine, "accountant", None)
+    accountant, name, history, steps, rates = _accountant_and_history(opacus_engine, delta)
+    _check_loader(accountant, data_loader, steps)
+    check_delta(float(delta), len(getattr(data_loader, "dataset", ())) or None)  # δ ≥ 1/N says nothing
+    bound = _max_grad_norm(optimizer) if optimizer is not None else None  # checks it is Opacus' first
+    sigmas = {s for s, _, _ in history}
+    meta: dict[str, Any] = {
+        "epsilon": float(accountant.get_epsilon(delta)),
+        "delta": float(delta),
+        "accountant": name,
+        "steps": steps,
+        "sample_rate": rates[0],
+        "run_id": run_id(accountant),  # the run the model's OpacusSpending link stands for: counted once
+        "history": [[s, q, n] for s, q, n in history],  # every (σ, q): a noise schedule composes too
+    }
+    resumed = [list(seg) for seg in getattr(accountant, "dpzoo_segments", None) or []]
+    if resumed:  # the runs of the checkpoint it resumed from (Opacus' load_checkpoint)
+        meta["composed_runs"] = resumed
+    if len(sigmas) == 1:  # a noise schedule has no single σ: left out, so nothing composes a wrong one
+        meta["noise_multiplier"] = sigmas.pop()
+        if optimizer is not None and not math.isclose(optimizer.noise_multiplier, meta["noise_multiplier"]):
+            raise PrivacyUsageError(
+                f"The optimizer's noise multiplier {optimizer.noise_multiplier} is not the engine's "
+                f"{meta['noise_multiplier']}: pass the optimizer this engine's make_private returned."
+            )
+    if bound is not None:
+        meta["max_grad_norm"] = bound
+    _compose_earlier(meta, accountant, name, history, resumed, float(delta), steps)
+    if getattr(accountant, "dpzoo_unknown_origin", False):  # weights of unknown origin stated disjoint for this run
+        from .peft_statements import UNKNOWN_ORIGIN
+
+        meta["unknown_origin"] = UNKNOWN_ORIGIN
+    secure = getattr(opacus_engine, "secure_mode", None)
+    if secure is True:
+        meta["noise"] = "secret (Opacus secure_mode=True: torchcsprng)"
+    elif secure is False:
+        meta["noise"] = "not secret: Opacus secure_mode=False draws noise from torch's pseudo-random generator"
+    return meta
+
+
+def _accountant_and_history(opacus_engine, delta) -> tuple[Any, str, list, int, list]:
+    """(Opacus' accountant, dpzoo's name for it, its history, steps, one sample rate), checked."""
+    accountant: Any = getattr(opacus_engine, "accountant", None)
     if not isinstance(accountant, _opacus_accountant_type()):
         raise PrivacyUsageError(
             f"opacus_engine must be Opacus' PrivacyEngine (with an Opacus accountant), got {type(opacus_engine).__name__}. "
@@ -304,6 +343,11 @@ def privacy_metadata(opacus_engine, delta: float, *, optimizer=None, data_loader
             f"The Opacus engine's history has {len(rates)} sample rates ({', '.join(f'{q:.4g}' for q in rates)}); "
             "dpzoo's metadata records one. Pass privacy={...} to dpzoo.save yourself, with the largest rate."
         )
+    return accountant, name, history, steps, rates
+
+
+def _check_loader(accountant, data_loader, steps: int) -> None:
+    """Refuse unless every step trained on a batch this engine's Poisson loader drew."""
     if data_loader is None:
         raise PrivacyUsageError(
             "privacy_metadata needs data_loader= (the loader Opacus' make_private returned): Opacus' ε holds only "
@@ -336,30 +380,10 @@ def privacy_metadata(opacus_engine, delta: float, *, optimizer=None, data_loader
             "the loader make_private returned (a resumed run: call load_checkpoint after "
             "dpzoo.engines.opacus.make_private, on a checkpoint saved by such a run)."
         )
-    check_delta(float(delta), len(getattr(data_loader, "dataset", ())) or None)  # δ ≥ 1/N says nothing
-    bound = _max_grad_norm(optimizer) if optimizer is not None else None  # checks it is Opacus' first
-    sigmas = {s for s, _, _ in history}
-    meta: dict[str, Any] = {
-        "epsilon": float(accountant.get_epsilon(delta)),
-        "delta": float(delta),
-        "accountant": name,
-        "steps": steps,
-        "sample_rate": rates[0],
-        "run_id": run_id(accountant),  # the run the model's OpacusSpending link stands for: counted once
-        "history": [[s, q, n] for s, q, n in history],  # every (σ, q): a noise schedule composes too
-    }
-    resumed = [list(seg) for seg in getattr(accountant, "dpzoo_segments", None) or []]
-    if resumed:  # the runs of the checkpoint it resumed from (Opacus' load_checkpoint)
-        meta["composed_runs"] = resumed
-    if len(sigmas) == 1:  # a noise schedule has no single σ: left out, so nothing composes a wrong one
-        meta["noise_multiplier"] = sigmas.pop()
-        if optimizer is not None and not math.isclose(optimizer.noise_multiplier, meta["noise_multiplier"]):
-            raise PrivacyUsageError(
-                f"The optimizer's noise multiplier {optimizer.noise_multiplier} is not the engine's "
-                f"{meta['noise_multiplier']}: pass the optimizer this engine's make_private returned."
-            )
-    if bound is not None:
-        meta["max_grad_norm"] = bound
+
+
+def _compose_earlier(meta: dict, accountant, name: str, history, resumed: list, delta: float, steps: int) -> None:
+    """What the model carried before: composed into ``meta`` (each run once), or kept beside it."""
     earlier = list(getattr(accountant, "dpzoo_earlier_parts", ()))  # what the model carried
     stated = list(getattr(accountant, "dpzoo_stated_parts", ()))  # records stated for adapters: always composed
     before = distinct_histories(earlier)
@@ -371,16 +395,6 @@ def privacy_metadata(opacus_engine, delta: float, *, optimizer=None, data_loader
         key = run_id(accountant)
         own = [list(h) for h in history]
         composed = distinct_histories([*earlier, *stated, (key, segments_of(key, resumed, own), own)])
-        meta.update(epsilon=Accountant(name, list(composed)).get_epsilon(float(delta)), steps=steps_of(composed))
+        meta.update(epsilon=Accountant(name, list(composed)).get_epsilon(delta), steps=steps_of(composed))
         # every step is in composed_runs' runs: the record's own id has none of its own
         meta.update(history=list(composed), run_id=f"{key}-composed", composed_runs=composed.segments)
-    if getattr(accountant, "dpzoo_unknown_origin", False):  # weights of unknown origin stated disjoint for this run
-        from .peft_statements import UNKNOWN_ORIGIN
-
-        meta["unknown_origin"] = UNKNOWN_ORIGIN
-    secure = getattr(opacus_engine, "secure_mode", None)
-    if secure is True:
-        meta["noise"] = "secret (Opacus secure_mode=True: torchcsprng)"
-    elif secure is False:
-        meta["noise"] = "not secret: Opacus secure_mode=False draws noise from torch's pseudo-random generator"
-    return meta

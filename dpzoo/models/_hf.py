@@ -179,63 +179,13 @@ def build_hf(
         source = Path(weights)
         _check_hf_dir(source)
     if source is not None:
-        with _quiet_transformers(), offline_unless_reachable() if pretrained else contextlib.nullcontext():
-            try:
-                # mismatches come back in `info` and are reported below, by name
-                model, info = model_cls.from_pretrained(
-                    str(source), output_loading_info=True, ignore_mismatched_sizes=True, **cfg_kwargs
-                )
-            except (OSError, EnvironmentError) as e:
-                raise CheckpointError(
-                    f"transformers could not load {source!s} ({str(e).splitlines()[0]}). Offline? "
-                    "Download the model where the hub is reachable and pass weights=DIR."
-                ) from None
-            except (ValueError, RuntimeError, TypeError) as e:
-                raise CheckpointError(f"{source!s} does not fit {entry}: {e}") from None
-        bad_missing = sorted(k for k in info["missing_keys"] if not any(fnmatch.fnmatch(k, p) for p in head_keys))
-        unexpected = sorted(
-            k for k in info["unexpected_keys"] if not any(fnmatch.fnmatch(k, p) for p in ignorable_unexpected)
+        model, added = _from_pretrained(
+            entry, model_cls, source, pretrained, cfg_kwargs, head_keys, ignorable_unexpected
         )
-        # a checkpoint saved after dpzoo's surgery: its config does not know the added biases, so
-        # transformers built the model without them; they are loaded once the model is patched
-        added = _read_tensors(str(source), _added_bias_keys(model, unexpected))
-        unexpected = [k for k in unexpected if k not in added]
-        mismatched = sorted(k[0] if isinstance(k, tuple) else str(k) for k in info["mismatched_keys"])
-        if "num_labels" in cfg_kwargs:  # a new head for another number of classes is expected
-            mismatched = [k for k in mismatched if not any(fnmatch.fnmatch(k, p) for p in head_keys)]
-        if bad_missing or unexpected or mismatched:
-            parts = []
-            if bad_missing:
-                parts.append(f"missing from the checkpoint ({len(bad_missing)}): {', '.join(bad_missing[:12])}")
-            if unexpected:
-                parts.append(
-                    f"not in the model ({len(unexpected)}): {', '.join(unexpected[:12])}"
-                    + (" ..." if len(unexpected) > 12 else "")
-                )
-            if mismatched:
-                parts.append(f"wrong shape: {', '.join(mismatched[:12])}")
-            raise CheckpointError(
-                f"The checkpoint {source!s} does not fit {entry}: {'; '.join(parts)}. "
-                "Size overrides must match the checkpoint's config."
-            )
     else:
-        config = config_cls(**{**base_config, **cfg_kwargs})
-        model = model_cls(config)
+        model = model_cls(config_cls(**{**base_config, **cfg_kwargs}))
         if weights is not None:
-            sd = read_state_dict(weights)
-            if getattr(model.config, "tie_word_embeddings", False):
-                model.tie_weights()
-            if "num_labels" in cfg_kwargs:  # a new head for another number of classes is expected
-                sd = _drop_new_head(model, sd, head_keys)
-            sd, added, allow_bn = split_dp_ready_state_dict(model, sd)
-            load_state_dict_checked(
-                model,
-                sd,
-                source=f"checkpoint {weights}",
-                allow_missing=head_keys + tuple(allow_bn),
-                ignore_unexpected=ignorable_unexpected,
-                hint="Size overrides must match the checkpoint's.",
-            )
+            added = _load_weights_file(model, weights, "num_labels" in cfg_kwargs, head_keys, ignorable_unexpected)
     model.eval()  # like from_pretrained; call .train() before training
     model = make_dp_ready(model, **patch_kw)
     if added:
@@ -246,3 +196,68 @@ def build_hf(
         with_per_sample_position_ids(model)
         model.dpzoo_patch_report.position_ids_per_sample = True
     return model
+
+
+def _from_pretrained(entry, model_cls, source, pretrained, cfg_kwargs, head_keys, ignorable_unexpected):
+    """(model, biases dpzoo added that the checkpoint holds) from a hub id or a Hugging Face
+    directory; every key that does not fit is refused by name."""
+    with _quiet_transformers(), offline_unless_reachable() if pretrained else contextlib.nullcontext():
+        try:
+            # mismatches come back in `info` and are reported below, by name
+            model, info = model_cls.from_pretrained(
+                str(source), output_loading_info=True, ignore_mismatched_sizes=True, **cfg_kwargs
+            )
+        except (OSError, EnvironmentError) as e:
+            raise CheckpointError(
+                f"transformers could not load {source!s} ({str(e).splitlines()[0]}). Offline? "
+                "Download the model where the hub is reachable and pass weights=DIR."
+            ) from None
+        except (ValueError, RuntimeError, TypeError) as e:
+            raise CheckpointError(f"{source!s} does not fit {entry}: {e}") from None
+    bad_missing = sorted(k for k in info["missing_keys"] if not any(fnmatch.fnmatch(k, p) for p in head_keys))
+    unexpected = sorted(
+        k for k in info["unexpected_keys"] if not any(fnmatch.fnmatch(k, p) for p in ignorable_unexpected)
+    )
+    # a checkpoint saved after dpzoo's surgery: its config does not know the added biases, so
+    # transformers built the model without them; they are loaded once the model is patched
+    added = _read_tensors(str(source), _added_bias_keys(model, unexpected))
+    unexpected = [k for k in unexpected if k not in added]
+    mismatched = sorted(k[0] if isinstance(k, tuple) else str(k) for k in info["mismatched_keys"])
+    if "num_labels" in cfg_kwargs:  # a new head for another number of classes is expected
+        mismatched = [k for k in mismatched if not any(fnmatch.fnmatch(k, p) for p in head_keys)]
+    if bad_missing or unexpected or mismatched:
+        parts = []
+        if bad_missing:
+            parts.append(f"missing from the checkpoint ({len(bad_missing)}): {', '.join(bad_missing[:12])}")
+        if unexpected:
+            parts.append(
+                f"not in the model ({len(unexpected)}): {', '.join(unexpected[:12])}"
+                + (" ..." if len(unexpected) > 12 else "")
+            )
+        if mismatched:
+            parts.append(f"wrong shape: {', '.join(mismatched[:12])}")
+        raise CheckpointError(
+            f"The checkpoint {source!s} does not fit {entry}: {'; '.join(parts)}. "
+            "Size overrides must match the checkpoint's config."
+        )
+    return model, added
+
+
+def _load_weights_file(model, weights, new_head: bool, head_keys, ignorable_unexpected) -> dict[str, torch.Tensor]:
+    """Load a weights file into the freshly built ``model``; returns the biases dpzoo added that
+    the file holds (loaded once the model is patched)."""
+    sd = read_state_dict(weights)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    if new_head:  # a new head for another number of classes is expected
+        sd = _drop_new_head(model, sd, head_keys)
+    sd, added, allow_bn = split_dp_ready_state_dict(model, sd)
+    load_state_dict_checked(
+        model,
+        sd,
+        source=f"checkpoint {weights}",
+        allow_missing=head_keys + tuple(allow_bn),
+        ignore_unexpected=ignorable_unexpected,
+        hint="Size overrides must match the checkpoint's.",
+    )
+    return added

@@ -3,7 +3,7 @@
 Image classifiers (ResNet-GN, ViT, EfficientNet-GN) train on scikit-learn's digits (bundled,
 no download) or on the user's image folder (:mod:`dpzoo.datasets.image_folder`); tabular
 classifiers (``mlp-tanh``) on the digits as 64 features or on the user's CSV or Parquet file
-(:mod:`dpzoo.datasets.table`); privately, with dpzoo's engine. The run (:class:`dpzoo.runs.loop.TrainingLoop`)
+(:mod:`dpzoo.datasets.table`); privately, with dpzoo's engine. The run (:class:`ClassifierRun` over :class:`dpzoo.runs.run.TrainingRun`)
 shows a progress bar with the loss and the ε spent, evaluates the test accuracy every
 ``eval_every`` epochs into ``metrics.csv`` (and TensorBoard when installed), saves checkpoints
 it can resume from with the same ε bookkeeping, and at the end writes metrics.json, a plot
@@ -23,12 +23,9 @@ from torch.utils.data import DataLoader
 from ..datasets import digits_dataset, digits_features, image_folder_splits, is_image_folder, is_table, table_splits
 from ..datasets.text import PackedTextClassifier, load_tokenizer, text_splits
 from ..errors import DPZooError, InvalidArgumentError
-from ..hub.load_save import load, save
-from ..privacy import PrivacyEngine
+from ..hub.load_save import load
 from ..registry import model_card
-from .files import open_run, write_json
-from .loop import TrainingLoop, check_loop_arguments, resolve_device
-from .plots import plot_metrics
+from .run import TrainingRun
 
 __all__ = [
     "train_image_classifier",
@@ -39,6 +36,7 @@ __all__ = [
     "IMAGE_DATASETS",
     "SCHEDULES",
     "CLASSIFIER_TASKS",
+    "ClassifierRun",
 ]
 
 IMAGE_DATASETS = ("digits",)
@@ -221,163 +219,124 @@ def train_image_classifier(
     which must be the ones given here; the accountant's history continues, so the final ε is the
     one of an uninterrupted run. ``step_callback(step)`` runs after every logical step;
     ``progress`` shows a progress bar (None: when stderr is a terminal)."""
-    if data != "digits" and (is_image_folder(data) or is_table(data)):
-        data = str(Path(data).resolve())  # a resumed run finds it from any directory
-    settings: dict[str, Any] = {
-        "kind": "image",
-        "name": name,
-        "data": data,
-        "epsilon": epsilon,
-        "delta": delta,
-        "epochs": epochs,
-        "batch_size": batch_size,
-        "lr": lr,
-        "mode": mode,
-        "clipping": clipping,
-        "max_grad_norm": max_grad_norm,
-        "image_size": image_size,
-        "small": small,
-        "seed": seed,
-        "accountant": accountant,
-        "overrides": dict(overrides or {}),
-        "max_physical_batch_size": max_physical_batch_size,
-        "eval_every": eval_every,
-        "noise_seed": noise_seed,
-        "sample_seed": sample_seed,
-    }
-    # recorded only when not the default, so runs from before these options resume unchanged
-    chosen = {
-        "optimizer": optimizer,
-        "weight_decay": weight_decay,
-        "schedule": schedule,
-        "warmup": warmup,
-        "label_column": label_column,
-    }
-    if text is not None:
-        settings["text"] = dict(text)
-    settings.update({k: v for k, v in chosen.items() if v != _DEFAULTS[k]})
-    if schedule not in SCHEDULES or not 0 <= warmup < 1:
-        raise InvalidArgumentError(
-            f"schedule must be one of {', '.join(SCHEDULES)} and warmup a fraction of the steps in [0, 1); got "
-            f"{schedule!r}, {warmup!r}."
-        )
-    check_loop_arguments(epochs=epochs, eval_every=eval_every, checkpoint_every=checkpoint_every)
-    card = model_card(name)
-    _check_data(card, data, text)
-    fixed = sorted(set(settings["overrides"]) & set(_DATA_OVERRIDES))
-    if fixed:
-        raise InvalidArgumentError(f"override {fixed[0]!r} is set by the data ({_DATA_OVERRIDES[fixed[0]]}): drop it.")
-    dev = resolve_device(device)
-    run_dir, checkpoint = open_run(out, settings, resume=resume, overwrite=overwrite)
-    torch.manual_seed(seed)
-    train, test, classes, model, recorded, tokenizer = _data_and_model(
-        card, data, image_size, small, seed, label_column, text, settings["overrides"]
-    )
-    model = model.train().to(dev)
-    rows = "images" if card.task == "image-classification" else "rows"
-    if batch_size > len(train):
-        raise InvalidArgumentError(
-            f"batch_size {batch_size} is larger than the {len(train)} training {rows} (the sample rate would "
-            f"exceed 1): use at most {len(train)}."
-        )
-    opt = _optimizer(optimizer, model.parameters(), lr, weight_decay)
-    engine = PrivacyEngine(accountant=accountant)
-    # a resumed run keeps the checkpoint's σ (calibrated once, for the whole run)
-    noise = (
-        {"target_epsilon": epsilon}
-        if checkpoint is None
-        else {"noise_multiplier": checkpoint["engine"]["noise_multiplier"]}
-    )
-    model, opt, loader = engine.make_private(
-        module=model,
-        optimizer=opt,
-        data_loader=DataLoader(train, batch_size=batch_size),
-        target_delta=delta,
-        epochs=epochs,
-        max_grad_norm=max_grad_norm,
-        clipping=clipping,
-        mode=mode,
-        max_physical_batch_size=max_physical_batch_size,
-        noise_seed=noise_seed,
-        sample_seed=sample_seed,
-        **noise,
-    )
-    loop = TrainingLoop(
-        name=name,
-        model=model,
-        optimizer=opt,
-        loader=loader,
-        epochs=epochs,
-        settings=settings,
-        engine=engine,
-        delta=delta,
-        out=run_dir,
-        checkpoint_every=checkpoint_every,
-        progress=progress,
-        step_callback=step_callback,
-        log=log,
-        handle_sigint=handle_sigint,
-        scheduler=lr_schedule(opt, schedule, warmup, epochs * len(loader)),
-    )
-    if checkpoint is not None:
-        loop.load_state_dict(checkpoint)
-    log(
-        f"{name} on {data}: {len(train)} train / {len(test)} test {rows}, mode {mode}, "
-        f"σ = {engine.noise_multiplier:.3f}, q = {engine.sample_rate:.4f}, {loop.total_steps} steps, "
-        f"target ε = {epsilon} at δ = {delta}"
-        + (f" (resumed after step {loop.step}, ε = {loop.epsilon():.3g} so far)" if checkpoint is not None else "")
-    )
+    return ClassifierRun(dict(locals())).run()
 
-    def train_step(batch):
+
+class ClassifierRun(TrainingRun):
+    """:func:`train_image_classifier`'s run: a classifier on images, a table or texts."""
+
+    def make_settings(self) -> dict:
+        o = self.o
+        if o.data != "digits" and (is_image_folder(o.data) or is_table(o.data)):
+            o.data = str(Path(o.data).resolve())  # a resumed run finds it from any directory
+        names = ("name", "data", "epsilon", "delta", "epochs", "batch_size", "lr", "mode", "clipping", "max_grad_norm",
+                 "image_size", "small", "seed", "accountant")  # fmt: skip
+        settings: dict[str, Any] = {"kind": "image", **{n: getattr(o, n) for n in names}}
+        settings["overrides"] = dict(o.overrides or {})
+        settings.update(
+            {n: getattr(o, n) for n in ("max_physical_batch_size", "eval_every", "noise_seed", "sample_seed")}
+        )
+        if o.text is not None:
+            settings["text"] = dict(o.text)
+        # recorded only when not the default, so runs from before these options resume unchanged
+        settings.update({k: getattr(o, k) for k, v in _DEFAULTS.items() if getattr(o, k) != v})
+        return settings
+
+    def check(self) -> None:
+        o = self.o
+        if o.schedule not in SCHEDULES or not 0 <= o.warmup < 1:
+            raise InvalidArgumentError(
+                f"schedule must be one of {', '.join(SCHEDULES)} and warmup a fraction of the steps in [0, 1); got "
+                f"{o.schedule!r}, {o.warmup!r}."
+            )
+        self.card = model_card(o.name)
+        _check_data(self.card, o.data, o.text)
+        fixed = sorted(set(self.settings["overrides"]) & set(_DATA_OVERRIDES))
+        if fixed:
+            raise InvalidArgumentError(
+                f"override {fixed[0]!r} is set by the data ({_DATA_OVERRIDES[fixed[0]]}): drop it."
+            )
+
+    def build(self, device, checkpoint):
+        o = self.o
+        self.train, self.test, self.classes, model, self.recorded, self.tokenizer = _data_and_model(
+            self.card, o.data, o.image_size, o.small, o.seed, o.label_column, o.text, self.settings["overrides"]
+        )
+        self.rows = "images" if self.card.task == "image-classification" else "rows"
+        if o.batch_size > len(self.train):
+            raise InvalidArgumentError(
+                f"batch_size {o.batch_size} is larger than the {len(self.train)} training {self.rows} (the sample "
+                f"rate would exceed 1): use at most {len(self.train)}."
+            )
+        return model.train().to(device), self.train
+
+    def optimizer(self, model):
+        return _optimizer(self.o.optimizer, model.parameters(), self.o.lr, self.o.weight_decay)
+
+    def engine_options(self, model, device) -> dict:
+        return {"max_physical_batch_size": self.o.max_physical_batch_size}
+
+    def scheduler(self, optimizer, engine, total_steps):
+        return lr_schedule(optimizer, self.o.schedule, self.o.warmup, total_steps)
+
+    def first_line(self, engine, loop, resumed) -> str:
+        o = self.o
+        return (
+            f"{o.name} on {o.data}: {len(self.train)} train / {len(self.test)} test {self.rows}, mode {o.mode}, "
+            f"σ = {engine.noise_multiplier:.3f}, q = {engine.sample_rate:.4f}, {loop.total_steps} steps, "
+            f"target ε = {o.epsilon} at δ = {o.delta}"
+            + (f" (resumed after step {loop.step}, ε = {loop.epsilon():.3g} so far)" if resumed else "")
+        )
+
+    def loss(self, model, batch, device):
         x, y = batch
-        loss = F.cross_entropy(model(x.to(dev)), y.to(dev))
-        loss.backward()
-        return loss
+        return F.cross_entropy(model(x.to(device)), y.to(device))
 
-    history = loop.run(
-        train_step,
-        lambda: {"test_accuracy": evaluate_accuracy(model, test, dev)},
-        eval_every=eval_every,
-        describe=lambda r: (
+    def evaluate(self, model, device) -> dict:
+        return {"test_accuracy": evaluate_accuracy(model, self.test, device)}
+
+    def describe(self, r: dict) -> str:
+        return (
             f"epoch {r['epoch']}: test accuracy {r['test_accuracy']:.3f}  ε = {r['epsilon']:.2f}  ({r['seconds']:.0f}s)"
-        ),
-    )
-    result = {
-        "model": name,
-        "data": data,
-        "classes": classes,
-        **recorded,
-        "mode": mode,
-        "clipping": clipping,
-        "epochs": epochs,
-        "batch_size": batch_size,
-        "lr": lr,
-        "optimizer": optimizer,
-        "weight_decay": weight_decay,
-        "delta": delta,
-        "epsilon_target": epsilon,
-        "epsilon": loop.epsilon(),
-        "steps": loop.step,
-        "noise_multiplier": engine.noise_multiplier,
-        "sample_rate": engine.sample_rate,
-        "accountant": accountant,
-        "seed": seed,
-        "device": str(dev),
-        "history": history,
-    }
-    if run_dir is not None:
-        engine.detach()
-        write_json(run_dir / "metrics.json", result)  # before the model: a failed save keeps the metrics
-        written = ["metrics.csv", "metrics.json"]
-        title = f"{name} on {data}, target ε = {epsilon} at δ = {delta}"
-        if plot_metrics(history, run_dir / "metrics.png", title, [("test_accuracy", "test accuracy")]):
-            written.append("metrics.png")
-        if (run_dir / "tensorboard").is_dir():
-            written.append("tensorboard/")
-        inner = model.model if isinstance(model, PackedTextClassifier) else model
-        named = [data] if data in IMAGE_DATASETS else None  # a user's path stays off the card
-        save(inner, run_dir / "model", privacy=engine.privacy_metadata(delta), datasets=named)
-        if tokenizer is not None:  # dpzoo eval tokenizes new texts with it
-            tokenizer.save_pretrained(run_dir / "model")
-        log(f"saved the model (with its privacy metadata), {', '.join(written)} to {run_dir}")
-    return result
+        )
+
+    def result(self, engine, loop, history, device) -> dict:
+        o = self.o
+        return {
+            "model": o.name,
+            "data": o.data,
+            "classes": self.classes,
+            **self.recorded,
+            **{
+                n: getattr(o, n)
+                for n in ("mode", "clipping", "epochs", "batch_size", "lr", "optimizer", "weight_decay")
+            },
+            "delta": o.delta,
+            "epsilon_target": o.epsilon,
+            "epsilon": loop.epsilon(),
+            "steps": loop.step,
+            "noise_multiplier": engine.noise_multiplier,
+            "sample_rate": engine.sample_rate,
+            "accountant": o.accountant,
+            "seed": o.seed,
+            "device": str(device),
+            "history": history,
+        }
+
+    def plot(self):
+        o = self.o
+        return (
+            f"{o.name} on {o.data}, target ε = {o.epsilon} at δ = {o.delta}",
+            [("test_accuracy", "test accuracy")],
+            {},
+        )
+
+    def datasets(self):
+        return [self.o.data] if self.o.data in IMAGE_DATASETS else None
+
+    def saved_model(self, model):
+        return model.model if isinstance(model, PackedTextClassifier) else model
+
+    def save_extras(self, run_dir: Path) -> None:
+        if self.tokenizer is not None:  # dpzoo eval tokenizes new texts with it
+            self.tokenizer.save_pretrained(run_dir / "model")

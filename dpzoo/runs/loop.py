@@ -37,8 +37,8 @@ from typing import Any, Callable
 import torch
 
 from ..errors import CheckpointError, InvalidArgumentError
-from .progress import StepBar
 from .files import CHECKPOINT_NAME, MetricsLog, save_checkpoint
+from .progress import StepBar
 
 __all__ = ["TrainingLoop", "check_loop_arguments", "resolve_device"]
 

@@ -4,7 +4,7 @@ One sequence per user is one sample of Poisson sampling and per-sample clipping,
 guarantee is user-level. Automatic clipping with C = 1, learning rate with 20% linear
 warm-up then linear decay (App. E.3), evaluation of NDCG@10 / HIT@10 on the validation and
 test items every ``eval_every`` epochs (:mod:`dpzoo.seqrec.metrics`), beside the popularity
-ranking as a reference. The run (:class:`dpzoo.runs.loop.TrainingLoop`) shows a progress bar,
+ranking as a reference. The run (:class:`SeqrecRun` over :class:`dpzoo.runs.run.TrainingRun`) shows a progress bar,
 appends each evaluation to metrics.csv (and TensorBoard), saves checkpoints it can resume from
 with the same ε bookkeeping, and at the end writes metrics.json, a plot and the model with
 its privacy metadata.
@@ -19,13 +19,11 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from ..errors import DPZooError, InvalidArgumentError
-from ..hub.load_save import load, save
+from ..hub.load_save import load
 from ..losses import SequenceCrossEntropy
 from ..privacy import PrivacyEngine
 from ..privacy.accounting.accountant import Accountant
-from ..runs.files import open_run, write_json
-from ..runs.loop import TrainingLoop, check_loop_arguments, resolve_device
-from ..runs.plots import plot_metrics
+from ..runs.run import TrainingRun
 from .dataset import SequenceDataset, sasrec_preprocess
 from .downloads import DATASETS, load_dataset
 from .item_prior import ITEM_PRIORS, item_weights, log_prior, private_item_weights, set_output_prior
@@ -33,7 +31,7 @@ from .memory import PhysicalBatch, check_physical_batch_size, choose_physical_ba
 from .metrics import ndcg_hit_at_k, target_ranks
 from .synthetic import zipf_interactions
 
-__all__ = ["train_seqrec", "evaluate", "get_dataset", "popularity_baseline"]
+__all__ = ["train_seqrec", "evaluate", "get_dataset", "popularity_baseline", "SeqrecRun"]
 
 # overrides the data fixes: --set cannot change them
 _DATA_OVERRIDES = {"num_items": "the data's item count", "max_len": "max_len (--max-len)"}
@@ -167,216 +165,183 @@ def train_seqrec(
     on smaller data), Adam at ``lr`` 1e-2 with 20% warm-up and linear decay, the private prior,
     and the model without dropout (``RECIPE_OVERRIDES``; ``overrides={"dropout": 0.2}`` restores
     the zoo card's SASRec setting)."""
-    settings: dict[str, Any] = {
-        "kind": "seqrec",
-        "name": name,
-        "data": data,
-        "epsilon": epsilon,
-        "delta": delta,
-        "epochs": epochs,
-        "batch_size": batch_size,
-        "lr": lr,
-        "max_len": max_len,
-        "max_grad_norm": max_grad_norm,
-        "clipping": clipping,
-        "eval_every": eval_every,
-        "max_physical_batch_size": max_physical_batch_size,
-        "accountant": accountant,
-        "seed": seed,
-        "weight_decay": weight_decay,
-        "private": private,
-        "overrides": dict(overrides or {}),
-        "amazon_columns": amazon_columns,
-        "mode": mode,
-        "noise_seed": noise_seed,
-        "sample_seed": sample_seed,
-        "item_prior": item_prior,
-        "item_prior_noise": item_prior_noise,
-    }
-    if item_prior not in ITEM_PRIORS:
-        raise InvalidArgumentError(f"item_prior must be one of {', '.join(ITEM_PRIORS)}, got {item_prior!r}.")
-    check_loop_arguments(epochs=epochs, eval_every=eval_every, checkpoint_every=checkpoint_every)
-    check_physical_batch_size(max_physical_batch_size)
-    if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
-        raise InvalidArgumentError(f"max_len must be a whole number >= 1 (items per input sequence), got {max_len!r}.")
-    fixed = sorted(set(settings["overrides"]) & set(_DATA_OVERRIDES))
-    if fixed:
-        raise InvalidArgumentError(f"override {fixed[0]!r} is set by {_DATA_OVERRIDES[fixed[0]]}: drop it.")
-    dev = resolve_device(device)
-    run_dir, checkpoint = open_run(out, settings, resume=resume, overwrite=overwrite)
-    torch.manual_seed(seed)
-    ds = get_dataset(data, seed, amazon_columns)
-    n_users = len(ds.train_sequences())
-    delta = delta if delta is not None else 1.0 / n_users**1.1  # delta < 1/N, the usual choice
-    max_len = max_len or (DATASETS[data].max_len if data in DATASETS else 50)  # the spec's default
-    model_overrides = {**RECIPE_OVERRIDES, **settings["overrides"]}
-    model = load(name, num_items=ds.num_items, max_len=max_len, **model_overrides).train().to(dev)
-    x, y = ds.to_padded(max_len, "train")
-    if len(x) < 2:
-        raise DPZooError(
-            f"{data}: {len(x)} user(s) with 2 or more training items; training (and user-level DP) needs many users."
-        )
-    if batch_size is None:  # the recipe's 1024 (q ≈ 0.17 on MovieLens-1M), a quarter of the users if fewer
-        batch_size = max(1, min(1024, len(x) // 4))
-        settings["batch_size"] = batch_size
-    if batch_size > len(x):
-        raise InvalidArgumentError(
-            f"batch_size {batch_size} is larger than the {len(x)} users of {data} (the sample rate would exceed 1): "
-            f"use at most {len(x)}."
-        )
-    if hasattr(model, "set_token_frequencies"):  # Re-Attention's p_i (Claim 5.4)
-        model.set_token_frequencies(x)
-    released = item_prior == "private" and private
-    if item_prior != "none" and checkpoint is None:  # on resume the checkpoint holds the bias
-        if released:
-            gen = torch.Generator().manual_seed(noise_seed + 1) if noise_seed is not None else None
-            weights = private_item_weights(x, ds.num_items, item_prior_noise, generator=gen)
-        else:
-            weights = item_weights(x, ds.num_items)
-        set_output_prior(model, log_prior(weights))
-    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=weight_decay)
-    train_set = TensorDataset(x, y)
-    engine = None
-    physical = PhysicalBatch(size=None, batch_size=batch_size)  # without DP: plain batches
-    if private:  # the engine replaces the loader by Poisson sampling at rate batch / N
+    return SeqrecRun(dict(locals())).run()
+
+
+class SeqrecRun(TrainingRun):
+    """:func:`train_seqrec`'s run: a next-item model, one sequence per user, private or not."""
+
+    def make_settings(self) -> dict:
+        names = ("name", "data", "epsilon", "delta", "epochs", "batch_size", "lr", "max_len", "max_grad_norm",
+                 "clipping", "eval_every", "max_physical_batch_size", "accountant", "seed", "weight_decay", "private")  # fmt: skip
+        settings: dict[str, Any] = {"kind": "seqrec", **{n: getattr(self.o, n) for n in names}}
+        settings["overrides"] = dict(self.o.overrides or {})
+        later = ("amazon_columns", "mode", "noise_seed", "sample_seed", "item_prior", "item_prior_noise")
+        return {**settings, **{n: getattr(self.o, n) for n in later}}
+
+    def check(self) -> None:
+        o = self.o
+        if o.item_prior not in ITEM_PRIORS:
+            raise InvalidArgumentError(f"item_prior must be one of {', '.join(ITEM_PRIORS)}, got {o.item_prior!r}.")
+        check_physical_batch_size(o.max_physical_batch_size)
+        max_len = o.max_len
+        if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
+            raise InvalidArgumentError(
+                f"max_len must be a whole number >= 1 (items per input sequence), got {max_len!r}."
+            )
+        fixed = sorted(set(self.settings["overrides"]) & set(_DATA_OVERRIDES))
+        if fixed:
+            raise InvalidArgumentError(f"override {fixed[0]!r} is set by {_DATA_OVERRIDES[fixed[0]]}: drop it.")
+
+    def build(self, device, checkpoint):
+        o = self.o
+        self.ds = ds = get_dataset(o.data, o.seed, o.amazon_columns)
+        self.n_users = len(ds.train_sequences())
+        self.delta = o.delta if o.delta is not None else 1.0 / self.n_users**1.1  # delta < 1/N, the usual choice
+        self.max_len = o.max_len or (DATASETS[o.data].max_len if o.data in DATASETS else 50)  # the spec's default
+        self.model_overrides = {**RECIPE_OVERRIDES, **self.settings["overrides"]}
+        model = load(o.name, num_items=ds.num_items, max_len=self.max_len, **self.model_overrides).train().to(device)
+        x, y = ds.to_padded(self.max_len, "train")
+        if len(x) < 2:
+            raise DPZooError(
+                f"{o.data}: {len(x)} user(s) with 2 or more training items; training (and user-level DP) needs many "
+                "users."
+            )
+        self.batch_size = o.batch_size
+        if self.batch_size is None:  # the recipe's 1024 (q ≈ 0.17 on MovieLens-1M), a quarter of the users if fewer
+            self.batch_size = self.settings["batch_size"] = max(1, min(1024, len(x) // 4))
+        if self.batch_size > len(x):
+            raise InvalidArgumentError(
+                f"batch_size {self.batch_size} is larger than the {len(x)} users of {o.data} (the sample rate would "
+                f"exceed 1): use at most {len(x)}."
+            )
+        if hasattr(model, "set_token_frequencies"):  # Re-Attention's p_i (Claim 5.4)
+            model.set_token_frequencies(x)
+        self.released = o.item_prior == "private" and o.private
+        if o.item_prior != "none" and checkpoint is None:  # on resume the checkpoint holds the bias
+            if self.released:
+                gen = torch.Generator().manual_seed(o.noise_seed + 1) if o.noise_seed is not None else None
+                weights = private_item_weights(x, ds.num_items, o.item_prior_noise, generator=gen)
+            else:
+                weights = item_weights(x, ds.num_items)
+            set_output_prior(model, log_prior(weights))
+        self.physical = PhysicalBatch(size=None, batch_size=self.batch_size)  # without DP: plain batches
+        self.rows = len(x)
+        return model, TensorDataset(x, y)
+
+    def new_engine(self, checkpoint):
+        if not self.o.private:
+            return None
         # the item prior's release is the first entry of the history σ is calibrated after
         # (on resume the checkpoint's history holds that release: restored, not recorded again)
-        engine = PrivacyEngine(
-            Accountant(accountant, [[item_prior_noise, 1.0, 1]] if released and checkpoint is None else [])
-        )
-        physical = choose_physical_batch(
-            max_physical_batch_size, model, max_len=max_len, batch_size=batch_size, device=dev, mode=mode
-        )
-        noise = (
-            {"target_epsilon": epsilon}
-            if checkpoint is None
-            else {"noise_multiplier": checkpoint["engine"]["noise_multiplier"]}  # σ of the whole run, kept
-        )
-        model, opt, loader = engine.make_private(
-            module=model,
-            optimizer=opt,
-            data_loader=DataLoader(train_set, batch_size=batch_size),
-            target_delta=delta,
-            epochs=epochs,
-            max_grad_norm=max_grad_norm,
-            clipping=clipping,
-            mode=mode,
-            max_physical_batch_size=physical.size,
-            noise_seed=noise_seed,
-            sample_seed=sample_seed,
-            privacy_unit="user",  # one sequence per user: Poisson over users, each user's row clipped
-            user_ids=range(len(train_set)),
-            max_examples_per_user=1,
-            **noise,
-        )
-        base_opt = opt.original_optimizer
-    else:
-        loader = DataLoader(
-            train_set, batch_size=batch_size, shuffle=True, generator=torch.Generator().manual_seed(seed)
-        )
-        base_opt = opt
-    total = epochs * len(loader)
-    warm = max(1, int(0.2 * total))
-    sched = torch.optim.lr_scheduler.LambdaLR(  # App. E.3: 20% warm-up, then linear decay
-        base_opt, lambda s: (s + 1) / warm if s < warm else max(0.0, (total - s) / max(1, total - warm))
-    )
-    loop = TrainingLoop(
-        name=name,
-        model=model,
-        optimizer=opt,
-        loader=loader,
-        epochs=epochs,
-        settings=settings,
-        engine=engine,
-        delta=delta,
-        scheduler=sched,
-        out=run_dir,
-        checkpoint_every=checkpoint_every,
-        progress=progress,
-        step_callback=step_callback,
-        log=log,
-        handle_sigint=handle_sigint,
-    )
-    if checkpoint is not None:
-        loop.load_state_dict(checkpoint)
-    resumed = f" (resumed after step {loop.step})" if checkpoint is not None else ""
-    if engine is not None:
-        log(
-            f"{name} on {data}: {n_users} users (one sequence each = the privacy unit), {ds.num_items} items; "
-            f"σ = {engine.noise_multiplier:.3f}, q = {engine.sample_rate:.4f}, {total} steps, "
-            f"target ε = {epsilon} at δ = {delta:.2e} (item prior: {_prior_words(item_prior, item_prior_noise)}); "
-            f"{physical.describe()}{resumed}"
-        )
-    else:
-        log(
-            f"{name} on {data}: NON-PRIVATE reference (no clipping, no noise), {n_users} users, "
-            f"{ds.num_items} items, {total} steps{resumed}"
-        )
-    crit = SequenceCrossEntropy(ignore_index=0, token_reduction="mean")
+        first = [[self.o.item_prior_noise, 1.0, 1]] if self.released and checkpoint is None else []
+        return PrivacyEngine(Accountant(self.o.accountant, first))
 
-    def train_step(batch):
+    def optimizer(self, model):
+        return torch.optim.Adam(model.parameters(), lr=self.o.lr, weight_decay=self.o.weight_decay)
+
+    def engine_options(self, model, device) -> dict:
+        o = self.o
+        self.physical = choose_physical_batch(
+            o.max_physical_batch_size,
+            model,
+            max_len=self.max_len,
+            batch_size=self.batch_size,
+            device=device,
+            mode=o.mode,
+        )
+        return {
+            "max_physical_batch_size": self.physical.size,
+            "privacy_unit": "user",  # one sequence per user: Poisson over users, each user's row clipped
+            "user_ids": range(self.rows),
+            "max_examples_per_user": 1,
+        }
+
+    def non_private_loader(self, train_set):
+        gen = torch.Generator().manual_seed(self.o.seed)
+        return DataLoader(train_set, batch_size=self.batch_size, shuffle=True, generator=gen)
+
+    def scheduler(self, optimizer, engine, total_steps):
+        base = optimizer.original_optimizer if engine is not None else optimizer
+        warm = max(1, int(0.2 * total_steps))
+        return torch.optim.lr_scheduler.LambdaLR(  # App. E.3: 20% warm-up, then linear decay
+            base, lambda s: (s + 1) / warm if s < warm else max(0.0, (total_steps - s) / max(1, total_steps - warm))
+        )
+
+    def first_line(self, engine, loop, resumed) -> str:
+        o, ds = self.o, self.ds
+        after = f" (resumed after step {loop.step})" if resumed else ""
+        if engine is None:
+            return (
+                f"{o.name} on {o.data}: NON-PRIVATE reference (no clipping, no noise), {self.n_users} users, "
+                f"{ds.num_items} items, {loop.total_steps} steps{after}"
+            )
+        return (
+            f"{o.name} on {o.data}: {self.n_users} users (one sequence each = the privacy unit), {ds.num_items} items; "
+            f"σ = {engine.noise_multiplier:.3f}, q = {engine.sample_rate:.4f}, {loop.total_steps} steps, "
+            f"target ε = {o.epsilon} at δ = {self.delta:.2e} (item prior: {_prior_words(o.item_prior, o.item_prior_noise)}); "
+            f"{self.physical.describe()}{after}"
+        )
+
+    def loss(self, model, batch, device):
         xb, yb = batch
-        loss = crit(model(xb.to(dev)), yb.to(dev))
-        loss.backward()
-        return loss
+        return SequenceCrossEntropy(ignore_index=0, token_reduction="mean")(model(xb.to(device)), yb.to(device))
 
-    def evaluate_both() -> dict:
-        val, test = evaluate(model, ds, max_len, "valid"), evaluate(model, ds, max_len, "test")
+    def evaluate(self, model, device) -> dict:
+        val, test = evaluate(model, self.ds, self.max_len, "valid"), evaluate(model, self.ds, self.max_len, "test")
         return {**{f"valid_{k}": v for k, v in val.items()}, **{f"test_{k}": v for k, v in test.items()}}
 
-    def describe(r: dict) -> str:
-        eps_text = f"ε = {r['epsilon']:.2f}" if engine is not None else "non-private"
+    def describe(self, r: dict) -> str:
+        eps_text = f"ε = {r['epsilon']:.2f}" if self.o.private else "non-private"
         return (
             f"epoch {r['epoch']}: test NDCG@10 {100 * r['test_ndcg@10']:.2f}%  HIT@10 {100 * r['test_hit@10']:.2f}%  "
             f"{eps_text}  ({r['seconds']:.0f}s)"
         )
 
-    history = loop.run(train_step, evaluate_both, eval_every=eval_every, describe=describe)
-    popularity = popularity_baseline(ds, max_len)
-    result = {
-        "model": name,
-        "data": data,
-        "private": private,
-        "epsilon_target": epsilon if private else None,
-        "epsilon": loop.epsilon(),
-        "delta": delta if private else None,
-        "epochs": epochs,
-        "steps": loop.step,
-        "batch_size": batch_size,
-        "lr": lr,
-        "max_len": max_len,
-        "mode": mode if private else None,
-        "physical_batch": physical.as_dict() if private else None,
-        "noise_multiplier": engine.noise_multiplier if engine is not None else 0.0,
-        "sample_rate": engine.sample_rate if engine is not None else None,
-        "accountant": accountant if private else None,
-        "item_prior": item_prior,
-        "item_prior_noise": item_prior_noise if released else None,
-        "model_overrides": model_overrides,
-        "seed": seed,
-        "device": str(dev),
-        "history": history,
-        "popularity": popularity,
-        "dataset": ds.summary(),
-    }
-    if run_dir is not None:
-        privacy = None
-        if engine is not None:
-            engine.detach()
-            privacy = engine.privacy_metadata(delta)
-            public = _public_statistics(model, item_prior)
-            if public:
-                privacy["public_statistics"] = "; ".join(public) + ": taken as public, outside ε"
-        write_json(run_dir / "metrics.json", result)  # before the model: a failed save keeps the metrics
-        written = ["metrics.csv", "metrics.json"]
-        title = f"{name} on {data}, " + (f"target ε = {epsilon}" if private else "non-private")
+    def result(self, engine, loop, history, device) -> dict:
+        o, private = self.o, self.o.private
+        self.popularity = popularity_baseline(self.ds, self.max_len)
+        return {
+            "model": o.name,
+            "data": o.data,
+            "private": private,
+            "epsilon_target": o.epsilon if private else None,
+            "epsilon": loop.epsilon(),
+            "delta": self.delta if private else None,
+            "epochs": o.epochs,
+            "steps": loop.step,
+            "batch_size": self.batch_size,
+            "lr": o.lr,
+            "max_len": self.max_len,
+            "mode": o.mode if private else None,
+            "physical_batch": self.physical.as_dict() if private else None,
+            "noise_multiplier": engine.noise_multiplier if engine is not None else 0.0,
+            "sample_rate": engine.sample_rate if engine is not None else None,
+            "accountant": o.accountant if private else None,
+            "item_prior": o.item_prior,
+            "item_prior_noise": o.item_prior_noise if self.released else None,
+            "model_overrides": self.model_overrides,
+            "seed": o.seed,
+            "device": str(device),
+            "history": history,
+            "popularity": self.popularity,
+            "dataset": self.ds.summary(),
+        }
+
+    def privacy_metadata(self, engine, model) -> dict:
+        privacy = engine.privacy_metadata(self.delta)
+        public = _public_statistics(model, self.o.item_prior)
+        if public:
+            privacy["public_statistics"] = "; ".join(public) + ": taken as public, outside ε"
+        return privacy
+
+    def plot(self):
+        o = self.o
+        title = f"{o.name} on {o.data}, " + (f"target ε = {o.epsilon}" if o.private else "non-private")
         series = [(f"{p}_{m}@10", f"{p} {m.upper()}@10") for m in ("ndcg", "hit") for p in ("test", "valid")]
-        refs = {f"popularity, test {m.upper()}@10": popularity["test"][f"{m}@10"] for m in ("ndcg", "hit")}
-        if plot_metrics(history, run_dir / "metrics.png", title, series, percent=True, references=refs):
-            written.append("metrics.png")
-        if (run_dir / "tensorboard").is_dir():
-            written.append("tensorboard/")
-        named = [data] if data in DATASETS or data == "synthetic" else None  # a user's path stays off the card
-        save(model, run_dir / "model", privacy=privacy, datasets=named)
-        log(f"saved the model{' (with its privacy metadata)' if privacy else ''}, {', '.join(written)} to {run_dir}")
-    return result
+        refs = {f"popularity, test {m.upper()}@10": self.popularity["test"][f"{m}@10"] for m in ("ndcg", "hit")}
+        return title, series, {"percent": True, "references": refs}
+
+    def datasets(self):
+        named = self.o.data in DATASETS or self.o.data == "synthetic"
+        return [self.o.data] if named else None  # a user's path stays off the card

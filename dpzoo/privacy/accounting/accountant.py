@@ -276,34 +276,10 @@ def get_noise_multiplier(
     that cannot compose (``"gdp"``) refuses a non-empty history. ``group``: k examples of a user,
     each sampled at q (user-level DP by example-level sampling; accountant ``"pld"``).
     """
-    accountant_spec(accountant)  # an unknown name: AccountingError
-    eps_target = _number(target_epsilon, "target_epsilon")
-    if not (math.isfinite(eps_target) and eps_target > 0):
-        raise AccountingError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}.")
-    target_delta = _check_delta(target_delta, "target_delta")
-    tol = _number(tolerance, "tolerance")
-    if not (math.isfinite(tol) and tol > 0):
-        raise AccountingError(f"tolerance (in ε) must be a finite number > 0, got {tolerance!r}.")
-    new = _entry(1.0, sample_rate, steps, group)
-    if new[2] < 1:
-        raise AccountingError(f"steps must be a whole number >= 1 (the steps to calibrate σ for), got {steps!r}.")
+    eps_target, target_delta, tol, new, history = _calibration_inputs(
+        target_epsilon, target_delta, sample_rate, steps, accountant, tolerance, history, group
+    )
     sample_rate, steps = new[1], new[2]
-    base = Accountant(accountant, history)
-    _check_single(accountant, base.history + [new])
-    history = base.history
-    if _spent(history):
-        if not _composes(accountant):
-            raise AccountingError(
-                f"{_label(accountant)} cannot calibrate σ after a spent "
-                f"history (it only counts the last (σ, q)): {_MULTI}."
-            )
-        spent = base.get_epsilon(target_delta)
-        if spent >= eps_target:
-            raise AccountingError(
-                f"the history already spends ε = {spent:.3g} >= target_epsilon = {eps_target} "
-                f"at δ = {target_delta}: nothing is left for {steps} more steps."
-            )
-
     cache: dict[float, float] = {0.0: math.inf}
 
     def eps(sigma: float) -> float:
@@ -336,9 +312,44 @@ def get_noise_multiplier(
                 "(σ > 1e4 needed): raise target_epsilon or target_delta, take fewer steps, or use "
                 "accountant='pld' (tightest; Opacus' RDP orders stop at 63)."
             )
-    # Safeguarded regula falsi on log ε(log σ) (about linear), aiming at target - tol/2, with a
-    # bisection step whenever an interpolation did not halve the bracket.
-    # Invariant: eps(hi) <= target < eps(lo); only a σ whose ε was checked is returned.
+    return _regula_falsi(eps, lo, hi, eps_target, tol)
+
+
+def _calibration_inputs(target_epsilon, target_delta, sample_rate, steps, accountant, tolerance, history, group):
+    """(ε target, δ, tolerance, the new mechanism's entry, the history), checked: refused when the
+    history cannot be composed by ``accountant`` or already spends the target."""
+    accountant_spec(accountant)  # an unknown name: AccountingError
+    eps_target = _number(target_epsilon, "target_epsilon")
+    if not (math.isfinite(eps_target) and eps_target > 0):
+        raise AccountingError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}.")
+    target_delta = _check_delta(target_delta, "target_delta")
+    tol = _number(tolerance, "tolerance")
+    if not (math.isfinite(tol) and tol > 0):
+        raise AccountingError(f"tolerance (in ε) must be a finite number > 0, got {tolerance!r}.")
+    new = _entry(1.0, sample_rate, steps, group)
+    if new[2] < 1:
+        raise AccountingError(f"steps must be a whole number >= 1 (the steps to calibrate σ for), got {steps!r}.")
+    base = Accountant(accountant, history)
+    _check_single(accountant, base.history + [new])
+    if _spent(base.history):
+        if not _composes(accountant):
+            raise AccountingError(
+                f"{_label(accountant)} cannot calibrate σ after a spent "
+                f"history (it only counts the last (σ, q)): {_MULTI}."
+            )
+        spent = base.get_epsilon(target_delta)
+        if spent >= eps_target:
+            raise AccountingError(
+                f"the history already spends ε = {spent:.3g} >= target_epsilon = {eps_target} "
+                f"at δ = {target_delta}: nothing is left for {new[2]} more steps."
+            )
+    return eps_target, target_delta, tol, new, base.history
+
+
+def _regula_falsi(eps, lo: float, hi: float, eps_target: float, tol: float) -> float:
+    """Safeguarded regula falsi on log ε(log σ) (about linear), aiming at target - tol/2, with a
+    bisection step whenever an interpolation did not halve the bracket. Invariant: eps(hi) <=
+    target < eps(lo); only a σ whose ε was checked is returned."""
     goal = math.log(max(eps_target - tol / 2, eps_target / 2))
     interpolate = True
     while eps_target - eps(hi) > tol and hi - lo >= 1e-6:
