@@ -407,6 +407,127 @@ UNLISTED = {
 }
 
 
+def _stat_copied_in_place(o, y):
+    buf = torch.zeros(3, dtype=F64)
+    buf.copy_(o.detach().mean(0))
+    return ((o * buf).sum(1) * 5).sum()
+
+
+def _stat_added_in_place(o, y):
+    buf = torch.zeros(3, dtype=F64)
+    buf.add_(o.detach().mean(0))
+    return ((o * buf).sum(1) * 5).sum()
+
+
+def _stat_written_out(o, y):
+    buf = torch.empty(3, dtype=F64)
+    torch.mean(o.detach(), 0, out=buf)
+    return ((o * buf).sum(1) * 5).sum()
+
+
+def _stat_assigned(o, y):
+    buf = torch.zeros(3, dtype=F64)
+    buf[:] = o.detach().mean(0)
+    return ((o * buf).sum(1) * 5).sum()
+
+
+def _running_baseline(o, y):  # REINFORCE with a baseline updated in place from this batch before use
+    base = torch.zeros((), dtype=F64)
+    r = -_l(o, y).detach()
+    base.mul_(0.0).add_(r.mean())
+    return (-(r - base) * -_l(o, y)).sum() * 3
+
+
+_SIGNS = torch.tensor([1.0] * 4 + [-1.0] * 4, dtype=F64)
+# Found by the 22nd independent audit, each accepted and moving the clipped sum by 1.4-3.1 R: a
+# statistic written in place into a plain tensor (only the returned object was tracked), isin read
+# as the pointwise `sin`, torch.where(cond)'s positions, a shift by F.pad, pointwise operations that
+# skipped the check for weights by position, cat along the samples read as each sample's rows together.
+UNTRACKED = {
+    "a batch statistic copied into a plain buffer": _stat_copied_in_place,
+    "added into a plain buffer": _stat_added_in_place,
+    "written by out=": _stat_written_out,
+    "assigned into a plain buffer": _stat_assigned,
+    "new_tensor of a batch statistic": lambda o, y: ((o * o.new_tensor(o.detach().mean(0))).sum(1) * 5).sum(),
+    "a running baseline updated in place": _running_baseline,
+    "isin of the predictions in the labels": lambda o, y: (_l(o, y) * torch.isin(o.detach().argmax(-1), y)).sum(),
+    "torch.where(cond)'s positions as weights": lambda o, y: (
+        _l(o, y) * torch.where(y >= 0)[0].double().sub(3.5).sign()
+    ).sum(),
+    "a shift by F.pad": lambda o, y: (_l(o, y) + (o * F.pad(o, (0, 0, 1, -1))).sum(1)).sum(),
+    "copysign by position": lambda o, y: torch.copysign(_l(o, y), _SIGNS).sum(),
+    "cat along the samples, then pairs": lambda o, y: torch.cat([o, o], 0).view(8, 2, 3).prod(1).sum(),
+}
+
+
+@pytest.mark.parametrize("name", list(UNTRACKED))
+def test_batch_values_that_reach_the_loss_untracked_are_refused(name):
+    with pytest.raises(LossMixingError, match="mixes samples"):
+        step(mlp(), classification(), UNTRACKED[name])
+
+
+PER_SAMPLE_ALONG = {  # refused by the first default-deny (22nd audit), each per-sample
+    "one-hot by scatter_": lambda o, y: -(torch.zeros_like(o).scatter_(1, y[:, None], 1.0) * o.log_softmax(-1)).sum(),
+    "one-hot by scatter": lambda o, y: -(torch.zeros_like(o).scatter(1, y[:, None], 1.0) * o.log_softmax(-1)).sum(),
+    "cosine similarity to a target": lambda o, y: (1 - F.cosine_similarity(o, F.one_hot(y, 3).double(), dim=1)).sum(),
+    "triu of each sample's block": lambda o, y: torch.triu(o[:, :, None] * o[:, None, :]).sum(),
+    "diagonal of each sample's block": lambda o, y: torch.diagonal(o[:, :, None] * o[:, None, :], dim1=1, dim2=2).sum(),
+    "repeat_interleave along classes": lambda o, y: o.repeat_interleave(2, dim=1).pow(2).sum(),
+    "vecdot with a target": lambda o, y: -torch.linalg.vecdot(o.log_softmax(-1), F.one_hot(y, 3).double()).sum(),
+    "stacked losses": lambda o, y: torch.stack([_l(o, y), o.pow(2).sum(1)]).sum(),
+}
+
+
+@pytest.mark.parametrize("name", list(PER_SAMPLE_ALONG))
+def test_per_sample_operations_along_other_dimensions_train_exactly(name):
+    loss = PER_SAMPLE_ALONG[name]
+    data = classification()
+    x, y = data.tensors
+    model = mlp()
+    expected = dp_sgd_update(model, lambda m, x, y: loss(m(x), y), {"x": x, "y": y}, len(y), R, 0.0, None, "abadi")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    step(model, data, loss, loss_reduction="sum")
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.detach() - before[n], expected[n], rtol=1e-9, atol=1e-12)
+
+
+class _AuxNet(nn.Module):  # keeps a loss term built from its activations (MoE-style aux loss)
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1, self.l2 = nn.Linear(5, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.l1(x))
+        self.aux_loss = (h - h.mean(0)).pow(2).sum()
+        return self.l2(h)
+
+
+class _BatchStats(nn.Module):
+    def forward(self, x):
+        return F.batch_norm(x, None, None, training=True)
+
+
+def test_a_loss_term_kept_by_the_model_and_batch_statistics_inside_it_are_refused_by_name():
+    """Both crashed with torch's own errors (22nd audit): now one-line DPZooErrors."""
+    model = _AuxNet().double()
+    with pytest.raises(LossMixingError, match="other than through its outputs"):
+        step(model, classification(), lambda o, y: _l(o, y).sum() + model.aux_loss, loss_reduction="sum")
+    stats = nn.Sequential(nn.Linear(5, 8), _BatchStats(), nn.Tanh(), nn.Linear(8, 3)).double()
+    data = classification()
+    opt = torch.optim.SGD(stats.parameters(), lr=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReproducibleNoiseWarning)
+        stats, opt, loader = dpzoo.PrivacyEngine().make_private(
+            module=stats, optimizer=opt, data_loader=DataLoader(data, batch_size=len(data)), noise_multiplier=0.0,
+            max_grad_norm=R, sample_seed=0,
+        )  # fmt: skip
+    x, y = next(iter(loader))
+    with pytest.raises(dpzoo.SelfCheckError, match="one sample alone"):  # the self-check runs one sample alone
+        F.cross_entropy(stats(x), y).backward()
+        opt.step()
+
+
 @pytest.mark.parametrize("name", list(UNLISTED))
 def test_unlisted_operations_along_the_samples_are_refused(name):
     with pytest.raises(LossMixingError, match="mixes samples"):

@@ -53,6 +53,9 @@ TRANSFORMS = {
     "fft_fftshift": "all",
     "fft_ifftshift": "all",
 }
+ALONG = {"triu", "tril", "diagonal", "diag_embed", "repeat_interleave", "cosine_similarity", "pairwise_distance",
+         "vecdot", "cross"}  # fmt: skip
+INDEXED_WRITES = {"scatter", "scatter_add", "scatter_reduce", "index_add", "index_copy", "index_fill"}
 LIKE = {"zeros_like", "ones_like", "full_like", "empty_like", "rand_like", "randn_like", "randint_like"}
 MEAN_LOSSES = {"cross_entropy", "nll_loss"}
 LOSSES = MEAN_LOSSES | {
@@ -84,6 +87,13 @@ def across(name: str, args, kwargs, lead, out) -> str | None:
         return index_kind(args, dim)
     if name in ("select", "unbind", "narrow") and touches(dims_of(name, args, kwargs), dim, ndim):
         return {"select": "row", "unbind": "split", "narrow": "window"}[name]
+    if name == "where" and len(args) == 1 and not kwargs:  # torch.where(cond): positions, as nonzero
+        return "mix"
+    if name == "pad":
+        return "mix" if padded(args, kwargs, dim, ndim) else None
+    if name == "cat":  # instance-major rows: row i and row B + i are the same sample
+        given = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        return "mix" if touches((given,) if isinstance(given, int) else "all", dim, ndim) else None
     if name in MOVES or name in VIEWS or name in ELEMENTWISE or name in LIKE or name in ADDITIVE - {"sum", "nansum"}:
         return None
     if name in LOSSES:  # without gradient (with gradient the rules read losses first)
@@ -100,6 +110,12 @@ def across(name: str, args, kwargs, lead, out) -> str | None:
         return ("split" if name in ("chunk", "split", "tensor_split") else "reorder") if over else None
     if name in PRODUCTS:
         return product_kind(name, args, lead)
+    if name in ALONG:  # per sample unless along the samples' dimension
+        return "mix" if touches(along_dims(name, args, kwargs), dim, ndim) else None
+    if name in INDEXED_WRITES:  # into the batch's rows along another dimension (one-hot by scatter_)
+        given = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        ok = args and args[0] is lead and isinstance(given, int) and not touches((given,), dim, ndim)
+        return None if ok else "mix"
     if name in TRANSFORMS:  # torch.fft: along `dim` (third positional), else its defaults
         dims = kwargs.get("dim", args[2] if len(args) > 2 and "shift" not in name else None)
         dims = args[1] if dims is None and "shift" in name and len(args) > 1 else dims
@@ -154,9 +170,10 @@ DUNDER_ATEN = {"invert": "bitwise_not", "and": "bitwise_and", "or": "bitwise_or"
 @functools.lru_cache(maxsize=None)
 def pointwise(name: str) -> bool:
     """Whether torch tags the ATen operation of this name pointwise (``torch.Tag.pointwise``)."""
-    bare = name.strip("_")
-    bare = DUNDER_ATEN.get(bare, bare)
-    for candidate in (bare, bare[1:] if bare.startswith(("r", "i")) else None, "special_" + bare):
+    dunder = name.startswith("__") and name.endswith("__")
+    bare = DUNDER_ATEN.get(name.strip("_"), name.strip("_"))
+    reflected = bare[1:] if dunder and bare.startswith(("r", "i")) else None  # __radd__, __iadd__ (not isin)
+    for candidate in (bare, reflected, "special_" + bare):
         if not candidate:
             continue
         try:
@@ -228,6 +245,9 @@ def result_dim(name: str, args, kwargs, lead, out: torch.Tensor) -> int | None:
             return None
         return perm.index(dim) if dim in perm else None
     size = lead.shape[dim]
+    if name == "stack":  # a new dimension at `dim`: the samples move behind it when it is not after them
+        at = kwargs.get("dim", args[1] if len(args) > 1 else 0) % (lead.dim() + 1)
+        return dim + 1 if at <= dim else dim
     if name in ("unsqueeze",) and isinstance(args[1] if len(args) > 1 else kwargs.get("dim"), int):
         at = args[1] if len(args) > 1 else kwargs["dim"]
         return dim + 1 if at % (lead.dim() + 1) <= dim else dim
@@ -287,6 +307,32 @@ def dims_of(name: str, args, kwargs):
     if name in ("softmax", "log_softmax", "softmin"):
         return "implicit"  # torch's legacy rule: dimension 0 for 0-, 1- and 3-d inputs, else 1
     return "all"
+
+
+def along_dims(name: str, args, kwargs):
+    """The dimensions an ``ALONG`` operation works along, with its defaults."""
+    if name in ("triu", "tril"):
+        return (-2, -1)
+    if name == "diagonal":
+        return (
+            kwargs.get("dim1", args[2] if len(args) > 2 else 0),
+            kwargs.get("dim2", args[3] if len(args) > 3 else 1),
+        )
+    if name == "diag_embed":
+        return (-1,)
+    if name == "repeat_interleave":
+        given = kwargs.get("dim", args[2] if len(args) > 2 else None)
+        return "all" if given is None else (given,)  # no dim: the flattened tensor
+    given = kwargs.get("dim", args[2] if len(args) > 2 else None)
+    default = {"cosine_similarity": 1, "pairwise_distance": -1, "vecdot": -1, "cross": -1}[name]
+    return (default if given is None else given,)
+
+
+def padded(args, kwargs, dim: int, ndim: int) -> bool:
+    """Whether ``F.pad`` pads (or, negative, crops) the samples' dimension: a shift of the rows."""
+    pad = kwargs.get("pad", args[1] if len(args) > 1 else ())
+    k = ndim - 1 - dim  # pad pairs run from the last dimension back
+    return len(pad) > 2 * k + 1 and (pad[2 * k] != 0 or pad[2 * k + 1] != 0)
 
 
 def touches(dims, sample_dim: int | None, ndim: int) -> bool:

@@ -35,6 +35,7 @@ from .row_ops import (
     across,
     leaves,
     picked_row,
+    pointwise,
     result_dim,
     sliced,
     window_of,
@@ -264,7 +265,7 @@ def from_batch(index) -> bool:
 def check_positional(name: str, args, kwargs, lead) -> None:
     """An elementwise product with a tensor that varies along the sample dimension but does not come
     from the batch weighs each sample by its position (``(losses * torch.linspace(1, 3, B)).sum()``)."""
-    if name not in SCALING and name not in ELEMENTWISE:
+    if name not in SCALING and name not in ELEMENTWISE and not pointwise(name):
         return
     from_right = lead.dim() - lead.rows.sample_dim
     for a in leaves(args, kwargs):
@@ -297,7 +298,7 @@ def check_meeting(name: str, args, kwargs, rows: list) -> None:
     if len(from_right) > 1:
         refuse(f"{name} of tensors whose samples lie along different dimensions (pairwise terms)")
     ok = ELEMENTWISE | ADDITIVE | SCALING | LOSSES | VIEWS | {"stack", "cat", "cosine_similarity", "pairwise_distance",
-                                                             "broadcast_tensors"}  # fmt: skip
+                                                             "broadcast_tensors", "vecdot", "cross"}  # fmt: skip
     if name not in ok:
         refuse(f"{name} of two tensors derived from the batch")
 

@@ -25,9 +25,10 @@ from collections.abc import MutableMapping
 import torch
 from torch.utils._pytree import tree_map
 
+from ..errors import LossMixingError
 from .loss_pool import before_gradient
 from .row_ops import leaves, window_of
-from .row_rules import State, grad_state, nograd_state, refuse
+from .row_rules import FIX, State, grad_state, nograd_state, refuse
 
 __all__ = ["SampleRows", "State", "track", "track_batch", "plain", "note_call", "tag"]
 
@@ -53,7 +54,16 @@ class SampleRows(torch.Tensor):
         if op_name(func) in ("backward", "register_hook") or func is torch.autograd.grad:  # before autograd runs
             before_gradient(func, args, kwargs)
         with torch._C.DisableTorchFunctionSubclass():  # also for the bookkeeping below (.dim(), .shape)
-            out = func(*args, **kwargs)
+            try:
+                out = func(*args, **kwargs)
+            except RuntimeError as e:
+                if op_name(func) == "backward" and "a second time" in str(e):
+                    raise LossMixingError(
+                        "the loss reaches the model's layers other than through its outputs (a loss term the model "
+                        "keeps, e.g. self.aux_loss, built from its activations): dpzoo clips what flows through the "
+                        f"outputs only. Return such a term per sample as an output of the model: {FIX}."
+                    ) from None
+                raise
             if torch.compiler.is_compiling():  # dynamo inspecting a tracked input: a plain tensor to it
                 return out
             tracked = [a for a in leaves(args, kwargs) if isinstance(a, SampleRows)]
@@ -79,6 +89,8 @@ def follow(func, args, kwargs, tracked: list, out):
         args[0].rows = args[0].rows._replace(written=True)  # in place: the tensor now holds weights by position
     if name == "__setitem__" and len(args) > 2 and isinstance(args[2], SampleRows):
         written_rows(args[0], args[1], args[2].rows)  # returns None: the target must learn what it now holds
+    if name == "new_tensor" and len(args) > 1 and isinstance(args[1], SampleRows):
+        return tag(out, args[1].rows)  # x.new_tensor(values): a copy of those values
     if name.startswith("new_") or (name in TEMPLATED and not isinstance(args[0], SampleRows)):
         return out  # values given, the batch only lends its dtype, device or shape: not the batch's rows (plain)
     if name == "__iter__" and tracked[0].rows.sample_dim == 0 and args and args[0] is tracked[0]:
@@ -96,6 +108,9 @@ def follow(func, args, kwargs, tracked: list, out):
     if isinstance(out, (tuple, list)) and name in ("unbind", "chunk", "split", "tensor_split"):
         if not state.stat and tracked[0].rows.sample_dim == 0 and over_first(args, kwargs, name):
             return type(out)(pieces(out, tracked[0], state, name == "unbind"))
+    target = kwargs.get("out", args[0] if args and in_place(name) else None)
+    if type(target) is torch.Tensor and not (target.is_leaf and target.requires_grad):
+        target.__class__ = SampleRows  # a plain tensor written in place with the batch's values holds them now
     base = getattr(args[0], "view_of", None) if in_place(name) else None
     if base is not None and base() is not None and moved(args[0].rows, state):
         written_rows(base(), slice(None), state)  # x2[:, :2].add_(x.flip(0)[:, :2]): the view's base too
@@ -150,6 +165,9 @@ def written_rows(target, index, value: State) -> None:
             "writing other samples' values or a batch statistic into a tensor in place "
             "(t[:, :2] = x.flip(0)[:, :2], t[:] = y.flip(0))"
         )
+    if type(target) is torch.Tensor and not (target.is_leaf and target.requires_grad):
+        target.__class__ = SampleRows  # it holds the batch's values now: its rows, or a statistic of them
+        target.rows = value if batch_like and full else value._replace(sample_dim=None, row=None, stat=True)  # type: ignore[attr-defined]
 
 
 def over_first(args, kwargs, name: str) -> bool:

@@ -205,7 +205,7 @@ def self_check(
                     wrong_sum.append(f"{n} (relative difference {rel:.2g})")
             del out_b, outs_b
             for i in picks:
-                out_i = model(*_slice_row(args, i, batch), **_slice_row(kwargs, i, batch))
+                out_i = _alone(model, _slice_row(args, i, batch), _slice_row(kwargs, i, batch))
                 outs_i = output_tensors(out_i)
                 if len(outs_i) != len(outs) or any(
                     a.shape[1:] != b.shape[1:] or a.shape[0] != 1 for a, b in zip(outs_i, outs)
@@ -268,6 +268,18 @@ def self_check(
             "it, freeze it, or register a rule for it with dpzoo.grad_norms.register_rule."
         )
     return SelfCheckReport(picks, batch, worst, tol)
+
+
+def _alone(model: nn.Module, args, kwargs):
+    """The model on one sample; a failure there (a layer needing more than one sample) is refused."""
+    try:
+        return model(*args, **kwargs)
+    except (RuntimeError, ValueError) as e:
+        raise SelfCheckError(
+            f"The model fails on one sample alone ({str(e).splitlines()[0][:160]}): a layer that computes statistics "
+            "over the batch (training-mode batch norm, F.batch_norm(training=True)) mixes samples. Use GroupNorm or "
+            "LayerNorm (dpzoo.make_dp_ready converts BatchNorm)."
+        ) from None
 
 
 def _train_mode_mixing(model: nn.Module, hooks: NormHooks, args, kwargs, batch: int, j: int, tol: float) -> list[str]:
