@@ -105,18 +105,8 @@ def audit(
     Which guess counts to use is chosen after scoring, among ``guess_fractions`` of m (total
     guesses r, split evenly in / out), each tested at (1 - confidence) / len(guess_fractions).
     """
-    _validate(
-        epsilon if noise_multiplier is None else 1.0,
-        delta,
-        epochs,
-        batch_size,
-        lr,
-        max_grad_norm,
-        broken,
-        confidence,
-        guess_fractions,
-        mode,
-    )
+    claim = epsilon if noise_multiplier is None else 1.0  # a given σ: ε is not used
+    _validate(claim, delta, epochs, batch_size, lr, max_grad_norm, broken, confidence, guess_fractions, mode)
     _validate_mechanism(noise_multiplier, sample_rate, steps)
     white = _threat_model(threat_model, dataset)
     if canaries is None and dataset is None:
@@ -126,47 +116,14 @@ def audit(
     t0 = time.time()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        if dataset is None:
-            if not isinstance(canaries, int) or isinstance(canaries, bool) or canaries < 2:
-                raise DPZooError(f"canaries must be an integer >= 2 for the built-in audit, got {canaries!r}.")
-            if not canary_norm > 0:
-                raise DPZooError(f"canary_norm must be > 0, got {canary_norm}.")
-            train, test, cx, cy, default_model_fn, default_score = digits_canary_task(
-                canaries, canary_norm, seed, mode=mode
-            )
-            model_fn = model_fn or default_model_fn
-            score_fn = score_fn or default_score
-            test_dataset = test if test_dataset is None else test_dataset
-        else:
-            if model_fn is None:
-                raise DPZooError("audit(dataset=...) needs model_fn=: a function returning a fresh model.")
-            if not (isinstance(canaries, (tuple, list)) and len(canaries) == 2):
-                raise DPZooError(
-                    "audit(dataset=...) needs canaries=(canary_x, canary_y): the m canary inputs "
-                    "and labels (an integer count is only for the built-in digits audit)."
-                )
-            cx, cy = canaries
-            if len(cx) != len(cy) or len(cx) < 2:
-                raise DPZooError(
-                    f"canaries: need as many labels as inputs and at least 2 canaries, got "
-                    f"{len(cx)} inputs and {len(cy)} labels."
-                )
-            if loss_fn is not None and score_fn is None:
-                raise DPZooError(
-                    "a custom loss_fn needs a score_fn (the default score is minus the "
-                    "cross-entropy loss of each canary)."
-                )
-            score_fn = score_fn or loss_score
-            train = dataset
+        train, cx, cy, model_fn, score_fn, test_dataset = _task(
+            canaries, canary_norm, seed, mode, dataset, model_fn, score_fn, loss_fn, test_dataset
+        )
         loss_fn = loss_fn or F.cross_entropy
-        m = len(cx)
-        g = torch.Generator().manual_seed(seed + 1)
-        included = torch.rand(m, generator=g) < 0.5  # Algorithm 1: each canary in w.p. 1/2
+        included = torch.rand(len(cx), generator=torch.Generator().manual_seed(seed + 1)) < 0.5  # each in w.p. 1/2
         train_set = with_canaries(train, cx, cy, included, seed)
-        if sample_rate is not None:
-            batch_size = max(1, round(sample_rate * len(train_set)))
-        if batch_size == "full":
-            batch_size = len(train_set)
+        if sample_rate is not None or batch_size == "full":  # q of the set with its canaries; q = 1
+            batch_size = max(1, round((1.0 if sample_rate is None else sample_rate) * len(train_set)))
         model, claimed, mech = train_audited_model(
             train_set,
             model_fn,
@@ -191,18 +148,7 @@ def audit(
             noise_multiplier=noise_multiplier,
             max_steps=steps,
         )
-        model.eval()
-        if white:  # every noisy update of the canaries' columns, not the final model
-            observed[0].detach()
-            mech["threat_model"], score_fn = "white-box: every noisy step", lambda *a: observed[0].scores
-        else:
-            mech["threat_model"] = "black-box: the final model"
-        scores = score_fn(model, cx, cy).detach().float().flatten()
-        if scores.shape[0] != m or not torch.isfinite(scores).all():
-            raise DPZooError(
-                f"score_fn must return {m} finite scores (one per canary), got shape "
-                f"{tuple(scores.shape)}{'' if torch.isfinite(scores).all() else ' with non-finite values'}."
-            )
+        scores = _canary_scores(model, cx, cy, score_fn, mech, observed if white else None)
         accuracy = _accuracy(model, test_dataset) if test_dataset is not None else None
     return audit_from_scores(
         scores,
@@ -218,6 +164,61 @@ def audit(
         test_accuracy=accuracy,
         seconds=time.time() - t0,
     )
+
+
+def _task(canaries, canary_norm, seed, mode, dataset, model_fn, score_fn, loss_fn, test_dataset):
+    """(training set, canary inputs, labels, model_fn, score_fn, test set): the built-in digits
+    canary task, or the user's dataset and canaries, checked."""
+    if dataset is None:
+        if not isinstance(canaries, int) or isinstance(canaries, bool) or canaries < 2:
+            raise DPZooError(f"canaries must be an integer >= 2 for the built-in audit, got {canaries!r}.")
+        if not canary_norm > 0:
+            raise DPZooError(f"canary_norm must be > 0, got {canary_norm}.")
+        train, test, cx, cy, default_model_fn, default_score = digits_canary_task(
+            canaries, canary_norm, seed, mode=mode
+        )
+        model_fn = model_fn or default_model_fn
+        score_fn = score_fn or default_score
+        test_dataset = test if test_dataset is None else test_dataset
+        return train, cx, cy, model_fn, score_fn, test_dataset
+    else:
+        if model_fn is None:
+            raise DPZooError("audit(dataset=...) needs model_fn=: a function returning a fresh model.")
+        if not (isinstance(canaries, (tuple, list)) and len(canaries) == 2):
+            raise DPZooError(
+                "audit(dataset=...) needs canaries=(canary_x, canary_y): the m canary inputs "
+                "and labels (an integer count is only for the built-in digits audit)."
+            )
+        cx, cy = canaries
+        if len(cx) != len(cy) or len(cx) < 2:
+            raise DPZooError(
+                f"canaries: need as many labels as inputs and at least 2 canaries, got "
+                f"{len(cx)} inputs and {len(cy)} labels."
+            )
+        if loss_fn is not None and score_fn is None:
+            raise DPZooError(
+                "a custom loss_fn needs a score_fn (the default score is minus the cross-entropy loss of each canary)."
+            )
+        score_fn = score_fn or loss_score
+        train = dataset
+    return train, cx, cy, model_fn, score_fn, test_dataset
+
+
+def _canary_scores(model, cx, cy, score_fn, mech: dict, observed: list | None) -> torch.Tensor:
+    """One finite score per canary: from every noisy step seen (white-box), else from the final model."""
+    model.eval()
+    if observed is not None:  # white-box: every noisy update of the canaries' columns, not the final model
+        observed[0].detach()
+        mech["threat_model"], score_fn = "white-box: every noisy step", lambda *a: observed[0].scores
+    else:
+        mech["threat_model"] = "black-box: the final model"
+    scores, m = score_fn(model, cx, cy).detach().float().flatten(), len(cx)
+    if scores.shape[0] != m or not torch.isfinite(scores).all():
+        raise DPZooError(
+            f"score_fn must return {m} finite scores (one per canary), got shape "
+            f"{tuple(scores.shape)}{'' if torch.isfinite(scores).all() else ' with non-finite values'}."
+        )
+    return scores
 
 
 def with_canaries(train: Dataset, canary_x, canary_y, included: torch.Tensor, seed: int = 0) -> Dataset:

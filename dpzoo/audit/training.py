@@ -120,14 +120,7 @@ def train_audited_model(
     claimed_sigma = None
     if broken in RECALIBRATED:
         claimed_sigma = noise_multiplier or get_noise_multiplier(epsilon, delta, q, steps_planned, accountant)
-    noise = dict(target_epsilon=epsilon) if noise_multiplier is None else dict(noise_multiplier=noise_multiplier)
-    clip = max_grad_norm
-    if broken == "no-noise":
-        noise = dict(noise_multiplier=0.0)
-    elif broken in SCALED:
-        noise, clip = dict(noise_multiplier=claimed_sigma / SCALED[broken]), max_grad_norm * SCALED[broken]
-    elif broken == "half-noise":
-        noise = dict(noise_multiplier=claimed_sigma / 2)
+    noise, clip = _noise_and_clip(broken, epsilon, noise_multiplier, claimed_sigma, max_grad_norm)
     seeds = {k: v for k, v in (("noise_seed", noise_seed), ("sample_seed", sample_seed)) if v is not None}
     with warnings.catch_warnings():
         if broken is not None:  # a control breaks the mechanism on purpose: no warning about it
@@ -161,37 +154,15 @@ def train_audited_model(
         f"{f' (claimed: {intended:.3f})' if claimed_sigma is not None else ''}, R = {clip:g}, {epochs} epochs"
         f"{', plus a copy trained outside the engine' if side is not None else ''}"
     )
-    desc = f"audit ({broken})" if broken else "audit"
-    with (
-        StepBar(
-            max_steps or epochs * len(loader), desc, enabled=progress, epsilon=lambda: engine.get_epsilon(delta)
-        ) as bar,
-        _path(loader, opt, physical_batch_size, loss_scale) as (batches, backward, step),
-    ):
-        for _ in range(epochs):
-            for x, y in batches:
-                if max_steps is not None and engine.steps >= max_steps:
-                    break
-                loss = None
-                # an empty Poisson batch: no backward (under FSDP2 one of 0 rows: the passes are
-                # collective), the optimizer still adds noise and counts the step
-                if len(y) or sharded:
-                    with torch.autocast("cpu", dtype=torch.float16, enabled=loss_scale is not None):
-                        loss = loss_fn(released(x), y)
-                    backward(loss)
-                step()
-                opt.zero_grad()
-                if side_opt is not None:
-                    _noisy_unclipped_step(
-                        side_opt, len(y), side_std * engine.noise_multiplier * max_grad_norm, batch_size
-                    )
-                bar.step(None if loss is None else loss.detach())
+    steps_run = max_steps or epochs * len(loader)
+    bar_args = (steps_run, f"audit ({broken})" if broken else "audit", progress, lambda: engine.get_epsilon(delta))
+    paths = (physical_batch_size, loss_scale, sharded)
+    side_args = (side_opt, side_std * max_grad_norm, batch_size)
+    _train_steps(engine, released, loss_fn, loader, opt, epochs, max_steps, bar_args, paths, side_args)
     engine.detach()
     steps = int(engine.steps)  # the accountant's count: logical steps, whatever the micro-batching
     if claimed_sigma is not None:  # the engine ran another σ or R: the claim is the intended mechanism's
-        acc = Accountant(accountant)
-        acc.step(intended, q, steps)
-        claimed = acc.get_epsilon(delta)
+        claimed = Accountant(accountant, [[intended, q, steps]]).get_epsilon(delta)
     else:
         claimed = engine.get_epsilon(delta)
     mech = {
@@ -211,6 +182,47 @@ def train_audited_model(
         "mode": mode,
     }
     return released, claimed, mech
+
+
+def _noise_and_clip(broken, epsilon, noise_multiplier, claimed_sigma, max_grad_norm) -> tuple[dict, float]:
+    """(make_private's noise arguments, the clipping bound the engine runs): the claim, or a control's
+    deliberately broken mechanism (no noise, a scaled sensitivity, half the noise)."""
+    noise = dict(target_epsilon=epsilon) if noise_multiplier is None else dict(noise_multiplier=noise_multiplier)
+    if broken == "no-noise":
+        return dict(noise_multiplier=0.0), max_grad_norm
+    if broken in SCALED:
+        return dict(noise_multiplier=claimed_sigma / SCALED[broken]), max_grad_norm * SCALED[broken]
+    if broken == "half-noise":
+        return dict(noise_multiplier=claimed_sigma / 2), max_grad_norm
+    return noise, max_grad_norm
+
+
+def _train_steps(engine, released, loss_fn, loader, opt, epochs, max_steps, bar_args, paths, side) -> None:
+    """The audited run's steps, on the training path under audit (micro-batches, float16 with a
+    scaler); a copy trained outside the engine (``side``) takes its noisy unclipped step beside."""
+    steps_run, desc, progress, epsilon = bar_args
+    physical_batch_size, loss_scale, sharded = paths
+    side_opt, side_std, batch_size = side  # side_std: the noise std of the side copy per unit σ (times R)
+    with (
+        StepBar(steps_run, desc, enabled=progress, epsilon=epsilon) as bar,
+        _path(loader, opt, physical_batch_size, loss_scale) as (batches, backward, step),
+    ):
+        for _ in range(epochs):
+            for x, y in batches:
+                if max_steps is not None and engine.steps >= max_steps:
+                    break
+                loss = None
+                # an empty Poisson batch: no backward (under FSDP2 one of 0 rows: the passes are
+                # collective), the optimizer still adds noise and counts the step
+                if len(y) or sharded:
+                    with torch.autocast("cpu", dtype=torch.float16, enabled=loss_scale is not None):
+                        loss = loss_fn(released(x), y)
+                    backward(loss)
+                step()
+                opt.zero_grad()
+                if side_opt is not None:
+                    _noisy_unclipped_step(side_opt, len(y), side_std * engine.noise_multiplier, batch_size)
+                bar.step(None if loss is None else loss.detach())
 
 
 @contextmanager

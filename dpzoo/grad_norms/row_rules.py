@@ -265,8 +265,8 @@ def from_batch(index) -> bool:
 def check_positional(name: str, args, kwargs, lead) -> None:
     """An elementwise product with a tensor that varies along the sample dimension but does not come
     from the batch weighs each sample by its position (``(losses * torch.linspace(1, 3, B)).sum()``)."""
-    if name not in SCALING and name not in ELEMENTWISE and not pointwise(name):
-        return
+    if name in ADDITIVE or (name not in SCALING and name not in ELEMENTWISE and not pointwise(name)):
+        return  # a constant added to a sample's values leaves its gradient alone
     from_right = lead.dim() - lead.rows.sample_dim
     for a in leaves(args, kwargs):
         if isinstance(a, torch.Tensor) and getattr(a, "rows", None) is None and a.dim() >= from_right:
