@@ -460,6 +460,17 @@ UNTRACKED = {
 }
 
 
+_POS = torch.linspace(-3, 3, 8, dtype=F64)[:, None]
+# Found by the 23rd independent audit (1.8-4.3 R each, silent): a tensor made by position as a loss's
+# target or as an einsum operand indexed by the samples.
+UNTRACKED["labels by position"] = lambda o, y: F.cross_entropy(o, torch.arange(8) % 3, reduction="sum")
+UNTRACKED["an mse target by position"] = lambda o, y: F.mse_loss(o, _POS.expand(-1, 3), reduction="sum")
+UNTRACKED["margin ranking signs by position"] = lambda o, y: F.margin_ranking_loss(
+    o[:, 0], o[:, 1], torch.sign(_POS[:, 0]), reduction="sum"
+)
+UNTRACKED["an einsum operand by position"] = lambda o, y: torch.einsum("bc,bc->b", o, _POS.expand(-1, 3)).pow(2).sum()
+
+
 @pytest.mark.parametrize("name", list(UNTRACKED))
 def test_batch_values_that_reach_the_loss_untracked_are_refused(name):
     with pytest.raises(LossMixingError, match="mixes samples"):
@@ -476,6 +487,25 @@ PER_SAMPLE_ALONG = {  # refused by the first default-deny (22nd audit), each per
     "vecdot with a target": lambda o, y: -torch.linalg.vecdot(o.log_softmax(-1), F.one_hot(y, 3).double()).sum(),
     "stacked losses": lambda o, y: torch.stack([_l(o, y), o.pow(2).sum(1)]).sum(),
 }
+
+
+def _labels_copied(o, y):
+    b = torch.empty_like(y)
+    b.copy_(y)
+    return _l(o, b).sum()
+
+
+def _losses_accumulated(o, y):
+    t = torch.zeros(8, dtype=F64)
+    t += _l(o, y)
+    t += 0.1 * o.pow(2).sum(1)
+    return t.sum()
+
+
+# per-sample code the second default-deny refused (23rd audit): copy_, fill_, requires_grad_, +=
+PER_SAMPLE_ALONG["labels copied into a buffer"] = _labels_copied
+PER_SAMPLE_ALONG["losses accumulated in a zeros vector"] = _losses_accumulated
+PER_SAMPLE_ALONG["a constant weight by fill_"] = lambda o, y: (_l(o, y) * torch.empty_like(_l(o, y)).fill_(2.0)).sum()
 
 
 @pytest.mark.parametrize("name", list(PER_SAMPLE_ALONG))

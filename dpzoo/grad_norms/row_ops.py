@@ -80,7 +80,8 @@ def across(name: str, args, kwargs, lead, out) -> str | None:
     or mean over it), "mix" (anything else across it), "row" (picks one sample), "select" (a
     boolean mask), "subset" / "reorder" (some rows, or all in another order)."""
     dim, ndim = lead.rows.sample_dim, lead.dim()
-    name = out_of_place(name)
+    if name not in VIEWS | ELEMENTWISE | ADDITIVE | SCALING:  # copy_, fill_, zero_, requires_grad_ are listed
+        name = out_of_place(name)
     if name in MIXERS:
         return "mix"
     if name == "__getitem__":

@@ -24,8 +24,10 @@ import torch
 from ..errors import LossMixingError, UnsupportedModuleError
 from .row_ops import (
     ADDITIVE,
+    ALONG,
     DIVIDE,
     ELEMENTWISE,
+    INDEXED_WRITES,
     LOSSES,
     MEAN_LOSSES,
     PRODUCTS,
@@ -264,8 +266,34 @@ def from_batch(index) -> bool:
 
 def check_positional(name: str, args, kwargs, lead) -> None:
     """An elementwise product with a tensor that varies along the sample dimension but does not come
-    from the batch weighs each sample by its position (``(losses * torch.linspace(1, 3, B)).sum()``)."""
-    if name in ADDITIVE or (name not in SCALING and name not in ELEMENTWISE and not pointwise(name)):
+    from the batch weighs each sample by its position (``(losses * torch.linspace(1, 3, B)).sum()``);
+    so does a loss target made by position (``cross_entropy(out, torch.arange(B) % 3)``)."""
+    if name in LOSSES and name != "ctc_loss":  # batch-first targets (CTC's are concatenated, with lengths)
+        weights = {id(kwargs.get(k)) for k in ("weight", "pos_weight")} | {
+            id(args[2]) if len(args) > 2 and name in MEAN_LOSSES else 0
+        }
+        for a in (*args, *kwargs.values()):
+            plain_rows = isinstance(a, torch.Tensor) and getattr(a, "rows", None) is None and a.dim() and len(a) > 1
+            if plain_rows and id(a) not in weights and not bool((a == a[:1]).all()):
+                refuse(
+                    f"{name} with a target that varies along the samples but does not come from the batch (by position)"
+                )
+        return
+    if name == "einsum":  # a plain operand indexed by the samples' letter weighs them by position
+        operands = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
+        specs = args[0].replace(" ", "").partition("->")[0].split(",")
+        letter = next((sp[lead.rows.sample_dim] for sp, t in zip(specs, operands) if t is lead), None)
+        for sp, t in zip(specs, operands):
+            if getattr(t, "rows", None) is None and letter in sp and "." not in sp:
+                at = sp.index(letter)
+                if t.shape[at] > 1 and not bool((t == t.narrow(at, 0, 1)).all()):
+                    refuse(f"{name} with a tensor that varies along the samples but does not come from the batch")
+        return
+    if (
+        name == "ctc_loss"
+        or name in ADDITIVE
+        or (name not in SCALING | ELEMENTWISE | ALONG | INDEXED_WRITES and not pointwise(name))
+    ):
         return  # a constant added to a sample's values leaves its gradient alone
     from_right = lead.dim() - lead.rows.sample_dim
     for a in leaves(args, kwargs):
