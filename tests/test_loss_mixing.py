@@ -471,6 +471,34 @@ UNTRACKED["margin ranking signs by position"] = lambda o, y: F.margin_ranking_lo
 UNTRACKED["an einsum operand by position"] = lambda o, y: torch.einsum("bc,bc->b", o, _POS.expand(-1, 3)).pow(2).sum()
 
 
+def _written_through(write):
+    def loss(o, y):
+        buf = torch.zeros(3, dtype=F64)
+        write(buf, o.detach().mean(0))
+        return ((o * buf).sum(1) * 5).sum()
+
+    return loss
+
+
+_CENTRES = nn.Parameter(torch.zeros(3, dtype=F64), requires_grad=False)
+
+
+def _centres_updated(o, y):  # the center-loss update: a parameter written with a batch statistic
+    with torch.no_grad():
+        _CENTRES.copy_(o.detach().mean(0))
+    return ((o * _CENTRES).sum(1) * 5).sum()
+
+
+# A statistic written through an alias of a plain tensor (23rd audit, 1.42 R each, silent): storages
+# written with a statistic are remembered, so every alias holds it.
+UNTRACKED["through a slice"] = _written_through(lambda b, s: b[:].copy_(s))
+UNTRACKED["through a view"] = _written_through(lambda b, s: b.view(1, 3).add_(s))
+UNTRACKED["through .data"] = _written_through(lambda b, s: b.data.copy_(s))
+UNTRACKED["through detach()"] = _written_through(lambda b, s: b.detach().copy_(s))
+UNTRACKED["by _foreach_add_"] = _written_through(lambda b, s: torch._foreach_add_([b], [s]))
+UNTRACKED["into a parameter under no_grad"] = _centres_updated
+
+
 @pytest.mark.parametrize("name", list(UNTRACKED))
 def test_batch_values_that_reach_the_loss_untracked_are_refused(name):
     with pytest.raises(LossMixingError, match="mixes samples"):
@@ -487,6 +515,16 @@ PER_SAMPLE_ALONG = {  # refused by the first default-deny (22nd audit), each per
     "vecdot with a target": lambda o, y: -torch.linalg.vecdot(o.log_softmax(-1), F.one_hot(y, 3).double()).sum(),
     "stacked losses": lambda o, y: torch.stack([_l(o, y), o.pow(2).sum(1)]).sum(),
 }
+
+
+def _label_buffer(o, y):  # a buffer reused for the labels, resized and overwritten
+    buf = torch.empty(0, dtype=torch.long)
+    buf.resize_(len(y)).copy_(y)
+    buf.resize_(len(y)).copy_(y)
+    return _l(o, buf).sum()
+
+
+PER_SAMPLE_ALONG["labels in a reused, resized buffer"] = _label_buffer
 
 
 def _labels_copied(o, y):

@@ -19,6 +19,7 @@ batch's longest sequence for a model that attends to padding.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import MutableMapping
 
@@ -85,6 +86,9 @@ def op_name(func) -> str:
 def follow(func, args, kwargs, tracked: list, out):
     """``out`` with its tensors tagged, after refusing an operation that mixes samples."""
     name = op_name(func)
+    if name == "data" and getattr(func, "__name__", "") == "__set__" and isinstance(args[1], SampleRows):
+        hold(args[0], args[1].rows)  # buf.data = values: buf shares their storage now
+        return out
     if name in POSITIONAL_WRITES and isinstance(args[0], SampleRows) and positional_write(name, args, kwargs):
         args[0].rows = args[0].rows._replace(written=True)  # in place: the tensor now holds weights by position
     if name == "__setitem__" and len(args) > 2 and isinstance(args[2], SampleRows):
@@ -98,19 +102,29 @@ def follow(func, args, kwargs, tracked: list, out):
     outs = [o for o in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(o, torch.Tensor)]
     if not outs:
         return out  # .item(), .shape, backward(): nothing more to follow
+    if name in ("copy_", "set_") and len(args) > 1 and isinstance(args[1], SampleRows):
+        tracked = [args[1]]  # the target's old values are gone: it holds the source's now
     grads = [o for o in outs if o.requires_grad]
+    stat_held = held(
+        args[1:] if name in ("copy_", "set_") else args, kwargs
+    )  # a plain tensor that holds a statistic of the batch, written in place
     if grads and torch.is_grad_enabled():
         if not any(t.requires_grad for t in tracked):
             return out  # the gradient comes from another model run on the batch: not the private update
+        if stat_held is not None:
+            refuse(
+                f"{name}: a tensor written in place with a statistic of the batch (through a view, .data, a parameter)"
+            )
         state = grad_state(name, args, kwargs, tracked, grads[0])  # max(dim), chunk ...: the first decides
     else:
         state = nograd_state(name, args, kwargs, tracked, outs[0])
+        state = state if stat_held is None else state._replace(sample_dim=None, row=None, stat=True)
     if isinstance(out, (tuple, list)) and name in ("unbind", "chunk", "split", "tensor_split"):
         if not state.stat and tracked[0].rows.sample_dim == 0 and over_first(args, kwargs, name):
             return type(out)(pieces(out, tracked[0], state, name == "unbind"))
     target = kwargs.get("out", args[0] if args and in_place(name) else None)
-    if type(target) is torch.Tensor and not (target.is_leaf and target.requires_grad):
-        target.__class__ = SampleRows  # a plain tensor written in place with the batch's values holds them now
+    for t in target if isinstance(target, (list, tuple)) else [target]:  # _foreach_add_([buf], ...) too
+        hold(t, state)
     base = getattr(args[0], "view_of", None) if in_place(name) else None
     if base is not None and base() is not None and moved(args[0].rows, state):
         written_rows(base(), slice(None), state)  # x2[:, :2].add_(x.flip(0)[:, :2]): the view's base too
@@ -165,9 +179,45 @@ def written_rows(target, index, value: State) -> None:
             "writing other samples' values or a batch statistic into a tensor in place "
             "(t[:, :2] = x.flip(0)[:, :2], t[:] = y.flip(0))"
         )
-    if type(target) is torch.Tensor and not (target.is_leaf and target.requires_grad):
-        target.__class__ = SampleRows  # it holds the batch's values now: its rows, or a statistic of them
-        target.rows = value if batch_like and full else value._replace(sample_dim=None, row=None, stat=True)  # type: ignore[attr-defined]
+    hold(target, value if batch_like and full else value._replace(sample_dim=None, row=None, stat=True))
+
+
+HELD: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # storage -> the statistic written into it
+
+
+def hold(target, state: State) -> None:
+    """A plain tensor written in place with the batch's values holds them now: it is tracked from
+    then on (re-classed), and a statistic is remembered by its storage, which every alias shares
+    (a view's base, ``.data``, a module's parameter or buffer)."""
+    if not isinstance(target, torch.Tensor) or isinstance(target, SampleRows):
+        return
+    if mixed(state):
+        with contextlib.suppress(RuntimeError, NotImplementedError):  # tensors without storage
+            HELD[target.untyped_storage()] = stat_of(state)
+    base = target._base  # a view's base holds the same values: the batch's rows only if all of them, in place
+    same_rows = base is not None and base.dim() > 0 and target.dim() > 0 and base.shape[0] == target.shape[0]
+    for t, st in ((target, state), (base, state if same_rows else stat_of(state))):
+        if t is base and not mixed(state):
+            continue  # the batch's own rows staged in part of a larger buffer: the base keeps its values
+        if type(t) is torch.Tensor and not (t.is_leaf and t.requires_grad):
+            t.__class__ = SampleRows
+            t.rows = st  # type: ignore[attr-defined]
+
+
+def stat_of(state: State) -> State:
+    return state._replace(sample_dim=None, row=None, stat=True)
+
+
+def held(args, kwargs) -> State | None:
+    """What a plain operand's storage holds (:func:`hold`), if anything."""
+    if not HELD:
+        return None
+    for a in leaves(args, kwargs):
+        if isinstance(a, torch.Tensor) and not isinstance(a, SampleRows):
+            with contextlib.suppress(RuntimeError, NotImplementedError):
+                if (state := HELD.get(a.untyped_storage())) is not None:
+                    return state
+    return None
 
 
 def over_first(args, kwargs, name: str) -> bool:
