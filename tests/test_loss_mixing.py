@@ -460,17 +460,6 @@ UNTRACKED = {
 }
 
 
-_POS = torch.linspace(-3, 3, 8, dtype=F64)[:, None]
-# Found by the 23rd independent audit (1.8-4.3 R each, silent): a tensor made by position as a loss's
-# target or as an einsum operand indexed by the samples.
-UNTRACKED["labels by position"] = lambda o, y: F.cross_entropy(o, torch.arange(8) % 3, reduction="sum")
-UNTRACKED["an mse target by position"] = lambda o, y: F.mse_loss(o, _POS.expand(-1, 3), reduction="sum")
-UNTRACKED["margin ranking signs by position"] = lambda o, y: F.margin_ranking_loss(
-    o[:, 0], o[:, 1], torch.sign(_POS[:, 0]), reduction="sum"
-)
-UNTRACKED["an einsum operand by position"] = lambda o, y: torch.einsum("bc,bc->b", o, _POS.expand(-1, 3)).pow(2).sum()
-
-
 def _written_through(write):
     def loss(o, y):
         buf = torch.zeros(3, dtype=F64)
@@ -525,6 +514,9 @@ def _label_buffer(o, y):  # a buffer reused for the labels, resized and overwrit
 
 
 PER_SAMPLE_ALONG["labels in a reused, resized buffer"] = _label_buffer
+# labels built through Python (names mapped to ids in the loop): plain, and the data's own (24th audit:
+# a check of loss targets made by position refused them, so there is none)
+PER_SAMPLE_ALONG["labels built through Python"] = lambda o, y: _l(o, torch.tensor([int(v) for v in y])).sum()
 
 
 def _labels_copied(o, y):

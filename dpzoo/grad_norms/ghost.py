@@ -19,7 +19,7 @@ from ..errors import PrivacyUsageError, UnsupportedModuleError
 from .audit import compare_uses, count_edges
 from .capture import Recorder
 from .plan import ModelPlan
-from .sample_rows import end_call, track
+from .sample_rows import track
 from .sharded import aliases_of, is_dtensor
 
 __all__ = ["GhostBackward", "wrap_outputs", "ghost_differentiate"]
@@ -45,9 +45,7 @@ class GhostBackward(torch.autograd.Function):
         # output would keep a failed step's graph alive).
         b = rec.step.batch_size
         tagged = lambda o: bool(b) and o.dim() > 0 and o.shape[0] == b and o.is_floating_point()  # noqa: E731
-        outputs = tuple(track(o.detach(), b, owned) if tagged(o) else o.detach() for o in real_outputs)
-        end_call()
-        return outputs
+        return tuple(track(o.detach(), b, owned) if tagged(o) else o.detach() for o in real_outputs)
 
     @staticmethod
     def backward(ctx, *grads):

@@ -65,7 +65,6 @@ class State(NamedTuple):
     scalars: tuple = ()  # Python numbers a pooled loss was multiplied by after pooling (1/d for a division)
     covered: frozenset | None = None  # a sum of single samples' values: their rows (None: all rows)
     written: bool = False  # values written in place by position (w[:2] = 1): weights by position
-    batch: bool = False  # the engine tracks the batch: a plain operand did not come from it
 
 
 def refuse(what: str) -> NoReturn:
@@ -81,8 +80,7 @@ def nograd_state(name: str, args, kwargs, tracked: list, out: torch.Tensor) -> S
     """The state of a result without gradient: rows still aligned, one sample's values, or a
     statistic of the batch (any operation across samples)."""
     first = tracked[0].rows
-    written, batch = any(t.rows.written for t in tracked), any(t.rows.batch for t in tracked)
-    base = State(first.samples, owned=first.owned, written=written, batch=batch)
+    base = State(first.samples, owned=first.owned, written=any(t.rows.written for t in tracked))
     if any(t.rows.stat or t.rows.pooled for t in tracked):
         return base._replace(sample_dim=None, stat=True)
     rows = [t for t in tracked if t.rows.sample_dim is not None]
@@ -116,7 +114,7 @@ def nograd_state(name: str, args, kwargs, tracked: list, out: torch.Tensor) -> S
 def grad_state(name: str, args, kwargs, tracked: list, out: torch.Tensor) -> State:
     """The state of a result that carries gradient into the update; refuses what mixes samples."""
     first = tracked[0].rows
-    base = State(first.samples, owned=first.owned, call=first.call, batch=any(t.rows.batch for t in tracked))
+    base = State(first.samples, owned=first.owned, call=first.call)
     check_outside(name, args, kwargs, first.owned)
     stats = [t for t in tracked if t.rows.stat]
     others = [t for t in tracked if not t.rows.stat]
@@ -267,32 +265,11 @@ def from_batch(index) -> bool:
 
 
 def check_positional(name: str, args, kwargs, lead) -> None:
-    """A tensor that varies along the samples but not from the batch weighs them by position: an
-    elementwise factor (``losses * linspace(1, 3, B)``), a loss target (``arange(B) % 3``), an einsum operand."""
-    if not lead.rows.batch and name in LOSSES | {"einsum"}:
-        return  # hooks without the engine: the batch is not tracked, its labels are plain
-    if name in LOSSES and name != "ctc_loss":  # batch-first targets (CTC's are concatenated, with lengths)
-        third = len(args) > 2 and name not in ("margin_ranking_loss", "cosine_embedding_loss")  # else a target
-        weights = {id(kwargs.get("weight")), id(kwargs.get("pos_weight")), id(args[2]) if third else 0}
-        for a in (*args, *kwargs.values()):
-            plain_rows = isinstance(a, torch.Tensor) and getattr(a, "rows", None) is None and a.dim() and len(a) > 1
-            if plain_rows and id(a) not in weights and not bool((a == a[:1]).all()):
-                refuse(
-                    f"{name} with a target that varies along the samples but does not come from the batch (by position)"
-                )
-        return
-    if name == "einsum":  # a plain operand indexed by the samples' letter weighs them by position
-        operands = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
-        specs = args[0].replace(" ", "").partition("->")[0].split(",")
-        letter = next((sp[lead.rows.sample_dim] for sp, t in zip(specs, operands) if t is lead), None)
-        for sp, t in zip(specs, operands):
-            if getattr(t, "rows", None) is None and letter in sp and "." not in sp:
-                at = sp.index(letter)
-                if t.shape[at] > 1 and not bool((t == t.narrow(at, 0, 1)).all()):
-                    refuse(f"{name} with a tensor that varies along the samples but does not come from the batch")
-        return
+    """An elementwise product with a tensor that varies along the sample dimension but does not come
+    from the batch weighs each sample by its position (``(losses * torch.linspace(1, 3, B)).sum()``).
+    A loss *target* made by position is not refused: labels built through Python look the same."""
     if (
-        name == "ctc_loss"
+        name in LOSSES
         or name in ADDITIVE
         or (name not in SCALING | ELEMENTWISE | ALONG | INDEXED_WRITES and not pointwise(name))
     ):

@@ -31,7 +31,7 @@ from .loss_pool import before_gradient
 from .row_ops import leaves, window_of
 from .row_rules import FIX, State, grad_state, nograd_state, refuse
 
-__all__ = ["SampleRows", "State", "track", "track_batch", "plain", "note_call", "end_call", "tag"]
+__all__ = ["SampleRows", "State", "track", "track_batch", "plain", "note_call", "tag"]
 
 
 class SampleRows(torch.Tensor):
@@ -284,23 +284,15 @@ def track(t: torch.Tensor, samples: int, owned: frozenset | None = None) -> torc
     of the call's inputs, :func:`note_call`)."""
     window = CALL.get("window")
     if window is not None and window[1] - window[0] == samples:
-        call = window if owned is not None else None
-        return tag(t, State(CALL["samples"], owned=owned, window=window, call=call, batch=True))
-    return tag(t, State(samples, owned=owned, call=(0, samples) if owned is not None else None, batch=bool(CALL)))
-
-
-def end_call() -> None:
-    """After the model's outputs are tracked: the next call (by the engine or not) starts afresh."""
-    CALL.clear()
+        return tag(t, State(CALL["samples"], owned=owned, window=window, call=window if owned is not None else None))
+    return tag(t, State(samples, owned=owned, call=(0, samples) if owned is not None else None))
 
 
 def track_batch(batch, samples: int):
     """A collated batch with every tensor whose rows are the ``samples`` tracked (tensors, dicts
     and mappings such as transformers' BatchEncoding, lists, tuples)."""
     if isinstance(batch, torch.Tensor):
-        if batch.dim() > 0 and batch.shape[0] == samples:
-            return tag(batch, State(samples, batch=True))
-        return batch
+        return track(batch, samples) if batch.dim() > 0 and batch.shape[0] == samples else batch
     if isinstance(batch, MutableMapping):  # dict, BatchEncoding: a fresh batch, edited in place
         for k in list(batch.keys()):
             batch[k] = track_batch(batch[k], samples)
