@@ -33,6 +33,7 @@ __all__ = [
     "check_settings",
     "check_loader",
     "check_layers",
+    "check_make_private",
     "warn_seeds",
 ]
 
@@ -203,3 +204,24 @@ def warn_seeds(noise_seed: int | None, sample_seed: int | None) -> None:
                 ReproducibleNoiseWarning,
                 stacklevel=first_frame_outside_dpzoo(),
             )
+
+
+def check_make_private(module, optimizer, data_loader, given: dict) -> tuple[bool, int]:
+    """Step 1 of :meth:`~dpzoo.PrivacyEngine.make_private` (``given``: its arguments): refuse what
+    is malformed or would make ε false. Returns (whether the module is FSDP2-sharded, the batch size)."""
+    from .fsdp import check_fsdp_settings, check_sharding  # fsdp imports the optimizer, as this module does
+
+    check_module(module)
+    sharded = check_sharding(module)  # FSDP2 (dpzoo.privacy.fsdp); FSDP1, tensor parallel, HSDP refused
+    if sharded:
+        check_fsdp_settings(max_physical_batch_size=given["max_physical_batch_size"], self_check=given["self_check"])
+    check_optimizer(optimizer)
+    check_settings(**{k: given[k] for k in SETTINGS})
+    batch_size = check_loader(data_loader)
+    check_layers(module)
+    return sharded, batch_size
+
+
+SETTINGS = ("mode", "clipping", "loss_reduction", "noise_multiplier", "target_epsilon", "target_delta", "epochs",
+            "max_grad_norm", "max_physical_batch_size", "self_check_samples", "noise_seed", "sample_seed",
+            "poisson_sampling")  # fmt: skip

@@ -39,11 +39,7 @@ from ..integrations.peft_statements import mark_weights_unknown, unknown_origin_
 from ..live_ref import LiveRef
 from .accounting.accountant import Accountant, accountant_spec
 from .arguments import (
-    check_layers,
-    check_loader,
-    check_module,
-    check_optimizer,
-    check_settings,
+    check_make_private,
     refuse_engine_options,
     sample_mixing_modules,
     warn_seeds,
@@ -53,7 +49,7 @@ from .budget import calibrate, compute_sample_rate, restore_history
 from .carried import link_spending, prior_spending, stated_assumptions
 from .data import DPDataLoader, StepSignal
 from .distributed import RANK_SETTINGS, same_on_every_rank, shard, world_and_rank
-from .fsdp import ShardedGrads, check_fsdp_settings, check_sharding
+from .fsdp import ShardedGrads
 from .guards import check_optimizer_parameters, check_step_parameters
 from .metadata import check_delta, engine_record
 from .model_call import attach_call_hooks
@@ -163,29 +159,9 @@ class PrivacyEngine(OpacusParity):
         """
         if self.module is not None:
             raise PrivacyUsageError("This PrivacyEngine already made a model private; use a new engine.")
+        given = dict(locals())  # make_private's own arguments: checked here, compared across ranks below
         # 1. refuse what is malformed or would make ε false (dpzoo.privacy.arguments)
-        check_module(module)
-        sharded = check_sharding(module)  # FSDP2 (dpzoo.privacy.fsdp); FSDP1, tensor parallel, HSDP refused
-        if sharded:
-            check_fsdp_settings(max_physical_batch_size=max_physical_batch_size, self_check=self_check)
-        check_optimizer(optimizer)
-        check_settings(
-            mode=mode,
-            clipping=clipping,
-            loss_reduction=loss_reduction,
-            noise_multiplier=noise_multiplier,
-            target_epsilon=target_epsilon,
-            target_delta=target_delta,
-            epochs=epochs,
-            max_grad_norm=max_grad_norm,
-            max_physical_batch_size=max_physical_batch_size,
-            self_check_samples=self_check_samples,
-            noise_seed=noise_seed,
-            sample_seed=sample_seed,
-            poisson_sampling=poisson_sampling,
-        )
-        batch_size = check_loader(data_loader)
-        check_layers(module)
+        sharded, batch_size = check_make_private(module, optimizer, data_loader, given)
         n = len(dataset := data_loader.dataset)
         users = user_units(
             privacy_unit, user_ids, max_examples_per_user, n, max_physical_batch_size, user_sampling, sample_seed
@@ -196,8 +172,8 @@ class PrivacyEngine(OpacusParity):
         indices = None
         if world > 1:
             indices = shard(data_loader, n, world, rank)
-            given = {k: v for k, v in locals().items() if k in RANK_SETTINGS}  # make_private's own arguments
-            same_on_every_rank(world, accountant=self.accountant.name, history=self.accountant.history, **given,
+            ranked = {k: v for k, v in given.items() if k in RANK_SETTINGS}
+            same_on_every_rank(world, accountant=self.accountant.name, history=self.accountant.history, **ranked,
                                users=users.fingerprint() if users is not None else None)  # fmt: skip
         if target_delta is not None:
             check_delta(target_delta, units, accept_large_delta)
@@ -208,26 +184,13 @@ class PrivacyEngine(OpacusParity):
         self.accountant.group = users.group if users is not None else 1  # k examples per user sampled (ELS)
         signal = StepSignal()
         gen = torch.Generator().manual_seed(sample_seed + rank) if sample_seed is not None else None
-        loader = DPDataLoader(
-            dataset,
-            sample_rate,
-            collate_fn=data_loader.collate_fn,
-            num_workers=data_loader.num_workers,
-            max_physical_batch_size=max_physical_batch_size,
-            generator=gen,
-            signal=signal,
-            indices=indices,
-            batch_sampler=users.sampler(sample_rate, gen, rank, world) if users is not None else None,
-        )
+        sampler = users.sampler(sample_rate, gen, rank, world) if users is not None else None
+        loader = DPDataLoader(dataset, sample_rate, collate_fn=data_loader.collate_fn, num_workers=data_loader.num_workers,
+                              max_physical_batch_size=max_physical_batch_size, generator=gen, signal=signal,
+                              indices=indices, batch_sampler=sampler)  # fmt: skip
+        noise = {k: given[k] for k in ("noise_multiplier", "target_epsilon", "target_delta", "epochs")}
         noise_multiplier = calibrate(
-            self.accountant,
-            prior,
-            noise_multiplier=noise_multiplier,
-            target_epsilon=target_epsilon,
-            target_delta=target_delta,
-            epochs=epochs,
-            sample_rate=sample_rate,
-            steps_per_epoch=len(loader),
+            self.accountant, prior, **noise, sample_rate=sample_rate, steps_per_epoch=len(loader)
         )
         self.prior_spending = prior
         self.planned_steps = int(epochs) * len(loader) if target_epsilon is not None else None  # σ's calibration
@@ -236,25 +199,37 @@ class PrivacyEngine(OpacusParity):
         check_optimizer_parameters(module, optimizer, trainable)
         warn_seeds(noise_seed, sample_seed)
         # 5. record the mechanism, attach the hooks and the DP optimizer, watch every step
-        self.target_delta, self.dataset_size, self.accept_large_delta = target_delta, units, bool(accept_large_delta)
-        self.unit_record = users.metadata() if users is not None else {"privacy_unit": "sample"}
-        self.sample_rate, self.noise_multiplier = sample_rate, float(noise_multiplier)
-        self.max_grad_norm, self.clipping, self.loss_reduction = float(max_grad_norm), clipping, loss_reduction
-        self.noise_seed, self.sample_seed = noise_seed, sample_seed
-        self.memory_budget = check_budget(memory_budget)
-        self.expected_batch_size = sample_rate * (users.population if users is not None else n)  # q · N, all ranks
+        self._record(given, units, users, sample_rate, noise_multiplier, n)
         self._attach(module, optimizer, mode, train_head, signal)
-        self._watch = TrainingWatch(
-            self,
-            signal,
-            replan=lambda: self._set_mode(self.mode, "keep"),
-            self_check=self_check,
-            self_check_samples=self_check_samples,
-        )
+        self._watch = TrainingWatch(self, signal, replan=lambda: self._set_mode(self.mode, "keep"),
+                                    self_check=self_check, self_check_samples=self_check_samples)  # fmt: skip
         self._attach_labels_loss()
         if sharded:  # every rank runs the same collective passes: an empty batch is yielded, not skipped
             self.optimizer.grad_writer = ShardedGrads(self.optimizer)  # reduce-scatter, noise per shard
             signal.on_empty = None
+        self._link(module)
+        return module, self.optimizer, loader
+
+    def _record(self, g: dict, units: int, users, sample_rate: float, noise_multiplier: float, n: int) -> None:
+        """The mechanism make_private set up (``g``: its arguments), as the engine's attributes."""
+        self.target_delta, self.dataset_size, self.accept_large_delta = (
+            g["target_delta"],
+            units,
+            bool(g["accept_large_delta"]),
+        )
+        self.unit_record = users.metadata() if users is not None else {"privacy_unit": "sample"}
+        self.sample_rate, self.noise_multiplier = sample_rate, float(noise_multiplier)
+        self.max_grad_norm, self.clipping, self.loss_reduction = (
+            float(g["max_grad_norm"]),
+            g["clipping"],
+            g["loss_reduction"],
+        )
+        self.noise_seed, self.sample_seed = g["noise_seed"], g["sample_seed"]
+        self.memory_budget = check_budget(g["memory_budget"])
+        self.expected_batch_size = sample_rate * (users.population if users is not None else n)  # q · N, all ranks
+
+    def _link(self, module: nn.Module) -> None:
+        """The engine's weak reference and spending link on the model (and the model PEFT wraps)."""
         from ..integrations.peft_layers import wrapped_model  # peft_layers imports privacy
 
         if self.target_delta is not None:  # the run's δ, for a record written from the links alone (a PEFT adapter's)
@@ -262,7 +237,6 @@ class PrivacyEngine(OpacusParity):
         for m in (module, wrapped_model(module)[1]):  # a PEFT model's merge_and_unload() keeps the record
             m._dpzoo_engine = LiveRef(self)
             link_spending(m, self.accountant)  # outlives this engine, travels with copies and save_pretrained
-        return module, self.optimizer, loader
 
     def _attach(self, module: nn.Module, optimizer: torch.optim.Optimizer, mode: str, train_head, signal) -> None:
         """The norm hooks in ``mode`` and the DPOptimizer around ``optimizer``; if either fails, the

@@ -109,38 +109,7 @@ def self_check(
     hooks.clear()
     try:
         model.eval()  # dropout off: the batch and the single samples compute the same function
-        out = model(*args, **kwargs)
-        outs = output_tensors(out)
-        if not outs:
-            raise SelfCheckError("The self-check found no output tensor with a gradient path in the model's output.")
-        batch = outs[0].shape[0] if outs[0].dim() else 0
-        if cotangents is None:
-            if loss_fn is None:
-                raise DPZooError("self_check needs the output gradients or a loss_fn.")
-            loss = loss_fn(out)
-            cotangents = list(torch.autograd.grad(loss, outs, allow_unused=True, retain_graph=True))
-            cotangents = [torch.zeros_like(o) if c is None else c.detach() for o, c in zip(outs, cotangents)]
-        if len(cotangents) != len(outs) or any(c.shape != o.shape for c, o in zip(cotangents, outs)):
-            raise SelfCheckError(
-                "The model's outputs changed structure between the training pass and the "
-                "self-check's (in eval mode): the self-check cannot compare them."
-            )
-        for o in outs:
-            if o.dim() == 0 or o.shape[0] != batch:
-                raise SelfCheckError(
-                    f"The model returns an output of shape {tuple(o.shape)} beside one of {batch} rows: every output "
-                    "must be batch-first (row i = sample i) for per-sample clipping to mean anything."
-                )
-        if batch < 1:
-            raise SelfCheckError("The self-check needs a batch with at least one sample.")
-        nan_rows = sorted(
-            {int(i) for o in outs if o.is_floating_point() for i in torch.isnan(o).reshape(batch, -1).any(1).nonzero()}
-        )
-        if nan_rows:
-            raise SelfCheckError(
-                f"The self-check's own forward pass (eval mode, no autocast) gives NaN for sample(s) {nan_rows[:8]} of the "
-                "first batch: NaN or inf in the data or the model, not a float16 overflow. Clean the data."
-            )
+        outs, cotangents, batch = _batch_outputs(model, args, kwargs, cotangents, loss_fn)
         hooks.backward_from(outs, cotangents)
         sq = hooks.per_param_sq_norms()
         hooks_norms = {n: v.detach().sqrt().double() for n, v in sq.items()}
@@ -160,87 +129,146 @@ def self_check(
         # the cotangents' precision too: a bf16-autocast step's, rounded with their row weights, moved
         # a sum of cancelling rows by ~1% against the float32 tolerance (a false refusal)
         tol = max(_TOL.get(t.dtype, 1e-2) for t in (*params.values(), *cotangents) if t.is_floating_point())
-        names, tensors = list(params), list(params.values())
+        names = list(params)
         worst = {n: 0.0 for n in names}
         mixing: list[str] = []
         bad: dict[str, list[tuple[int, float, float]]] = {}  # name -> (sample, hooks norm, norm alone)
         with hooks.paused():
             # The sum of the per-sample gradients must be the batch gradient (plain autograd):
             # a layer whose gradient reaches the wrong tensor keeps its norms but not its sum.
-            out_b = model(*args, **kwargs)
-            outs_b = output_tensors(out_b)
-
-            def _row_weighted(c):
-                w = weights.to(c.dtype).reshape(-1, *([1] * (c.dim() - 1)))
-                return c * w
-
-            ref_grads = torch.autograd.grad(
-                outs_b,
-                tensors,
-                [_row_weighted(c) for c in cotangents],
-                allow_unused=True,
-                retain_graph=loss_fn is not None,
-            )
-            ref_sum = {
-                n: (g.detach().double() if g is not None else torch.zeros_like(summed[n]))
-                for n, g in zip(names, ref_grads)
-            }
-            if loss_fn is not None:
-                # a use of a parameter in the loss itself (outside the model) is in the loss's batch
-                # gradient but not in any output gradient: the unweighted sums must agree too
-                ones = {n: g.detach().double() for n, g in hooks_sum_ones.items()}
-                ref_loss = torch.autograd.grad(loss_fn(out_b), tensors, allow_unused=True)
-                for n, g in zip(names, ref_loss):
-                    g = g.detach().double() if g is not None else torch.zeros_like(ones[n])
-                    if (ones[n] - g).norm().item() > tol * max(g.norm().item(), 1e-30) + 1e-12:
-                        ref_sum[n] = ref_sum[n] + float("inf")  # reported below as a wrong sum
-            scale = float(sum(float(v.pow(2).sum()) for v in ref_sum.values() if torch.isfinite(v).all())) ** 0.5
-            wrong_sum = []
-            for n in names:
-                gap = (summed[n] - ref_sum[n]).norm().item()
-                rel = gap / max(ref_sum[n].norm().item(), _FLOOR * scale, 1e-30) if math.isfinite(gap) else math.inf
-                worst[n] = max(worst[n], rel)
-                if rel > tol:
-                    wrong_sum.append(f"{n} (relative difference {rel:.2g})")
-            del out_b, outs_b
+            sums = (summed, hooks_sum_ones, weights)
+            wrong_sum = _sum_check(model, args, kwargs, cotangents, loss_fn, params, sums, tol, worst)
             for i in picks:
-                out_i = _alone(model, _slice_row(args, i, batch), _slice_row(kwargs, i, batch))
-                outs_i = output_tensors(out_i)
-                if len(outs_i) != len(outs) or any(
-                    a.shape[1:] != b.shape[1:] or a.shape[0] != 1 for a, b in zip(outs_i, outs)
-                ):
-                    mixing.append(
-                        f"sample {i}: output shapes {[tuple(a.shape) for a in outs_i]} alone vs "
-                        f"{[tuple(b.shape[1:]) for b in outs]} per row in the batch"
-                    )
-                    continue
-                for a, b in zip(outs_i, batch_outs):
-                    gap = (a.detach()[0] - b[i]).abs().max().item()
-                    scale = b[i].abs().max().item() + 1e-30
-                    if gap > tol * max(scale, 1e-3):
-                        mixing.append(
-                            f"sample {i}: its output row in the batch differs from its output alone "
-                            f"(max difference {gap:.3g})"
-                        )
-                        break
-                grads = torch.autograd.grad(outs_i, tensors, [c[i : i + 1] for c in cotangents], allow_unused=True)
-                ref = {
-                    n: (g.detach().double().norm() if g is not None else torch.zeros((), dtype=torch.float64))
-                    for n, g in zip(names, grads)
-                }
-                total = torch.sqrt(sum(v**2 for v in ref.values())).item()
-                for n in names:
-                    got, want = hooks_norms[n][i].item(), ref[n].item()
-                    rel = abs(got - want) / max(want, got, _FLOOR * total, 1e-30)
-                    worst[n] = max(worst[n], rel)
-                    if rel > tol:
-                        bad.setdefault(n, []).append((i, got, want))
+                _check_alone(model, args, kwargs, i, (outs, batch_outs, cotangents), params, hooks_norms, tol, worst,
+                             mixing, bad)  # fmt: skip
     finally:
         hooks.clear()
         for m, training in modes.items():
             m.training = training
     if not mixing and any(modes.values()):
         mixing = _train_mode_mixing(model, hooks, args, kwargs, batch, picks[0], tol)
+    _refuse(mixing, wrong_sum, bad)
+    return SelfCheckReport(picks, batch, worst, tol)
+
+
+def _batch_outputs(model, args, kwargs, cotangents, loss_fn):
+    """(outputs, their gradients, batch size) of the self-check's forward pass on the batch, refused
+    where per-sample clipping cannot mean anything (no output, not batch-first, NaN)."""
+    out = model(*args, **kwargs)
+    outs = output_tensors(out)
+    if not outs:
+        raise SelfCheckError("The self-check found no output tensor with a gradient path in the model's output.")
+    batch = outs[0].shape[0] if outs[0].dim() else 0
+    if cotangents is None:
+        if loss_fn is None:
+            raise DPZooError("self_check needs the output gradients or a loss_fn.")
+        loss = loss_fn(out)
+        cotangents = list(torch.autograd.grad(loss, outs, allow_unused=True, retain_graph=True))
+        cotangents = [torch.zeros_like(o) if c is None else c.detach() for o, c in zip(outs, cotangents)]
+    if len(cotangents) != len(outs) or any(c.shape != o.shape for c, o in zip(cotangents, outs)):
+        raise SelfCheckError(
+            "The model's outputs changed structure between the training pass and the "
+            "self-check's (in eval mode): the self-check cannot compare them."
+        )
+    for o in outs:
+        if o.dim() == 0 or o.shape[0] != batch:
+            raise SelfCheckError(
+                f"The model returns an output of shape {tuple(o.shape)} beside one of {batch} rows: every output "
+                "must be batch-first (row i = sample i) for per-sample clipping to mean anything."
+            )
+    if batch < 1:
+        raise SelfCheckError("The self-check needs a batch with at least one sample.")
+    nan_rows = sorted(
+        {int(i) for o in outs if o.is_floating_point() for i in torch.isnan(o).reshape(batch, -1).any(1).nonzero()}
+    )
+    if nan_rows:
+        raise SelfCheckError(
+            f"The self-check's own forward pass (eval mode, no autocast) gives NaN for sample(s) {nan_rows[:8]} of the "
+            "first batch: NaN or inf in the data or the model, not a float16 overflow. Clean the data."
+        )
+    return outs, cotangents, batch
+
+
+def _sum_check(model, args, kwargs, cotangents, loss_fn, params, sums, tol, worst) -> list[str]:
+    """The parameters whose weighted sum of per-sample gradients (``sums``: dpzoo's weighted and
+    unweighted sums, the row weights) is not the batch gradient of plain autograd."""
+    summed, hooks_sum_ones, weights = sums
+    names, tensors = list(params), list(params.values())
+    out_b = model(*args, **kwargs)
+    outs_b = output_tensors(out_b)
+
+    def _row_weighted(c):
+        w = weights.to(c.dtype).reshape(-1, *([1] * (c.dim() - 1)))
+        return c * w
+
+    ref_grads = torch.autograd.grad(
+        outs_b,
+        tensors,
+        [_row_weighted(c) for c in cotangents],
+        allow_unused=True,
+        retain_graph=loss_fn is not None,
+    )
+    ref_sum = {
+        n: (g.detach().double() if g is not None else torch.zeros_like(summed[n])) for n, g in zip(names, ref_grads)
+    }
+    if loss_fn is not None:
+        # a use of a parameter in the loss itself (outside the model) is in the loss's batch
+        # gradient but not in any output gradient: the unweighted sums must agree too
+        ones = {n: g.detach().double() for n, g in hooks_sum_ones.items()}
+        ref_loss = torch.autograd.grad(loss_fn(out_b), tensors, allow_unused=True)
+        for n, g in zip(names, ref_loss):
+            g = g.detach().double() if g is not None else torch.zeros_like(ones[n])
+            if (ones[n] - g).norm().item() > tol * max(g.norm().item(), 1e-30) + 1e-12:
+                ref_sum[n] = ref_sum[n] + float("inf")  # reported below as a wrong sum
+    scale = float(sum(float(v.pow(2).sum()) for v in ref_sum.values() if torch.isfinite(v).all())) ** 0.5
+    wrong_sum = []
+    for n in names:
+        gap = (summed[n] - ref_sum[n]).norm().item()
+        rel = gap / max(ref_sum[n].norm().item(), _FLOOR * scale, 1e-30) if math.isfinite(gap) else math.inf
+        worst[n] = max(worst[n], rel)
+        if rel > tol:
+            wrong_sum.append(f"{n} (relative difference {rel:.2g})")
+    return wrong_sum
+
+
+def _check_alone(model, args, kwargs, i, batch_run, params, hooks_norms, tol, worst, mixing, bad) -> None:
+    """Sample ``i`` alone: its output must be its row of the batch's (else ``mixing``), and its
+    gradient norms dpzoo's (else ``bad``)."""
+    outs, batch_outs, cotangents = batch_run
+    batch = outs[0].shape[0]
+    names, tensors = list(params), list(params.values())
+    out_i = _alone(model, _slice_row(args, i, batch), _slice_row(kwargs, i, batch))
+    outs_i = output_tensors(out_i)
+    if len(outs_i) != len(outs) or any(a.shape[1:] != b.shape[1:] or a.shape[0] != 1 for a, b in zip(outs_i, outs)):
+        mixing.append(
+            f"sample {i}: output shapes {[tuple(a.shape) for a in outs_i]} alone vs "
+            f"{[tuple(b.shape[1:]) for b in outs]} per row in the batch"
+        )
+        return
+    for a, b in zip(outs_i, batch_outs):
+        gap = (a.detach()[0] - b[i]).abs().max().item()
+        scale = b[i].abs().max().item() + 1e-30
+        if gap > tol * max(scale, 1e-3):
+            mixing.append(
+                f"sample {i}: its output row in the batch differs from its output alone (max difference {gap:.3g})"
+            )
+            break
+    grads = torch.autograd.grad(outs_i, tensors, [c[i : i + 1] for c in cotangents], allow_unused=True)
+    ref = {
+        n: (g.detach().double().norm() if g is not None else torch.zeros((), dtype=torch.float64))
+        for n, g in zip(names, grads)
+    }
+    total = torch.sqrt(sum(v**2 for v in ref.values())).item()
+    for n in names:
+        got, want = hooks_norms[n][i].item(), ref[n].item()
+        rel = abs(got - want) / max(want, got, _FLOOR * total, 1e-30)
+        worst[n] = max(worst[n], rel)
+        if rel > tol:
+            bad.setdefault(n, []).append((i, got, want))
+
+
+def _refuse(mixing: list, wrong_sum: list, bad: dict) -> None:
+    """What the self-check found, as one SelfCheckError (the first kind that failed)."""
     if mixing:
         raise SelfCheckError(
             "Self-check failed: the model does not process batch rows independently ("
@@ -266,7 +294,6 @@ def self_check(
             "(an overridden forward or _conv_forward, a time-major or (T, T)-indexed layer, a custom op): replace "
             "it, freeze it, or register a rule for it with dpzoo.grad_norms.register_rule."
         )
-    return SelfCheckReport(picks, batch, worst, tol)
 
 
 def _alone(model: nn.Module, args, kwargs):
