@@ -169,6 +169,22 @@ def test_different_datasets_on_ranks_are_refused(tmp_path):
     assert all(r["error"] and "same full dataset on every rank" in r["error"] for r in ranks)
 
 
+def _batch_per_rank(rank, world):
+    x, y = _data()
+    try:  # rank 0 samples at batch 4, rank 1 at 2: each would compute its own q and ε
+        _one_step(DataLoader(TensorDataset(x, y), batch_size=4 if rank == 0 else 2), "sum")
+    except dpzoo.DPZooError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def test_different_batch_sizes_on_ranks_are_refused(tmp_path):
+    """A refactor of make_private compared the ranks' settings before the batch size was read
+    (found by an independent review): the batch size must be among the settings compared."""
+    ranks = _run(_batch_per_rank, 2, tmp_path)
+    assert all(r["error"] and "different settings on different ranks (batch_size)" in r["error"] for r in ranks)
+
+
 def _layouts(rank, world):
     from dpzoo.privacy.distributed import noised_all_reduce
 

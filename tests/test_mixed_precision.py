@@ -430,3 +430,33 @@ def test_no_sample_leaves_above_r_at_extreme_magnitudes(dtype, clip, groups):
             factor = torch.tensor([min(1.0, clip / true)])
             worst = max(worst, R.ParamGrad([rep], ghost=True).clipped_sum(factor).double().norm().item() / clip)
     assert 0.99 < worst <= 1.0 + 1e-6
+
+
+class _UnderLinear(nn.Linear):
+    """A layer whose registered rule below gives per-sample gradients 4% too small."""
+
+
+def test_the_self_check_catches_a_four_percent_rule_error_under_bf16_autocast():
+    """The self-check compares in float32 with the step's bf16 cotangents; its tolerance stays the
+    float32 one (an independent review found a 0.1 bf16 tolerance let this 4% error through)."""
+    from dpzoo.grad_norms.rules.linear import linear_rule
+
+    dpzoo.register_rule(_UnderLinear, activation_free={"bias"})(
+        lambda module, activations, grad_output, params: linear_rule(module, activations, grad_output * 0.96, params)
+    )
+    torch.manual_seed(0)
+    model = nn.Sequential(_UnderLinear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    data = TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, loader = dpzoo.PrivacyEngine().make_private(
+            module=model, optimizer=opt, data_loader=DataLoader(data, batch_size=32), noise_multiplier=1.0,
+            max_grad_norm=1.0, sample_seed=0, noise_seed=0,
+        )  # fmt: skip
+    x, y = next(iter(loader))
+    with pytest.raises(dpzoo.SelfCheckError, match="not the batch gradient"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()

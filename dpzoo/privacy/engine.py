@@ -172,7 +172,7 @@ class PrivacyEngine(OpacusParity):
         indices = None
         if world > 1:
             indices = shard(data_loader, n, world, rank)
-            ranked = {k: v for k, v in given.items() if k in RANK_SETTINGS}
+            ranked = {k: v for k, v in {**given, "batch_size": batch_size}.items() if k in RANK_SETTINGS}
             same_on_every_rank(world, accountant=self.accountant.name, history=self.accountant.history, **ranked,
                                users=users.fingerprint() if users is not None else None)  # fmt: skip
         if target_delta is not None:

@@ -25,6 +25,7 @@ from ..datasets.text import PackedTextClassifier, load_tokenizer, text_splits
 from ..errors import DPZooError, InvalidArgumentError
 from ..hub.load_save import load
 from ..registry import model_card
+from .loop import check_loop_arguments
 from .run import TrainingRun
 
 __all__ = [
@@ -249,6 +250,7 @@ class ClassifierRun(TrainingRun):
                 f"schedule must be one of {', '.join(SCHEDULES)} and warmup a fraction of the steps in [0, 1); got "
                 f"{o.schedule!r}, {o.warmup!r}."
             )
+        check_loop_arguments(epochs=o.epochs, eval_every=o.eval_every, checkpoint_every=o.checkpoint_every)
         self.card = model_card(o.name)
         _check_data(self.card, o.data, o.text)
         fixed = sorted(set(self.settings["overrides"]) & set(_DATA_OVERRIDES))

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..hub.load_save import save
 from ..privacy import PrivacyEngine
 from .files import open_run, write_json
-from .loop import TrainingLoop, check_loop_arguments, resolve_device
+from .loop import TrainingLoop, resolve_device
 from .plots import plot_metrics
 
 __all__ = ["TrainingRun"]
@@ -112,14 +112,14 @@ class TrainingRun:
 
     def run(self) -> dict:
         o = self.o
-        check_loop_arguments(epochs=o.epochs, eval_every=o.eval_every, checkpoint_every=o.checkpoint_every)
-        self.check()
+        self.check()  # the run's own arguments, and check_loop_arguments where the run checked them before
         device = resolve_device(o.device)
         run_dir, checkpoint = open_run(o.out, self.settings, resume=o.resume, overwrite=o.overwrite)
         torch.manual_seed(o.seed)
         model, train_set = self.build(device, checkpoint)
+        optimizer = self.optimizer(model)  # before the engine: an unknown optimizer is the first error
         engine = self.new_engine(checkpoint)
-        model, optimizer, loader = self.make_private(engine, model, train_set, checkpoint, device)
+        model, optimizer, loader = self.make_private(engine, model, optimizer, train_set, checkpoint, device)
         loop = TrainingLoop(
             name=o.name,
             model=model,
@@ -154,9 +154,9 @@ class TrainingRun:
             self.finish(run_dir, model, engine, result)
         return result
 
-    def make_private(self, engine, model, train_set, checkpoint, device):
+    def make_private(self, engine, model, optimizer, train_set, checkpoint, device):
         """(model, optimizer, loader): private through ``engine``, or plain without one."""
-        o, optimizer = self.o, self.optimizer(model)
+        o = self.o
         if engine is None:
             return model, optimizer, self.non_private_loader(train_set)
         options = self.engine_options(model, device)
@@ -181,11 +181,10 @@ class TrainingRun:
         )
 
     def finish(self, run_dir: Path, model: nn.Module, engine: PrivacyEngine | None, result: dict) -> None:
-        privacy = None
         if engine is not None:
             engine.detach()
-            privacy = self.privacy_metadata(engine, model)
         write_json(run_dir / "metrics.json", result)  # before the model: a failed save keeps the metrics
+        privacy = self.privacy_metadata(engine, model) if engine is not None else None
         written = ["metrics.csv", "metrics.json"]
         title, series, options = self.plot()
         if plot_metrics(result["history"], run_dir / "metrics.png", title, series, **options):

@@ -23,6 +23,7 @@ from ..hub.load_save import load
 from ..losses import SequenceCrossEntropy
 from ..privacy import PrivacyEngine
 from ..privacy.accounting.accountant import Accountant
+from ..runs.loop import check_loop_arguments
 from ..runs.run import TrainingRun
 from .dataset import SequenceDataset, sasrec_preprocess
 from .downloads import DATASETS, load_dataset
@@ -183,6 +184,7 @@ class SeqrecRun(TrainingRun):
         o = self.o
         if o.item_prior not in ITEM_PRIORS:
             raise InvalidArgumentError(f"item_prior must be one of {', '.join(ITEM_PRIORS)}, got {o.item_prior!r}.")
+        check_loop_arguments(epochs=o.epochs, eval_every=o.eval_every, checkpoint_every=o.checkpoint_every)
         check_physical_batch_size(o.max_physical_batch_size)
         max_len = o.max_len
         if max_len is not None and (isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1):
