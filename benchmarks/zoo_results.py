@@ -119,11 +119,10 @@ def write_cards(out: Path) -> None:
     subprocess.run([sys.executable, "-m", "dpzoo", "cards", "--write", str(ROOT / "models")], cwd=ROOT, check=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("entries", nargs="*", help="zoo entries (default: every image entry `dpzoo train` takes)")
+def results_parser(description: str, default_entries: str) -> argparse.ArgumentParser:
+    """The options of both zoo-results benchmarks (this one and ``zoo_text_results.py``)."""
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("entries", nargs="*", help=f"zoo entries (default: {default_entries})")
     p.add_argument("--runs", type=int, default=3, help="DP runs per entry, secret noise (default: 3)")
     p.add_argument("--epsilon", type=float, default=8.0, help="target ε (default: 8)")
     p.add_argument(
@@ -135,23 +134,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--write", action="store_true", help="also update dpzoo/models/dp_results.json and the cards (default: off)"
     )
-    args = p.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def measure_entries(names, measure, describe, out: Path, write: bool, errors=(RuntimeError,)) -> int:
+    """``measure(name)`` of each entry into ``out/ENTRY.json`` with a ``describe(result)`` line; an
+    entry that fails (``errors``) is reported and left out; ``write``: then the results file and the
+    cards. Returns the exit status (1 if any failed)."""
+    out.mkdir(parents=True, exist_ok=True)
     results, failed = {}, []
-    for name in args.entries or image_entries():
+    for name in names:
         try:
-            results[name] = entry_result(name, args.runs, args.epsilon)
-        except RuntimeError as e:
+            results[name] = measure(name)
+        except errors as e:
             failed.append(name)
-            print(f"{name}: {e}", file=sys.stderr)
+            print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr)
             continue
-        (args.out / f"{name}.json").write_text(json.dumps(results[name], indent=2) + "\n")
-        r = results[name]
-        print(f"{name}: {r['test_accuracy_mean']:.3f} at ε = {r['epsilon']} (non-private {r['non_private_test_accuracy']:.3f}), "
-              f"{r['seconds_per_run']} s per run", flush=True)  # fmt: skip
-    if args.write and results:
-        write_cards(args.out)
+        (out / f"{name}.json").write_text(json.dumps(results[name], indent=2) + "\n")
+        print(f"{name}: {describe(results[name])}", flush=True)
+    if write and results:
+        write_cards(out)
     return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = results_parser(__doc__.split("\n\n")[0], "every image entry `dpzoo train` takes").parse_args(argv)
+    return measure_entries(
+        args.entries or image_entries(),
+        lambda name: entry_result(name, args.runs, args.epsilon),
+        lambda r: (
+            f"{r['test_accuracy_mean']:.3f} at ε = {r['epsilon']} (non-private {r['non_private_test_accuracy']:.3f}), "
+            f"{r['seconds_per_run']} s per run"
+        ),
+        args.out,
+        args.write,
+    )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,6 @@ Measured on the machine that runs it (CPU here). An entry that fails is reported
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 import platform
 import statistics
@@ -47,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "examples"), str(Path(__file__).resolve().parent)]
 
 from dp_frost_minilm import FAMILIES, sentences  # noqa: E402 - the example's task, unchanged
-from zoo_results import write_cards  # noqa: E402 - one results file for image and language entries
+from zoo_results import measure_entries, results_parser  # noqa: E402 - one results file for all entries
 
 import dpzoo  # noqa: E402
 from dpzoo.losses import SequenceCrossEntropy  # noqa: E402
@@ -241,43 +239,22 @@ def entry_result(name: str, runs: int, epsilon: float, seq_len: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument("entries", nargs="*", help="zoo entries (default: every language entry)")
-    p.add_argument("--runs", type=int, default=3, help="DP runs per entry, secret noise (default: 3)")
-    p.add_argument("--epsilon", type=float, default=8.0, help="target ε (default: 8)")
+    p = results_parser(__doc__.split("\n\n")[0], "every language entry")
     p.add_argument("--seq-len", type=int, default=64, help="bytes per sentence (default: 64)")
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=ROOT / "benchmarks" / "results" / "zoo",
-        help="per-entry JSON (default: %(default)s)",
-    )
-    p.add_argument(
-        "--write", action="store_true", help="also update dpzoo/models/dp_results.json and the cards (default: off)"
-    )
     p.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (default: 1; a shared CPU thrashes on more)"
     )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    args.out.mkdir(parents=True, exist_ok=True)
-    results, failed = {}, []
-    for name in args.entries or language_entries():
-        try:
-            results[name] = entry_result(name, args.runs, args.epsilon, args.seq_len)
-        except Exception as e:  # noqa: BLE001 - reported, the other entries go on
-            failed.append(name)
-            print(f"{name}: {type(e).__name__}: {e}", file=sys.stderr)
-            continue
-        (args.out / f"{name}.json").write_text(json.dumps(results[name], indent=2) + "\n")
-        r, m = results[name], results[name]["metric"]
-        print(f"{name}: {m} {r[m + '_mean']:.3f} [{r[m + '_min']:.3f}, {r[m + '_max']:.3f}] at ε = {r['epsilon']} "
-              f"(non-private {r['non_private_' + m]:.3f}), {r['steps']} steps, {r['seconds_per_run']} s per run", flush=True)  # fmt: skip
-    if args.write and results:
-        write_cards(args.out)
-    return 1 if failed else 0
+
+    def describe(r: dict) -> str:
+        m = r["metric"]
+        return (f"{m} {r[m + '_mean']:.3f} [{r[m + '_min']:.3f}, {r[m + '_max']:.3f}] at ε = {r['epsilon']} "
+                f"(non-private {r['non_private_' + m]:.3f}), {r['steps']} steps, {r['seconds_per_run']} s per run")  # fmt: skip
+
+    measure = lambda name: entry_result(name, args.runs, args.epsilon, args.seq_len)  # noqa: E731
+    # any failure of one entry is reported and the others go on
+    return measure_entries(args.entries or language_entries(), measure, describe, args.out, args.write, (Exception,))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ import json
 
 from ..errors import DPZooError
 from .args import nonnegative_int, option, positive_float, positive_int, unit_interval
-from .choices import AUDIT_CONTROLS, mode_names, usable_accountants
+from .choices import AUDIT_CONTROLS, mode_names
+from .common_options import add_accountant_option
 
 __all__ = ["add_audit_parser"]
 
@@ -212,13 +213,7 @@ def _add_run_options(s) -> None:
     option(s, "--lr", type=positive_float, default=2.0, help="SGD's learning rate")
     option(s, "--max-grad-norm", type=positive_float, default=1.0, help="the clipping bound R")
     option(s, "--confidence", type=unit_interval, default=0.95, help="confidence of the lower bound")
-    option(
-        s,
-        "--accountant",
-        default="rdp",
-        choices=usable_accountants(),
-        help="a registered accountant whose ε is an upper bound (dpzoo.register_accountant adds one)",
-    )
+    add_accountant_option(s)
     option(
         s,
         "--seed",

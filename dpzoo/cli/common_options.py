@@ -18,7 +18,7 @@ from .args import (
 from .choices import DEFAULT_CLI_MODE, mode_names, modes_help, usable_accountants
 from .config import add_config_option
 
-__all__ = ["add_budget_options", "add_privacy_options", "add_run_options"]
+__all__ = ["add_budget_options", "add_privacy_options", "add_run_options", "add_accountant_option"]
 
 
 def add_budget_options(s) -> None:
@@ -91,13 +91,7 @@ def add_privacy_options(s) -> None:
         help="per-sample clipping: automatic (normalise each gradient) or abadi (clip to --max-grad-norm)",
     )
     option(s, "--max-grad-norm", type=positive_float, default=1.0, help="the clipping bound R of each sample")
-    option(
-        s,
-        "--accountant",
-        default="rdp",
-        choices=usable_accountants(),
-        help="a registered accountant whose ε is an upper bound (dpzoo.register_accountant adds one)",
-    )
+    add_accountant_option(s)
     option(
         s,
         "--set",
@@ -158,4 +152,15 @@ def add_run_options(s) -> None:
         "--quiet",
         kind="flag",
         help="no progress bar and no per-evaluation lines, only the final line (default: both, on a terminal)",
+    )
+
+
+def add_accountant_option(s) -> None:
+    """``--accountant``, as ``dpzoo train`` and ``dpzoo audit`` take it."""
+    option(
+        s,
+        "--accountant",
+        default="rdp",
+        choices=usable_accountants(),
+        help="a registered accountant whose ε is an upper bound (dpzoo.register_accountant adds one)",
     )

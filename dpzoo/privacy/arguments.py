@@ -22,6 +22,7 @@ from ..errors import PrivacyUsageError, ReproducibleNoiseWarning
 from ..grad_norms.plan import find_problems, refusal
 from .caller import first_frame_outside_dpzoo
 from .clipping import CLIPPING
+from .fsdp import check_fsdp_settings, check_sharding
 from .modes import MODES
 from .optimizer import DPOptimizer
 
@@ -209,8 +210,6 @@ def warn_seeds(noise_seed: int | None, sample_seed: int | None) -> None:
 def check_make_private(module, optimizer, data_loader, given: dict) -> tuple[bool, int]:
     """Step 1 of :meth:`~dpzoo.PrivacyEngine.make_private` (``given``: its arguments): refuse what
     is malformed or would make ε false. Returns (whether the module is FSDP2-sharded, the batch size)."""
-    from .fsdp import check_fsdp_settings, check_sharding  # fsdp imports the optimizer, as this module does
-
     check_module(module)
     sharded = check_sharding(module)  # FSDP2 (dpzoo.privacy.fsdp); FSDP1, tensor parallel, HSDP refused
     if sharded:
