@@ -729,6 +729,59 @@ def test_a_loss_that_weighs_samples_by_position_is_refused(name):
         step(mlp(), classification(), loss_fn, loss_reduction="sum")
 
 
+def _in_place(write):
+    def loss(o, y):
+        losses = _l(o, y)
+        write(losses)
+        return losses.sum()
+
+    return loss
+
+
+def _labels_in_place(write):
+    def loss(o, y):
+        labels = y.clone()
+        write(labels)
+        return F.cross_entropy(o, labels, reduction="sum")
+
+    return loss
+
+
+# In-place writes through a view of some rows chosen by position (24th audit: up to 5 R, silent;
+# `l[:4] *= -1` was refused, `l[:4].mul_(-1)` was not: only __setitem__ was seen).
+IN_PLACE_BY_POSITION = {
+    "a slice scaled in place": _in_place(lambda ls: ls[:4].mul_(-1)),
+    "every other row scaled in place": _in_place(lambda ls: ls[::2].mul_(3)),
+    "one row scaled in place": _in_place(lambda ls: ls[0].mul_(5)),
+    "a slice of a slice": _in_place(lambda ls: ls[:4][:].mul_(2)),
+    "narrow": _in_place(lambda ls: ls.narrow(0, 0, 4).mul_(2)),
+    "a slice zeroed in place": _in_place(lambda ls: ls[4:].zero_()),
+    "labels filled by position": _labels_in_place(lambda y: y[:4].fill_(0)),
+    "labels of a slice shifted": _labels_in_place(lambda y: y[2:].add_(1).remainder_(3)),
+}
+
+
+@pytest.mark.parametrize("name", list(IN_PLACE_BY_POSITION))
+def test_in_place_writes_into_rows_chosen_by_position_are_refused(name):
+    with pytest.raises(LossMixingError, match="by position"):
+        step(mlp(), classification(), IN_PLACE_BY_POSITION[name], loss_reduction="sum")
+
+
+def test_in_place_writes_into_every_row_train_exactly():
+    """The same operations on every sample's rows (a column, all rows, a constant added to some
+    losses: their gradient is unchanged) are per-sample: the brute-force step."""
+
+    def loss(m, x, y):
+        out = m(x).clone()
+        out[:, 0].mul_(2)
+        losses = F.cross_entropy(out, y, reduction="none")
+        losses[:].mul_(1.5)
+        losses[:4].add_(1.0)
+        return losses.sum()
+
+    _assert_the_brute_force_step(mlp(), classification(), loss)
+
+
 def _first_two(y):
     w = torch.zeros_like(y, dtype=F64)
     w[:2] = 1

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map
 
 from ..errors import LossMixingError
 from .loss_pool import before_gradient
-from .row_ops import leaves, window_of
+from .row_ops import ADDITIVE, leaves, window_of
 from .row_rules import FIX, State, grad_state, nograd_state, refuse
 
 __all__ = ["SampleRows", "State", "track", "track_batch", "plain", "note_call", "tag"]
@@ -126,13 +126,47 @@ def follow(func, args, kwargs, tracked: list, out):
     for t in target if isinstance(target, (list, tuple)) else [target]:  # _foreach_add_([buf], ...) too
         hold(t, state)
     base = getattr(args[0], "view_of", None) if in_place(name) else None
-    if base is not None and base() is not None and moved(args[0].rows, state):
-        written_rows(base(), slice(None), state)  # x2[:, :2].add_(x.flip(0)[:, :2]): the view's base too
+    base = base() if base is not None else None
+    if base is not None and by_position(name, args, kwargs, base):
+        if base.requires_grad and torch.is_grad_enabled():
+            refuse(
+                f"{name} in place on some of the batch's rows chosen by position (l[:4].mul_(-1): a weight by position)"
+            )
+        base.rows = base.rows._replace(written=True)  # x2[:4].mul_(0): values by position, as x2[:4] = 0
+    if base is not None and moved(args[0].rows, state):
+        written_rows(base, slice(None), state)  # x2[:, :2].add_(x.flip(0)[:, :2]): the view's base too
     out = tree_map(lambda o: tag(o, state) if isinstance(o, torch.Tensor) else o, out)
-    if name == "__getitem__" and isinstance(out, SampleRows) and isinstance(args[0], SampleRows):
-        if out.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr():
-            out.view_of = weakref.ref(args[0])  # an in-place op on this view writes into args[0]
+    if not in_place(name) and isinstance(args[0], SampleRows):
+        for o in out if isinstance(out, (list, tuple)) else [out]:
+            note_view(o, args[0])
     return out
+
+
+def note_view(out, source: "SampleRows") -> None:
+    """``out`` shares ``source``'s storage (a slice, a row, ``narrow``, a reshape): an in-place
+    operation on it writes into the tracked tensor ``source`` views, or into ``source`` itself."""
+    if not isinstance(out, SampleRows) or out is source:
+        return
+    with contextlib.suppress(RuntimeError, NotImplementedError):  # tensors without storage
+        if out.untyped_storage().data_ptr() == source.untyped_storage().data_ptr():
+            root = getattr(source, "view_of", None)
+            out.view_of = root if root is not None and root() is not None else weakref.ref(source)
+
+
+KEEPS_VALUES = ("requires_grad_", "retain_grad", "share_memory_", "detach_")
+
+
+def by_position(name: str, args, kwargs, base: "SampleRows") -> bool:
+    """An in-place operation that changes the values of a view holding only some of ``base``'s
+    rows, picked by position (``l[:4].mul_(-1)``, ``l[::2]``, ``l[0]``): ``base``'s samples are
+    now weighted, or their data rewritten, by where they sit in the batch. A constant added to a
+    loss leaves its gradient alone."""
+    view = args[0]
+    if name in KEEPS_VALUES or base.rows.sample_dim is None:
+        return False
+    if base.requires_grad and name in ADDITIVE and not any(isinstance(a, SampleRows) for a in leaves(args[1:], kwargs)):
+        return False
+    return view.rows.row is not None or window_of(view) != window_of(base) or view.rows.aligned != base.rows.aligned
 
 
 def in_place(name: str) -> bool:
@@ -233,6 +267,7 @@ def pieces(out, lead: "SampleRows", state: State, rows: bool) -> list:
         n = 1 if rows else o.shape[0]
         part = state._replace(sample_dim=None, row=start) if rows else state._replace(window=(start, start + n))
         tagged.append(tag(o, part))
+        note_view(tagged[-1], lead)
         start += n
     return tagged
 
@@ -240,7 +275,10 @@ def pieces(out, lead: "SampleRows", state: State, rows: bool) -> list:
 def per_row(t: SampleRows) -> list:
     start = window_of(t)[0]
     with torch._C.DisableTorchFunctionSubclass():
-        return [tag(r, t.rows._replace(sample_dim=None, row=start + i)) for i, r in enumerate(t.unbind(0))]
+        rows = [tag(r, t.rows._replace(sample_dim=None, row=start + i)) for i, r in enumerate(t.unbind(0))]
+    for r in rows:
+        note_view(r, t)
+    return rows
 
 
 POSITIONAL_WRITES = ("__setitem__", "index_fill_", "index_copy_", "index_add_", "index_put_")
