@@ -33,6 +33,9 @@ __all__ = ["audit", "audit_from_scores", "with_canaries", "WHITE_BOX_CANARIES"]
 # the white-box default: at 2,500 canaries (about 7 s) a 2R clip exceeds a claim of ε = 2 in every measured run
 # (docs/RESULTS.md); at 1,000 it did in 3 of 5
 WHITE_BOX_CANARIES = 2500
+# audit()'s arguments passed on to the training run as they are
+PASSED_ON = ("epsilon", "delta", "epochs", "lr", "max_grad_norm", "clipping", "broken", "accountant", "noise_seed",
+             "sample_seed", "progress", "physical_batch_size", "loss_scale", "mode", "noise_multiplier")  # fmt: skip
 
 
 def audit(
@@ -105,6 +108,7 @@ def audit(
     Which guess counts to use is chosen after scoring, among ``guess_fractions`` of m (total
     guesses r, split evenly in / out), each tested at (1 - confidence) / len(guess_fractions).
     """
+    given = dict(locals())  # the arguments, before any is rebound below
     claim = epsilon if noise_multiplier is None else 1.0  # a given σ: ε is not used
     _validate(claim, delta, epochs, batch_size, lr, max_grad_norm, broken, confidence, guess_fractions, mode)
     _validate_mechanism(noise_multiplier, sample_rate, steps)
@@ -128,24 +132,10 @@ def audit(
             train_set,
             model_fn,
             loss_fn,
-            epsilon=epsilon,
-            delta=delta,
-            epochs=epochs,
+            **{k: given[k] for k in PASSED_ON},
             batch_size=batch_size,
-            lr=lr,
-            max_grad_norm=max_grad_norm,
-            clipping=clipping,
-            broken=broken,
-            accountant=accountant,
-            noise_seed=noise_seed,
-            sample_seed=sample_seed,
             log=log,
-            progress=progress,
             on_private=column_observer(cy, observed) if white else None,
-            physical_batch_size=physical_batch_size,
-            loss_scale=loss_scale,
-            mode=mode,
-            noise_multiplier=noise_multiplier,
             max_steps=steps,
         )
         scores = _canary_scores(model, cx, cy, score_fn, mech, observed if white else None)

@@ -102,8 +102,7 @@ def train_audited_model(
         ``"lora"``, ...), with the optimizer over the parameters it trains. ``noise_multiplier``: this σ
     instead of the one that spends ``epsilon``; ``max_steps``: stop after that many steps (the epochs
     then run as many as needed). Returns (released model, claimed ε at δ, mechanism settings)."""
-    from ..privacy import Accountant, PrivacyEngine, get_noise_multiplier
-    from ..privacy.distributed import world_and_rank
+    from ..privacy import Accountant, PrivacyEngine
     from ..privacy.fsdp import is_fsdp2
     from ..privacy.modes import mode_trainable
 
@@ -114,30 +113,15 @@ def train_audited_model(
     engine = PrivacyEngine(accountant=accountant)
     trained = mode_trainable(mode, model)
     opt = torch.optim.SGD([p for p in model.parameters() if id(p) in trained], lr=lr)
-    world, _ = world_and_rank()  # under DDP each rank draws its shard at the same expected batch size
-    q = min(1.0, batch_size * world / len(train_set))
-    steps_planned = epochs * max(1, round(len(train_set) / batch_size))
     claimed_sigma = None
     if broken in RECALIBRATED:
-        claimed_sigma = noise_multiplier or get_noise_multiplier(epsilon, delta, q, steps_planned, accountant)
+        claimed_sigma = noise_multiplier or _sigma_for(epsilon, delta, len(train_set), batch_size, epochs, accountant)
     noise, clip = _noise_and_clip(broken, epsilon, noise_multiplier, claimed_sigma, max_grad_norm)
     seeds = {k: v for k, v in (("noise_seed", noise_seed), ("sample_seed", sample_seed)) if v is not None}
-    with warnings.catch_warnings():
-        if broken is not None:  # a control breaks the mechanism on purpose: no warning about it
-            warnings.simplefilter("ignore", WeakPrivacyWarning)
-        model, opt, loader = engine.make_private(
-            module=model,
-            optimizer=opt,
-            data_loader=DataLoader(train_set, batch_size=batch_size),
-            target_delta=delta,
-            epochs=epochs,
-            max_grad_norm=clip,
-            clipping=clipping,
-            mode=mode,
-            self_check=not sharded,
-            **noise,
-            **seeds,
-        )
+    settings = dict(target_delta=delta, epochs=epochs, max_grad_norm=clip, clipping=clipping, mode=mode)
+    model, opt, loader = _make_private(
+        engine, model, opt, DataLoader(train_set, batch_size=batch_size), broken, settings | noise | seeds, sharded
+    )
     q = engine.sample_rate  # the rate the engine samples at (under DDP, over all ranks)
     intended = claimed_sigma if claimed_sigma is not None else engine.noise_multiplier
     if broken == "noise-skipped-per-epoch":
@@ -147,13 +131,11 @@ def train_audited_model(
         # a model trained outside the engine releases its own sums: the observer watches those
         on_private(side or model, side_opt or opt, claim | {"sum_scale": engine.expected_batch_size})
     released = _OutsideEngine(model, side, broken == "group-outside-engine") if side is not None else model
-    if max_steps is not None:
-        epochs = -(-max_steps // len(loader))
-    log(
-        f"training: {len(train_set)} examples, q = {q:.4f}, σ = {engine.noise_multiplier:.3f}"
-        f"{f' (claimed: {intended:.3f})' if claimed_sigma is not None else ''}, R = {clip:g}, {epochs} epochs"
-        f"{', plus a copy trained outside the engine' if side is not None else ''}"
-    )
+    epochs = epochs if max_steps is None else -(-max_steps // len(loader))  # as many as the steps need
+    claim_note = f" (claimed: {intended:.3f})" if claimed_sigma is not None else ""
+    side_note = ", plus a copy trained outside the engine" if side is not None else ""
+    sigma = f"σ = {engine.noise_multiplier:.3f}{claim_note}"
+    log(f"training: {len(train_set)} examples, q = {q:.4f}, {sigma}, R = {clip:g}, {epochs} epochs{side_note}")
     steps_run = max_steps or epochs * len(loader)
     bar_args = (steps_run, f"audit ({broken})" if broken else "audit", progress, lambda: engine.get_epsilon(delta))
     paths = (physical_batch_size, loss_scale, sharded)
@@ -161,10 +143,9 @@ def train_audited_model(
     _train_steps(engine, released, loss_fn, loader, opt, epochs, max_steps, bar_args, paths, side_args)
     engine.detach()
     steps = int(engine.steps)  # the accountant's count: logical steps, whatever the micro-batching
+    claimed = engine.get_epsilon(delta)
     if claimed_sigma is not None:  # the engine ran another σ or R: the claim is the intended mechanism's
         claimed = Accountant(accountant, [[intended, q, steps]]).get_epsilon(delta)
-    else:
-        claimed = engine.get_epsilon(delta)
     mech = {
         "noise_multiplier": float(engine.noise_multiplier),
         "claimed_noise_multiplier": float(intended),
@@ -174,6 +155,32 @@ def train_audited_model(
         "sample_rate": q,
         "steps": steps,
         "epochs": epochs,
+    }
+    return released, claimed, mech | _run_settings(batch_size, lr, accountant, broken, mode)
+
+
+def _sigma_for(epsilon, delta, examples: int, batch_size: int, epochs: int, accountant: str) -> float:
+    """The σ that spends ``epsilon`` over the planned steps (a control's claim)."""
+    from ..privacy import get_noise_multiplier
+    from ..privacy.distributed import world_and_rank
+
+    world, _ = world_and_rank()  # under DDP each rank draws its shard at the same expected batch size
+    q = min(1.0, batch_size * world / examples)
+    return get_noise_multiplier(epsilon, delta, q, epochs * max(1, round(examples / batch_size)), accountant)
+
+
+def _make_private(engine, model, opt, loader, broken, settings: dict, sharded: bool):
+    """``engine.make_private`` on the run's model, optimizer and loader with ``settings`` (noise,
+    clipping, seeds); a control that breaks the mechanism on purpose is not warned about it."""
+    with warnings.catch_warnings():
+        if broken is not None:
+            warnings.simplefilter("ignore", WeakPrivacyWarning)
+        return engine.make_private(module=model, optimizer=opt, data_loader=loader, self_check=not sharded, **settings)
+
+
+def _run_settings(batch_size, lr, accountant, broken, mode) -> dict:
+    """The rest of the mechanism's record: what the run was asked for."""
+    return {
         "batch_size": batch_size,
         "lr": lr,
         "accountant": accountant,
@@ -181,7 +188,6 @@ def train_audited_model(
         "outside_engine": OUTSIDE.get(broken),
         "mode": mode,
     }
-    return released, claimed, mech
 
 
 def _noise_and_clip(broken, epsilon, noise_multiplier, claimed_sigma, max_grad_norm) -> tuple[dict, float]:
