@@ -38,21 +38,8 @@ from dpzoo.errors import (
     LossMixingError,
     PrivacyUsageError,
     ReproducibleNoiseWarning,
+    SelfCheckError,
     UnsupportedModuleError,
-)
-
-# Known limits, kept here as strict xfails so they flip to failures the day they are fixed (then
-# drop the mark). A loss or a batch construction that mixes samples (class-weighted means, token
-# means over the batch, in-batch negatives, mixup in the loop) or a module trained outside the
-# engine changes one sample's influence beyond R. Since issue 33 the batch, the outputs and the
-# loss are watched (dpzoo.grad_norms.sample_rows): those cases are refused. A collate that pads
-# to the batch's longest sequence acts before dpzoo sees the batch (docs/DESIGN.md "Not caught").
-LOSS_LIMITATION = pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "LIMITATION: the collate mixes samples before dpzoo sees the batch (padding to the batch's "
-        "longest sequence, a model that attends to padding); not detectable (docs/DESIGN.md: Not caught)"
-    ),
 )
 
 F64 = torch.float64
@@ -327,20 +314,31 @@ def test_mixup_in_the_training_loop_is_refused():
     assert _sensitivity(_mlp, _xy_items(6, seed=0), mixup, 1.0, refusal=MIXING) is None
 
 
-@LOSS_LIMITATION
-def test_dynamic_padding_without_attention_mask():
+def test_dynamic_padding_without_attention_mask_is_refused():
     """A collate that pads to the batch's longest sequence, and a model that attends to padding
-    (no mask): each sample's output depends on the longest sequence in its batch. The self-check
-    slices already padded rows and cannot see this. Today: accepted, sensitivity ≈ 4 R."""
+    (no mask): each sample's output depends on the longest sequence in its batch (sensitivity
+    ≈ 4 R before issue 33). The self-check collates samples of the first batch alone and runs
+    them alone (dpzoo.privacy.padding_check): refused."""
     collate = lambda b: (pad_sequence([t for t, _ in b], batch_first=True), torch.stack([y for _, y in b]))
     items = [(torch.tensor([3]), torch.tensor(1)) for _ in range(6)] + [(torch.arange(1, 9), torch.tensor(2))]
-    _assert_sensitivity_at_most_R(
-        lambda: _MeanPool().double(),
-        items,
-        lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="sum"),
-        1.0,
-        collate_fn=collate,
-    )
+    loss = lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="sum")
+    refusal = (SelfCheckError, "collated alone gives other outputs")
+    assert _sensitivity(lambda: _MeanPool().double(), items, loss, 1.0, collate_fn=collate, refusal=refusal) is None
+
+
+class _MaskedMeanPool(_MeanPool):
+    """The same model reading the padding mask: a mean over each sample's own tokens."""
+
+    def forward(self, ids):
+        mask = (ids != 0).unsqueeze(-1).to(self.out.weight.dtype)
+        return self.out((torch.tanh(self.emb(ids)) * mask).sum(1) / mask.sum(1))
+
+
+def test_dynamic_padding_with_a_mask_the_model_honours_has_sensitivity_R():
+    collate = lambda b: (pad_sequence([t for t, _ in b], batch_first=True), torch.stack([y for _, y in b]))
+    items = [(torch.tensor([3]), torch.tensor(1)) for _ in range(6)] + [(torch.arange(1, 9), torch.tensor(2))]
+    loss = lambda m, b: F.cross_entropy(m(b[0]), b[1], reduction="sum")
+    assert _assert_sensitivity_at_most_R(lambda: _MaskedMeanPool().double(), items, loss, 1.0, collate_fn=collate)
 
 
 # =============================================================================================

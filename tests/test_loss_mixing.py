@@ -6,6 +6,7 @@ by module, never read by shape (item 5)."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -486,6 +487,9 @@ UNTRACKED["through .data"] = _written_through(lambda b, s: b.data.copy_(s))
 UNTRACKED["through detach()"] = _written_through(lambda b, s: b.detach().copy_(s))
 UNTRACKED["by _foreach_add_"] = _written_through(lambda b, s: torch._foreach_add_([b], [s]))
 UNTRACKED["into a parameter under no_grad"] = _centres_updated
+# A deep copy was always a plain tensor (24th audit, silent); only the batch's own rows are now.
+UNTRACKED["a deep copy of a batch statistic"] = lambda o, y: ((o * copy.deepcopy(o.detach().mean(0))).sum(1) * 5).sum()
+UNTRACKED["a deep copy of shifted labels"] = lambda o, y: F.cross_entropy(o, copy.deepcopy(y.roll(1)), reduction="sum")
 
 
 @pytest.mark.parametrize("name", list(UNTRACKED))
@@ -659,7 +663,6 @@ def test_per_sample_spellings_are_accepted(name):
 def test_training_loop_code_on_tracked_tensors_still_runs():
     """What the first version broke: in-place masking of the logits, deep copies and saving the
     batch (plain tensors come back), max(dim) in the loop."""
-    import copy
     import io
 
     engine, model, opt, loader = private(mlp(), classification())
@@ -982,3 +985,135 @@ def test_mica_is_refused_for_what_it_is():
 
     with pytest.raises(UnsupportedModuleError, match="data-free.*LoRA variant"):
         dp_lora(tiny_gpt2(), r=2, alpha=4, init_lora_weights="mica")
+
+
+class _WithExtra(nn.Module):
+    """The MLP returning a second output computed without gradient (24th audit: a batch statistic
+    returned beside the logits reached the loss untracked, 1.48 R, silent)."""
+
+    def __init__(self, extra):
+        super().__init__()
+        self.net, self.extra = mlp(), extra
+        self.register_buffer("temperature", torch.tensor(2.0, dtype=F64))
+
+    def forward(self, x):
+        out = self.net(x)
+        return out, self.extra(self, out)
+
+
+def _step_with_extra(extra, loss_fn):
+    engine, model, opt, loader = private(_WithExtra(extra), classification(), loss_reduction="sum")
+    x, y = next(iter(loader))
+    out, more = model(x)
+    loss_fn(out, more, y).backward()
+    opt.step()
+    return engine
+
+
+def test_a_batch_statistic_returned_by_the_model_is_refused():
+    with pytest.raises(LossMixingError, match="statistic of the batch"):
+        _step_with_extra(lambda m, o: o.detach().mean(0), lambda o, s, y: ((o * s).sum(1) * 5).sum())
+
+
+@pytest.mark.parametrize(
+    "extra, loss_fn",
+    [
+        (lambda m, o: o.detach().argmax(1), lambda o, p, y: (_l(o, y) * (p == y)).sum()),  # each sample's own
+        (lambda m, o: m.temperature, lambda o, t, y: _l(o / t, y).sum()),  # the model's buffer: a constant
+        (lambda m, o: torch.zeros((), dtype=F64), lambda o, c, y: _l(o, y).sum() + c),  # added: same gradient
+    ],
+    ids=["predictions", "a buffer", "a constant added"],
+)
+def test_outputs_without_gradient_that_keep_samples_apart_are_accepted(extra, loss_fn):
+    assert _step_with_extra(extra, loss_fn).steps == 1
+
+
+def _with_state():
+    model = mlp()
+    model.register_buffer("seen", torch.zeros(3, dtype=F64))
+    model.centres = nn.Parameter(torch.zeros(3, dtype=F64), requires_grad=False)
+    return model
+
+
+def _copied_out_of_the_model(m, o, y):  # 24th audit: 1.5 R, silent (plain operations are not seen)
+    m.centres.data.copy_(o.detach().mean(0))
+    return ((o * m.centres.clone()).sum(1) * 5).sum()
+
+
+def _buffer_updated(m, o, y):  # a running statistic of the private batch, saved with the weights
+    m.seen.mul_(0.9).add_(0.1 * o.detach().mean(0))
+    return _l(o, y).sum()
+
+
+def _rows_into_a_weight(m, o, y):  # a sample's values stored in the model itself
+    with torch.no_grad():
+        m[0].weight[0, :3].copy_(o.detach()[0])
+    return _l(o, y).sum()
+
+
+@pytest.mark.parametrize("write", [_copied_out_of_the_model, _buffer_updated, _rows_into_a_weight])
+def test_the_batchs_values_written_into_the_models_parameters_or_buffers_are_refused(write):
+    engine, model, opt, loader = private(_with_state(), classification(), loss_reduction="sum")
+    x, y = next(iter(loader))
+    out = model(x)
+    with pytest.raises(LossMixingError, match="parameter or buffer of the model"):
+        write(model, out, y)
+
+
+class _CentredGradient(torch.autograd.Function):  # identity forward, a backward that mixes samples
+    @staticmethod
+    def forward(ctx, o):
+        return o.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g - g.mean(0)
+
+
+_TRACED_CENTRING = torch.jit.trace(lambda o: ((o - o.mean(0)) ** 2).sum(), (torch.randn(8, 3, dtype=F64),))
+
+
+@torch.jit.script
+def _scripted_weighted_mean(o: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(o, y, weight=torch.tensor([1.0, 20.0, 1.0], dtype=o.dtype))
+
+
+def _centring(o):
+    return ((o - o.mean(0)) ** 2).sum()
+
+
+# Found by the 25th independent audit: each accepted and moving the clipped sum by 1.1-6 R, because
+# the loss left dpzoo's view: as_subclass (ignored by __torch_function__), TorchScript (its graph
+# never reaches Python), a custom autograd.Function (its backward rewrites the gradient).
+OUT_OF_VIEW = {
+    "as_subclass(torch.Tensor), then centring": lambda o, y: _centring(o.as_subclass(torch.Tensor)),
+    "torch.jit.trace of a centring loss": lambda o, y: _TRACED_CENTRING(o),
+    "torch.jit.script of a class-weighted mean": lambda o, y: _scripted_weighted_mean(o, y) * len(y),
+    "a custom autograd.Function in the loss": lambda o, y: _l(_CentredGradient.apply(o), y).sum(),
+}
+
+
+@pytest.mark.parametrize("name", list(OUT_OF_VIEW))
+def test_a_loss_computed_out_of_dpzoos_view_is_refused(name):
+    with pytest.raises(LossMixingError, match="mixes samples|without dpzoo seeing"):
+        step(mlp(), classification(), OUT_OF_VIEW[name], loss_reduction="sum")
+
+
+def test_per_sample_losses_after_as_subclass_and_checkpoint_train_exactly():
+    def loss(m, x, y):
+        out = m(x).as_subclass(torch.Tensor)
+        return torch.utils.checkpoint.checkpoint(lambda o: _l(o, y).sum(), out, use_reentrant=False)
+
+    _assert_the_brute_force_step(mlp(), classification(), loss)
+
+
+def test_lbfgs_is_refused_with_one_line():
+    model = mlp()
+    with pytest.raises(dpzoo.DPZooError, match="LBFGS evaluates the loss several times"):
+        dpzoo.PrivacyEngine().make_private(
+            module=model,
+            optimizer=torch.optim.LBFGS(model.parameters()),
+            data_loader=DataLoader(classification(), batch_size=8),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+        )

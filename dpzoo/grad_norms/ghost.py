@@ -18,8 +18,9 @@ import torch
 from ..errors import PrivacyUsageError, UnsupportedModuleError
 from .audit import compare_uses, count_edges
 from .capture import Recorder
+from .loss_pool import check_watched
 from .plan import ModelPlan
-from .sample_rows import track
+from .sample_rows import SampleRows, State, tag, track
 from .sharded import aliases_of, is_dtensor
 
 __all__ = ["GhostBackward", "wrap_outputs", "ghost_differentiate"]
@@ -45,7 +46,8 @@ class GhostBackward(torch.autograd.Function):
         # output would keep a failed step's graph alive).
         b = rec.step.batch_size
         tagged = lambda o: bool(b) and o.dim() > 0 and o.shape[0] == b and o.is_floating_point()  # noqa: E731
-        return tuple(track(o.detach(), b, owned) if tagged(o) else o.detach() for o in real_outputs)
+        ctx.tagged = [tagged(o) for o in real_outputs]
+        return tuple(track(o.detach(), b, owned) if t else o.detach() for o, t in zip(real_outputs, ctx.tagged))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -55,6 +57,7 @@ class GhostBackward(torch.autograd.Function):
                 "(the model's graph is freed then, even with retain_graph=True): add the losses and call "
                 "backward once."
             )
+        check_watched(ctx.tagged, grads)  # the loss was computed where dpzoo could follow it
         outs = [(o, g) for o, g in zip(ctx.real_outputs, grads) if g is not None]
         for o, g in outs:  # kept for the engine's first-step self-check (dpzoo.privacy.verify)
             ctx.rec.step.cotangents[id(o)] = g.detach()
@@ -64,17 +67,26 @@ class GhostBackward(torch.autograd.Function):
         return None, None, None, None, None
 
 
-def wrap_outputs(rec: Recorder, differentiate: Callable, output, found: list, owned: frozenset | None = None):
+def wrap_outputs(
+    rec: Recorder,
+    differentiate: Callable,
+    output,
+    found: list,
+    owned: frozenset | None = None,
+    model: torch.nn.Module | None = None,
+):
     """``output`` with the tensors ``found`` in it replaced by their :class:`GhostBackward` aliases
     (same containers; dicts and ModelOutputs edited in place); those whose rows are the batch's
-    samples watch the loss (:mod:`.sample_rows`; ``owned``: ids of the model's parameters)."""
+    samples watch the loss (:mod:`.sample_rows`; ``owned``: ids of the model's parameters), and so
+    do the outputs without gradient (:func:`untracked_output`)."""
     anchor = torch.zeros((), requires_grad=True)
     wrapped = GhostBackward.apply(rec, differentiate, tuple(found), anchor, owned)
     mapping = {id(t): w for t, w in zip(found, wrapped)}
+    b = rec.step.batch_size
 
     def rebuild(o):
         if isinstance(o, torch.Tensor):
-            return mapping.get(id(o), o)
+            return mapping[id(o)] if id(o) in mapping else untracked_output(o, b, model)
         if isinstance(o, dict):  # dicts and transformers' ModelOutput
             for k in list(o.keys()):
                 o[k] = rebuild(o[k])
@@ -87,6 +99,21 @@ def wrap_outputs(rec: Recorder, differentiate: Callable, output, found: list, ow
         return o
 
     return rebuild(output)
+
+
+def untracked_output(o: torch.Tensor, b: int | None, model: torch.nn.Module | None) -> torch.Tensor:
+    """An output without gradient path, computed by the model from the batch: with the batch's rows
+    (predictions, a detached copy of the logits), row i is sample i's; anything else is a statistic
+    of the batch (``return out, out.detach().mean(0)``: refused where it meets the loss, as the same
+    statistic computed after the model is). The model's own parameters and buffers returned as
+    they are stay plain constants."""
+    if isinstance(o, SampleRows) or not b:
+        return o
+    if o.dim() > 0 and o.shape[0] == b:
+        return track(o, b)
+    if model is not None and any(o is t for t in (*model.parameters(), *model.buffers())):
+        return o
+    return tag(o, State(b, sample_dim=None, stat=True))
 
 
 def ghost_differentiate(rec: Recorder, plan: ModelPlan, roots: list, grads: list | None) -> None:

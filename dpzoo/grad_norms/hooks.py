@@ -137,7 +137,7 @@ class NormHooks:
     def _wrap_outputs(self, output, found):
         if self._owned is None:
             self._owned = frozenset(id(p) for p in self.model.parameters())
-        return wrap_outputs(self._rec, self._ghost_differentiate, output, found, self._owned)
+        return wrap_outputs(self._rec, self._ghost_differentiate, output, found, self._owned, self.model)
 
     def _ghost_differentiate(self, roots: list, grads: list | None) -> None:
         ghost_differentiate(self._rec, self._plan, roots, grads)

@@ -19,7 +19,7 @@ import torch
 from ..errors import LossMixingError, PrivacyUsageError
 from .row_rules import FIX, refuse
 
-__all__ = ["before_gradient", "take_record", "check_reduction", "unwatched"]
+__all__ = ["before_gradient", "take_record", "check_reduction", "unwatched", "watched_backward", "check_watched"]
 
 RECORD: dict = {}  # the last watched loss's reduction over samples and its Python factors
 INTERNAL: list = []  # non-empty while dpzoo itself back-propagates given output gradients
@@ -33,6 +33,33 @@ def unwatched():
         yield
     finally:
         INTERNAL.pop()
+
+
+WATCHED: list = []  # non-empty while autograd runs a backward dpzoo saw start (of a watched loss)
+
+
+@contextlib.contextmanager
+def watched_backward():
+    """Around ``backward`` / ``autograd.grad`` of a watched tensor (after :func:`before_gradient`)."""
+    WATCHED.append(True)
+    try:
+        yield
+    finally:
+        WATCHED.pop()
+
+
+def check_watched(tagged: list, grads) -> None:
+    """Gradient reaching the model's tracked outputs in a backward dpzoo did not see start: the loss
+    was computed from them where dpzoo cannot follow (TorchScript, ``torch.func`` transforms, a
+    C++ extension), so how it weighs each sample is unknown."""
+    if WATCHED or INTERNAL:
+        return
+    if any(t and g is not None and bool(g.ne(0).any()) for t, g in zip(tagged, grads)):
+        raise LossMixingError(
+            "the loss reached backward() without dpzoo seeing how it was computed from the model's outputs "
+            "(TorchScript, torch.func, a C++ extension), so how it weighs each sample cannot be checked (false "
+            f"ε possible): compute it with torch operations on the outputs, {FIX}."
+        )
 
 
 def before_gradient(func, args, kwargs) -> None:
@@ -73,7 +100,33 @@ def before_gradient(func, args, kwargs) -> None:
         refuse("backward() of a mean over samples together with a sum over samples")
 
 
+def user_function(loss: torch.Tensor, limit: int = 100_000) -> str | None:
+    """The name of a user's ``torch.autograd.Function`` in the loss's graph after the model (its
+    backward may rewrite each sample's gradient, ``g - g.mean(0)``, where dpzoo cannot see it), or
+    None. The walk stops at dpzoo's own functions (the model's outputs are cut from the model's
+    graph there); torch's own (DDP, checkpointing) are known."""
+    seen: set = set()
+    stack = [loss.grad_fn]
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        owner = getattr(node, "_forward_cls", None)
+        if owner is not None and owner.__module__.startswith("dpzoo."):
+            continue
+        if owner is not None and not owner.__module__.startswith("torch."):
+            return owner.__name__
+        stack.extend(f for f, _ in node.next_functions)
+    return None
+
+
 def note_loss(t, gradient) -> None:
+    if (name := user_function(t)) is not None:
+        refuse(
+            f"{name}, a custom autograd.Function in the loss (dpzoo cannot see what its backward does to each "
+            "sample's gradient; apply it inside the model, where the first step is checked)"
+        )
     state = t.rows
     if not state.pooled and state.row is not None:  # one sample's values: a loss of that row alone
         state = state._replace(pooled=True, reduction="sum", covered=frozenset([state.row]))

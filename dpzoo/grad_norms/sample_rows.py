@@ -10,11 +10,13 @@ from them, and :mod:`.row_rules` decides, from each operand's :class:`~.row_rule
 the operation keeps the samples apart (default-deny for what carries gradient into the update)
 and what the result's state is. The model itself gets plain tensors (:func:`plain`, refusing rows
 reordered, combined or summarised); its outputs hold the rows its inputs held (:func:`note_call`:
-a micro-batch ``model(x[:4])`` gives outputs of rows 0-3). Copies and saved tensors are plain.
+a micro-batch ``model(x[:4])`` gives outputs of rows 0-3). Saved tensors and copies of the
+batch's own rows are plain.
 
 Not seen (docs/DESIGN.md, "The loss after the model"): values that leave torch (``.item()``, numpy),
-a loss compiled by ``torch.compile`` or run under ``torch.func``, a collate that pads to the
-batch's longest sequence for a model that attends to padding.
+targets built by position. A loss computed where this cannot follow (TorchScript, ``torch.func``)
+is refused at backward (:func:`.loss_pool.check_watched`); padding is checked by the self-check
+(:mod:`dpzoo.privacy.padding_check`).
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..errors import LossMixingError
-from .loss_pool import before_gradient
-from .row_ops import ADDITIVE, leaves, window_of
+from .loss_pool import before_gradient, watched_backward
+from .row_ops import leaves, window_of
 from .row_rules import FIX, State, grad_state, nograd_state, refuse
+from .row_writes import POSITIONAL_WRITES, by_position, in_place, mixed, moved, note_model, positional_write, released
 
 __all__ = ["SampleRows", "State", "track", "track_batch", "plain", "note_call", "tag"]
 
@@ -41,9 +44,24 @@ class SampleRows(torch.Tensor):
     rows: State
     view_of: "weakref.ref[SampleRows]"  # a view made by indexing: the tracked tensor it writes into
 
-    def __deepcopy__(self, memo):  # a copy is a plain tensor: it is no longer the step's batch
+    def __deepcopy__(self, memo):
+        # a copy of the batch's rows is a plain tensor (kept, saved, no longer the step's batch);
+        # a copy of a statistic, other samples' rows or one sample's values still holds them
         with torch._C.DisableTorchFunctionSubclass():
-            return self.as_subclass(torch.Tensor).clone().detach().requires_grad_(self.requires_grad)
+            copy = self.as_subclass(torch.Tensor).clone().detach().requires_grad_(self.requires_grad)
+        return tag(copy, self.rows) if mixed(self.rows) else copy
+
+    def as_subclass(self, cls):
+        # not dispatched to __torch_function__ (torch ignores it), so a user's
+        # o.as_subclass(torch.Tensor) would strip the tracking: the rows stay tracked
+        out = super().as_subclass(cls)
+        if not torch._C._is_torch_function_enabled() or issubclass(cls, SampleRows):
+            return out  # dpzoo's own conversions (plain(), tag())
+        if cls is torch.Tensor:
+            return tag(out, self.rows)
+        if self.requires_grad or mixed(self.rows):
+            refuse(f"as_subclass({cls.__name__}) of tracked values (dpzoo would no longer see what follows)")
+        return out
 
     def __reduce_ex__(self, protocol):  # saved as a plain tensor (torch.load(weights_only=True) reads it)
         with torch._C.DisableTorchFunctionSubclass():
@@ -52,9 +70,10 @@ class SampleRows(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if op_name(func) in ("backward", "register_hook") or func is torch.autograd.grad:  # before autograd runs
+        backward = op_name(func) == "backward" or func is torch.autograd.grad
+        if backward or op_name(func) == "register_hook":  # before autograd runs
             before_gradient(func, args, kwargs)
-        with torch._C.DisableTorchFunctionSubclass():  # also for the bookkeeping below (.dim(), .shape)
+        with torch._C.DisableTorchFunctionSubclass(), watched_backward() if backward else contextlib.nullcontext():
             try:
                 out = func(*args, **kwargs)
             except RuntimeError as e:
@@ -153,42 +172,6 @@ def note_view(out, source: "SampleRows") -> None:
             out.view_of = root if root is not None and root() is not None else weakref.ref(source)
 
 
-KEEPS_VALUES = ("requires_grad_", "retain_grad", "share_memory_", "detach_")
-
-
-def by_position(name: str, args, kwargs, base: "SampleRows") -> bool:
-    """An in-place operation that changes the values of a view holding only some of ``base``'s
-    rows, picked by position (``l[:4].mul_(-1)``, ``l[::2]``, ``l[0]``): ``base``'s samples are
-    now weighted, or their data rewritten, by where they sit in the batch. A constant added to a
-    loss leaves its gradient alone."""
-    view = args[0]
-    if name in KEEPS_VALUES or base.rows.sample_dim is None:
-        return False
-    if base.requires_grad and name in ADDITIVE and not any(isinstance(a, SampleRows) for a in leaves(args[1:], kwargs)):
-        return False
-    return view.rows.row is not None or window_of(view) != window_of(base) or view.rows.aligned != base.rows.aligned
-
-
-def in_place(name: str) -> bool:
-    return (name.endswith("_") and not name.startswith("_")) or name in (
-        "__iadd__",
-        "__isub__",
-        "__imul__",
-        "__itruediv__",
-    )
-
-
-def mixed(rows: State) -> bool:
-    return rows.stat or rows.pooled or not rows.aligned or rows.sample_dim != 0
-
-
-def moved(old: State, new: State) -> bool:
-    """An in-place op on a view changed which samples it holds (``x[0] *= 2`` keeps row 0's own)."""
-    if (new.stat or new.pooled) and not (old.stat or old.pooled):
-        return True
-    return (new.row, new.aligned, new.window, new.sample_dim) != (old.row, old.aligned, old.window, old.sample_dim)
-
-
 def written_rows(target, index, value: State) -> None:
     """``target[index] = value`` with values of the batch: the target now holds them too (as after
     ``copy_``). Other samples' rows (a patch from ``x.flip(0)``, shuffled labels) make it misaligned,
@@ -225,6 +208,11 @@ def hold(target, state: State) -> None:
     (a view's base, ``.data``, a module's parameter or buffer)."""
     if not isinstance(target, torch.Tensor) or isinstance(target, SampleRows):
         return
+    if released(target):
+        refuse(
+            "writing the batch's values into a parameter or buffer of the model (a running statistic, a center-loss "
+            "update: released with the weights and read back without noise)"
+        )
     if mixed(state):
         with contextlib.suppress(RuntimeError, NotImplementedError):  # tensors without storage
             HELD[target.untyped_storage()] = stat_of(state)
@@ -281,36 +269,17 @@ def per_row(t: SampleRows) -> list:
     return rows
 
 
-POSITIONAL_WRITES = ("__setitem__", "index_fill_", "index_copy_", "index_add_", "index_put_")
-
-
-def positional_write(name: str, args, kwargs) -> bool:
-    """An in-place write into the sample rows chosen by position (an int, a slice, an index that
-    does not come from the batch), not by the batch's own values (``y[y == -1] = 0``)."""
-    target = args[0]
-    if target.rows.sample_dim != 0:
-        return False
-    if name == "__setitem__":
-        index = args[1] if len(args) > 1 else None
-        first = index[0] if isinstance(index, tuple) and index else index
-        if isinstance(first, slice) and first == slice(None) or first is Ellipsis or first is None:
-            return False
-        return not isinstance(getattr(first, "rows", None), State)
-    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-    index = kwargs.get("index", args[2] if len(args) > 2 else None)
-    if name == "index_put_":
-        dim, index = 0, (args[1][0] if len(args) > 1 and args[1] else None)
-    return dim == 0 and not isinstance(getattr(index, "rows", None), State)
-
-
 TEMPLATED = ("to", "type_as", "expand_as", "view_as", "reshape_as")  # x.to(batch): x's values, the batch's dtype
 CALL: dict = {}  # the batch rows the model is being called on (note_call), for its outputs
 
 
-def note_call(inputs: list) -> None:
+def note_call(inputs: list, model: torch.nn.Module | None = None) -> None:
     """Before the model runs: which rows of the batch its (tracked) inputs hold, so that its outputs
-    hold the same ones (a micro-batch ``model(x[:4])`` gives outputs of rows 0-3)."""
+    hold the same ones (a micro-batch ``model(x[:4])`` gives outputs of rows 0-3); and which model
+    it is (its parameters and buffers must not be written with the batch's values)."""
     CALL.clear()
+    if model is not None:
+        note_model(model)
     lead = next((t for t in inputs if isinstance(t, SampleRows) and t.rows.sample_dim == 0), None)
     if lead is not None:
         CALL.update(samples=lead.rows.samples, window=lead.rows.window)

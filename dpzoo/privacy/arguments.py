@@ -103,6 +103,11 @@ def check_optimizer(optimizer) -> None:
         raise PrivacyUsageError("optimizer is already a dpzoo DPOptimizer: pass the plain torch optimizer.")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise PrivacyUsageError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise PrivacyUsageError(
+            "LBFGS evaluates the loss several times per step (its line search), each a release of the batch that "
+            "one noisy step does not account for: use a first-order optimizer (SGD, Adam, AdamW)."
+        )
 
 
 def check_settings(

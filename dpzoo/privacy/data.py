@@ -135,6 +135,7 @@ class DPDataLoader:
         self.max_physical_batch_size = max_physical_batch_size
         self.signal = signal or StepSignal()
         self._sizes: collections.deque = collections.deque()  # indices drawn per batch, in order
+        self.first_batch: tuple | None = None  # (the first physical batch yielded, its rows' dataset indices)
         self._loader = DataLoader(
             dataset,
             batch_sampler=_Counting(self.batch_sampler, self._sizes),
@@ -180,7 +181,7 @@ class DPDataLoader:
         self._sizes.clear()
         for batch in self._loader:
             # the sampler's count, not dim 0 of whatever the collate built (a (T, B) padded layout)
-            size, users = self._sizes.popleft()
+            size, users, drawn = self._sizes.popleft()
             sig.logical_index += 1
             sig.logical_batch_size = size
             if size == 0 and sig.on_empty is not None:
@@ -196,13 +197,19 @@ class DPDataLoader:
             sig.groups = None
             if not chunk or size <= chunk:
                 sig.last_physical = True
-                yield track_batch(batch, size)  # row i is sample i: mixing rows is seen (sample_rows)
+                yield self._first(track_batch(batch, size), drawn)  # row i is sample i: mixing is seen (sample_rows)
                 continue
             self._check_len(batch, size)
             starts = list(range(0, size, chunk))
             for i, s in enumerate(starts):
                 sig.last_physical = i == len(starts) - 1
-                yield track_batch(_slice(batch, s, s + chunk), min(chunk, size - s))
+                yield self._first(track_batch(_slice(batch, s, s + chunk), min(chunk, size - s)), drawn[s : s + chunk])
+
+    def _first(self, batch, drawn: list):
+        """The first batch yielded, with the dataset indices of its rows (the self-check's padding check)."""
+        if self.first_batch is None:
+            self.first_batch = (batch, list(drawn))
+        return batch
 
     def _by_users(self, batch, size: int, counts: list[int]):
         sig = self.signal
@@ -259,7 +266,7 @@ class _Counting(Sampler[list[int]]):
 
     def __iter__(self):
         for idx in self.inner:  # and each user's examples in it, when the sampler samples users
-            self.sizes.append((len(idx), getattr(self.inner, "last_counts", None)))
+            self.sizes.append((len(idx), getattr(self.inner, "last_counts", None), idx))
             yield idx
 
 

@@ -202,7 +202,7 @@ class PrivacyEngine(OpacusParity):
         self._record(given, units, users, sample_rate, noise_multiplier, n)
         self._attach(module, optimizer, mode, train_head, signal)
         self._watch = TrainingWatch(self, signal, replan=lambda: self._set_mode(self.mode, "keep"),
-                                    self_check=self_check, self_check_samples=self_check_samples)  # fmt: skip
+                                    self_check=self_check, self_check_samples=self_check_samples, loader=loader)  # fmt: skip
         self._attach_labels_loss()
         if sharded:  # every rank runs the same collective passes: an empty batch is yielded, not skipped
             self.optimizer.grad_writer = ShardedGrads(self.optimizer)  # reduce-scatter, noise per shard

@@ -53,7 +53,7 @@ def plain_inputs(module, args, kwargs):
             "num_items_in_batch (the batch's label count, a tensor) divides each sample's loss by a count over all "
             "samples, which mixes samples (false ε): drop it; with labels= dpzoo computes each sequence's own loss."
         )
-    note_call(leaves)
+    note_call(leaves, module)
     tracked = any(isinstance(a, SampleRows) for a in leaves)
     return tree_map(plain, (tuple(args), dict(kwargs))) if tracked else None
 

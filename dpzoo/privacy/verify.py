@@ -34,6 +34,7 @@ from torch import nn
 
 from ..errors import DPZooError, SelfCheckError
 from ..grad_norms.hooks import NormHooks, attach_norm_hooks, attached_norm_hooks, output_tensors
+from .padding_check import check_padding
 
 __all__ = ["verify", "self_check", "SelfCheckReport"]
 
@@ -99,11 +100,14 @@ def self_check(
     cotangents: list[torch.Tensor] | None = None,
     loss_fn=None,
     samples: int = 3,
+    loader=None,
 ) -> SelfCheckReport:
     """Compare ``hooks``' per-sample norms on the batch ``(args, kwargs)`` with single-sample
     backward passes (see the module docstring). Output gradients: ``cotangents`` (one per output
     tensor, in :func:`~dpzoo.grad_norms.hooks.output_tensors` order) or those of
-    ``loss_fn(output)`` on the batch. Leaves ``hooks`` with no records, the model in its modes."""
+    ``loss_fn(output)`` on the batch. ``loader``: the engine's data loader, whose first batch's
+    samples are also collated alone (:mod:`.padding_check`). Leaves ``hooks`` with no records, the
+    model in its modes."""
     modes = _modes(model)
     params = hooks.trainable_parameters
     hooks.clear()
@@ -139,6 +143,8 @@ def self_check(
             for i in picks:
                 _check_alone(model, args, kwargs, i, (outs, batch_outs, cotangents), params, hooks_norms, tol, worst,
                              mixing, bad)  # fmt: skip
+            if loader is not None and not mixing:
+                check_padding(model, loader, args, kwargs, batch_outs, cotangents, tol)
     finally:
         hooks.clear()
         for m, training in modes.items():

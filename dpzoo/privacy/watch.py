@@ -44,12 +44,14 @@ class TrainingWatch:
         replan: Callable[[], None],
         self_check: bool,
         self_check_samples: int,
+        loader=None,
     ):
         self.engine = engine
         self.self_check, self.self_check_samples = bool(self_check), int(self_check_samples)
         self._replan = replan
         self._state = StateWatch(engine.module)
         self._check_inputs = None
+        self.loader = loader  # the engine's: its first batch is collated again by the self-check
         self._in_check = False
         optimizer = engine.optimizer
         optimizer.check_parameters = self.check_parameters
@@ -127,7 +129,13 @@ class TrainingWatch:
         try:
             with torch.enable_grad(), no_autocast():  # the check's own passes run in the model's dtype
                 report = self_check(
-                    engine.module, engine.hooks, args, kwargs, cotangents=cotangents, samples=self.self_check_samples
+                    engine.module,
+                    engine.hooks,
+                    args,
+                    kwargs,
+                    cotangents=cotangents,
+                    samples=self.self_check_samples,
+                    loader=self.loader,
                 )
         except DPZooError as e:
             engine.self_check_result = f"failed: {e}"

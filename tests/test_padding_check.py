@@ -1,0 +1,69 @@
+"""The self-check's padding check (dpzoo.privacy.padding_check): a collate that pads each batch to
+its longest sequence is accepted when every sample's outputs and loss gradient are those it has
+alone (an attention mask the model honours, labels padded with ignore_index), and refused when the
+padding reaches a sample's gradient (a model that reads padding: tests/test_independent_audit.py;
+a loss that counts padded positions: here)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.nn.utils.rnn import pad_sequence
+from torch.utils.data import DataLoader
+
+import dpzoo
+from dpzoo.errors import ReproducibleNoiseWarning, SelfCheckError
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=40, n_embd=16, n_layer=1, n_head=2, n_positions=16, bos_token_id=0, eos_token_id=0,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    return GPT2LMHeadModel(cfg).double()
+
+
+def sequences():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(1, 40, (int(n),), generator=g) for n in (3, 9, 5, 2, 7, 4)]
+
+
+def collate(label_padding):
+    def pad(items):
+        ids = pad_sequence(items, batch_first=True, padding_value=0)
+        mask = pad_sequence([torch.ones_like(t) for t in items], batch_first=True)
+        labels = pad_sequence(items, batch_first=True, padding_value=label_padding)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    return pad
+
+
+def one_step(label_padding):
+    model = tiny_gpt2()
+    engine = dpzoo.PrivacyEngine()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = DataLoader(sequences(), batch_size=6, collate_fn=collate(label_padding))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReproducibleNoiseWarning)
+        model, opt, loader = engine.make_private(
+            module=model, optimizer=opt, data_loader=data, noise_multiplier=1.0, max_grad_norm=1.0, sample_seed=0
+        )
+    batch = next(iter(loader))
+    assert batch["input_ids"].shape[1] > 2  # padded: the samples' lengths differ
+    model(**batch).loss.backward()
+    opt.step()
+    return engine
+
+
+def test_right_padding_with_a_mask_and_ignored_labels_is_accepted():
+    engine = one_step(label_padding=-100)
+    assert engine.steps == 1 and engine.self_check_result.startswith("passed")
+
+
+def test_labels_padded_with_a_token_are_refused():
+    """Padded positions labelled with token 0: each sample's token mean counts the batch's padding."""
+    with pytest.raises(SelfCheckError, match="gradient on sample .* padding positions"):
+        one_step(label_padding=0)
