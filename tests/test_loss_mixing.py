@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import dpzoo
-from dpzoo.errors import LossMixingError, ReproducibleNoiseWarning, UnsupportedModuleError
+from dpzoo.errors import LossMixingError, ReproducibleNoiseWarning, SelfCheckError, UnsupportedModuleError
 
 F64 = torch.float64
 R = 0.5  # every test batch has a per-sample norm above it (asserted): the clip binds
@@ -761,6 +761,9 @@ IN_PLACE_BY_POSITION = {
     "a slice zeroed in place": _in_place(lambda ls: ls[4:].zero_()),
     "labels filled by position": _labels_in_place(lambda y: y[:4].fill_(0)),
     "labels of a slice shifted": _labels_in_place(lambda y: y[2:].add_(1).remainder_(3)),
+    "labels set through a loop over rows (26th audit: 2.7 R)": _labels_in_place(
+        lambda y: [row.__setitem__(slice(None), 0) for i, row in enumerate(y.unsqueeze(1)) if i % 2]
+    ),
 }
 
 
@@ -1117,3 +1120,39 @@ def test_lbfgs_is_refused_with_one_line():
             noise_multiplier=1.0,
             max_grad_norm=1.0,
         )
+
+
+class _ScaledByTheBatch(nn.Module):
+    """Returns beside the logits a batch-shaped output without gradient that is a statistic of the
+    batch (26th audit: 1.58 R, silent): the self-check compares such outputs row by row too."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp()
+
+    def forward(self, x):
+        out = self.net(x)
+        t = out.detach()
+        return out, t / t.abs().amax(0)
+
+
+def test_a_batch_shaped_statistic_returned_without_gradient_is_refused_by_the_self_check():
+    model = _ScaledByTheBatch()
+    engine = dpzoo.PrivacyEngine()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, loader = engine.make_private(
+            module=model,
+            optimizer=opt,
+            data_loader=DataLoader(classification(), batch_size=8),
+            noise_multiplier=0.0,
+            max_grad_norm=R,
+            sample_seed=0,
+            loss_reduction="sum",
+        )
+    x, y = next(iter(loader))
+    out, scaled = model(x)
+    ((out - scaled) ** 2).sum().backward()
+    with pytest.raises(SelfCheckError, match="differs from its output alone"):
+        opt.step()

@@ -65,5 +65,76 @@ def test_right_padding_with_a_mask_and_ignored_labels_is_accepted():
 
 def test_labels_padded_with_a_token_are_refused():
     """Padded positions labelled with token 0: each sample's token mean counts the batch's padding."""
-    with pytest.raises(SelfCheckError, match="gradient on sample .* padding positions"):
+    with pytest.raises(SelfCheckError, match="gradient on its padding positions"):
         one_step(label_padding=0)
+
+
+def truncating(items):
+    ids = torch.stack([t[: min(len(u) for u in items)] for t in items])
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def test_a_collate_that_truncates_to_the_batchs_shortest_is_refused():
+    """26th audit: 1.7 R, silent (each sample's prefix matched its row)."""
+    model = tiny_gpt2()
+    engine = dpzoo.PrivacyEngine()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReproducibleNoiseWarning)
+        model, opt, loader = engine.make_private(
+            module=model,
+            optimizer=opt,
+            data_loader=DataLoader(sequences(), batch_size=6, collate_fn=truncating),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            sample_seed=0,
+        )
+    model(**next(iter(loader))).loss.backward()
+    with pytest.raises(SelfCheckError, match="truncates samples to the batch's shortest"):
+        opt.step()
+
+
+class Pool(torch.nn.Module):
+    """Mean of the token embeddings under a mask the loop builds: over the padded length (reads the
+    padding) or over the sample's own tokens."""
+
+    def __init__(self, own_length):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.out, self.own_length = torch.nn.Embedding(40, 4), torch.nn.Linear(4, 3), own_length
+
+    def forward(self, ids, mask):
+        h = torch.tanh(self.emb(ids)) * mask.unsqueeze(-1)
+        return self.out(h.sum(1) / (mask.sum(1, keepdim=True) if self.own_length else ids.shape[1]))
+
+
+@pytest.mark.parametrize(
+    "own_length, copied",
+    [(False, False), (True, False), (False, True)],
+    ids=["over-the-padded-length", "over-its-own-tokens", "the-batch-copied-as-to(device)-would"],
+)
+def test_a_mask_built_in_the_loop_is_cut_to_each_sample(own_length, copied):
+    """26th audit: a mask derived in the loop made the run alone fail and the check give up (1.1 R)."""
+    model = Pool(own_length).double()
+    engine = dpzoo.PrivacyEngine()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    labels = [int(t[0]) % 3 for t in sequences()]
+    data = DataLoader(
+        list(zip(sequences(), labels)),
+        batch_size=6,
+        collate_fn=lambda b: (pad_sequence([t for t, _ in b], batch_first=True), torch.tensor([y for _, y in b])),
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReproducibleNoiseWarning)
+        model, opt, loader = engine.make_private(
+            module=model, optimizer=opt, data_loader=data, noise_multiplier=1.0, max_grad_norm=1.0, sample_seed=0
+        )
+    ids, y = next(iter(loader))
+    ids = ids.clone() if copied else ids  # other storage: found by its values
+    torch.nn.functional.cross_entropy(model(ids, (ids != 0).double()), y).backward()
+    if own_length:
+        opt.step()
+        assert engine.self_check_result.startswith("passed")
+    else:
+        with pytest.raises(SelfCheckError, match="outputs differ"):
+            opt.step()

@@ -167,8 +167,6 @@ def register_rule(
 
 
 def _nearest(module: nn.Module) -> Rule | None:
-    from . import rules  # noqa: F401  (registers the built-in rules)
-
     for cls in type(module).__mro__:
         if cls in RULES:
             return RULES[cls]

@@ -286,7 +286,10 @@ def check_positional(name: str, args, kwargs, lead) -> None:
 def check_meeting(name: str, args, kwargs, rows: list) -> None:
     """Several tensors with rows meet: the same samples, in the same order and place."""
     if any(t.rows.written for t in rows if not t.requires_grad):
-        refuse(f"{name} with values written into the batch's rows by position (w[:2] = 1: a weight by position)")
+        refuse(
+            f"{name} with values written into the batch's rows by position (w[:2] = 1, a loop over rows: a weight by "
+            "position; build masks from the batch, e.g. labels[torch.arange(T) < prompt_len[:, None]] = -100)"
+        )
     if not all(t.rows.aligned for t in rows) or len({window_of(t) for t in rows}) > 1:
         refuse(f"{name}: the batch's rows combined with a reordered or shifted copy of them (mixup, negatives)")
     if name in PRODUCTS:

@@ -112,6 +112,8 @@ def follow(func, args, kwargs, tracked: list, out):
         args[0].rows = args[0].rows._replace(written=True)  # in place: the tensor now holds weights by position
     if name == "__setitem__" and len(args) > 2 and isinstance(args[2], SampleRows):
         written_rows(args[0], args[1], args[2].rows)  # returns None: the target must learn what it now holds
+    if name == "__setitem__" and isinstance(args[0], SampleRows):
+        written_view(name, args, kwargs)  # row[:] = -100 on a row of a loop over the batch
     if name == "new_tensor" and len(args) > 1 and isinstance(args[1], SampleRows):
         return tag(out, args[1].rows)  # x.new_tensor(values): a copy of those values
     if name.startswith("new_") or (name in TEMPLATED and not isinstance(args[0], SampleRows)):
@@ -144,14 +146,7 @@ def follow(func, args, kwargs, tracked: list, out):
     target = kwargs.get("out", args[0] if args and in_place(name) else None)
     for t in target if isinstance(target, (list, tuple)) else [target]:  # _foreach_add_([buf], ...) too
         hold(t, state)
-    base = getattr(args[0], "view_of", None) if in_place(name) else None
-    base = base() if base is not None else None
-    if base is not None and by_position(name, args, kwargs, base):
-        if base.requires_grad and torch.is_grad_enabled():
-            refuse(
-                f"{name} in place on some of the batch's rows chosen by position (l[:4].mul_(-1): a weight by position)"
-            )
-        base.rows = base.rows._replace(written=True)  # x2[:4].mul_(0): values by position, as x2[:4] = 0
+    base = written_view(name, args, kwargs) if in_place(name) else None
     if base is not None and moved(args[0].rows, state):
         written_rows(base, slice(None), state)  # x2[:, :2].add_(x.flip(0)[:, :2]): the view's base too
     out = tree_map(lambda o: tag(o, state) if isinstance(o, torch.Tensor) else o, out)
@@ -159,6 +154,20 @@ def follow(func, args, kwargs, tracked: list, out):
         for o in out if isinstance(out, (list, tuple)) else [out]:
             note_view(o, args[0])
     return out
+
+
+def written_view(name: str, args, kwargs) -> "SampleRows | None":
+    """The tracked tensor an in-place write into the view ``args[0]`` changes, if any; a write into
+    some of its rows picked by position is refused with gradient, marked without (as ``x2[:4] = 0``)."""
+    ref = getattr(args[0], "view_of", None)
+    base = ref() if ref is not None else None
+    if base is not None and by_position(name, args, kwargs, base):
+        if base.requires_grad and torch.is_grad_enabled():
+            refuse(
+                f"{name} in place on some of the batch's rows chosen by position (l[:4].mul_(-1): a weight by position)"
+            )
+        base.rows = base.rows._replace(written=True)
+    return base
 
 
 def note_view(out, source: "SampleRows") -> None:

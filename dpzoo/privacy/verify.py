@@ -113,7 +113,7 @@ def self_check(
     hooks.clear()
     try:
         model.eval()  # dropout off: the batch and the single samples compute the same function
-        outs, cotangents, batch = _batch_outputs(model, args, kwargs, cotangents, loss_fn)
+        outs, cotangents, batch, extras = _batch_outputs(model, args, kwargs, cotangents, loss_fn)
         hooks.backward_from(outs, cotangents)
         sq = hooks.per_param_sq_norms()
         hooks_norms = {n: v.detach().sqrt().double() for n, v in sq.items()}
@@ -141,8 +141,8 @@ def self_check(
             sums = (summed, hooks_sum_ones, weights)
             wrong_sum = _sum_check(model, args, kwargs, cotangents, loss_fn, params, sums, tol, worst)
             for i in picks:
-                _check_alone(model, args, kwargs, i, (outs, batch_outs, cotangents), params, hooks_norms, tol, worst,
-                             mixing, bad)  # fmt: skip
+                _check_alone(model, args, kwargs, i, (outs, batch_outs, cotangents, extras), params, hooks_norms, tol,
+                             worst, mixing, bad)  # fmt: skip
             if loader is not None and not mixing:
                 check_padding(model, loader, args, kwargs, batch_outs, cotangents, tol)
     finally:
@@ -190,7 +190,16 @@ def _batch_outputs(model, args, kwargs, cotangents, loss_fn):
             f"The self-check's own forward pass (eval mode, no autocast) gives NaN for sample(s) {nan_rows[:8]} of the "
             "first batch: NaN or inf in the data or the model, not a float16 overflow. Clean the data."
         )
-    return outs, cotangents, batch
+    return outs, cotangents, batch, _without_gradient(out, batch)
+
+
+def _without_gradient(out, batch: int) -> list:
+    """The batch-first floating outputs without gradient (predictions, scores): row i must be
+    sample i's as well, since the loss may read them (tracked as each sample's rows)."""
+    every = output_tensors(out, grad_only=False)
+    return [
+        o.detach() for o in every if o.grad_fn is None and o.dim() and o.shape[0] == batch and o.is_floating_point()
+    ]
 
 
 def _sum_check(model, args, kwargs, cotangents, loss_fn, params, sums, tol, worst) -> list[str]:
@@ -240,18 +249,20 @@ def _sum_check(model, args, kwargs, cotangents, loss_fn, params, sums, tol, wors
 def _check_alone(model, args, kwargs, i, batch_run, params, hooks_norms, tol, worst, mixing, bad) -> None:
     """Sample ``i`` alone: its output must be its row of the batch's (else ``mixing``), and its
     gradient norms dpzoo's (else ``bad``)."""
-    outs, batch_outs, cotangents = batch_run
+    outs, batch_outs, cotangents, extras = batch_run
     batch = outs[0].shape[0]
     names, tensors = list(params), list(params.values())
     out_i = _alone(model, _slice_row(args, i, batch), _slice_row(kwargs, i, batch))
     outs_i = output_tensors(out_i)
+    extras_i = _without_gradient(out_i, 1)
+    batch_outs = batch_outs + extras if len(extras_i) == len(extras) else batch_outs
     if len(outs_i) != len(outs) or any(a.shape[1:] != b.shape[1:] or a.shape[0] != 1 for a, b in zip(outs_i, outs)):
         mixing.append(
             f"sample {i}: output shapes {[tuple(a.shape) for a in outs_i]} alone vs "
             f"{[tuple(b.shape[1:]) for b in outs]} per row in the batch"
         )
         return
-    for a, b in zip(outs_i, batch_outs):
+    for a, b in zip(outs_i + (extras_i if len(extras_i) == len(extras) else []), batch_outs):
         gap = (a.detach()[0] - b[i]).abs().max().item()
         scale = b[i].abs().max().item() + 1e-30
         if gap > tol * max(scale, 1e-3):
