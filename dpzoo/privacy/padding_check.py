@@ -125,7 +125,7 @@ def _alone_inputs(call_leaves: list, where: list, alone: list, k: int, rows: int
         elif isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == rows:
             row = t[k : k + 1]
             if tuple(t.shape[1:]) in cuts:
-                row = row[(slice(None), *_window(cuts[tuple(t.shape[1:])], t.shape[1:], end))]
+                row = row[(slice(None),) + _window(cuts[tuple(t.shape[1:])], t.shape[1:], end)]
             inputs.append(row)
         else:
             inputs.append(t)
