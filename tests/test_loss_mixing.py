@@ -1156,3 +1156,25 @@ def test_a_batch_shaped_statistic_returned_without_gradient_is_refused_by_the_se
     ((out - scaled) ** 2).sum().backward()
     with pytest.raises(SelfCheckError, match="differs from its output alone"):
         opt.step()
+
+
+def test_fgsm_adversarial_training_with_input_gradients_of_a_copy_trains_exactly():
+    """27th audit: the route the refusal of input gradients recommends (a plain copy of the model)
+    was refused too. The gradient of a summed loss with respect to the batch's rows is each
+    sample's own: accepted, and the step is the brute-force step on each sample's own perturbation."""
+
+    def loss(m, x, y):
+        xx = x.detach().requires_grad_(True)
+        (g,) = torch.autograd.grad(F.cross_entropy(copy.deepcopy(m)(xx), y, reduction="sum"), xx)
+        return F.cross_entropy(m(x + 0.3 * g.sign()), y, reduction="sum")
+
+    _assert_the_brute_force_step(mlp(), classification(), loss)
+
+
+def test_an_input_gradient_of_a_mean_loss_is_refused():
+    engine, model, opt, loader = private(mlp(), classification(), loss_reduction="sum")
+    x, y = next(iter(loader))
+    xx = x.detach().requires_grad_(True)
+    (g,) = torch.autograd.grad(F.cross_entropy(copy.deepcopy(model)(xx), y), xx)  # rows carry 1/b
+    with pytest.raises(LossMixingError, match="input gradient of a mean loss"):
+        model(x + 0.3 * g)

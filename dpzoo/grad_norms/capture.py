@@ -265,7 +265,8 @@ class Capture:
                     f"Forward hook(s) {', '.join(ahead)} run on {plan.name} ({type(module).__name__}) before "
                     "dpzoo's (a global hook, or one registered with prepend=True after dpzoo attached): an edit "
                     "they make to the output would hide the layer's own output from dpzoo. Register them "
-                    "without prepend=True, or on the module's parent."
+                    "without prepend=True, or on the module's parent; dpzoo's own (CopyInert) are another "
+                    "engine's, still attached to a layer reused from its model: engine.detach() first."
                 )
             use = Use(
                 module,

@@ -105,6 +105,8 @@ def op_name(func) -> str:
 def follow(func, args, kwargs, tracked: list, out):
     """``out`` with its tensors tagged, after refusing an operation that mixes samples."""
     name = op_name(func)
+    if func is torch.autograd.grad:
+        return input_gradients(args, kwargs, out)
     if name == "data" and getattr(func, "__name__", "") == "__set__" and isinstance(args[1], SampleRows):
         hold(args[0], args[1].rows)  # buf.data = values: buf shares their storage now
         return out
@@ -154,6 +156,29 @@ def follow(func, args, kwargs, tracked: list, out):
         for o in out if isinstance(out, (list, tuple)) else [out]:
             note_view(o, args[0])
     return out
+
+
+def input_gradients(args, kwargs, grads):
+    """``torch.autograd.grad(loss, x)``: of a loss pooled as a plain sum over samples, row i of the
+    gradient is ∂ℓ_i/∂x_i, sample i's own (FGSM on a copy of the model), and keeps ``x``'s rows;
+    of anything else (a mean, whose rows carry 1/b; per-sample values weighed by ``grad_outputs``;
+    a sum over some rows) it is a statistic of the batch."""
+    outputs = args[0] if args else kwargs.get("outputs")
+    inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
+    outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+    inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
+    given = kwargs.get("grad_outputs", args[2] if len(args) > 2 else None)
+    summed = given is None and all(
+        isinstance(o, SampleRows) and o.rows.pooled and o.rows.reduction == "sum" and o.rows.covered is None
+        for o in outputs
+    )
+    samples = next(t.rows.samples for t in [*outputs, *inputs] if isinstance(t, SampleRows))
+    tagged = []
+    for x, g in zip(inputs, grads):
+        own = summed and isinstance(x, SampleRows) and x.rows.sample_dim == 0 and not mixed(x.rows)
+        state = x.rows if own else State(samples, sample_dim=None, stat=True)
+        tagged.append(tag(g, state) if isinstance(g, torch.Tensor) else g)
+    return type(grads)(tagged)
 
 
 def written_view(name: str, args, kwargs) -> "SampleRows | None":
@@ -340,6 +365,9 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     if not isinstance(t, SampleRows):
         return t
     if not t.rows.aligned or t.rows.stat or t.rows.pooled:
-        refuse("calling the model on the batch's rows reordered, combined or summarised (x.roll, x[perm], mixup)")
+        refuse(
+            "calling the model on the batch's rows reordered, combined or summarised (x.roll, x[perm], mixup; an "
+            "input gradient of a mean loss, whose rows carry 1/b: take it of the sum, reduction='sum')"
+        )
     with torch._C.DisableTorchFunctionSubclass():
         return t.as_subclass(torch.Tensor)
