@@ -582,3 +582,25 @@ def test_data_driven_inits_are_found_in_nested_models_and_unknown_inits_are_refu
     for init in (True, "gaussian", "pissa_niter_4", "olora"):
         model.peft_config["default"].init_lora_weights = init
         assert data_driven_inits(model) == {}
+
+
+def test_a_step_inside_disable_adapter_is_refused_by_name(_quiet):
+    """Issue 33: the refusal said only "the model has no trainable parameters"."""
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)).double()
+    model = peft.get_peft_model(base, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["0", "2"])).double()
+    data = TensorDataset(torch.randn(8, 5, dtype=torch.float64), torch.arange(8) % 3)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model, opt, loader = dpzoo.PrivacyEngine().make_private(
+            module=model,
+            optimizer=opt,
+            data_loader=DataLoader(data, batch_size=8),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            mode="lora",
+        )
+    x, y = next(iter(loader))
+    with pytest.raises(UnsupportedModuleError, match="disable_adapter"), model.disable_adapter():
+        F.cross_entropy(model(x), y).backward()
