@@ -36,14 +36,13 @@ dropping, no step is ever lost, so dpzoo ships the fixed one.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..errors import InvalidArgumentError, PrivacyUsageError
-
-if TYPE_CHECKING:
-    from .optimizer import DPOptimizer
+from .optimizer import DPOptimizer
+from .scaled_samples import nonfinite_samples, unscaled_cotangents
 
 __all__ = [
     "DPGradScaler",
@@ -56,33 +55,6 @@ __all__ = [
 
 DEFAULT_LOSS_SCALE = 2.0**12
 MIN_LOSS_SCALE, MAX_LOSS_SCALE = 1.0, 2.0**24
-
-
-def nonfinite_samples(norms: torch.Tensor, drop: bool) -> torch.Tensor | None:
-    """The samples (bool Tensor[B]) whose per-sample gradient norm is not finite, None if none.
-    Without ``drop`` (no DPGradScaler) such a sample refuses the step: in float32 it means NaN or
-    inf in the data or the model, which clipping cannot bound."""
-    bad = ~torch.isfinite(norms)
-    if not norms.numel() or not bad.any():
-        return None
-    if not drop:
-        raise PrivacyUsageError(
-            f"{int(bad.sum())} sample(s) of this batch have a non-finite gradient norm (NaN or inf in the data, the "
-            "loss or the model, or a gradient norm above ~1e19 that overflows float32): clipping cannot bound them "
-            "and the update would reveal them. Clean the data, or make the loss finite and bounded for every sample."
-        )
-    return bad
-
-
-def unscaled_cotangents(cotangents: list[torch.Tensor] | None, scale: float) -> list[torch.Tensor] | None:
-    """The output gradients of the unscaled loss, for the first-step self-check: in float32 or better
-    (float16 would underflow), a non-finite entry (a dropped sample's) as 0."""
-    if cotangents is None or scale == 1.0:
-        return cotangents
-    return [
-        torch.nan_to_num(c.to(torch.promote_types(c.dtype, torch.float32)) / scale, nan=0.0, posinf=0.0, neginf=0.0)
-        for c in cotangents
-    ]
 
 
 def _checked_scale(value: Any, what: str) -> float:
@@ -112,9 +84,7 @@ class DPGradScaler:
     serves float32 and float16.
     """
 
-    def __init__(self, optimizer: "DPOptimizer", init_scale: float = DEFAULT_LOSS_SCALE, *, enabled: bool = True):
-        from .optimizer import DPOptimizer  # not at the top: the optimizer imports this module
-
+    def __init__(self, optimizer: DPOptimizer, init_scale: float = DEFAULT_LOSS_SCALE, *, enabled: bool = True):
         if not isinstance(optimizer, DPOptimizer):
             raise PrivacyUsageError(
                 f"DPGradScaler needs the DPOptimizer that dpzoo's make_private returned, got "

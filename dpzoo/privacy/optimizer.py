@@ -43,7 +43,7 @@ from .clipping import AUTOMATIC_GAMMA as AUTOMATIC_GAMMA  # re-exported: it was 
 from .clipping import CLIPPING, clip_factors
 from .data import StepSignal, secret_generator
 from .distributed import noised_all_reduce
-from .grad_scaler import nonfinite_samples, unscaled_cotangents
+from .scaled_samples import nonfinite_samples, unscaled_cotangents
 from .wrapped_optimizer import WrappedOptimizer
 
 __all__ = ["DPOptimizer", "clip_factors", "CLIPPING"]
