@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names __getattr__ imports o
     from .audit import audit
     from .grad_norms import NormHooks, attach_norm_hooks, register_rule
     from .hub.load_save import create_model, load, privacy_metadata, read_config, save
-    from .hub.privacy_card import privacy_statement
+    from .hub.statement import privacy_statement
     from .privacy import DPGradScaler, PrivacyEngine, register_accountant, unregister_accountant
     from .privacy.verify import verify
     from .summary import ModelSummary, summary
@@ -69,7 +69,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     **{n: (".hub.load_save", n) for n in ("create_model", "load", "privacy_metadata", "read_config", "save")},
     **{n: (".privacy", n) for n in ("PrivacyEngine", "DPGradScaler", "register_accountant", "unregister_accountant")},
     "verify": (".privacy.verify", "verify"),
-    "privacy_statement": (".hub.privacy_card", "privacy_statement"),
+    "privacy_statement": (".hub.statement", "privacy_statement"),
     **{n: (".summary", n) for n in ("ModelSummary", "summary")},
     **{n: (".surgery", n) for n in ("check_dp_ready", "find_inplace_ops", "find_tied_parameters", "make_dp_ready")},
 }

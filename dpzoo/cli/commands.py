@@ -69,7 +69,7 @@ def _cmd_list(args) -> int:
 def _cmd_card(args) -> int:
     """A zoo entry's model card, or a saved model's (or a run's) privacy statement."""
     if Path(args.name).is_dir():
-        from ..hub.privacy_card import privacy_statement
+        from ..hub.statement import privacy_statement
 
         if args.registry:
             return _print_registry_record(args.name)

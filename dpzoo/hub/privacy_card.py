@@ -7,7 +7,7 @@ Ghazi & Vadhan, arXiv:2509.13509; OpenDP, November 2025): the DP flavour, ε and
 privacy and what it means here, the trust model, the accounting and the implementation, then
 dpzoo's training fields (σ, q, steps, clipping, sampling, noise source, self-check, public
 statistics, the composed history). The body is the plain-language statement
-(:func:`privacy_statement`), which also bounds what a membership-inference attacker can achieve
+(:func:`statement_from_record`; ``dpzoo.privacy_statement`` of a model or directory), which also bounds what a membership-inference attacker can achieve
 under the stated (ε, δ). ``docs/PRIVACY_CARD.md`` holds the schema (``docs/privacy_card.schema.json``)
 and the field mapping.
 
@@ -31,7 +31,6 @@ from ..errors import CheckpointError
 __all__ = [
     "CARD_NAME",
     "privacy_block",
-    "privacy_statement",
     "statement_from_record",
     "membership_tpr_bound",
     "render_card",
@@ -128,34 +127,6 @@ def privacy_block(
     if audit is not None:
         block["audit"] = dict(audit)
     return block
-
-
-def privacy_statement(model_or_dir: Any, fpr: float = 0.01) -> str:
-    """The privacy guarantee of a model in plain words: ``model_or_dir`` is a model (trained by
-    dpzoo's engine, or loaded with its record), a directory (``dpzoo.save``'s, a ``dpzoo train
-    --out`` run, or a Hugging Face directory ``DPTrainer`` saved), or a privacy record itself."""
-    audit = None
-    if isinstance(model_or_dir, (str, Path)):
-        from .load_save import run_model_directory
-
-        audit = ((read_card(run_model_directory(model_or_dir)) or {}).get("privacy") or {}).get("audit")
-    return statement_from_record(_record_of(model_or_dir), fpr, audit=audit)
-
-
-def _record_of(obj: Any) -> Mapping[str, Any] | None:
-    if obj is None or isinstance(obj, Mapping):
-        return obj
-    if isinstance(obj, (str, Path)):
-        from ..integrations.trainer_save import read_privacy_metadata
-        from .load_save import run_model_directory
-
-        return read_privacy_metadata(run_model_directory(obj))
-    from ..privacy.engine import engine_of
-
-    engine = engine_of(obj)
-    if engine is not None and engine.steps > 0:
-        return engine.privacy_metadata()
-    return getattr(obj, "dpzoo_privacy", None)
 
 
 SCOPE = (
