@@ -138,3 +138,31 @@ def test_a_mask_built_in_the_loop_is_cut_to_each_sample(own_length, copied):
     else:
         with pytest.raises(SelfCheckError, match="outputs differ"):
             opt.step()
+
+
+def random_masking(items):
+    """Pads, then replaces tokens at random (a masked-LM collate): each call draws anew."""
+    batch = collate(-100)(items)
+    drawn = torch.rand(batch["input_ids"].shape) < 0.3
+    batch["input_ids"] = torch.where(drawn & (batch["attention_mask"] == 1), 39, batch["input_ids"])
+    return batch
+
+
+def test_a_collate_that_draws_at_random_is_not_refused():
+    """The sample run alone is its row of the batch without the padding, not a new draw."""
+    model = tiny_gpt2()
+    engine = dpzoo.PrivacyEngine()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ReproducibleNoiseWarning)
+        model, opt, loader = engine.make_private(
+            module=model,
+            optimizer=opt,
+            data_loader=DataLoader(sequences(), batch_size=6, collate_fn=random_masking),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            sample_seed=0,
+        )
+    model(**next(iter(loader))).loss.backward()
+    opt.step()
+    assert engine.self_check_result.startswith("passed")

@@ -7,8 +7,9 @@ left padding), or the loss has gradient on padded positions, sample i's clipped 
 on the others: a neighbouring batch moves the released sum by more than R (about 4 R measured).
 The self-check's single-sample runs slice rows of the already padded batch and cannot
 see it. This check can: for a few rows of the loader's first batch whose collated shape depends on
-the batch, the sample is collated *alone* and run alone (inputs the loop derived from the batch,
-such as a mask or position ids, cut to the sample's own length), and its outputs must equal its
+the batch, the sample is run alone, without the padding (its row of every padded input, the
+batch's and those the loop derived from them such as a mask or position ids, cut to the length
+it has collated alone: a collate that draws at random gives the same sample), and its outputs must equal its
 row of the batch's on the positions both have, with no loss gradient on the others; right padding
 lines them up as a prefix, left padding as a suffix. A collate that truncates samples to the
 batch's shortest is refused outright. Rows whose shape does not depend on the batch cost nothing.
@@ -110,19 +111,19 @@ def _padded(k: int, alone: list, where: list, call_leaves: list) -> bool:
 
 
 def _alone_inputs(call_leaves: list, where: list, alone: list, k: int, rows: int, end: bool) -> list:
-    """The call's inputs for sample ``k`` alone: the batch's own tensors as collated alone; other
-    batch-first tensors (derived in the loop: a mask, position ids) as row ``k``, cut to the
-    sample's own length where their shape is a padded input's (a prefix, or with ``end`` a suffix)."""
+    """The call's inputs for sample ``k`` alone: row ``k`` of every batch-first input, cut to the
+    sample's own length (a prefix, or with ``end`` a suffix) where its shape is a padded one: the
+    batch's own tensors to their shape collated alone, tensors the loop derived from them (a
+    mask, position ids) likewise. The values are the batch's (a collate that draws at random,
+    masking tokens, gives the same sample); only the padding goes."""
     cuts = {
         tuple(t.shape[1:]): alone[p].shape[1:]
         for t, p in zip(call_leaves, where)
         if p is not None and isinstance(alone[p], torch.Tensor) and alone[p].dim() == t.dim()
     }
     inputs = []
-    for t, p in zip(call_leaves, where):
-        if p is not None:
-            inputs.append(alone[p].to(t.device, t.dtype) if isinstance(alone[p], torch.Tensor) else alone[p])
-        elif isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == rows:
+    for t in call_leaves:
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == rows:
             row = t[k : k + 1]
             if tuple(t.shape[1:]) in cuts:
                 row = row[(slice(None),) + _window(cuts[tuple(t.shape[1:])], t.shape[1:], end)]
