@@ -46,8 +46,9 @@ class GhostBackward(torch.autograd.Function):
         # output would keep a failed step's graph alive).
         b = rec.step.batch_size
         tagged = lambda o: bool(b) and o.dim() > 0 and o.shape[0] == b and o.is_floating_point()  # noqa: E731
-        ctx.tagged = [tagged(o) for o in real_outputs]
-        return tuple(track(o.detach(), b, owned) if t else o.detach() for o, t in zip(real_outputs, ctx.tagged))
+        handed = tuple(track(o.detach(), b, owned) if tagged(o) else o.detach() for o in real_outputs)
+        ctx.tagged = [isinstance(o, SampleRows) for o in handed]  # watched: the loss must come through them
+        return handed
 
     @staticmethod
     def backward(ctx, *grads):
