@@ -1178,3 +1178,55 @@ def test_an_input_gradient_of_a_mean_loss_is_refused():
     (g,) = torch.autograd.grad(F.cross_entropy(copy.deepcopy(model)(xx), y), xx)  # rows carry 1/b
     with pytest.raises(LossMixingError, match="input gradient of a mean loss"):
         model(x + 0.3 * g)
+
+
+def _batch_norm_outside(m, x, y):
+    torch.manual_seed(3)
+    return F.cross_entropy(m(nn.BatchNorm1d(5).double()(x).detach()), y, reduction="sum")
+
+
+def _centred_by_another_layer(m, x, y):
+    torch.manual_seed(7)
+    h = nn.Linear(5, 5).double()(x)
+    return F.cross_entropy(m(x + 3 * (h - h.mean(0)).detach()), y, reduction="sum")
+
+
+def _centred_copy_added(m, x, y):
+    h = copy.deepcopy(m)(x)
+    return F.cross_entropy(m(x) + (h - h.mean(0)).detach(), y, reduction="sum")
+
+
+def _input_gradient_scaled_by_the_batch(m, x, y):
+    xx = x.detach().requires_grad_(True)
+    (g,) = torch.autograd.grad(F.cross_entropy(copy.deepcopy(m)(xx), y, reduction="sum") * len(y), xx)
+    return F.cross_entropy(m(x + 3 * g), y, reduction="sum")
+
+
+# Found by the 28th independent audit (1.0-1.7 R, silent): values of the batch computed with the
+# gradient of parameters outside the private model (a module or a copy of the model) were not
+# followed; they are now (never refused themselves: another model's loss is not the private update).
+# And an input gradient of a sum times len(y) carries the batch's size.
+ANOTHER_MODEL = {
+    "BatchNorm outside the model, on its input": _batch_norm_outside,
+    "another layer's output centred over the batch": _centred_by_another_layer,
+    "a copy's output centred, added to the outputs": _centred_copy_added,
+    "an input gradient of a sum times len(y)": _input_gradient_scaled_by_the_batch,
+}
+
+
+@pytest.mark.parametrize("name", list(ANOTHER_MODEL))
+def test_batch_values_computed_by_another_model_are_followed(name):
+    engine, model, opt, loader = private(mlp(), classification(), loss_reduction="sum")
+    x, y = next(iter(loader))
+    with pytest.raises(LossMixingError, match="mixes samples"):
+        ANOTHER_MODEL[name](model, x, y).backward()
+
+
+def test_another_models_own_loss_and_a_per_sample_teacher_are_not_refused():
+    def loss(m, x, y):
+        critic = nn.Linear(5, 1).double()
+        critic(x).pow(2).sum().backward()  # another model's loss on the batch: not the private update
+        teacher = copy.deepcopy(m)(x)  # another model's per-sample outputs, with its own gradient
+        return F.kl_div(F.log_softmax(m(x), 1), F.softmax(teacher.detach(), 1), reduction="sum")
+
+    _assert_the_brute_force_step(mlp(), classification(), loss)

@@ -78,7 +78,7 @@ def before_gradient(func, args, kwargs) -> None:
             )
         return
     if getattr(func, "__name__", "") == "register_hook":
-        if getattr(args[0], "rows", None) is not None and args[0].requires_grad:
+        if getattr(args[0], "rows", None) is not None and args[0].requires_grad and not args[0].rows.foreign:
             raise LossMixingError(
                 "register_hook on the model's outputs (or on what derives from them) rewrites each sample's "
                 f"gradient where dpzoo cannot see it (false ε); put the computation in the loss: {FIX}."
@@ -93,8 +93,8 @@ def before_gradient(func, args, kwargs) -> None:
         grads = [grads] * len(tensors) if grads is None or isinstance(grads, torch.Tensor) else list(grads)
     reductions = set()
     for t, g in zip(tensors, grads):
-        if getattr(t, "rows", None) is not None and t.requires_grad:
-            note_loss(t, g)
+        if getattr(t, "rows", None) is not None and t.requires_grad and not t.rows.foreign:
+            note_loss(t, g)  # (another model's loss on the batch is not the private update)
             reductions.add(RECORD["reduction"])
     if len(reductions - {None}) > 1:  # autograd.backward([a.mean(), b.sum()]): one record for the step
         refuse("backward() of a mean over samples together with a sum over samples")

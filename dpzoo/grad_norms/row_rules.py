@@ -65,6 +65,7 @@ class State(NamedTuple):
     scalars: tuple = ()  # Python numbers a pooled loss was multiplied by after pooling (1/d for a division)
     covered: frozenset | None = None  # a sum of single samples' values: their rows (None: all rows)
     written: bool = False  # values written in place by position (w[:2] = 1): weights by position
+    foreign: bool = False  # with gradient from parameters outside the private model only (another model's)
 
 
 def refuse(what: str) -> NoReturn:

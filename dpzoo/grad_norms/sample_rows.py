@@ -131,17 +131,16 @@ def follow(func, args, kwargs, tracked: list, out):
     stat_held = held(
         args[1:] if name in ("copy_", "set_") else args, kwargs
     )  # a plain tensor that holds a statistic of the batch, written in place
-    if grads and torch.is_grad_enabled():
-        if not any(t.requires_grad for t in tracked):
-            return out  # the gradient comes from another model run on the batch: not the private update
+    if grads and torch.is_grad_enabled() and any(t.requires_grad and not t.rows.foreign for t in tracked):
         if stat_held is not None:
             refuse(
                 f"{name}: a tensor written in place with a statistic of the batch (through a view, .data, a parameter)"
             )
         state = grad_state(name, args, kwargs, tracked, grads[0])  # max(dim), chunk ...: the first decides
-    else:
+    else:  # without gradient, or with another model's only (not the private update): followed, never refused
         state = nograd_state(name, args, kwargs, tracked, outs[0])
         state = state if stat_held is None else state._replace(sample_dim=None, row=None, stat=True)
+        state = state._replace(foreign=bool(grads) and torch.is_grad_enabled())
     if isinstance(out, (tuple, list)) and name in ("unbind", "chunk", "split", "tensor_split"):
         if not state.stat and tracked[0].rows.sample_dim == 0 and over_first(args, kwargs, name):
             return type(out)(pieces(out, tracked[0], state, name == "unbind"))
@@ -159,7 +158,7 @@ def follow(func, args, kwargs, tracked: list, out):
 
 
 def input_gradients(args, kwargs, grads):
-    """``torch.autograd.grad(loss, x)``: of a loss pooled as a plain sum over samples, row i of the
+    """``torch.autograd.grad(loss, x)``: of a loss pooled as a plain sum over samples (no Python factor), row i of the
     gradient is ∂ℓ_i/∂x_i, sample i's own (FGSM on a copy of the model), and keeps ``x``'s rows;
     of anything else (a mean, whose rows carry 1/b; per-sample values weighed by ``grad_outputs``;
     a sum over some rows) it is a statistic of the batch."""
@@ -169,7 +168,11 @@ def input_gradients(args, kwargs, grads):
     inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
     given = kwargs.get("grad_outputs", args[2] if len(args) > 2 else None)
     summed = given is None and all(
-        isinstance(o, SampleRows) and o.rows.pooled and o.rows.reduction == "sum" and o.rows.covered is None
+        isinstance(o, SampleRows)
+        and o.rows.pooled
+        and o.rows.reduction == "sum"
+        and o.rows.covered is None
+        and all(f == 1 for f in o.rows.scalars)  # a Python factor may be the batch's size (len(y))
         for o in outputs
     )
     samples = next(t.rows.samples for t in [*outputs, *inputs] if isinstance(t, SampleRows))
