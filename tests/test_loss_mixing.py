@@ -1230,3 +1230,12 @@ def test_another_models_own_loss_and_a_per_sample_teacher_are_not_refused():
         return F.kl_div(F.log_softmax(m(x), 1), F.softmax(teacher.detach(), 1), reduction="sum")
 
     _assert_the_brute_force_step(mlp(), classification(), loss)
+
+
+def test_a_trainable_module_outside_the_model_meeting_its_outputs_is_refused():
+    """Its gradient would not be clipped (a parameter leaf was refused; a module's output was not)."""
+    engine, model, opt, loader = private(mlp(), classification(), loss_reduction="sum")
+    x, y = next(iter(loader))
+    head = nn.Linear(5, 3).double()
+    with pytest.raises(UnsupportedModuleError, match="trainable module outside the private model"):
+        model(x) + head(x)

@@ -117,6 +117,12 @@ def grad_state(name: str, args, kwargs, tracked: list, out: torch.Tensor) -> Sta
     first = tracked[0].rows
     base = State(first.samples, owned=first.owned, call=first.call)
     check_outside(name, args, kwargs, first.owned)
+    if any(t.rows.foreign and t.requires_grad for t in tracked):
+        raise UnsupportedModuleError(
+            f"{name}: the output of a trainable module outside the private model (a head, a teacher with gradient) "
+            "meets its outputs: that module's gradient would not be clipped per sample. Make it part of the model "
+            "before make_private, or detach its output."
+        )
     stats = [t for t in tracked if t.rows.stat]
     others = [t for t in tracked if not t.rows.stat]
     if stats and name in ADDITIVE and others and all(t.rows.pooled for t in others):
