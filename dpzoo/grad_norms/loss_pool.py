@@ -69,6 +69,10 @@ def before_gradient(func, args, kwargs) -> None:
         return
     if func is torch.autograd.grad:
         inputs = args[1] if len(args) > 1 else kwargs.get("inputs", ())
+        outputs = args[0] if args else kwargs.get("outputs", ())
+        outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+        if all(getattr(getattr(o, "rows", None), "foreign", False) for o in outputs):
+            return  # another model's loss on the batch (a reference, a copy): not the private update
         if any(isinstance(t, torch.nn.Parameter) for t in ([inputs] if isinstance(inputs, torch.Tensor) else inputs)):
             raise PrivacyUsageError(
                 "torch.autograd.grad of a private step's loss with respect to parameters: dpzoo forms no batch "
