@@ -41,19 +41,30 @@ def collate(label_padding):
     return pad
 
 
-def one_step(label_padding):
-    model = tiny_gpt2()
+def private(model, data):
+    """(engine, model, optimizer, loader) made private, the self-check on (it runs the padding check)."""
     engine = dpzoo.PrivacyEngine()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = DataLoader(sequences(), batch_size=6, collate_fn=collate(label_padding))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ReproducibleNoiseWarning)
         model, opt, loader = engine.make_private(
             module=model, optimizer=opt, data_loader=data, noise_multiplier=1.0, max_grad_norm=1.0, sample_seed=0
         )
+    return engine, model, opt, loader
+
+
+def lm_backward(collate_fn):
+    """The tiny GPT-2's first batch through ``collate_fn``, its labels= loss back-propagated: (engine,
+    optimizer, batch); the self-check runs at ``opt.step()``."""
+    engine, model, opt, loader = private(tiny_gpt2(), DataLoader(sequences(), batch_size=6, collate_fn=collate_fn))
     batch = next(iter(loader))
-    assert batch["input_ids"].shape[1] > 2  # padded: the samples' lengths differ
     model(**batch).loss.backward()
+    return engine, opt, batch
+
+
+def one_step(label_padding):
+    engine, opt, batch = lm_backward(collate(label_padding))
+    assert batch["input_ids"].shape[1] > 2  # padded: the samples' lengths differ
     opt.step()
     return engine
 
@@ -76,20 +87,7 @@ def truncating(items):
 
 def test_a_collate_that_truncates_to_the_batchs_shortest_is_refused():
     """26th audit: 1.7 R, silent (each sample's prefix matched its row)."""
-    model = tiny_gpt2()
-    engine = dpzoo.PrivacyEngine()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ReproducibleNoiseWarning)
-        model, opt, loader = engine.make_private(
-            module=model,
-            optimizer=opt,
-            data_loader=DataLoader(sequences(), batch_size=6, collate_fn=truncating),
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-            sample_seed=0,
-        )
-    model(**next(iter(loader))).loss.backward()
+    engine, opt, _ = lm_backward(truncating)
     with pytest.raises(SelfCheckError, match="truncates samples to the batch's shortest"):
         opt.step()
 
@@ -115,20 +113,13 @@ class Pool(torch.nn.Module):
 )
 def test_a_mask_built_in_the_loop_is_cut_to_each_sample(own_length, copied):
     """26th audit: a mask derived in the loop made the run alone fail and the check give up (1.1 R)."""
-    model = Pool(own_length).double()
-    engine = dpzoo.PrivacyEngine()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     labels = [int(t[0]) % 3 for t in sequences()]
     data = DataLoader(
         list(zip(sequences(), labels)),
         batch_size=6,
         collate_fn=lambda b: (pad_sequence([t for t, _ in b], batch_first=True), torch.tensor([y for _, y in b])),
     )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ReproducibleNoiseWarning)
-        model, opt, loader = engine.make_private(
-            module=model, optimizer=opt, data_loader=data, noise_multiplier=1.0, max_grad_norm=1.0, sample_seed=0
-        )
+    engine, model, opt, loader = private(Pool(own_length).double(), data)
     ids, y = next(iter(loader))
     ids = ids.clone() if copied else ids  # other storage: found by its values
     torch.nn.functional.cross_entropy(model(ids, (ids != 0).double()), y).backward()
@@ -150,19 +141,6 @@ def random_masking(items):
 
 def test_a_collate_that_draws_at_random_is_not_refused():
     """The sample run alone is its row of the batch without the padding, not a new draw."""
-    model = tiny_gpt2()
-    engine = dpzoo.PrivacyEngine()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ReproducibleNoiseWarning)
-        model, opt, loader = engine.make_private(
-            module=model,
-            optimizer=opt,
-            data_loader=DataLoader(sequences(), batch_size=6, collate_fn=random_masking),
-            noise_multiplier=1.0,
-            max_grad_norm=1.0,
-            sample_seed=0,
-        )
-    model(**next(iter(loader))).loss.backward()
+    engine, opt, _ = lm_backward(random_masking)
     opt.step()
     assert engine.self_check_result.startswith("passed")

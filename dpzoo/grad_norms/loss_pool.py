@@ -19,7 +19,15 @@ import torch
 from ..errors import LossMixingError, PrivacyUsageError
 from .row_rules import FIX, refuse
 
-__all__ = ["before_gradient", "take_record", "check_reduction", "unwatched", "watched_backward", "check_watched"]
+__all__ = [
+    "before_gradient",
+    "take_record",
+    "check_reduction",
+    "unwatched",
+    "watched_backward",
+    "check_watched",
+    "grad_call",
+]
 
 RECORD: dict = {}  # the last watched loss's reduction over samples and its Python factors
 INTERNAL: list = []  # non-empty while dpzoo itself back-propagates given output gradients
@@ -62,18 +70,24 @@ def check_watched(tagged: list, grads) -> None:
         )
 
 
+def grad_call(args, kwargs) -> tuple[list, list, object]:
+    """``torch.autograd.grad``'s (outputs, inputs, grad_outputs), the first two as lists."""
+    outputs = args[0] if args else kwargs.get("outputs", ())
+    inputs = args[1] if len(args) > 1 else kwargs.get("inputs", ())
+    listed = [[t] if isinstance(t, torch.Tensor) else list(t) for t in (outputs, inputs)]
+    return listed[0], listed[1], kwargs.get("grad_outputs", args[2] if len(args) > 2 else None)
+
+
 def before_gradient(func, args, kwargs) -> None:
     """``register_hook`` on a watched tensor, or ``backward`` of one (``loss.backward(gradient)``,
     ``torch.autograd.backward(tensors, grad_tensors)``): refuse or record."""
     if INTERNAL:
         return
     if func is torch.autograd.grad:
-        inputs = args[1] if len(args) > 1 else kwargs.get("inputs", ())
-        outputs = args[0] if args else kwargs.get("outputs", ())
-        outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+        outputs, inputs, _ = grad_call(args, kwargs)
         if all(getattr(getattr(o, "rows", None), "foreign", False) for o in outputs):
             return  # another model's loss on the batch (a reference, a copy): not the private update
-        if any(isinstance(t, torch.nn.Parameter) for t in ([inputs] if isinstance(inputs, torch.Tensor) else inputs)):
+        if any(isinstance(t, torch.nn.Parameter) for t in inputs):
             raise PrivacyUsageError(
                 "torch.autograd.grad of a private step's loss with respect to parameters: dpzoo forms no batch "
                 "gradient of the parameters (its hooks take each sample's from the layers), and one would not be "

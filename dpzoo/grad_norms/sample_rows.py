@@ -29,7 +29,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..errors import LossMixingError
-from .loss_pool import before_gradient, watched_backward
+from .loss_pool import before_gradient, grad_call, watched_backward
 from .row_ops import leaves, window_of
 from .row_rules import FIX, State, grad_state, nograd_state, refuse
 from .row_writes import POSITIONAL_WRITES, by_position, in_place, mixed, moved, note_model, positional_write, released
@@ -162,11 +162,7 @@ def input_gradients(args, kwargs, grads):
     gradient is ∂ℓ_i/∂x_i, sample i's own (FGSM on a copy of the model), and keeps ``x``'s rows;
     of anything else (a mean, whose rows carry 1/b; per-sample values weighed by ``grad_outputs``;
     a sum over some rows) it is a statistic of the batch."""
-    outputs = args[0] if args else kwargs.get("outputs")
-    inputs = args[1] if len(args) > 1 else kwargs.get("inputs")
-    outputs = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
-    inputs = [inputs] if isinstance(inputs, torch.Tensor) else list(inputs)
-    given = kwargs.get("grad_outputs", args[2] if len(args) > 2 else None)
+    outputs, inputs, given = grad_call(args, kwargs)
     summed = given is None and all(
         isinstance(o, SampleRows)
         and o.rows.pooled
