@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import dpzoo
 from dpzoo.grad_norms import float_guard
 from dpzoo.grad_norms import reps as R
+from dpzoo.grad_norms.param_grad import ParamGrad
 
 D = 64
 
@@ -82,7 +83,7 @@ def test_ordinary_gradients_never_reach_the_floor():
         rep = R.Factored(torch.randn(6, 1, t, 48, generator=g), torch.randn(6, 1, t, 40, generator=g), (48, 40))
         ghost = R.sq_norm(rep, ghost=True)
         assert (ghost.sqrt() > 4 * float_guard.GHOST_FLOOR * float_guard.triangle_bound(rep)).all()
-        guarded = R.ParamGrad([rep], ghost=True).sq_norm()  # the ghost norm plus its rounding bound
+        guarded = ParamGrad([rep], ghost=True).sq_norm()  # the ghost norm plus its rounding bound
         exact = R.sq_norm(R.Factored(rep.left.double(), rep.right.double(), rep.shape), ghost=False)
         assert (guarded.double() >= exact).all()
         assert (guarded <= ghost * (1 + float_guard.LOOSE)).all()

@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import dpzoo
 from dpzoo.grad_norms import float_guard
 from dpzoo.grad_norms import reps as R
+from dpzoo.grad_norms.param_grad import ParamGrad
 
 
 class _UsedTwice(nn.Module):
@@ -106,7 +107,7 @@ def _cancelling_uses(gen, b: int, t: int, r: int, c: int, eps: float, kind: str)
 def test_the_guarded_norm_is_never_below_the_exact_one(kind, eps, r, t):
     gen = torch.Generator().manual_seed(int(eps * 1000) + r + t)
     reps = _cancelling_uses(gen, 6, t, r, 3, eps, kind)
-    guarded = R.ParamGrad(reps, ghost=None, choices=[True, True]).sq_norm()
+    guarded = ParamGrad(reps, ghost=None, choices=[True, True]).sq_norm()
     assert (guarded.double() >= _exact_sq_norms(reps)).all()
 
 
@@ -125,7 +126,7 @@ def test_random_shapes_and_representations_are_bounded_and_tight(seed):
         R.Factored(torch.randn(b, 1, t, v, generator=gen), torch.randn(b, 1, t, c, generator=gen), (v, c)),
     ]
     for uses in (reps, onehot):
-        guarded = R.ParamGrad(uses, ghost=True).sq_norm().double()
+        guarded = ParamGrad(uses, ghost=True).sq_norm().double()
         exact = _exact_sq_norms(uses)
         assert (guarded >= exact).all()
         assert (guarded <= exact * (1 + float_guard.LOOSE) + 1e-6).all()
@@ -140,7 +141,7 @@ def test_grams_that_overflow_float32_are_recomputed_in_float64():
     right[:, :, 1] = -0.5 * right[:, :, 0]
     left[:, :, 1] = left[:, :, 0]
     rep = R.Factored(left, right, (64, 4))
-    guarded = R.ParamGrad([rep], ghost=True).sq_norm()
+    guarded = ParamGrad([rep], ghost=True).sq_norm()
     exact = _exact_sq_norms([rep])
     assert torch.isfinite(guarded).all()
     assert (guarded.double() >= exact).all() and (guarded.double() <= exact * 1.001).all()
@@ -177,10 +178,10 @@ def test_products_that_underflow_over_many_features_are_bounded(dtype, c, frac):
     left = _underflowing_row(c, frac, dtype).view(1, 1, 1, c)
     right = torch.full((1, 1, 1, 4), 1e18, dtype=dtype)
     reps = [R.Factored(left, right, (c, 4))]
-    guarded = R.ParamGrad(reps, ghost=True).sq_norm()
+    guarded = ParamGrad(reps, ghost=True).sq_norm()
     assert (guarded.double() >= _exact_sq_norms(reps)).all()
     lookup = [R.OneHot(torch.zeros(1, 1, dtype=torch.long), _underflowing_row(c, frac, dtype).view(1, 1, c), 3)]
-    assert (R.ParamGrad(lookup, ghost=True).sq_norm().double() >= _exact_sq_norms(lookup)).all()
+    assert (ParamGrad(lookup, ghost=True).sq_norm().double() >= _exact_sq_norms(lookup)).all()
 
 
 def test_an_underflowing_sample_is_clipped_through_make_private():
@@ -209,7 +210,7 @@ def test_a_dense_norm_of_underflowing_squares_is_never_zero(kind):
         left = (torch.rand(4, 1, 3, 2, generator=g) + 0.5) * 1e-20
         right = (torch.rand(4, 1, 3, 5, generator=g) + 0.5) * 1e-20
         rep = R.Factored(left, right, (2, 5))
-    param = R.ParamGrad([rep], ghost=False)
+    param = ParamGrad([rep], ghost=False)
     sq = param.sq_norm()
     if kind == "dense":  # the exact squared norms, in float64, from the values themselves
         exact = values.double().flatten(1).square().sum(1)

@@ -358,8 +358,8 @@ def test_no_import_cycle_when_modules_load():
 LAZILY_CYCLIC = {
     "dpzoo", "dpzoo.audit.canary_models", "dpzoo.audit.recorded", "dpzoo.audit.run", "dpzoo.audit.task",
     "dpzoo.audit.training", "dpzoo.grad_norms", "dpzoo.grad_norms.assembly", "dpzoo.grad_norms.audit",
-    "dpzoo.grad_norms.capture", "dpzoo.grad_norms.float_guard", "dpzoo.grad_norms.ghost", "dpzoo.grad_norms.hooks",
-    "dpzoo.grad_norms.plan", "dpzoo.grad_norms.reps", "dpzoo.hub.load_save", "dpzoo.hub.privacy_card",
+    "dpzoo.grad_norms.capture", "dpzoo.grad_norms.ghost", "dpzoo.grad_norms.hooks",
+    "dpzoo.grad_norms.plan", "dpzoo.hub.load_save", "dpzoo.hub.privacy_card",
     "dpzoo.hub.sharded_save", "dpzoo.integrations.hf_save_watch", "dpzoo.integrations.opacus",
     "dpzoo.integrations.peft", "dpzoo.integrations.peft_adapters", "dpzoo.integrations.peft_layers",
     "dpzoo.integrations.peft_merge", "dpzoo.integrations.peft_records", "dpzoo.integrations.peft_statements",

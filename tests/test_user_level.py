@@ -12,6 +12,7 @@ from grad_reference import assert_close, zoo_model_and_inputs
 from dpzoo.errors import DPZooError
 from dpzoo.grad_norms import attach_norm_hooks
 from dpzoo.grad_norms import reps as R
+from dpzoo.grad_norms.param_grad import ParamGrad
 from dpzoo.grad_norms.units import group_rep, unit_layout
 
 # rows 0..6 belong to users of 1, 2 and 3 examples, not in order
@@ -88,10 +89,10 @@ def test_a_user_whose_examples_cancel_has_norm_zero():
     right = torch.randn(2, 1, 3, 4, dtype=torch.float64)
     left[1], right[1] = left[0], -right[0]
     rep = group_rep(R.Factored(left, right, (5, 4)), unit_layout(torch.tensor([0, 0])))
-    one = R.ParamGrad([R.Factored(left[:1], right[:1], (5, 4))], ghost=False).sq_norm().item()
-    assert R.ParamGrad([rep], ghost=False).sq_norm().item() < 1e-25 * one
+    one = ParamGrad([R.Factored(left[:1], right[:1], (5, 4))], ghost=False).sq_norm().item()
+    assert ParamGrad([rep], ghost=False).sq_norm().item() < 1e-25 * one
     u = (left.norm(dim=-1) * right.norm(dim=-1)).sum().item()
-    assert R.ParamGrad([rep], ghost=True).sq_norm().item() <= (1 + 1e-9) * (u / 256) ** 2 < 0.01 * one
+    assert ParamGrad([rep], ghost=True).sq_norm().item() <= (1 + 1e-9) * (u / 256) ** 2 < 0.01 * one
 
 
 @pytest.mark.parametrize(

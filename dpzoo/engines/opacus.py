@@ -27,6 +27,7 @@ from torch import nn
 from ..errors import MissingDependencyError, UnsupportedModuleError
 from ..grad_norms import reps as R
 from ..grad_norms import rules  # noqa: F401  (registers the built-in rules in RULES)
+from ..grad_norms.param_grad import ParamGrad
 from ..grad_norms.registry import RULES, find_rule
 from ..live_ref import LiveRef
 from ..privacy.carried import adapter_statements, refuse_shared_config, refuse_weights_of_unknown_origin
@@ -68,7 +69,7 @@ def dpzoo_grad_sampler(layer, activations, backprops):
 def dpzoo_norm_sampler(layer, activations, backprops):
     """Opacus norm sampler: per-sample gradient norms Tensor[B] (ghost or instantiated, BK rule), a
     ghost norm under dpzoo's floating-point guard (:mod:`dpzoo.grad_norms.float_guard`)."""
-    return {p: R.ParamGrad([rep]).sq_norm().sqrt() for p, rep in _reps(layer, activations, backprops).items()}
+    return {p: ParamGrad([rep]).sq_norm().sqrt() for p, rep in _reps(layer, activations, backprops).items()}
 
 
 def register_opacus_rules() -> list[type]:

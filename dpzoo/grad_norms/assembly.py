@@ -1,4 +1,4 @@
-"""Assembly: a step's records turned into one :class:`~dpzoo.grad_norms.reps.ParamGrad` per
+"""Assembly: a step's records turned into one :class:`~dpzoo.grad_norms.param_grad.ParamGrad` per
 trainable parameter.
 
 Each recorded use goes through its layer's rule (activation, output gradient →
@@ -17,6 +17,7 @@ from . import reps as R
 from .audit import check_versions
 from .capture import Step
 from .cost import plan_uses
+from .param_grad import ParamGrad
 from .plan import ModelPlan
 from .sharded import planned
 from .units import group_rep
@@ -64,7 +65,7 @@ def rule_operands(rule, activations, grad):
 
 def assemble(
     step: Step, plan: ModelPlan, ghost: bool | None, memory_budget: float | None = None, autotune: bool = False
-) -> dict[str, R.ParamGrad]:
+) -> dict[str, ParamGrad]:
     """{parameter name: its per-sample gradients} from the records of ``step`` (audited before:
     :func:`dpzoo.grad_norms.audit.check_step`). Sets ``step.unreached`` and ``step.costs`` (the
     planner's choice per use, :mod:`dpzoo.grad_norms.cost`, when ``ghost`` is None: ghost norm or
@@ -73,7 +74,7 @@ def assemble(
         step.unreached = []
         empty = {n: [R.Dense(torch.zeros(0, *p.shape, dtype=p.dtype, device=p.device))] for n, p in plan.params.items()}
         step.costs = plan_uses(empty, 0.0)
-        return {n: R.ParamGrad(rs, ghost) for n, rs in empty.items()}
+        return {n: ParamGrad(rs, ghost) for n, rs in empty.items()}
     by_param: dict[str, list] = {n: [] for n in plan.params}
     sizes = set()
     for use in step.uses:
@@ -127,6 +128,6 @@ def assemble(
         step.costs = {
             n: [replace(c, ghost=ghost, why="forced") for c in cs] for n, cs in plan_uses(by_param, 0.0).items()
         }
-        return {n: R.ParamGrad(rs, ghost) for n, rs in by_param.items()}
+        return {n: ParamGrad(rs, ghost) for n, rs in by_param.items()}
     step.costs = plan_uses(by_param, memory_budget, autotune)
-    return {n: R.ParamGrad(rs, None, [c.ghost for c in step.costs[n]]) for n, rs in by_param.items()}
+    return {n: ParamGrad(rs, None, [c.ghost for c in step.costs[n]]) for n, rs in by_param.items()}

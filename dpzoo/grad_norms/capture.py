@@ -58,7 +58,7 @@ class Step:
 
     uses: list[Use] = field(default_factory=list)
     backward_done: bool = False
-    grads: dict | None = None  # parameter name -> reps.ParamGrad, once assembled
+    grads: dict | None = None  # parameter name -> param_grad.ParamGrad, once assembled
     sq_norms: dict | None = None
     batch_size: int | None = None  # from the root module's input
     root_ran: bool = False

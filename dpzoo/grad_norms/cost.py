@@ -188,7 +188,7 @@ def plan_uses(
     """{parameter: one :class:`UseCost` per use, with the choice made} for a step's
     representations (``by_param``: parameter name → its uses' representations). ``budget``:
     bytes the instantiated uses may hold together (None: :func:`default_budget` of their device).
-    A parameter with more than two uses is summed densely by :class:`~dpzoo.grad_norms.reps.ParamGrad`
+    A parameter with more than two uses is summed densely by :class:`~dpzoo.grad_norms.param_grad.ParamGrad`
     (O(uses) instead of O(uses²) cross terms): its uses are reported, not planned. ``autotune``:
     the linear uses are timed on both paths (:func:`measure_paths`, once per shape) and compared
     by time instead of multiply-adds."""

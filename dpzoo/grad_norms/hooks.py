@@ -6,9 +6,8 @@ parameter of a model, in one backward pass. This module is the public handle
 * :mod:`.capture`: the forward hooks recording a step, and loose-tensor swaps;
 * :mod:`.ghost`: ghost differentiation (``hooks.backward``, ``ghost_backward=True``);
 * :mod:`.audit`: the graph audit (edge counts, stray gradients, version checks);
-* :mod:`.assembly`: records → one :class:`~dpzoo.grad_norms.reps.ParamGrad` per parameter;
+* :mod:`.assembly`: records → one :class:`~.param_grad.ParamGrad` per parameter (:mod:`.reps`: its uses);
 * :mod:`.cost`: ghost norm or instantiation per use, by estimated time within a memory budget;
-* :mod:`.reps`: the representations, both paths, multi-use cross terms.
 
 How it works (BK paper, Algorithm 1):
 
@@ -54,6 +53,7 @@ from .float_guard import round_up
 from .ghost import ghost_differentiate, wrap_outputs
 from .half import shared_scale
 from .loss_pool import unwatched
+from .param_grad import ParamGrad
 from .plan import plan_model
 from .rounding import mechanism_dtype
 from .rules.loose import (
@@ -165,7 +165,7 @@ class NormHooks:
 
     # -- results ----------------------------------------------------------------------------
     @no_autocast()
-    def _grads(self) -> dict[str, R.ParamGrad]:
+    def _grads(self) -> dict[str, ParamGrad]:
         st = self._rec.step
         if st.grads is None:
             check_step(st, self._plan.params)
