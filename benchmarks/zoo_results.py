@@ -31,7 +31,7 @@ RESULTS = ROOT / "dpzoo" / "models" / "dp_results.json"
 
 def image_entries() -> list[str]:
     from dpzoo.cli.kinds import model_kind
-    from dpzoo.registry import list_models
+    from dpzoo.models import list_models
 
     out = []
     for name in list_models():

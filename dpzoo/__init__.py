@@ -34,7 +34,7 @@ from .errors import (
     UntestedVersionWarning,
     WeakPrivacyWarning,
 )
-from .registry import ModelCard, is_model, list_models, model_card, register_model, unregister_model
+from .registry import ModelCard, register_model
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the names __getattr__ imports on first use
     from . import frost
@@ -42,14 +42,13 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names __getattr__ imports o
     from .grad_norms import NormHooks, attach_norm_hooks, register_rule
     from .hub.load_save import create_model, load, privacy_metadata, read_config, save
     from .hub.statement import privacy_statement
+    from .models import is_model, list_models, model_card, unregister_model
     from .privacy import DPGradScaler, PrivacyEngine, register_accountant, unregister_accountant
     from .privacy.verify import verify
     from .summary import ModelSummary, summary
     from .surgery import check_dp_ready, find_inplace_ops, find_tied_parameters, make_dp_ready
 
-__version__ = "0.1.0"
-
-from .versions import warn_if_untested  # noqa: E402
+from .versions import __version__, warn_if_untested  # noqa: E402
 
 warn_if_untested()  # once, on import: torch / transformers outside the range the exactness suites ran on
 
@@ -69,6 +68,7 @@ _LAZY: dict[str, tuple[str, str | None]] = {
     **{n: (".hub.load_save", n) for n in ("create_model", "load", "privacy_metadata", "read_config", "save")},
     **{n: (".privacy", n) for n in ("PrivacyEngine", "DPGradScaler", "register_accountant", "unregister_accountant")},
     "verify": (".privacy.verify", "verify"),
+    **{n: (".models", n) for n in ("is_model", "list_models", "model_card", "unregister_model")},
     "privacy_statement": (".hub.statement", "privacy_statement"),
     **{n: (".summary", n) for n in ("ModelSummary", "summary")},
     **{n: (".surgery", n) for n in ("check_dp_ready", "find_inplace_ops", "find_tied_parameters", "make_dp_ready")},

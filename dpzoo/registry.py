@@ -9,25 +9,18 @@ model that is already DP-ready (see :mod:`dpzoo.surgery`). Each entry carries a
 from __future__ import annotations
 
 import difflib
-import fnmatch
 import inspect
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from .errors import InvalidArgumentError, OverrideError, UnknownModelError
+from .errors import InvalidArgumentError, OverrideError
 
 __all__ = [
     "ModelCard",
     "ModelEntry",
     "register_model",
-    "unregister_model",
-    "list_models",
-    "model_card",
-    "get_entry",
-    "is_model",
-    "split_name",
     "reject_unknown_overrides",
     "LOAD_KEYWORDS",
     "OVERRIDE_SYNONYMS",
@@ -171,7 +164,7 @@ class ModelEntry:
         return "weights" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-_REGISTRY: dict[str, ModelEntry] = {}
+ENTRIES: dict[str, ModelEntry] = {}  # every registered entry; :mod:`dpzoo.models` looks them up, its own included
 
 
 def register_model(name: str | Callable | None = None, *, card: ModelCard | None = None):
@@ -185,7 +178,7 @@ def register_model(name: str | Callable | None = None, *, card: ModelCard | None
 
     def decorate(fn: Callable, entry_name: str | None) -> Callable:
         entry_name = entry_name or fn.__name__.replace("_", "-")
-        if entry_name in _REGISTRY and _REGISTRY[entry_name].builder is not fn:
+        if entry_name in ENTRIES and ENTRIES[entry_name].builder is not fn:
             raise InvalidArgumentError(
                 f"A zoo entry named {entry_name!r} is already registered; register yours under another name (name=...)."
             )
@@ -201,62 +194,12 @@ def register_model(name: str | Callable | None = None, *, card: ModelCard | None
                 f"The card is named {entry_card.name!r} but the entry {entry_name!r}; "
                 "give the ModelCard the entry's name."
             )
-        _REGISTRY[entry_name] = ModelEntry(entry_name, fn, entry_card)
+        ENTRIES[entry_name] = ModelEntry(entry_name, fn, entry_card)
         return fn
 
     if callable(name):  # bare @register_model
         return decorate(name, None)
     return lambda fn: decorate(fn, name)
-
-
-def unregister_model(name: str) -> Callable[..., Any]:
-    """Remove an entry registered with :func:`register_model` and return its builder (a plugin's
-    tests clean up with it). dpzoo's own entries cannot be removed."""
-    _ensure_builtin()
-    if name not in _REGISTRY:
-        raise UnknownModelError(name, _REGISTRY)
-    builder = _REGISTRY[name].builder
-    if builder.__module__.split(".")[0] == "dpzoo":
-        raise InvalidArgumentError(f"{name!r} is one of dpzoo's own zoo entries and cannot be unregistered.")
-    del _REGISTRY[name]
-    return builder
-
-
-def _ensure_builtin() -> None:
-    from . import models  # noqa: F401  (importing registers the built-in entries)
-
-
-def list_models(pattern: str | Iterable[str] = "*", *, pretrained: bool = False) -> list[str]:
-    """Names of zoo entries matching ``pattern`` (fnmatch, or a list of patterns).
-
-    With ``pretrained=True``, only entries that have at least one pretrained tag.
-    """
-    _ensure_builtin()
-    patterns = [pattern] if isinstance(pattern, str) else list(pattern)
-    names = [n for n in _REGISTRY if any(fnmatch.fnmatch(n, p) for p in patterns)]
-    if pretrained:
-        names = [n for n in names if _REGISTRY[n].card.pretrained_tags]
-    return sorted(names)
-
-
-def split_name(name: str) -> tuple[str, str | None]:
-    """Split a zoo name into its entry and its pretrained tag.
-
-    ``"resnet18-gn-bias.a1_in1k"`` → ``("resnet18-gn-bias", "a1_in1k")``. The tag is everything
-    after the entry's name and one dot, so a Hugging Face hub id with slashes and dots is a tag too:
-    ``"gpt2.openai-community/gpt2"`` → ``("gpt2", "openai-community/gpt2")``,
-    ``"bert-base.org/model-v1.5"`` → ``("bert-base", "org/model-v1.5")``. A registered entry whose
-    own name has a dot is matched whole (the longest registered name wins); an unknown name is
-    split at its first dot.
-    """
-    _ensure_builtin()
-    if name in _REGISTRY:
-        return name, None
-    base = max((n for n in _REGISTRY if name.startswith(n + ".")), key=len, default=None)
-    if base is None:
-        base = name.partition(".")[0]
-    tag = name[len(base) + 1 :]
-    return base, (tag or None)
 
 
 def reject_unknown_overrides(entry: str, given: Iterable[str], accepted: Iterable[str]) -> None:
@@ -274,21 +217,3 @@ def reject_unknown_overrides(entry: str, given: Iterable[str], accepted: Iterabl
         + (f" ({hint})" if hint else "")
         + f". Accepted: {', '.join(accepted) or 'none'}. (`dpzoo.model_card({entry!r})` documents them.)"
     )
-
-
-def get_entry(name: str) -> ModelEntry:
-    _ensure_builtin()
-    base, _ = split_name(name)
-    if base not in _REGISTRY:
-        raise UnknownModelError(name, _REGISTRY)
-    return _REGISTRY[base]
-
-
-def is_model(name: str) -> bool:
-    _ensure_builtin()
-    return split_name(name)[0] in _REGISTRY
-
-
-def model_card(name: str) -> ModelCard:
-    """The :class:`ModelCard` of a zoo entry (``str(card.to_markdown())`` to read it)."""
-    return get_entry(name).card

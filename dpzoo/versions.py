@@ -1,4 +1,4 @@
-"""The torch and transformers versions dpzoo's exactness suites were run on, and the warning when
+"""dpzoo's own version (``__version__``), the torch and transformers versions dpzoo's exactness suites were run on, and the warning when
 the installed ones are outside them.
 
 dpzoo reads autograd internals (gradient edges, graph task ids, how views and in-place ops are
@@ -20,7 +20,9 @@ from importlib import metadata
 
 from .errors import UntestedVersionWarning
 
-__all__ = ["TESTED", "installed", "untested", "warn_if_untested"]
+__all__ = ["__version__", "TESTED", "installed", "untested", "warn_if_untested"]
+
+__version__ = "0.1.0"  # pyproject.toml's; tests/test_versions.py checks they agree
 
 # package -> (lowest, newest) version the exactness suites passed on (docs/COMPATIBILITY.md)
 TESTED: dict[str, tuple[str, str]] = {

@@ -164,7 +164,7 @@ _REGISTRIES = """
 import json
 from dpzoo.privacy.accounting.registry import ACCOUNTANTS, accountant_spec
 from dpzoo.privacy.modes import DEFAULT_CLI_MODE, TRAINING_MODES
-from dpzoo.registry import list_models, model_card
+from dpzoo.models import list_models, model_card
 from dpzoo.seqrec.downloads import DATASETS
 print(json.dumps({
     "models": {n: model_card(n).task for n in list_models()},

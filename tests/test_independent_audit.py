@@ -782,11 +782,9 @@ def _indaudit_mlp(**_):
 @pytest.fixture(scope="module")
 def zoo_entry():
     """Registers 'indaudit-mlp' for these tests only (other tests iterate dpzoo.list_models())."""
-    from dpzoo import registry
-
     dpzoo.register_model("indaudit-mlp")(_indaudit_mlp)
     yield "indaudit-mlp"
-    registry.unregister_model("indaudit-mlp")
+    dpzoo.unregister_model("indaudit-mlp")
 
 
 def _zoo():

@@ -284,7 +284,7 @@ def test_a_replaced_layer_hands_on_its_mark():
 def test_a_fresh_embedding_adapter_is_not_taken_for_a_trained_one():
     """PEFT starts an Embedding LoRA with lora_embedding_A = 0 (B random): fresh, it is not a
     trained adapter; with A no longer zero (trained, reloaded without a record), it is."""
-    from dpzoo.integrations.peft_layers import trained_adapters
+    from dpzoo.integrations.peft_adapters import trained_adapters
 
     torch.manual_seed(0)
     model = nn.Sequential(OrderedDict(emb=nn.Embedding(10, 6), fc=nn.Linear(6, 3)))
@@ -497,7 +497,7 @@ def test_a_resume_marks_only_the_adapters_it_restored(saved_adapter):
     with torch.no_grad():
         model.base_model.model.fc1.lora_B["default"].weight.normal_()  # as restored from a checkpoint
     mark_resumed(model, "checkpoint-2")
-    from dpzoo.integrations.peft_layers import trained_adapters
+    from dpzoo.integrations.peft_adapters import trained_adapters
 
     assert {a for _, a in trained_adapters(model)} == {"ext"}
 

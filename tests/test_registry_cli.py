@@ -137,10 +137,8 @@ def test_register_user_model(tmp_path):
         with pytest.raises(InvalidArgumentError, match="already registered"):
             dpzoo.register_model("test-tiny-cnn")(lambda **kw: None)
     finally:
-        from dpzoo import registry
-
         if dpzoo.is_model("test-tiny-cnn"):
-            registry.unregister_model("test-tiny-cnn")
+            dpzoo.unregister_model("test-tiny-cnn")
 
 
 def test_create_model_is_load():

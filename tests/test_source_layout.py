@@ -352,33 +352,10 @@ def test_no_import_cycle_when_modules_load():
     assert _cycles(_import_graph(LIBRARY, top_level_only=True)) == []
 
 
-# Modules that reach each other only through imports inside functions (a lower layer calling up
-# lazily: the registries filling themselves, the engine and the records it reads). This set may
-# only shrink; no module may join a cycle. docs/DESIGN.md "Package map".
-LAZILY_CYCLIC = {
-    "dpzoo", "dpzoo.audit.canary_models", "dpzoo.audit.recorded", "dpzoo.audit.run", "dpzoo.audit.task",
-    "dpzoo.audit.training", "dpzoo.grad_norms", "dpzoo.grad_norms.assembly", "dpzoo.grad_norms.audit",
-    "dpzoo.grad_norms.capture", "dpzoo.grad_norms.ghost", "dpzoo.grad_norms.hooks",
-    "dpzoo.grad_norms.plan", "dpzoo.hub.load_save", "dpzoo.hub.privacy_card",
-    "dpzoo.hub.sharded_save", "dpzoo.integrations.hf_save_watch", "dpzoo.integrations.opacus",
-    "dpzoo.integrations.peft", "dpzoo.integrations.peft_adapters", "dpzoo.integrations.peft_layers",
-    "dpzoo.integrations.peft_merge", "dpzoo.integrations.peft_records", "dpzoo.integrations.peft_statements",
-    "dpzoo.integrations.trainer_save", "dpzoo.models", "dpzoo.models._common", "dpzoo.models._hf",
-    "dpzoo.models._timm", "dpzoo.models.bert", "dpzoo.models.cnn", "dpzoo.models.convnext",
-    "dpzoo.models.efficientnet", "dpzoo.models.gemma", "dpzoo.models.gpt2", "dpzoo.models.llama",
-    "dpzoo.models.mistral", "dpzoo.models.mlp", "dpzoo.models.nfnet", "dpzoo.models.qwen2", "dpzoo.models.resnet",
-    "dpzoo.models.t5", "dpzoo.models.vit", "dpzoo.models.wrn", "dpzoo.privacy", "dpzoo.privacy.arguments",
-    "dpzoo.privacy.batch_memory", "dpzoo.privacy.budget", "dpzoo.privacy.carried", "dpzoo.privacy.engine",
-    "dpzoo.privacy.grad_scaler", "dpzoo.privacy.guards", "dpzoo.privacy.metadata", "dpzoo.privacy.modes",
-    "dpzoo.privacy.optimizer", "dpzoo.privacy.verify", "dpzoo.privacy.watch", "dpzoo.registry", "dpzoo.seqrec.zoo",
-    "dpzoo.surgery", "dpzoo.surgery.dp_ready",
-}  # fmt: skip
-
-
-def test_lazy_import_cycles_only_shrink():
-    cyclic = {m for c in _cycles(_import_graph(LIBRARY, top_level_only=False)) for m in c}
-    assert sorted(cyclic - LAZILY_CYCLIC) == [], "modules joined an import cycle: import downwards only"
-    assert sorted(LAZILY_CYCLIC - cyclic) == [], "modules left every cycle: delete them from LAZILY_CYCLIC"
+def test_no_import_cycle_even_through_imports_inside_functions():
+    """No module reaches back to itself through any import, lazy ones (inside functions) included:
+    a lower layer never calls up (docs/DESIGN.md "Package map")."""
+    assert _cycles(_import_graph(LIBRARY, top_level_only=False)) == []
 
 
 def test_the_cycle_checks_find_a_cycle():

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import dpzoo
-from dpzoo.registry import split_name
+from dpzoo.models import split_name
 
 CLASSIFIERS = ["resnet18-gn-bias", "vit-tiny-patch16", "efficientnet-lite0-gn-bias", "bert-base", "roberta-base"]
 RESNET_SMALL = {"layers": [1, 1, 1, 1], "width": 8}

@@ -85,3 +85,13 @@ def test_the_lock_pins_the_newest_tested_versions_and_pyproject_admits_the_range
         assert versions.release(pins[package]) == versions.release(high), f"the lock's {package} is not TESTED's newest"
         spec = next(d for d in deps if re.match(rf"{package}\b", d))
         assert f">={low.rsplit('.', 1)[0]}" in spec and "<" in spec, f"pyproject's {spec!r} does not state the range"
+
+
+def test_the_package_states_pyprojects_version():
+    import re
+
+    stated = re.search(r'^version = "([^"]+)"', (_root() / "pyproject.toml").read_text(), re.M)
+    assert stated and versions.__version__ == stated.group(1)
+    import dpzoo
+
+    assert dpzoo.__version__ == versions.__version__

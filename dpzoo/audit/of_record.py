@@ -21,8 +21,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from .. import __version__
 from ..errors import DPZooError
+from ..versions import __version__
 from .recorded import AUDIT_FILE, mechanism_of, replacing_audit, verified_block
 from .report import AuditResult
 
@@ -70,7 +70,7 @@ def record_audit(
     block. Refused if they are not the white-box audit of the directory's record and its control.
     Returns the block."""
     from ..hub.privacy_card import read_card, render_card
-    from ..integrations.trainer_save import read_privacy_metadata
+    from ..hub.saved_files import read_privacy_metadata
 
     directory = Path(directory)
     with replacing_audit():

@@ -31,7 +31,6 @@ __all__ = [
     "replacing_audit",
     "replacing",
     "stated_audits",
-    "check_audit",
 ]
 
 AUDIT_FILE = "dpzoo_audit.json"
@@ -93,7 +92,7 @@ def _recomputed(run: Mapping[str, Any], result: Mapping[str, Any], seed: int, cl
     import torch
 
     from ..privacy.accounting.accountant import Accountant
-    from .run import audit_from_scores
+    from .from_scores import audit_from_scores
 
     m = result["mechanism"]
     same = [
@@ -226,25 +225,3 @@ def audit_sentence(block: Mapping[str, Any], run_sample_rate: float) -> str:
         f"q = {m['sample_rate']:.4g} on the canary set against the run's {run_sample_rate:.4g}) with "
         f"{block['canaries']} canaries {found}{power}. It tests the implementation, not this model's data."
     )
-
-
-def check_audit(directory, card_audit: Any, record: Mapping[str, Any]) -> bool:
-    """Refuse a card's audit block that is not :func:`verified_block` of ``dpzoo_audit.json`` beside
-    it. False (nothing checked) while the block is being replaced (:func:`replacing_audit`)."""
-    import json
-    from pathlib import Path
-
-    from ..hub.privacy_card import CARD_NAME, same_value
-
-    if _REPLACING.get():
-        return False
-    path, file = Path(directory) / CARD_NAME, Path(directory) / AUDIT_FILE
-    try:
-        saved = json.loads(file.read_text())
-    except (OSError, ValueError):
-        raise CheckpointError(
-            f"{path} states an audit that {file.name} does not hold: rerun `dpzoo audit --run`."
-        ) from None
-    if not same_value(card_audit, verified_block(saved, record)):
-        raise CheckpointError(f"{path}: its audit block is not {file.name}'s (edited?); rerun `dpzoo audit --run`.")
-    return True

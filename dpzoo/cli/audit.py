@@ -35,7 +35,7 @@ def _audit_run(args) -> int:
     from ..audit import audit_record, record_audit
     from ..audit.recorded import replacing_audit
     from ..hub.load_save import run_model_directory
-    from ..integrations.trainer_save import read_privacy_metadata
+    from ..hub.saved_files import read_privacy_metadata
 
     given = [n for n, v in args.audit_defaults.items() if getattr(args, n) != v]
     if given:

@@ -97,10 +97,10 @@ def _live(module: str) -> Any:
 
 def model_tasks() -> dict[str, str]:
     """name -> task of every zoo entry."""
-    if _live("dpzoo.models") is None:
+    zoo = _live("dpzoo.models")
+    if zoo is None:
         return dict(BUILTIN_MODELS)
-    registry = importlib.import_module("dpzoo.registry")
-    return {name: registry.model_card(name).task for name in registry.list_models()}
+    return {name: zoo.model_card(name).task for name in zoo.list_models()}
 
 
 def trainable_models_help() -> str:

@@ -59,7 +59,7 @@ def _example_batch(card, batch_size=4):
 
 
 def _cmd_list(args) -> int:
-    from ..registry import list_models, model_card
+    from ..models import list_models, model_card
 
     for name in list_models(args.pattern):
         print(f"{name:<24} {model_card(name).summary}")
@@ -77,7 +77,7 @@ def _cmd_card(args) -> int:
         return 0
     if args.registry:
         raise DPZooError(f"--registry needs a saved private model's directory; {args.name} is not a directory.")
-    from ..registry import model_card
+    from ..models import model_card
 
     print(model_card(args.name).to_markdown(), end="")
     return 0
@@ -89,7 +89,7 @@ def _print_registry_record(directory) -> int:
     from ..hub.deployments_registry import registry_record
     from ..hub.load_save import run_model_directory
     from ..hub.privacy_card import read_card
-    from ..integrations.trainer_save import read_privacy_metadata
+    from ..hub.saved_files import read_privacy_metadata
 
     model_dir = run_model_directory(directory)
     record, front = read_privacy_metadata(model_dir), read_card(model_dir) or {}
@@ -106,7 +106,7 @@ def _print_registry_record(directory) -> int:
 
 def _build(args):
     from ..hub.load_save import load
-    from ..registry import model_card
+    from ..models import model_card
 
     overrides = dict(args.set or [])
     if getattr(args, "small", False):
@@ -130,7 +130,7 @@ def _cmd_prepare(args) -> int:
     import torch
 
     from ..hub.load_save import save
-    from ..registry import model_card
+    from ..models import model_card
     from ..summary import summary
     from ..surgery import check_dp_ready
 
@@ -160,7 +160,7 @@ def _cmd_prepare(args) -> int:
 
 
 def _cmd_cards(args) -> int:
-    from ..registry import list_models, model_card
+    from ..models import list_models, model_card
 
     out = Path(args.write)
     out.mkdir(parents=True, exist_ok=True)

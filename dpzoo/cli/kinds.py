@@ -52,7 +52,7 @@ DEFAULT_STEPS: dict[str, dict[str, Any]] = {
 
 def model_kind(name: str) -> str:
     """The kind of a zoo entry ``dpzoo train`` trains ("image", "tabular", "text" or "seqrec"); others are refused."""
-    from ..registry import model_card
+    from ..models import model_card
 
     task = model_card(name).task
     if task not in KINDS:

@@ -138,7 +138,7 @@ def _check_options(kind: str, args: argparse.Namespace, opts: set[str]) -> None:
 def default_image_size(name: str, data: str) -> int:
     """The pixels images are resized to without ``--image-size``: the entry's recipe (its card's
     ``train_defaults``) if it names a size, else 16 for the digits and 32 for an image folder."""
-    from ..registry import model_card  # (lazily, as _recipe: the CLI's help stays free of the zoo)
+    from ..models import model_card  # (lazily, as _recipe: the CLI's help stays free of the zoo)
 
     return int(model_card(name).train_defaults.get("image_size") or (16 if data == "digits" else 32))
 
@@ -187,7 +187,7 @@ def _train_kwargs(kind: str, args: argparse.Namespace) -> dict:
 def _recipe(kind: str, name: str) -> dict[str, Any]:
     """Epochs, batch size and learning rate: the entry's own recipe (its card's train_defaults) over
     the defaults of its kind."""
-    from ..registry import model_card
+    from ..models import model_card
 
     return {**DEFAULT_STEPS[kind], **model_card(name).train_defaults}
 

@@ -21,33 +21,30 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from .. import __version__
 from ..errors import CheckpointError, OverrideError, SaveError
 from ..integrations.opacus import unwrap_for_save
-from ..integrations.peft_layers import refuse_save as refuse_peft_save
-from ..privacy.carried import attach_loaded_record, refuse_uncounted_spending
+from ..integrations.peft_layers import is_peft_model
+from ..integrations.peft_statements import refuse_save_of_stated_merges
+from ..models import get_entry, is_model, split_name
+from ..privacy.carried import attach_loaded_record, refuse_uncounted_spending, refuse_weights_of_unknown_origin
 from ..privacy.engine import engine_of
-from ..registry import LOAD_KEYWORDS, OVERRIDE_SYNONYMS, get_entry, is_model, reject_unknown_overrides, split_name
+from ..registry import LOAD_KEYWORDS, OVERRIDE_SYNONYMS, reject_unknown_overrides
+from ..versions import __version__
 from .checkpoint import give_default_permissions, load_state_dict_checked, state_dict_mismatch
-from .privacy_card import CARD_NAME, check_saved_card, render_card
+from .privacy_card import CARD_NAME, render_card
 from .privacy_record import (
     PRIVACY_FIELDS,
     check_privacy,
     privacy_from_header,
-    privacy_from_json,
     privacy_to_json,
     refuse_file_beside_hf_record,
     spending_of,
 )
+from .saved_files import CONFIG_NAME, FORMAT_VERSION, HF_CONFIG_NAME, WEIGHTS_NAME, privacy_metadata, read_config
 from .sharded_save import save_if_sharded
 
 __all__ = ["load", "create_model", "save", "read_config", "privacy_metadata", "PRIVACY_FIELDS", "CONFIG_NAME"]
 __all__ += ["WEIGHTS_NAME", "run_model_directory"]
-
-CONFIG_NAME = "dpzoo_config.json"
-WEIGHTS_NAME = "model.safetensors"
-HF_CONFIG_NAME = "config.json"  # a transformers model's config, beside dpzoo's
-FORMAT_VERSION = 1
 
 
 def _jsonable(value: Any) -> Any:
@@ -219,7 +216,7 @@ def save(
     """
     if (sharded := save_if_sharded(model, directory, save, privacy, overwrite)) is not None:
         return sharded  # FSDP2: every rank gathers, rank 0 writes (dpzoo.hub.sharded_save)
-    refuse_peft_save(model)
+    _refuse_peft_save(model)
     model = unwrap_for_save(model, privacy)  # Opacus' GradSampleModule -> the zoo model
     config = getattr(model, "dpzoo_config", None)
     if not isinstance(config, dict) or "model_name" not in config:
@@ -291,45 +288,6 @@ def _write_library_config(model: nn.Module, directory: Path, privacy: Mapping[st
         (directory / HF_CONFIG_NAME).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def read_config(directory: str | os.PathLike) -> dict[str, Any]:
-    """The ``dpzoo_config.json`` of a saved model, checked."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise SaveError(f"{directory} is not a directory written by dpzoo.save.")
-    cfg_path = directory / CONFIG_NAME
-    if not cfg_path.exists():
-        hint = (
-            " It looks like a Hugging Face directory: pass it as weights=DIR to a transformers zoo entry."
-            if (directory / HF_CONFIG_NAME).exists()
-            else ""
-        )
-        raise SaveError(f"{directory} has no {CONFIG_NAME}, so dpzoo.save did not write it.{hint}")
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SaveError(f"{cfg_path} is corrupt ({e}).") from None
-    if not isinstance(cfg, dict) or "model_name" not in cfg:
-        raise SaveError(f"{cfg_path} lacks model_name; it is not a dpzoo config.")
-    if cfg.get("format_version", 0) > FORMAT_VERSION:
-        raise SaveError(f"{directory} was written by a newer dpzoo (format {cfg['format_version']}); upgrade dpzoo.")
-    if cfg.get("privacy") is not None:  # validated as save validates it: a hand-edited record is refused
-        try:
-            cfg["privacy"] = check_privacy(privacy_from_json(cfg["privacy"]))
-        except SaveError as e:
-            raise SaveError(
-                f"{cfg_path}: its privacy record is invalid ({e}); it cannot be composed into a new ε."
-            ) from None
-    check_saved_card(directory, cfg.get("privacy"), directory / WEIGHTS_NAME)
-    return cfg
-
-
-def privacy_metadata(directory: str | os.PathLike) -> dict[str, Any] | None:
-    """The privacy metadata saved with a model, or None for a model saved without it.
-
-    An ε recorded as infinite (noise multiplier 0: no guarantee) is returned as ``float("inf")``."""
-    return read_config(directory).get("privacy")
-
-
 def _merge_overrides(saved: dict[str, Any], given: Mapping[str, Any]) -> dict[str, Any]:
     """The saved overrides updated with ``given``; a given synonym (num_labels) replaces the saved name."""
     merged = dict(saved)
@@ -397,3 +355,16 @@ def _load_saved(directory: Path, given: Mapping[str, Any] | None = None) -> nn.M
     if cfg.get("privacy"):
         attach_loaded_record(model, cfg["privacy"])
     return model
+
+
+def _refuse_peft_save(model: nn.Module) -> None:
+    """Refuse to save a PEFT model (its state dict is the wrapper's, which :func:`load` cannot
+    rebuild), saying what to save instead; and merged weights whose origin is unknown or stated."""
+    refuse_weights_of_unknown_origin(model, stated_disjoint=False)  # merged ones of unknown origin: saved, lost
+    refuse_save_of_stated_merges(model)
+    if is_peft_model(model):
+        raise SaveError(
+            f"{type(model).__name__} is a PEFT model, and dpzoo.save writes whole zoo models: save "
+            "model.merge_and_unload() (the zoo model with the adapters merged in; it keeps the privacy record of "
+            "the engine that trained it), or the adapters alone with model.save_pretrained(dir)."
+        )

@@ -19,14 +19,15 @@ accountant, is refused.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import math
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import yaml
 
-from .. import __version__
 from ..errors import CheckpointError
+from ..versions import __version__
 
 __all__ = [
     "CARD_NAME",
@@ -277,9 +278,9 @@ def check_card(directory: str | Path, record: Mapping[str, Any] | None, header: 
             f"{path} states no privacy guarantee, but the model carries one: rewrite it with dpzoo.save."
         )
     versions = _card_versions(card)
-    from ..audit.recorded import check_audit, stated_audits
+    from ..audit.recorded import stated_audits
 
-    audited = card.get("audit") is None or check_audit(Path(directory), card["audit"], record)  # False: being replaced
+    audited = card.get("audit") is None or _check_audit(Path(directory), card["audit"], record)  # False: being replaced
     if audited and stated_audits(body) != (card.get("audit") is not None):
         raise CheckpointError(
             f"{path}: its text states an audit its audit block does not hold; rewrite it with dpzoo.save."
@@ -369,3 +370,22 @@ def _recompute(path: Path, card: Mapping[str, Any]) -> None:
             f"{path} says ε = {eps} but its history gives ε = {again:.6g} with the {card['accountant']} accountant: "
             "the card was edited; rewrite it with dpzoo.save."
         )
+
+
+def _check_audit(directory: Path, card_audit: Any, record: Mapping[str, Any]) -> bool:
+    """Refuse a card's audit block that is not the verified block of ``dpzoo_audit.json`` beside
+    it. False (nothing checked) while the block is being replaced (``replacing_audit``)."""
+    from ..audit.recorded import AUDIT_FILE, replacing, verified_block
+
+    if replacing():
+        return False
+    path, file = directory / CARD_NAME, directory / AUDIT_FILE
+    try:
+        saved = json.loads(file.read_text())
+    except (OSError, ValueError):
+        raise CheckpointError(
+            f"{path} states an audit that {file.name} does not hold: rerun `dpzoo audit --run`."
+        ) from None
+    if not same_value(card_audit, verified_block(saved, record)):
+        raise CheckpointError(f"{path}: its audit block is not {file.name}'s (edited?); rerun `dpzoo audit --run`.")
+    return True

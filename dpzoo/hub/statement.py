@@ -8,10 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..integrations.trainer_save import read_privacy_metadata
 from ..privacy.engine import engine_of
 from .load_save import run_model_directory
 from .privacy_card import read_card, statement_from_record
+from .saved_files import read_privacy_metadata
 
 __all__ = ["privacy_statement"]
 

@@ -5,15 +5,19 @@ A tuner layer keeps each adapter's tensors in per-adapter containers (``lora_A``
 ``hada_w1_a``, ``ia3_l``, ...: ``nn.ModuleDict`` / ``nn.ParameterDict`` keyed by adapter name);
 :func:`holders` are the modules that own them, which is where :func:`dpzoo.privacy.carried.link_spending`
 puts an engine's link. :mod:`dpzoo.integrations.peft_merge` (merges, loads, combinations) and
-:func:`dpzoo.integrations.peft_layers.trained_adapters` (adapters trained elsewhere) read and
+:func:`trained_adapters` (adapters trained elsewhere) read and
 write this state through these functions only.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = [
+    "trained_adapters",
     "PARTLY_UNKNOWN",
     "entry",
     "holders",
@@ -186,3 +190,46 @@ def other_tuners_trained(model) -> list[tuple[str, str]]:
             if not is_linked(layer, adapter) and changes_weights(layer, adapter):
                 out.append((name, adapter))
     return out
+
+
+ZERO_B_INITS = (True, "gaussian")  # LoRA inits whose lora_B starts at exactly zero
+
+
+def trained_adapters(model: nn.Module) -> list[tuple[str, str]]:
+    """(layer, adapter) for adapters whose initialisation sets a factor to zero (lora_B; an
+    Embedding's lora_embedding_A; AdaLoRA's lora_E, its lora_B starts random) but whose factor is
+    not zero now, and that no dpzoo engine trained here (no spending link): trained before,
+    elsewhere (loaded with ``PeftModel.from_pretrained`` or ``load_adapter``); adapters of any
+    initialisation loaded without a record that move the weights; and adapters of PEFT's other
+    tuner families that move the weights with no link."""
+    from torch import nn  # not at module level: `import dpzoo` (peft_merge) stays torch-free
+
+    from .peft_layers import loaded_peft, lora_layers, peft_configs
+
+    if loaded_peft() is None:
+        return []
+    zero_init = {  # adapter name -> the factors that start at zero
+        n: ("lora_E",) if type(c).__name__ == "AdaLoraConfig" else ("lora_B", "lora_embedding_A")
+        for m in model.modules()
+        for n, c in peft_configs(m).items()
+        if getattr(c, "init_lora_weights", True) in ZERO_B_INITS
+    }
+    found = []
+    for layer_name, layer in lora_layers(model).items():
+        for name, attrs in zero_init.items():
+            for attr in attrs:
+                container = getattr(layer, attr, None)
+                if not isinstance(container, (nn.ModuleDict, nn.ParameterDict)) or name not in container:
+                    continue
+                tensors = container[name].parameters() if isinstance(container, nn.ModuleDict) else [container[name]]
+                # not linked: no dpzoo engine trained it here, no DPTrainer resume restored it
+                if not is_linked(layer, name) and any(bool(t.detach().ne(0).any()) for t in tensors):
+                    if (layer_name, name) not in found:
+                        found.append((layer_name, name))
+    for layer_name, layer in lora_layers(model).items():  # loaded without a record, whatever the init
+        for name in getattr(layer, "lora_A", {}).keys():
+            unknown = loaded_unknown(layer, name) and not is_linked(layer, name) and changes_weights(layer, name)
+            if unknown and (layer_name, name) not in found:
+                found.append((layer_name, name))
+    found += [f for f in other_tuners_trained(model) if f not in found]
+    return found

@@ -14,7 +14,7 @@ from typing import Iterable
 
 from torch import nn
 
-from ..errors import InvalidArgumentError, MissingDependencyError, PrivacyUsageError, SaveError, UnsupportedModuleError
+from ..errors import InvalidArgumentError, MissingDependencyError, PrivacyUsageError, UnsupportedModuleError
 from ..privacy.bitfit import default_head, head_parameters, is_bias_name
 
 __all__ = [
@@ -27,10 +27,8 @@ __all__ = [
     "unsupported_lora_layers",
     "inactive_parameters",
     "train_head_patterns",
-    "refuse_save",
     "REFUSED_OPTIONS",
     "DATA_DRIVEN_INITS",
-    "trained_adapters",
     "DATA_FREE_INITS",
     "data_free_init",
     "data_driven_inits",
@@ -66,7 +64,7 @@ def import_peft():
     return peft
 
 
-def _loaded_peft():
+def loaded_peft():
     """The peft module if something imported it already, else None (then no model holds PEFT layers)."""
     return import_peft() if "peft" in sys.modules else None
 
@@ -75,7 +73,7 @@ def is_peft_model(model: nn.Module) -> bool:
     """True for a PEFT model: a ``peft.PeftModel`` / ``PeftMixedModel``, a PEFT tuner model
     (``LoraModel``, ...) or any model PEFT injected adapter layers into
     (``peft.inject_adapter_in_model``)."""
-    peft = _loaded_peft()
+    peft = loaded_peft()
     if peft is None:
         return False
     from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
@@ -87,7 +85,7 @@ def is_peft_model(model: nn.Module) -> bool:
 
 def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     """PEFT's LoRA layers in ``model`` (``lora.Linear``, ``lora.Conv2d``, ``lora.Embedding``, ...), by name."""
-    if _loaded_peft() is None:
+    if loaded_peft() is None:
         return {}
     from peft.tuners.lora import LoraLayer
 
@@ -123,7 +121,7 @@ def lora_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
 
 def _wrappers(model: nn.Module) -> dict[str, nn.Module]:
     """PEFT's ``modules_to_save`` wrappers (a trained copy of a module beside its frozen original)."""
-    peft = _loaded_peft()
+    peft = loaded_peft()
     if peft is None:
         return {}
     from peft.utils.other import ModulesToSaveWrapper
@@ -157,7 +155,7 @@ def inactive_parameters(model: nn.Module) -> set[int]:
 def unsupported_lora_layers(model: nn.Module) -> list[str]:
     """``"name (why)"`` for each active PEFT layer of ``model`` whose adapters dpzoo cannot clip per
     sample (the adapter weights are used outside a module dpzoo has a rule for)."""
-    peft = _loaded_peft()
+    peft = loaded_peft()
     if peft is None:
         return []
     from peft.tuners.lora import layer as lora
@@ -194,7 +192,7 @@ def unsupported_lora_layers(model: nn.Module) -> list[str]:
 
 def wrapped_model(model: nn.Module) -> tuple[str, nn.Module]:
     """(prefix, model) of the model PEFT wraps ("base_model.model." in a PeftModel), or ("", model)."""
-    peft = _loaded_peft()
+    peft = loaded_peft()
     if peft is None:
         return "", model
     from peft.tuners.tuners_utils import BaseTuner
@@ -282,23 +280,7 @@ def lora_trainable(model: nn.Module, train_head: Iterable[str] | str | None = "a
     return keep | heads
 
 
-def refuse_save(model: nn.Module) -> None:
-    """Refuse to ``dpzoo.save`` a PEFT model (its state dict is the wrapper's, which
-    ``dpzoo.load`` cannot rebuild), saying what to save instead."""
-    from ..privacy.carried import refuse_weights_of_unknown_origin
-    from .peft_statements import refuse_save_of_stated_merges
-
-    refuse_weights_of_unknown_origin(model, stated_disjoint=False)  # merged ones of unknown origin: saved, lost
-    refuse_save_of_stated_merges(model)
-    if is_peft_model(model):
-        raise SaveError(
-            f"{type(model).__name__} is a PEFT model, and dpzoo.save writes whole zoo models: save "
-            "model.merge_and_unload() (the zoo model with the adapters merged in; it keeps the privacy record of "
-            "the engine that trained it), or the adapters alone with model.save_pretrained(dir)."
-        )
-
-
-def _peft_configs(model: nn.Module) -> dict:
+def peft_configs(model: nn.Module) -> dict:
     """{adapter name: its PEFT config} of a PeftModel or tuner model ({} for anything else)."""
     configs = getattr(model, "peft_config", None)
     if isinstance(configs, dict):
@@ -318,12 +300,12 @@ def data_driven_inits(model: nn.Module) -> dict[str, str]:
     added to submodules included) whose initialisation is not known to be data-free (EVA, CorDA,
     LoRA-GA, or one dpzoo does not know), except those :func:`declare_public_init` declared computed
     on public data."""
-    if _loaded_peft() is None:
+    if loaded_peft() is None:
         return {}
     public = getattr(model, PUBLIC_INIT_ATTR, {})
     out = {}
     for m in model.modules():
-        for name, config in _peft_configs(m).items():
+        for name, config in peft_configs(m).items():
             init = getattr(config, "init_lora_weights", True)
             if data_free_init(init) or name in public:
                 continue
@@ -341,7 +323,7 @@ def declare_public_init(model: nn.Module, adapter: str = "default", source: str 
             "declare_public_init needs source='...': name the public data the initialisation was computed on "
             "(it goes into the privacy metadata)."
         )
-    configs = {n: c for m in model.modules() for n, c in _peft_configs(m).items()}
+    configs = {n: c for m in model.modules() for n, c in peft_configs(m).items()}
     if adapter not in configs:
         raise InvalidArgumentError(
             f"declare_public_init: no adapter {adapter!r} (adapters: {', '.join(configs) or 'none'})."
@@ -351,44 +333,3 @@ def declare_public_init(model: nn.Module, adapter: str = "default", source: str 
         f"LoRA adapter {adapter!r} initialised ({configs[adapter].init_lora_weights}) on public data: {source.strip()}"
     )
     object.__setattr__(model, PUBLIC_INIT_ATTR, public)  # a plain attribute, not a submodule
-
-
-ZERO_B_INITS = (True, "gaussian")  # LoRA inits whose lora_B starts at exactly zero
-
-
-def trained_adapters(model: nn.Module) -> list[tuple[str, str]]:
-    """(layer, adapter) for adapters whose initialisation sets a factor to zero (lora_B; an
-    Embedding's lora_embedding_A; AdaLoRA's lora_E, its lora_B starts random) but whose factor is
-    not zero now, and that no dpzoo engine trained here (no spending link): trained before,
-    elsewhere (loaded with ``PeftModel.from_pretrained`` or ``load_adapter``); adapters of any
-    initialisation loaded without a record that move the weights; and adapters of PEFT's other
-    tuner families that move the weights with no link."""
-    if _loaded_peft() is None:
-        return []
-    zero_init = {  # adapter name -> the factors that start at zero
-        n: ("lora_E",) if type(c).__name__ == "AdaLoraConfig" else ("lora_B", "lora_embedding_A")
-        for m in model.modules()
-        for n, c in _peft_configs(m).items()
-        if getattr(c, "init_lora_weights", True) in ZERO_B_INITS
-    }
-    from .peft_adapters import changes_weights, is_linked, loaded_unknown, other_tuners_trained
-
-    found = []
-    for layer_name, layer in lora_layers(model).items():
-        for name, attrs in zero_init.items():
-            for attr in attrs:
-                container = getattr(layer, attr, None)
-                if not isinstance(container, (nn.ModuleDict, nn.ParameterDict)) or name not in container:
-                    continue
-                tensors = container[name].parameters() if isinstance(container, nn.ModuleDict) else [container[name]]
-                # not linked: no dpzoo engine trained it here, no DPTrainer resume restored it
-                if not is_linked(layer, name) and any(bool(t.detach().ne(0).any()) for t in tensors):
-                    if (layer_name, name) not in found:
-                        found.append((layer_name, name))
-    for layer_name, layer in lora_layers(model).items():  # loaded without a record, whatever the init
-        for name in getattr(layer, "lora_A", {}).keys():
-            unknown = loaded_unknown(layer, name) and not is_linked(layer, name) and changes_weights(layer, name)
-            if unknown and (layer_name, name) not in found:
-                found.append((layer_name, name))
-    found += [f for f in other_tuners_trained(model) if f not in found]
-    return found

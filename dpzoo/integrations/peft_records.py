@@ -111,7 +111,7 @@ def adapter_record(model: nn.Module, adapter: str) -> dict[str, Any] | None:
 
 def _unknown_part(model: nn.Module, adapter: str) -> bool:
     """Some of the adapter's saved tensors are of unknown origin (loaded without a record, not trained since)."""
-    from .peft_layers import trained_adapters
+    from .peft_adapters import trained_adapters
 
     if any(a == adapter for _, a in trained_adapters(model)):
         return True
@@ -175,10 +175,10 @@ def attach_adapter_record(
     the directory has one, to the adapter's tensors, so a later run composes it (on a layer whose
     bias alone it loaded, composed with what the layer carried). Whether it linked one."""
     from ..errors import PrivacyUsageError
+    from ..hub.saved_files import read_privacy_metadata
     from ..integrations.peft_statements import STATED_DISJOINT
     from ..privacy.provenance import record_parts
     from ..privacy.spending import ComposedSpending, RecordSpending, SpendingLink
-    from .trainer_save import read_privacy_metadata
 
     directory = Path(os.fspath(model_id)) / (subfolder or "")
     record = read_privacy_metadata(directory) if directory.is_dir() else None

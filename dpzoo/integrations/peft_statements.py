@@ -1,7 +1,7 @@
 """What a model states about LoRA weights of unknown origin, and the refusal until it does.
 
 :mod:`dpzoo.integrations.peft_merge` marks the layers (and Hugging Face configs) into which PEFT
-merged an adapter that no dpzoo engine trained; :func:`dpzoo.integrations.peft_layers.trained_adapters`
+merged an adapter that no dpzoo engine trained; :func:`dpzoo.integrations.peft_adapters.trained_adapters`
 finds adapters trained before and loaded without a record. Both are refused
 (:func:`refuse_unknown_origin`) until the user states where the weights came from, on the model or
 on a module holding them: ``dpzoo_adapter_privacy = read_privacy_metadata(ADAPTER_DIR)`` (its
@@ -169,7 +169,7 @@ def unknown_weights(module, stated_disjoint: bool = True) -> list[tuple[str, str
     """(layer, adapter, what) for every weight of unknown origin in ``module``: adapters trained
     elsewhere, adapters merged without a record, and (``stated_disjoint``) weights an earlier run
     was told were trained on disjoint data."""
-    from .peft_layers import trained_adapters
+    from .peft_adapters import trained_adapters
 
     unknown = [(layer, a, "adapter") for layer, a in trained_adapters(module)]
     unknown += [(layer, a, "merged adapter") for layer, a in merged_without_record(module)]

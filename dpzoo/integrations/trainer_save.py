@@ -1,5 +1,5 @@
 """Privacy metadata beside a Hugging Face model directory: written by ``DPTrainer.save_model`` (and
-every checkpoint), read back by :func:`read_privacy_metadata`.
+every checkpoint), read back by :func:`dpzoo.hub.saved_files.read_privacy_metadata`.
 
 Any model: ``save_pretrained``'s files plus ``dpzoo_privacy.json`` (:data:`PRIVACY_FILE`), the
 fields of :data:`dpzoo.hub.load_save.PRIVACY_FIELDS` (ε, δ, accountant, steps, sample rate, σ, R, how noise
@@ -14,7 +14,6 @@ Trainer checkpoints keep ``save_pretrained``'s files, which the Trainer's resume
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -23,14 +22,11 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from ..errors import SaveError
-from ..hub.load_save import CONFIG_NAME, PRIVACY_FIELDS, WEIGHTS_NAME, privacy_metadata, save
-from ..hub.privacy_card import CARD_NAME, check_card, read_card, render_card
+from ..hub.load_save import save
+from ..hub.privacy_card import CARD_NAME, read_card, render_card
+from ..hub.saved_files import CONFIG_NAME, PRIVACY_FILE, WEIGHTS_NAME, checked_fields, read_privacy_metadata
 
 __all__ = ["PRIVACY_FILE", "write_privacy_files", "read_privacy_metadata", "is_zoo_model"]
-
-PRIVACY_FILE = "dpzoo_privacy.json"
-INFINITE = "inf"  # JSON has no infinity (dpzoo.save writes ε = inf the same way)
 
 
 def is_zoo_model(model: nn.Module) -> bool:
@@ -39,19 +35,6 @@ def is_zoo_model(model: nn.Module) -> bool:
         return False
     config = vars(model).get("dpzoo_config")
     return isinstance(config, dict) and "model_name" in config
-
-
-def _checked(privacy: Mapping[str, Any]) -> dict[str, Any]:
-    unknown = sorted(k for k in privacy if k not in PRIVACY_FIELDS)
-    if unknown:
-        raise SaveError(f"Unknown privacy field(s) {unknown}; allowed: {sorted(PRIVACY_FIELDS)}.")
-    missing = [k for k in ("epsilon", "delta", "accountant", "steps", "sample_rate") if k not in privacy]
-    if missing:
-        raise SaveError(f"privacy metadata lacks {missing}.")
-    out = dict(privacy)
-    if out["epsilon"] == math.inf:
-        out["epsilon"] = INFINITE
-    return out
 
 
 def write_privacy_files(
@@ -71,7 +54,7 @@ def write_privacy_files(
         if (read_card(directory) or {}).get("library_name") == "dpzoo":
             card.unlink()  # our card of an earlier save: its claim must not outlive its model
         return
-    text = json.dumps(_checked(privacy), indent=2, sort_keys=True, allow_nan=False) + "\n"
+    text = json.dumps(checked_fields(privacy), indent=2, sort_keys=True, allow_nan=False) + "\n"
     tmp = target.with_name(f".{PRIVACY_FILE}.tmp-{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, target)
@@ -90,41 +73,6 @@ def _save_zoo_files(model: nn.Module, directory: Path, privacy: Mapping[str, Any
             os.replace(scratch / "model" / name, directory / name)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-def read_privacy_metadata(directory: str | os.PathLike) -> dict[str, Any] | None:
-    """The privacy metadata saved with a model directory (``dpzoo_privacy.json``, else a dpzoo.save
-    directory's), or None when it has none. An infinite ε comes back as ``float("inf")``.
-
-    ``model.dpzoo_privacy = read_privacy_metadata(dir)`` after ``from_pretrained(dir)`` makes a new
-    private run on the same data compose after this spending (the engine reads it)."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise SaveError(f"{directory} is not a directory.")
-    path = directory / PRIVACY_FILE
-    if path.exists():
-        try:
-            meta = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise SaveError(f"{path} is corrupt ({e}).") from None
-        if not isinstance(meta, dict):
-            raise SaveError(f"{path} does not hold a JSON object of privacy fields.")
-        if meta.get("epsilon") == INFINITE:
-            meta["epsilon"] = math.inf
-        record = _checked_read(meta, path)
-        check_card(directory, record, record)  # a card beside it must say the same
-        return record
-    if (directory / CONFIG_NAME).exists():
-        return privacy_metadata(directory)
-    return None
-
-
-def _checked_read(meta: dict, path: Path) -> dict[str, Any]:
-    try:
-        _checked(meta)
-    except SaveError as e:
-        raise SaveError(f"{path}: {e}") from None
-    return meta
 
 
 def recorded_origin(module: nn.Module) -> tuple[dict, str] | None:

@@ -23,6 +23,7 @@ from typing import Mapping
 from torch import nn
 
 from ..errors import PrivacyUsageError
+from ..hub.saved_files import read_privacy_metadata
 from .accounting.accountant import Accountant
 from .provenance import Spent, distinct_histories, history_of, link_parts, record_parts, run_id, segments_of, steps_of
 from .spending import RecordSpending, SpendingLink
@@ -208,7 +209,6 @@ def recorded_origins(module: nn.Module) -> list[dict]:
     holds none) and the record the config carries (a later ``save_pretrained`` into the same
     directory may be newer); composing them all counts each run's steps once. Of a
     :class:`LiveRecord` only the records it replaced: the rest is what the links say."""
-    from ..integrations.trainer_save import read_privacy_metadata  # imports hub: not at module level
 
     found: dict[int, list] = {}
     for m in module.modules():

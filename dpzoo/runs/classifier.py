@@ -24,7 +24,7 @@ from ..datasets import digits_dataset, digits_features, image_folder_splits, is_
 from ..datasets.text import PackedTextClassifier, load_tokenizer, text_splits
 from ..errors import DPZooError, InvalidArgumentError
 from ..hub.load_save import load
-from ..registry import model_card
+from ..models import model_card
 from .loop import check_loop_arguments
 from .run import TrainingRun
 
