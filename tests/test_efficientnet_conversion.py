@@ -283,3 +283,37 @@ def test_weights_manifest_entry():
         pytest.skip(f"{manifest} absent")
     entries = [w for w in json.loads(manifest.read_text())["weights"] if w.get("zoo_entry") == NAME]
     assert len(entries) == 1 and entries[0]["sha256"] == eff.LITE0_WHEEL_SHA256
+
+
+# ---------------------------------------------------------------- the Lite family's multipliers
+
+
+def _stage_shape(model) -> tuple[list[int], list[int]]:
+    """(blocks per stage, output channels per stage) of a timm EfficientNet."""
+    blocks = [len(stage) for stage in model.blocks]
+    channels = [
+        next(m.out_channels for m in reversed(list(stage.modules())) if isinstance(m, nn.Conv2d))
+        for stage in model.blocks
+    ]
+    return blocks, channels
+
+
+def test_multipliers_scale_depth_and_width_as_timms_lite_family():
+    full = dpzoo.load(NAME, num_classes=10)
+    assert _stage_shape(full) == ([1, 2, 2, 3, 3, 4, 1], [16, 24, 40, 80, 112, 192, 320])
+    half_depth = dpzoo.load(NAME, num_classes=10, depth_multiplier=0.5)
+    assert _stage_shape(half_depth) == ([1, 1, 1, 2, 2, 2, 1], [16, 24, 40, 80, 112, 192, 320])
+    narrow = dpzoo.load(NAME, num_classes=10, channel_multiplier=0.5)
+    assert _stage_shape(narrow)[1] == [8, 16, 24, 40, 56, 96, 160]  # timm's round_channels, divisor 8
+    assert narrow.num_features == full.num_features == 1280  # the head's width is fixed in the Lite family
+    for model in (half_depth, narrow):  # patched like the full network
+        assert not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+        assert all(m.bias is not None for m in model.modules() if isinstance(m, nn.Conv2d))
+
+
+def test_multipliers_with_features_only_and_bad_values():
+    feats = dpzoo.load(NAME, features_only=True, depth_multiplier=0.5)
+    assert [f.shape[1] for f in feats(torch.randn(1, 3, 32, 32))] == [16, 24, 40, 112, 320]
+    for bad in (0.0, -1, "half", True):
+        with pytest.raises(dpzoo.OverrideError, match="depth_multiplier"):
+            dpzoo.load(NAME, depth_multiplier=bad)
