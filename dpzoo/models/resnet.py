@@ -50,7 +50,9 @@ _PATCHES = (
 
 
 def _card(name: str, arch: str, depth: int, tag: str, gn_tag: str | None = None) -> ModelCard:
-    tags = {tag: f"timm hub `timm/{arch}.{tag}` (ImageNet-1k, BatchNorm: converted to GroupNorm, fine-tune before use)"}
+    tags = {
+        tag: f"timm hub `timm/{arch}.{tag}` (ImageNet-1k, BatchNorm: converted to GroupNorm, not DP-ready as it is: adapt it without DP on public data first)"
+    }
     if gn_tag is not None:  # the default: trained with GroupNorm, DP-ready as it is
         tags = {
             gn_tag: f"timm hub `timm/{arch}_gn.a1h_in1k` (ImageNet-1k, trained with GroupNorm: DP-ready as it is; default)",

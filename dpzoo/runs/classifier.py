@@ -24,7 +24,6 @@ from ..datasets import digits_dataset, digits_features, image_folder_splits, is_
 from ..datasets.text import PackedTextClassifier, load_tokenizer, text_splits
 from ..errors import DPZooError, InvalidArgumentError
 from ..hub.load_save import load
-from ..models import model_card
 from .loop import check_loop_arguments
 from .run import TrainingRun
 
@@ -251,6 +250,8 @@ class ClassifierRun(TrainingRun):
                 f"{o.schedule!r}, {o.warmup!r}."
             )
         check_loop_arguments(epochs=o.epochs, eval_every=o.eval_every, checkpoint_every=o.checkpoint_every)
+        from ..models import model_card  # the zoo loads on first lookup, not with this module
+
         self.card = model_card(o.name)
         _check_data(self.card, o.data, o.text)
         fixed = sorted(set(self.settings["overrides"]) & set(_DATA_OVERRIDES))
