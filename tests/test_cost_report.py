@@ -211,3 +211,18 @@ def test_measured_cells_are_read_from_every_table():
     for _, _, patterns, _ in cost_report.TABLES:
         cells = cost_report.measured_cells(patterns)
         assert cells and all(c["measured_ratio"] > 0 and c["mode"] != "nonprivate-full" for c in cells)
+
+
+def test_floor_flops_counts_what_each_mode_computes(tmp_path):
+    """benchmarks/floor_flops.py: per mode the traced step's FLOPs and bytes against non-private
+    training's; at T = 8 ghost norms cost little, and instantiation replaces the weight-gradient
+    products, so neither may fall below the non-private step's FLOPs."""
+    import floor_flops
+
+    assert floor_flops.main(["--configs", "gpt2-tiny-tied", "--out", str(tmp_path)]) == 0
+    counts = json.loads((tmp_path / "flops.json").read_text())["configs"]["gpt2-tiny-tied"]
+    assert set(counts) == set(floor_flops.MODES)
+    assert counts["nonprivate-full"]["gflops_ratio"] == 1.0
+    for mode in ("dpzoo-bk-mixopt", "dpzoo-bk", "dpzoo-instantiate"):
+        assert counts[mode]["gflops"] >= counts["nonprivate-full"]["gflops"] > 0
+        assert counts[mode]["ops"] > counts["nonprivate-full"]["ops"]  # the norms are operators of their own

@@ -56,3 +56,36 @@ def floor_figures(root: Path) -> set[str]:
         out |= {f"{q[k]:.2f}" for q in qs for k in ("median", "low", "high")}
         out |= {f"{m['median_ms']:.0f}" for m in modes.values() if m.get("status") == "ok"}
     return out | {ratio(1.15).removesuffix("×")}
+
+
+COUNTS = "benchmarks/results/floor/flops.json"
+COUNTS_COMMAND = "python benchmarks/floor_flops.py --out benchmarks/results/floor"
+
+
+@table("cpu-floor-counts", files=[COUNTS], command=COUNTS_COMMAND)
+def floor_counts_table(root: Path) -> str:
+    """What each mode computes and moves in one traced step, against the non-private step."""
+    data = load(root, COUNTS)
+    lines = [
+        "| config | mode | GFLOP | / non-private | GB moved | / non-private | operators | host reads |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for config, modes in data["configs"].items():
+        for mode, c in modes.items():
+            lines.append(
+                f"| {LABELS.get(config, config)} | {mode.removeprefix('dpzoo-')} | {c['gflops']:.1f} | "
+                f"{c['gflops_ratio']:.3f}× | {c['gbytes']:.2f} | {c['gbytes_ratio']:.2f}× | {c['ops']} | {c['host_reads']} |"
+            )
+    return "\n".join(lines)
+
+
+@figures("cpu-floor-counts", files=[COUNTS, FLOOR], command=COUNTS_COMMAND)
+def floor_counts_figures(root: Path) -> set[str]:
+    """The counts' ratios (and the floor's figures the prose compares them with)."""
+    out = floor_figures(root)
+    for modes in load(root, COUNTS)["configs"].values():
+        for c in modes.values():
+            out |= {f"{c['gflops_ratio']:.3f}", f"{c['gflops_ratio']:.2f}", f"{c['gbytes_ratio']:.2f}", str(c["ops"])}
+        base = modes["nonprivate-full"]["gflops"]
+        out |= {f"{(c['gflops'] / base - 1) * 100:.0f}" for c in modes.values()}
+    return out
