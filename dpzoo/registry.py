@@ -77,9 +77,14 @@ class ModelCard:
                 "",
                 "Layers left without a bias on purpose: " + ", ".join(f"`{p}`" for p in self.bias_exempt) + ".",
             ]
-        if self.pretrained_tags:
-            lines += ["", "## Pretrained tags", "", "| tag | source |", "| --- | --- |"]
+        lines += ["", "## Pretrained tags", ""]
+        if self.pretrained_tags:  # each says its normalisation and whether it is DP-ready as it is
+            lines += ["| tag | source |", "| --- | --- |"]
             lines += [f"| `{t}` | {s} |" for t, s in self.pretrained_tags.items()]
+        else:
+            lines += [
+                "None: dpzoo offers no pretrained weights for this entry (the weights row above says what it loads)."
+            ]
         if self.overrides:
             lines += ["", "## Overrides", "", "Keyword arguments of `dpzoo.load`:", ""]
             lines += ["| override | meaning |", "| --- | --- |"]

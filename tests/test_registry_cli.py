@@ -257,3 +257,16 @@ def test_unregister_model_removes_a_user_entry_and_refuses_dpzoos_own():
     with pytest.raises(InvalidArgumentError, match="dpzoo's own"):
         dpzoo.unregister_model("resnet18-gn-bias")
     assert dpzoo.is_model("resnet18-gn-bias")
+
+
+def test_every_card_says_whether_its_pretrained_weights_are_dp_ready():
+    """Each tag names its weights' normalisation fate and says DP-ready as it is, or not; an entry
+    without tags says so."""
+    for name in dpzoo.list_models():
+        card = dpzoo.model_card(name)
+        section = card.to_markdown().split("## Pretrained tags\n", 1)[1].split("\n## ", 1)[0]
+        if not card.pretrained_tags:
+            assert section.strip().startswith("None:"), name
+        for tag, source in card.pretrained_tags.items():
+            assert "DP-ready" in source, (name, tag)
+            assert f"`{tag}`" in section, (name, tag)
