@@ -3,7 +3,9 @@
 A zoo entry is a builder function decorated with :func:`register_model`. The builder
 takes ``pretrained``, ``pretrained_tag``, ``weights`` and size overrides, and returns a
 model that is already DP-ready (see :mod:`dpzoo.surgery`). Each entry carries a
-:class:`ModelCard`: the structured facts behind the markdown card in ``models/``.
+:class:`ModelCard`: the structured facts behind the markdown card in ``models/``. The lookups
+(``list_models``, ``model_card``, ...) are :mod:`dpzoo.models`', which registers dpzoo's own
+entries first; this module imports no model.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""The zoo: dpzoo's own entries, registered on import, and the lookups over every registered entry
-(timm's ``timm.models.list_models`` / ``create_model`` split): :func:`list_models`,
-:func:`model_card`, :func:`get_entry`, :func:`is_model`, :func:`split_name`,
-:func:`unregister_model`. :mod:`dpzoo.registry` holds the entries and ``register_model``; it knows
-nothing of these modules, which register into it. The sequential-recommendation entries live with
-their models in :mod:`dpzoo.seqrec.zoo`.
+"""The zoo: dpzoo's own entries, registered when this package is imported, and the lookups over
+every registered entry (:func:`list_models`, :func:`model_card`, :func:`get_entry`,
+:func:`is_model`, :func:`split_name`, :func:`unregister_model`), as timm keeps ``list_models``
+beside its models. :mod:`dpzoo.registry` holds the entries and ``register_model`` and imports no
+model: the models register into it. The sequential-recommendation entries live with their models
+in :mod:`dpzoo.seqrec.zoo`.
 """
 
 from __future__ import annotations
