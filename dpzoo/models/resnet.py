@@ -72,7 +72,8 @@ def _card(name: str, arch: str, depth: int, tag: str, gn_tag: str | None = None)
                 if gn_tag
                 else "BatchNorm-trained, converted"
             )
-            + " (GroupNorm statistics differ from BatchNorm's: fine-tune a converted tag before use); "
+            + " (GroupNorm statistics differ from BatchNorm's: a converted tag is not DP-ready as it is, adapt it "
+            "without DP on public data first); "
             "`weights=PATH` loads a local timm checkpoint, BatchNorm or GroupNorm"
         ),
         pretrained_tags=tags,
