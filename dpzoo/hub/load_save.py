@@ -98,10 +98,8 @@ def load(
 
     The returned model carries ``model.dpzoo_config`` (how to rebuild) and ``dpzoo_patch_report``.
     """
-    from ..models import (  # the zoo registers its entries on first lookup, not when this module loads
-        get_entry,
-        split_name,
-    )
+    # imported here: the zoo registers its entries on first lookup, not when this module loads
+    from ..models import get_entry, split_name
 
     _refuse_dtype(overrides)
     name_or_dir = run_model_directory(name_or_dir)

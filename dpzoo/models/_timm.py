@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import logging
 import sys
@@ -24,13 +25,20 @@ log = logging.getLogger("dpzoo")
 FEATURE_KWARGS = ("features_only", "out_indices")
 
 
-def _create(arch: str, pretrained: bool, **kwargs) -> nn.Module:
+@contextlib.contextmanager
+def timm_rejections(arch: str, kwargs: Mapping[str, Any]):
+    """What timm raises while building ``arch`` from ``kwargs``, as an :class:`OverrideError`."""
     try:
-        return timm.create_model(arch, pretrained=pretrained, **kwargs)
+        yield
     except TypeError as e:  # an argument the timm architecture does not take
-        raise OverrideError(f"timm's {arch.split('.')[0]} rejected the overrides {kwargs}: {e}") from None
+        raise OverrideError(f"timm's {arch.split('.')[0]} rejected the overrides {dict(kwargs)}: {e}") from None
     except (AssertionError, ValueError) as e:  # inconsistent sizes (e.g. img_size % patch_size)
-        raise OverrideError(f"timm's {arch.split('.')[0]} cannot be built with {kwargs}: {e}") from None
+        raise OverrideError(f"timm's {arch.split('.')[0]} cannot be built with {dict(kwargs)}: {e}") from None
+
+
+def _create(arch: str, pretrained: bool, **kwargs) -> nn.Module:
+    with timm_rejections(arch, kwargs):
+        return timm.create_model(arch, pretrained=pretrained, **kwargs)
 
 
 def load_local_checkpoint(

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
-from ..errors import CheckpointError, OverrideError
+from ..errors import CheckpointError
 from ..registry import ModelCard
 from ._common import card_overrides
 from ._timm import (
@@ -30,6 +30,7 @@ from ._timm import (
     int_override,
     num_classes_override,
     register_timm_entry,
+    timm_rejections,
 )
 
 __all__ = [
@@ -274,14 +275,12 @@ def create_lite(arch: str, **kwargs) -> torch.nn.Module:
     from timm.models._efficientnet_builder import BN_EPS_TF_DEFAULT
     from timm.models.efficientnet import _gen_efficientnet_lite
 
-    multipliers = {k: kwargs.pop(k) for k in ("channel_multiplier", "depth_multiplier") if k in kwargs}
-    try:
+    multipliers: dict[str, Any] = {k: kwargs.pop(k) for k in ("channel_multiplier", "depth_multiplier") if k in kwargs}
+    with timm_rejections(arch, {**kwargs, **multipliers}):
         if not multipliers:
             return timm.create_model(arch, **kwargs)
         tf_defaults = {"bn_eps": BN_EPS_TF_DEFAULT, "pad_type": "same"} if arch.startswith("tf_") else {}
         return _gen_efficientnet_lite(arch, pretrained=False, **multipliers, **{**tf_defaults, **kwargs})
-    except (TypeError, AssertionError, ValueError) as e:
-        raise OverrideError(f"timm's {arch} cannot be built with {dict(kwargs, **multipliers)}: {e}") from None
 
 
 efficientnet_lite0_gn_bias = register_timm_entry(

@@ -18,7 +18,6 @@ import dataclasses
 
 from torch import nn
 
-from ..errors import OverrideError
 from ..registry import ModelCard
 from ._common import card_overrides
 from ._timm import (
@@ -28,6 +27,7 @@ from ._timm import (
     int_override,
     num_classes_override,
     register_timm_entry,
+    timm_rejections,
 )
 
 _CFG_KEYS = ("depths", "channels", "stem_chs")
@@ -57,7 +57,7 @@ def create_nf_resnet(arch: str, **kwargs) -> nn.Module:
     from timm.models.nfnet import NormFreeNet, model_cfgs
 
     changes = {k: kwargs.pop(k) for k in _CFG_KEYS if k in kwargs}
-    try:
+    with timm_rejections(arch, {**kwargs, **changes}):
         if not changes:
             return timm.create_model(arch, **kwargs)
         cfg = dataclasses.replace(
@@ -66,8 +66,6 @@ def create_nf_resnet(arch: str, **kwargs) -> nn.Module:
         return build_model_with_cfg(
             NormFreeNet, arch, False, model_cfg=cfg, feature_cfg={"flatten_sequential": True}, **kwargs
         )
-    except (TypeError, AssertionError, ValueError) as e:
-        raise OverrideError(f"timm's {arch} cannot be built with {dict(kwargs, **changes)}: {e}") from None
 
 
 _CARD = ModelCard(
