@@ -8,7 +8,7 @@ checked against every measured GPU table in benchmarks/results.
 Writes ``cost_report.json``: per configuration, precision and mode the counts (operators, kernels,
 host reads, Python calls, GFLOPs per unit, GB moved, peak memory), their ratios to the
 non-private step (DP-BiTFiT also to the non-private bias-only step), and the predicted step times;
-with validation, the model's constants calibrated on the H100 table of 2026-11-26 and its error on
+with validation, the model's constants calibrated on the newest measured table (H200, 2026-11-27) and its error on
 every measured cell (``validation``), and ``validation.png`` (predicted against measured ratios).
 Counts are the same on any machine; the predictions are a model's (docs/RESULTS.md says where it
 misses).
@@ -34,6 +34,12 @@ import gpu_model  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 # measured tables: (label, device, files, what code ran); the first is the calibration table
 TABLES = [
+    (
+        "h200-2026-11-27",
+        "h200",
+        ["gpu_h200_1127/bf16_*.json"],
+        "2bb3e0b (bf16 convolution factors, fewer guard walks)",
+    ),
     (
         "h100-2026-11-26",
         "h100",
