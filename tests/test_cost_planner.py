@@ -162,3 +162,78 @@ def test_the_model_orders_the_measured_gpt2_layers_as_measured():
     for (p, d), ghost in {(256, 256): False, (256, 768): True, (256, 1024): True, (1024, 256): True}.items():
         plan = plan_uses({"w": [_factored(16, 128, p, d)]}, budget=2**40)
         assert plan["w"][0].ghost is ghost, (p, d)
+
+
+def test_autotune_none_times_on_cuda_only_and_not_under_deterministic_algorithms():
+    from dpzoo.grad_norms.cost import autotunes
+
+    assert not autotunes(torch.device("cpu"))
+    assert autotunes(torch.device("cuda"))
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert not autotunes(torch.device("cuda"))
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+def test_autotune_none_plans_by_the_model_on_cpu_and_by_the_timings_on_cuda(monkeypatch):
+    from dpzoo.grad_norms import cost
+
+    seq, single = _factored(16, 128, 256, 256), _factored(16, 1, 256, 256)
+    timed = []
+
+    def fake_times(rep):  # the opposite of the model's order, so a timed plan is told apart
+        timed.append(rep)
+        return (1.0, 2.0) if rep is seq else (2.0, 1.0)
+
+    monkeypatch.setattr(cost, "measure_paths", fake_times)
+    on_cpu = plan_uses({"seq": [seq], "single": [single]}, budget=2**30)
+    assert not timed and [on_cpu["seq"][0].ghost, on_cpu["single"][0].ghost] == [False, True]
+    monkeypatch.setattr(cost, "_device", lambda rep: torch.device("cuda"))
+    on_cuda = plan_uses({"seq": [seq], "single": [single]}, budget=2**30)
+    assert len(timed) == 2 and [on_cuda["seq"][0].ghost, on_cuda["single"][0].ghost] == [True, False]
+    assert on_cuda["seq"][0].ghost_ms == 1.0 and on_cuda["single"][0].instantiate_ms == 1.0
+    assert not plan_uses({"seq": [seq]}, budget=2**30, autotune=False)["seq"][0].ghost  # False: never timed
+    assert len(timed) == 2
+
+
+def test_the_timed_ghost_path_runs_the_float_guard_as_a_step_does(monkeypatch):
+    from dpzoo.grad_norms import cost, param_grad
+
+    calls = []
+    real = param_grad.guard
+    monkeypatch.setattr(param_grad, "guard", lambda reps, total: calls.append(1) or real(reps, total))
+    monkeypatch.setattr(cost, "_MEASURED", {})
+    ghost_ms, inst_ms = measure_paths(_factored(3, 7, 5, 6))
+    assert calls and ghost_ms > 0 and inst_ms > 0  # the guard ran in the ghost path's timing
+
+
+@pytest.mark.parametrize("bad", ["yes", 1, 0.5])
+def test_a_bad_autotune_is_refused_before_anything_is_set_up(bad):
+    with pytest.raises(InvalidArgumentError, match="autotune"):
+        attach_norm_hooks(nn.Linear(2, 2), autotune=bad)
+    model = nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(torch.randn(8, 3), torch.randint(0, 2, (8,))), batch_size=4)
+    engine = dpzoo.PrivacyEngine()
+    with pytest.raises(InvalidArgumentError, match="autotune"):
+        engine.make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
+                            max_grad_norm=1.0, autotune=bad)  # fmt: skip
+    assert engine.module is None and dpzoo.grad_norms.attached_norm_hooks(model) is None
+
+
+def test_a_use_too_large_to_time_safely_keeps_the_models_choice(monkeypatch):
+    """Timing runs both paths: a use whose Grams (or per-sample gradients) would not fit the budget
+    TIMING_ROOM times over is not timed (ResNet-50's stem at 224² ran a GPU out of memory)."""
+    from dpzoo.grad_norms import cost
+
+    wide, small = _factored(4, 64, 8, 8), _factored(4, 2, 8, 8)
+    timed = []
+    monkeypatch.setattr(cost, "measure_paths", lambda rep: timed.append(rep) or (1.0, 2.0))
+    c = use_cost("wide", 0, wide)
+    budget = cost.TIMING_ROOM * max(c.ghost_bytes, c.instantiate_bytes)
+    plan_uses({"wide": [wide], "small": [small]}, budget=budget - 1, autotune=True)
+    assert timed == [small]
+    plan = plan_uses({"wide": [wide]}, budget=budget, autotune=True)
+    assert timed == [small, wide] and plan["wide"][0].ghost_ms == 1.0

@@ -64,12 +64,12 @@ def rule_operands(rule, activations, grad):
 
 
 def assemble(
-    step: Step, plan: ModelPlan, ghost: bool | None, memory_budget: float | None = None, autotune: bool = False
+    step: Step, plan: ModelPlan, ghost: bool | None, memory_budget: float | None = None, autotune: bool | None = None
 ) -> dict[str, ParamGrad]:
     """{parameter name: its per-sample gradients} from the records of ``step`` (audited before:
     :func:`dpzoo.grad_norms.audit.check_step`). Sets ``step.unreached`` and ``step.costs`` (the
     planner's choice per use, :mod:`dpzoo.grad_norms.cost`, when ``ghost`` is None: ghost norm or
-    instantiation by time within ``memory_budget`` bytes, timed when ``autotune``); drops the activations."""
+    instantiation by time within ``memory_budget`` bytes, timed when ``autotune``, None: on CUDA); drops the activations."""
     if step.batch_size == 0:  # an empty batch (under FSDP2 every rank runs one): no sample, no rule to run
         step.unreached = []
         empty = {n: [R.Dense(torch.zeros(0, *p.shape, dtype=p.dtype, device=p.device))] for n, p in plan.params.items()}

@@ -15,7 +15,13 @@ outputs per group (a Factored representation, :mod:`dpzoo.grad_norms.reps`):
 
 Counting arithmetic alone, instantiation would win nearly always for sequences; the memory
 traffic term keeps it to narrow layers (GPT-2's 256×256 projection at T = 128), and ghost norm
-is faster for T = 1. ``autotune=True`` times both paths instead (:func:`measure_paths`).
+is faster for T = 1. ``autotune=True`` times both paths instead (:func:`measure_paths`), and is
+what ``autotune=None`` (the default) does on CUDA: there the step is bound by kernel launches and
+host synchronisations, not arithmetic, and the ghost path launches about three times the
+operators of instantiation (its Grams, the float guard, the split clipped sum), so the model
+misorders the paths: measured on an H200 in bf16 (benchmarks/results/gpu_h200_1127), ViT-B/16's
+DP step took 184 ms with the model's plan and 113 ms with every layer instantiated. Not when
+``torch.use_deterministic_algorithms`` is on: timed plans are not reproducible bit for bit.
 An embedding lookup (OneHot) costs B·T²·(d + 1) by ghost norm and forms a B·V·d table by
 instantiation. Every instantiated use is held at once, so the planner shares one budget among
 them: the uses where instantiation saves time are taken in order of time saved per byte while
@@ -37,6 +43,7 @@ import torch
 from ..device_memory import available_memory
 from ..errors import InvalidArgumentError
 from . import reps as R
+from .param_grad import ParamGrad
 
 __all__ = [
     "UseCost",
@@ -45,8 +52,11 @@ __all__ = [
     "measure_paths",
     "default_budget",
     "check_budget",
+    "check_autotune",
     "BUDGET_FRACTION",
     "TRAFFIC",
+    "autotunes",
+    "TIMING_ROOM",
 ]
 
 # the share of free device memory the instantiated per-sample gradients may take by default
@@ -128,6 +138,15 @@ def check_budget(budget: float | None) -> float | None:
     return float(budget)
 
 
+def check_autotune(autotune) -> bool | None:
+    """``autotune`` as given (True, False or None), or an :class:`~dpzoo.errors.InvalidArgumentError`."""
+    if autotune is not None and not isinstance(autotune, bool):
+        raise InvalidArgumentError(
+            f"autotune must be True, False or None (time the paths on CUDA only), got {autotune!r}."
+        )
+    return autotune
+
+
 def default_budget(device: torch.device) -> float:
     """:data:`BUDGET_FRACTION` of the memory available on ``device``
     (:func:`dpzoo.device_memory.available_memory`: CUDA's free memory; on CPU MemAvailable under
@@ -141,28 +160,43 @@ def default_budget(device: torch.device) -> float:
     return BUDGET_FRACTION * available if available > 0 else float(2**30)
 
 
+# a use is timed only if both paths fit the budget this many times over, else the model decides:
+# its bytes count elements in the factors' dtype, and the ghost path holds float32 Grams and their
+# product, and the float guard's recheck float64 ones (4x a bfloat16 Gram). Timed without this,
+# ResNet-50-GN's stem at 224² (112² positions) ran an H200 out of memory asking for a (64, 112², 112²)
+# float64 tensor (75 GiB; benchmarks/results/gpu_h200_1127)
+TIMING_ROOM = 8
 # (G, T, p, d, dtype, device) -> per-sample milliseconds (ghost, instantiation), measured once
 _MEASURED: dict[tuple, tuple[float, float]] = {}
 
 
+def autotunes(device: torch.device) -> bool:
+    """Whether ``autotune=None`` times the two paths on ``device``: on CUDA (see the module
+    docstring), unless the user asked torch for deterministic algorithms (timed plans can differ
+    between runs, and with them the rounding of the norms and sums)."""
+    return device.type == "cuda" and not torch.are_deterministic_algorithms_enabled()
+
+
 def measure_paths(rep) -> tuple[float, float]:
-    """Milliseconds of the ghost path (norm and clipped sum) and of the instantiation path
-    (per-sample gradients, their squared sums and the clipped sum) on ``rep`` (a Factored
-    representation), each the faster of two timed runs after a warm-up; measured once per shape
-    without the batch size (both paths are linear in it) and scaled to this batch."""
+    """Milliseconds of the ghost path and of the instantiation path on ``rep`` (a Factored
+    representation) as a step runs them (:class:`~dpzoo.grad_norms.param_grad.ParamGrad`: the
+    norm, with the float guard on the ghost path, then the clipped sum), each the faster of two
+    timed runs after a warm-up; measured once per shape without the batch size (both paths are
+    linear in it) and scaled to this batch."""
     b, g, t, p = rep.left.shape
     key = (g, t, p, rep.right.shape[3], rep.right.dtype, str(rep.right.device))
     if key not in _MEASURED:
-        scale = torch.rand(b, dtype=rep.right.dtype, device=rep.right.device)
+        scale = torch.rand(b, device=rep.right.device)  # clip factors are float32
 
         def ghost():
-            R.sq_norm(rep, ghost=True)
-            R.clipped_sum(rep, scale)
+            one = ParamGrad([rep], True)
+            one.sq_norm()
+            one.clipped_sum(scale)
 
         def inst():
-            dense = R.Dense(R.instantiate(rep))
-            R.sq_norm(dense)
-            R.clipped_sum(dense, scale)
+            one = ParamGrad([rep], False)
+            one.sq_norm()
+            one.clipped_sum(scale)
 
         _MEASURED[key] = (_timed(ghost, rep.right.device) / b, _timed(inst, rep.right.device) / b)
     per_sample = _MEASURED[key]
@@ -183,26 +217,33 @@ def _timed(fn, device: torch.device) -> float:
 
 
 def plan_uses(
-    by_param: dict[str, list], budget: float | None = None, autotune: bool = False
+    by_param: dict[str, list], budget: float | None = None, autotune: bool | None = None
 ) -> dict[str, list[UseCost]]:
     """{parameter: one :class:`UseCost` per use, with the choice made} for a step's
     representations (``by_param``: parameter name → its uses' representations). ``budget``:
     bytes the instantiated uses may hold together (None: :func:`default_budget` of their device).
     A parameter with more than two uses is summed densely by :class:`~dpzoo.grad_norms.param_grad.ParamGrad`
     (O(uses) instead of O(uses²) cross terms): its uses are reported, not planned. ``autotune``:
-    the linear uses are timed on both paths (:func:`measure_paths`, once per shape) and compared
-    by time instead of multiply-adds."""
+    the linear uses are timed on both paths (:func:`measure_paths`, once per shape; only where
+    both fit the budget :data:`TIMING_ROOM` times over) and compared by time instead of
+    multiply-adds (None: on CUDA only, :func:`autotunes`)."""
     costs = {n: [use_cost(n, i, r) for i, r in enumerate(rs)] for n, rs in by_param.items()}
+    device = next((_device(r) for rs in by_param.values() for r in rs), torch.device("cpu"))
+    if autotune is None:
+        autotune = autotunes(device)
+    if budget is None:
+        budget = default_budget(device)
     if autotune:
         for n, rs in by_param.items():
-            if len(rs) <= 2:
-                for i, r in enumerate(rs):
-                    if isinstance(r, R.Factored):
-                        ghost_ms, inst_ms = measure_paths(r)
-                        costs[n][i] = replace(costs[n][i], ghost_ms=ghost_ms, instantiate_ms=inst_ms)
-    if budget is None:
-        device = next((_device(r) for rs in by_param.values() for r in rs), torch.device("cpu"))
-        budget = default_budget(device)
+            for i, r in enumerate(rs):
+                c = costs[n][i]
+                if (
+                    len(rs) <= 2
+                    and isinstance(r, R.Factored)
+                    and TIMING_ROOM * max(c.ghost_bytes, c.instantiate_bytes) <= budget
+                ):
+                    ghost_ms, inst_ms = measure_paths(r)
+                    costs[n][i] = replace(c, ghost_ms=ghost_ms, instantiate_ms=inst_ms)
     plannable = [c for n, cs in costs.items() if len(cs) <= 2 for c in cs if c.kind != "dense"]
     faster = sorted(
         (c for c in plannable if c.time(False) < c.time(True)),

@@ -48,7 +48,7 @@ from .assembly import assemble
 from .audit import check_step, count_edges, stray_grad_hook
 from .autocast import no_autocast
 from .capture import Capture, Recorder, Use, output_tensors
-from .cost import check_budget
+from .cost import check_autotune, check_budget
 from .float_guard import round_up
 from .ghost import ghost_differentiate, wrap_outputs
 from .half import shared_scale
@@ -80,12 +80,12 @@ class NormHooks:
         mode: str = "auto",
         ghost_backward: bool = False,
         memory_budget: float | None = None,
-        autotune: bool = False,
+        autotune: bool | None = None,
     ):
         if mode not in MODES:
             raise InvalidArgumentError(f"mode must be one of {MODES}, got {mode!r}")
         self.memory_budget = check_budget(memory_budget)
-        self.autotune = bool(autotune)
+        self.autotune = check_autotune(autotune)
         self._last_costs: dict | None = None
         if attached_norm_hooks(model) is not None:
             raise UnsupportedModuleError(
@@ -380,15 +380,15 @@ def attach_norm_hooks(
     *,
     ghost_backward: bool = False,
     memory_budget: float | None = None,
-    autotune: bool = False,
+    autotune: bool | None = None,
 ) -> NormHooks:
     """Hook every trainable parameter of ``model`` for per-sample norms and clipped sums.
 
     ``mode``: ``"auto"`` chooses ghost norm or instantiation per use of each layer by estimated
     time, the instantiated per-sample gradients within ``memory_budget`` bytes (None: half of
     the device's free memory; :mod:`dpzoo.grad_norms.cost`; ``hooks.plan()`` shows the choices),
-    by a multiply-add model with a memory-traffic term, or with ``autotune=True`` by timing each
-    linear layer's two paths once per shape (plans then depend on timings: not reproducible
+    by a multiply-add model with a memory-traffic term, or with ``autotune=True`` (None: on CUDA) by
+    timing each linear layer's two paths once per shape (plans then depend on timings: not reproducible
     bit for bit across runs, and ranks may differ; ``hooks.autotune`` can be set after attach);
     ``"ghost"`` / ``"instantiate"`` force one. Raises
     :class:`~dpzoo.UnsupportedModuleError` naming any trainable parameter it cannot cover.

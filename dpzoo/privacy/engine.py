@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader
 
 from ..errors import DPZooError, PrivacyUsageError
 from ..grad_norms import attach_norm_hooks
-from ..grad_norms.cost import check_budget
+from ..grad_norms.cost import check_autotune, check_budget
 from ..integrations.peft_statements import mark_weights_unknown, unknown_origin_note
 from ..live_ref import LiveRef
 from .accounting.accountant import Accountant, accountant_spec
@@ -95,6 +95,7 @@ class PrivacyEngine(OpacusParity):
         self.accept_large_delta = False
         self.mode: str | None = None
         self.memory_budget: float | None = None
+        self.autotune: bool | None = None
         self.self_check_result: str | None = None
         self._watch: TrainingWatch | None = None  # the duties around each forward and step
         self.planned_steps: int | None = None  # the steps σ was calibrated for (target_epsilon given)
@@ -124,6 +125,7 @@ class PrivacyEngine(OpacusParity):
         self_check: bool = True,
         self_check_samples: int = 3,
         memory_budget: float | None = None,
+        autotune: bool | None = None,
         accept_large_delta: bool = False,
         privacy_unit: str = "sample",
         user_ids: Iterable | None = None,
@@ -146,7 +148,9 @@ class PrivacyEngine(OpacusParity):
         in the privacy metadata). ``noise_seed`` / ``sample_seed`` make noise / sampling
         reproducible and not secret (tests only; recorded in the metadata). ``memory_budget``:
         bytes the per-sample gradients that ``mode="auto"`` instantiates may take together (None:
-        half of the device's free memory; 0: ghost norm everywhere; :meth:`plan` shows the choices).
+        half of the device's free memory; 0: ghost norm everywhere; :meth:`plan` shows the choices);
+        ``autotune``: whether it chooses by timing each layer's two paths once per shape (None: on
+        CUDA, where launches rather than arithmetic bound the step; :mod:`dpzoo.grad_norms.cost`).
         A δ ≥ 1/N (N samples) is refused (it allows releasing a sample outright) unless
         ``accept_large_delta=True``, which the privacy metadata records.
 
@@ -160,6 +164,7 @@ class PrivacyEngine(OpacusParity):
         if self.module is not None:
             raise PrivacyUsageError("This PrivacyEngine already made a model private; use a new engine.")
         given = dict(locals())  # make_private's own arguments: checked here, compared across ranks below
+        check_budget(memory_budget), check_autotune(autotune)  # before anything is set up
         # 1. refuse what is malformed or would make ε false (dpzoo.privacy.arguments)
         sharded, batch_size = check_make_private(module, optimizer, data_loader, given)
         n = len(dataset := data_loader.dataset)
@@ -226,6 +231,7 @@ class PrivacyEngine(OpacusParity):
         )
         self.noise_seed, self.sample_seed = g["noise_seed"], g["sample_seed"]
         self.memory_budget = check_budget(g["memory_budget"])
+        self.autotune = check_autotune(g["autotune"])
         self.expected_batch_size = sample_rate * (users.population if users is not None else n)  # q · N, all ranks
 
     def _link(self, module: nn.Module) -> None:
@@ -281,7 +287,9 @@ class PrivacyEngine(OpacusParity):
             apply_mode(mode, self.module, train_head)
         if self.hooks is not None:
             self.hooks.detach()
-        self.hooks = attach_norm_hooks(self.module, MODES[mode], ghost_backward=True, memory_budget=self.memory_budget)
+        self.hooks = attach_norm_hooks(
+            self.module, MODES[mode], ghost_backward=True, memory_budget=self.memory_budget, autotune=self.autotune
+        )
         self._attach_labels_loss()
         self.mode = mode
         if self.optimizer is not None:
