@@ -237,3 +237,22 @@ def test_a_use_too_large_to_time_safely_keeps_the_models_choice(monkeypatch):
     assert timed == [small]
     plan = plan_uses({"wide": [wide]}, budget=budget, autotune=True)
     assert timed == [small, wide] and plan["wide"][0].ghost_ms == 1.0
+
+
+def test_the_paths_are_timed_on_gaussian_factors_of_the_shapes_never_on_the_batch(monkeypatch):
+    """The float guard's rechecks take data-dependent time: a plan timed on the batch would depend
+    on its values. The timed representations have the use's shapes and dtype, not its storage."""
+    from dpzoo.grad_norms import cost
+
+    seen = []
+    real = cost.ParamGrad
+    monkeypatch.setattr(cost, "ParamGrad", lambda reps, ghost: seen.append(reps[0]) or real(reps, ghost))
+    monkeypatch.setattr(cost, "_MEASURED", {})
+    rep = _factored(3, 5, 4, 6)
+    rep.left[0] = float("nan")  # a value the timing must never see
+    measure_paths(rep)
+    assert seen and all(r is not rep for r in seen)
+    for r in seen:
+        assert r.left.shape == rep.left.shape and r.right.shape == rep.right.shape and r.shape == rep.shape
+        assert r.left.dtype == rep.left.dtype and r.left.data_ptr() != rep.left.data_ptr()
+        assert torch.isfinite(r.left).all() and r.right.data_ptr() != rep.right.data_ptr()

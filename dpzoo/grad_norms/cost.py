@@ -178,14 +178,17 @@ def autotunes(device: torch.device) -> bool:
 
 
 def measure_paths(rep) -> tuple[float, float]:
-    """Milliseconds of the ghost path and of the instantiation path on ``rep`` (a Factored
+    """Milliseconds of the ghost path and of the instantiation path for ``rep`` (a Factored
     representation) as a step runs them (:class:`~dpzoo.grad_norms.param_grad.ParamGrad`: the
     norm, with the float guard on the ghost path, then the clipped sum), each the faster of two
     timed runs after a warm-up; measured once per shape without the batch size (both paths are
-    linear in it) and scaled to this batch."""
+    linear in it) and scaled to this batch. Timed on Gaussian factors of ``rep``'s shapes, dtype
+    and device, never on its values: the float guard's rechecks (and a CPU's subnormals) take
+    data-dependent time, and the plan must depend on shapes alone."""
     b, g, t, p = rep.left.shape
     key = (g, t, p, rep.right.shape[3], rep.right.dtype, str(rep.right.device))
     if key not in _MEASURED:
+        rep = R.Factored(torch.randn_like(rep.left), torch.randn_like(rep.right), rep.shape)
         scale = torch.rand(b, device=rep.right.device)  # clip factors are float32
 
         def ghost():
