@@ -190,7 +190,7 @@ def test_autotune_none_plans_by_the_model_on_cpu_and_by_the_timings_on_cuda(monk
     monkeypatch.setattr(cost, "measure_paths", fake_times)
     on_cpu = plan_uses({"seq": [seq], "single": [single]}, budget=2**30)
     assert not timed and [on_cpu["seq"][0].ghost, on_cpu["single"][0].ghost] == [False, True]
-    monkeypatch.setattr(cost, "_device", lambda rep: torch.device("cuda"))
+    monkeypatch.setattr(cost, "rep_device", lambda rep: torch.device("cuda"))
     on_cuda = plan_uses({"seq": [seq], "single": [single]}, budget=2**30)
     assert len(timed) == 2 and [on_cuda["seq"][0].ghost, on_cuda["single"][0].ghost] == [True, False]
     assert on_cuda["seq"][0].ghost_ms == 1.0 and on_cuda["single"][0].instantiate_ms == 1.0
@@ -204,7 +204,7 @@ def test_the_timed_ghost_path_runs_the_float_guard_as_a_step_does(monkeypatch):
     calls = []
     real = param_grad.guard
     monkeypatch.setattr(param_grad, "guard", lambda reps, total: calls.append(1) or real(reps, total))
-    monkeypatch.setattr(cost, "_MEASURED", {})
+    monkeypatch.setattr(cost, "MEASURED", {})
     ghost_ms, inst_ms = measure_paths(_factored(3, 7, 5, 6))
     assert calls and ghost_ms > 0 and inst_ms > 0  # the guard ran in the ghost path's timing
 
@@ -247,7 +247,7 @@ def test_the_paths_are_timed_on_gaussian_factors_of_the_shapes_never_on_the_batc
     seen = []
     real = cost.ParamGrad
     monkeypatch.setattr(cost, "ParamGrad", lambda reps, ghost: seen.append(reps[0]) or real(reps, ghost))
-    monkeypatch.setattr(cost, "_MEASURED", {})
+    monkeypatch.setattr(cost, "MEASURED", {})
     rep = _factored(3, 5, 4, 6)
     rep.left[0] = float("nan")  # a value the timing must never see
     measure_paths(rep)

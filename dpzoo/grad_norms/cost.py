@@ -167,7 +167,7 @@ def default_budget(device: torch.device) -> float:
 # float64 tensor (75 GiB; benchmarks/results/gpu_h200_1127)
 TIMING_ROOM = 8
 # (G, T, p, d, dtype, device) -> per-sample milliseconds (ghost, instantiation), measured once
-_MEASURED: dict[tuple, tuple[float, float]] = {}
+MEASURED: dict[tuple, tuple[float, float]] = {}
 
 
 def autotunes(device: torch.device) -> bool:
@@ -187,7 +187,7 @@ def measure_paths(rep) -> tuple[float, float]:
     data-dependent time, and the plan must depend on shapes alone."""
     b, g, t, p = rep.left.shape
     key = (g, t, p, rep.right.shape[3], rep.right.dtype, str(rep.right.device))
-    if key not in _MEASURED:
+    if key not in MEASURED:
         rep = R.Factored(torch.randn_like(rep.left), torch.randn_like(rep.right), rep.shape)
         scale = torch.rand(b, device=rep.right.device)  # clip factors are float32
 
@@ -201,8 +201,8 @@ def measure_paths(rep) -> tuple[float, float]:
             one.sq_norm()
             one.clipped_sum(scale)
 
-        _MEASURED[key] = (_timed(ghost, rep.right.device) / b, _timed(inst, rep.right.device) / b)
-    per_sample = _MEASURED[key]
+        MEASURED[key] = (_timed(ghost, rep.right.device) / b, _timed(inst, rep.right.device) / b)
+    per_sample = MEASURED[key]
     return per_sample[0] * b, per_sample[1] * b
 
 
@@ -231,7 +231,7 @@ def plan_uses(
     both fit the budget :data:`TIMING_ROOM` times over) and compared by time instead of
     multiply-adds (None: on CUDA only, :func:`autotunes`)."""
     costs = {n: [use_cost(n, i, r) for i, r in enumerate(rs)] for n, rs in by_param.items()}
-    device = next((_device(r) for rs in by_param.values() for r in rs), torch.device("cpu"))
+    device = next((rep_device(r) for rs in by_param.values() for r in rs), torch.device("cpu"))
     if autotune is None:
         autotune = autotunes(device)
     if budget is None:
@@ -288,5 +288,5 @@ def _with(c: UseCost, ghost: bool, why: str) -> UseCost:
     return replace(c, ghost=ghost, why=why)
 
 
-def _device(rep) -> torch.device:
+def rep_device(rep) -> torch.device:
     return rep.grad.device if isinstance(rep, R.Dense) else rep.right.device

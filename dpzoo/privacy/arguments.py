@@ -19,6 +19,7 @@ from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.utils.data import DataLoader
 
 from ..errors import PrivacyUsageError, ReproducibleNoiseWarning
+from ..grad_norms.cost import check_autotune, check_budget
 from ..grad_norms.plan import find_problems, refusal
 from .caller import first_frame_outside_dpzoo
 from .clipping import CLIPPING
@@ -221,6 +222,7 @@ def check_make_private(module, optimizer, data_loader, given: dict) -> tuple[boo
         check_fsdp_settings(max_physical_batch_size=given["max_physical_batch_size"], self_check=given["self_check"])
     check_optimizer(optimizer)
     check_settings(**{k: given[k] for k in SETTINGS})
+    check_budget(given["memory_budget"]), check_autotune(given["autotune"])
     batch_size = check_loader(data_loader)
     check_layers(module)
     return sharded, batch_size

@@ -134,11 +134,10 @@ class PrivacyEngine(OpacusParity):
     ):
         """Make ``module``, ``optimizer`` and ``data_loader`` private. Returns all three, wrapped.
 
-        Either ``noise_multiplier`` or ``target_epsilon`` (with ``target_delta`` and
-        ``epochs``) sets the noise. The data loader's ``batch_size`` becomes the expected
-        logical batch size (per rank under torch.distributed): sample rate
-        q = batch_size · world size / len(dataset). The returned loader Poisson-samples the
-        dataset (each rank its own shard of it); train on its batches only.
+        Either ``noise_multiplier`` or ``target_epsilon`` (with ``target_delta`` and ``epochs``) sets
+        the noise. The data loader's ``batch_size`` becomes the expected logical batch size (per rank
+        under torch.distributed): sample rate q = batch_size · world size / len(dataset). The returned
+        loader Poisson-samples the dataset (each rank its own shard of it); train on its batches only.
 
         Refused with a :class:`~dpzoo.DPZooError`, because ε would be false otherwise: an
         optimizer whose trainable parameters are not exactly the model's; modules that mix
@@ -146,11 +145,10 @@ class PrivacyEngine(OpacusParity):
         On the first step, the self-check compares dpzoo's per-sample norms with single-sample
         backward passes (:mod:`dpzoo.privacy.verify`); ``self_check=False`` skips it (recorded
         in the privacy metadata). ``noise_seed`` / ``sample_seed`` make noise / sampling
-        reproducible and not secret (tests only; recorded in the metadata). ``memory_budget``:
-        bytes the per-sample gradients that ``mode="auto"`` instantiates may take together (None:
-        half of the device's free memory; 0: ghost norm everywhere; :meth:`plan` shows the choices);
-        ``autotune``: whether it chooses by timing each layer's two paths once per shape (None: on
-        CUDA, where launches rather than arithmetic bound the step; :mod:`dpzoo.grad_norms.cost`).
+        reproducible and not secret (tests only; recorded in the metadata). ``memory_budget``: bytes
+        the per-sample gradients ``mode="auto"`` instantiates may hold (None: half the device's free
+        memory; 0: ghost norm everywhere; :meth:`plan` shows the choices); ``autotune``: choose by
+        timing each layer's two paths (None: on CUDA; :mod:`dpzoo.grad_norms.cost`).
         A δ ≥ 1/N (N samples) is refused (it allows releasing a sample outright) unless
         ``accept_large_delta=True``, which the privacy metadata records.
 
@@ -164,7 +162,6 @@ class PrivacyEngine(OpacusParity):
         if self.module is not None:
             raise PrivacyUsageError("This PrivacyEngine already made a model private; use a new engine.")
         given = dict(locals())  # make_private's own arguments: checked here, compared across ranks below
-        check_budget(memory_budget), check_autotune(autotune)  # before anything is set up
         # 1. refuse what is malformed or would make ε false (dpzoo.privacy.arguments)
         sharded, batch_size = check_make_private(module, optimizer, data_loader, given)
         n = len(dataset := data_loader.dataset)
@@ -184,7 +181,7 @@ class PrivacyEngine(OpacusParity):
             check_delta(target_delta, units, accept_large_delta)
         # 3. the Poisson-sampling loader, then σ for its steps, composed after what the model spent
         earlier = engine_of(module)
-        prior = prior_spending(module, earlier.accountant if earlier is not None else None)
+        self.prior_spending = prior = prior_spending(module, earlier.accountant if earlier is not None else None)
         sample_rate = compute_sample_rate(batch_size, world, *((n,) if users is None else users.rate_base))
         self.accountant.group = users.group if users is not None else 1  # k examples per user sampled (ELS)
         signal = StepSignal()
@@ -197,7 +194,6 @@ class PrivacyEngine(OpacusParity):
         noise_multiplier = calibrate(
             self.accountant, prior, **noise, sample_rate=sample_rate, steps_per_epoch=len(loader)
         )
-        self.prior_spending = prior
         self.planned_steps = int(epochs) * len(loader) if target_epsilon is not None else None  # σ's calibration
         # 4. the optimizer must train exactly the parameters dpzoo will clip
         trainable = mode_trainable(mode, module, train_head)
