@@ -16,8 +16,8 @@ MAIN_JOB = "benchmarks/results/main_job/main_job.json"
 T200 = f"{BASE}/recipe_gpu/t200/summary.json"
 MINILM = "benchmarks/results/minilm/main/results.json"
 AUDIT = "benchmarks/results/audit/white_box_eps2_m50000_full.json"
-H100 = "benchmarks/results/gpu/training_step.json"
 H100_NOW = "benchmarks/results/gpu_h100_1126/{precision}_gpt2-small-t128.json"
+H200_NOW = "benchmarks/results/gpu_h200_1127/timed_plans/{variant}_gpt2-small-t128.json"
 
 
 def _span(values: list[float], digits: int = 2) -> str:
@@ -73,24 +73,26 @@ def _audit(root: Path) -> list[str]:
 
 
 def _gpu(root: Path) -> list[str]:
-    """The latest H100 measurement of the current code, the earlier one beside it (11-24: its
-    non-private step was slowed by the loss's strided softmax, docs/RESULTS.md)."""
-    now = {
-        p: next(iter(load(root, H100_NOW.format(precision=p))["configs"].values()))["time"]["modes"]
-        for p in ("fp32", "bf16")
-    }
-    before = load(root, H100)["configs"]["gpt2-small-t128"]["time"]["modes"]
-    ratio = {p: now[p]["dpzoo-bk-mixopt"]["time_ratio"]["median"] for p in now}
+    """The latest GPU measurement (H200, 11-27: the planner timing its choices on CUDA, against
+    the model's plan on the same machine), the H100's of 11-26 beside it."""
+    now = {v: one_run(load(root, H200_NOW.format(variant=v)))["dpzoo-bk-mixopt"] for v in ("new", "base")}
+    before = {p: one_run(load(root, H100_NOW.format(precision=p)))["dpzoo-bk-mixopt"] for p in ("fp32", "bf16")}
+    ratio = {k: m["time_ratio"]["median"] for k, m in {**now, **before}.items()}
     return [
-        "GPT-2 small, T 128, one H100 (11-26)",
+        "GPT-2 small, T 128, bf16, one H200 (11-27)",
         "DP step time / non-private (bk-mixopt)",
-        f"{ratio['fp32']:.2f}× fp32, {ratio['bf16']:.2f}× bf16",
-        f"11-24: {before['dpzoo-bk-mixopt']['time_ratio']['median']:.2f}× fp32 against a slower non-private loss",
+        f"{ratio['new']:.2f}× (plan timed on CUDA; {ratio['base']:.2f}× with the CPU-fitted model's)",
+        f"H100 11-26, the model's plan: {ratio['bf16']:.2f}× bf16, {ratio['fp32']:.2f}× fp32",
         "`python benchmarks/bench_training_step.py --device cuda`",
     ]
 
 
-@table("results-summary", files=[MAIN_JOB, T200, MINILM, AUDIT, H100, *(H100_NOW.format(precision=p) for p in ("fp32", "bf16"))],
+def one_run(data: dict) -> dict:
+    return next(iter(data["configs"].values()))["time"]["modes"]
+
+
+@table("results-summary", files=[MAIN_JOB, T200, MINILM, AUDIT, *(H100_NOW.format(precision=p) for p in ("fp32", "bf16")),
+                                 *(H200_NOW.format(variant=v) for v in ("new", "base"))],
        command="benchmarks/render_tables.py")  # fmt: skip
 def results_summary(root: Path) -> str:
     lines = ["| task | metric | dpzoo | reference | command |", "|---|---|---|---|---|"]
