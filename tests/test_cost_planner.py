@@ -256,3 +256,15 @@ def test_the_paths_are_timed_on_gaussian_factors_of_the_shapes_never_on_the_batc
         assert r.left.shape == rep.left.shape and r.right.shape == rep.right.shape and r.shape == rep.shape
         assert r.left.dtype == rep.left.dtype and r.left.data_ptr() != rep.left.data_ptr()
         assert torch.isfinite(r.left).all() and r.right.data_ptr() != rep.right.data_ptr()
+
+
+def test_timing_draws_nothing_from_the_global_random_streams(monkeypatch):
+    """Dropout masks and everything else the user seeds must not shift because a plan was timed."""
+    from dpzoo.grad_norms import cost
+
+    monkeypatch.setattr(cost, "MEASURED", {})
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    measure_paths(R.Factored(torch.ones(2, 1, 3, 4), torch.ones(2, 1, 3, 5), (5, 4)))
+    assert torch.equal(torch.rand(3), expected)

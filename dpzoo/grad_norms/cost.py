@@ -188,8 +188,12 @@ def measure_paths(rep) -> tuple[float, float]:
     b, g, t, p = rep.left.shape
     key = (g, t, p, rep.right.shape[3], rep.right.dtype, str(rep.right.device))
     if key not in MEASURED:
-        rep = R.Factored(torch.randn_like(rep.left), torch.randn_like(rep.right), rep.shape)
-        scale = torch.rand(b, device=rep.right.device)  # clip factors are float32
+        gen = torch.Generator(rep.right.device).manual_seed(0)  # its own: the user's RNG streams stay as they were
+        left, right = (
+            torch.randn(x.shape, generator=gen, dtype=x.dtype, device=x.device) for x in (rep.left, rep.right)
+        )
+        rep = R.Factored(left, right, rep.shape)
+        scale = torch.rand(b, generator=gen, device=rep.right.device)  # clip factors are float32
 
         def ghost():
             one = ParamGrad([rep], True)
