@@ -15,6 +15,7 @@ from torch import nn
 
 from ..errors import PrivacyUsageError
 from ..grad_norms.hooks import NormHooks
+from .model_walk import named_buffers, parameters
 
 __all__ = ["check_optimizer_parameters", "check_step_parameters", "trainable_changed", "StateWatch"]
 
@@ -67,7 +68,7 @@ def trainable_changed(module: nn.Module, hooks: NormHooks) -> bool:
     """True if parameters were frozen or unfrozen since ``hooks`` were planned (they must be
     planned again); refuses a forward in which the hooked parameters are not the model's own."""
     hooked = hooks.trainable_parameters
-    params = list(module.parameters())  # one walk of the model for both checks
+    params = parameters(module)  # one walk of the model for both checks
     present = {id(p) for p in params}
     swapped = [n for n, p in hooked.items() if id(p) not in present]
     if swapped:
@@ -103,7 +104,7 @@ class StateWatch:
         """Before a training forward: keep the buffers (at a step's first forward) and, on the
         first step (``first_step``), the parameters' checksums."""
         if self._buffers_at_step is None:
-            self._buffers_at_step = {n: b.detach().clone() for n, b in self.module.named_buffers()}
+            self._buffers_at_step = {n: b.detach().clone() for n, b in named_buffers(self.module).items()}
         if self._param_sums is None and first_step:
             self._param_sums = _checksums(self.module)
 
@@ -112,7 +113,7 @@ class StateWatch:
         before = self._buffers_at_step
         if before is None:
             return
-        now = dict(self.module.named_buffers())
+        now = named_buffers(self.module)
         changed = [
             n
             for n, b in before.items()

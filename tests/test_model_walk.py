@@ -1,0 +1,76 @@
+"""dpzoo.privacy.model_walk lists exactly what torch's walks list, in the same order, on models with
+shared modules, tied and missing parameters, buffers, nesting, and a class that overrides a walk."""
+
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from dpzoo.privacy import model_walk
+
+
+class _Shared(nn.Module):
+    """A submodule registered twice, a parameter tied across modules, a None child, parameter and buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(3, 3)
+        self.a = nn.Sequential(nn.Linear(3, 4), self.shared, nn.BatchNorm1d(3))
+        self.b = nn.ModuleDict({"again": self.shared, "empty": nn.Identity()})
+        self.tied = nn.Linear(3, 3)
+        self.tied.weight = self.shared.weight
+        self.nothing = None
+        self.register_parameter("missing", None)
+        self.register_buffer("table", torch.arange(4.0))
+        self.register_buffer("absent", None)
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+
+class _WalkedWithASideEffect(nn.Linear):
+    walked = 0
+
+    def named_modules(self, *args, **kwargs):
+        type(self).walked += 1
+        return super().named_modules(*args, **kwargs)
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=8))
+
+
+MODELS = {
+    "shared": _Shared,
+    "gpt2-tied": _gpt2,
+    "resnet": lambda: timm.create_model("resnet18", num_classes=3),
+    "nested": lambda: nn.Sequential(nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.GroupNorm(1, 2))), nn.Linear(2, 1)),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_the_flat_walk_lists_what_torch_lists_in_the_same_order(name):
+    model = MODELS[name]()
+    assert [(n, id(m)) for n, m in model_walk.named_modules(model)] == [(n, id(m)) for n, m in model.named_modules()]
+    assert [id(p) for p in model_walk.parameters(model)] == [id(p) for p in model.parameters()]
+    ours, theirs = model_walk.named_buffers(model), dict(model.named_buffers())
+    assert list(ours) == list(theirs) and all(ours[k] is theirs[k] for k in theirs)
+
+
+def test_a_shared_module_and_a_tied_parameter_are_listed_once():
+    model = _Shared()
+    names = [n for n, _ in model_walk.named_modules(model)]
+    assert "shared" in names and "a.1" not in names and "b.again" not in names  # named where first reached
+    assert len(model_walk.parameters(model)) == len({id(p) for p in model.parameters()})
+    assert set(model_walk.named_buffers(model)) >= {"table", "scratch", "a.2.running_mean"}
+
+
+def test_a_class_that_overrides_a_walk_is_walked_by_torch():
+    model = nn.Sequential(nn.Linear(2, 2), _WalkedWithASideEffect(2, 2))
+    before = _WalkedWithASideEffect.walked
+    assert model_walk.named_modules(model) is None  # the caller must use torch's walk
+    assert [id(p) for p in model_walk.parameters(model)] == [id(p) for p in model.parameters()]
+    assert _WalkedWithASideEffect.walked > before  # torch's walk ran, with the class's own side effect
+    assert list(model_walk.named_buffers(model)) == [n for n, _ in model.named_buffers()]
