@@ -130,3 +130,21 @@ def model_figures(root: Path) -> set[str]:
                 for key in ("ratio", "ratio_to_second"):
                     out |= {f"{x:.2f}" for x in row.get(key, {}).values() if x is not None}
     return out
+
+
+WALKS = ["benchmarks/results/cost/guard_walks/before.json", "benchmarks/results/cost/guard_walks/after.json"]
+
+
+@figures("gpu-guard-walks", files=WALKS, command="benchmarks/cost_predict.py")
+def guard_walks_figures(root: Path) -> set[str]:
+    """The predicted step times (ms) and ratios before and after the guards' flat walk."""
+    out = set()
+    for path in WALKS:
+        for row in load(root, path)["modes"].values():
+            out |= {
+                f"{row['h200_ms']:.1f}",
+                f"{row['h100_ms']:.1f}",
+                f"{row['h200_ratio']:.2f}",
+                f"{row['h100_ratio']:.2f}",
+            }
+    return out
