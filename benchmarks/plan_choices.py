@@ -44,7 +44,7 @@ def plan_choices(config: str, device: str, precision: str, steps: int = 3) -> li
             run.train_step(run.next_batch())
         _sync(device)
         plan = run.engine.plan()
-        timed = [r for r in plan if r.get("ghost_ms") is not None]
+        timed = [r for r in plan if r.get("timed")]
         keys = ("param", "choice", "ghost_ms", "instantiate_ms", "ghost_mb", "instantiate_mb")
         out.append({"config": config, "autotune": autotune, "ms_per_step": 1000 * (time.perf_counter() - start) / steps,
                     "choices": collections.Counter(r["choice"] for r in plan), "timed": len(timed),

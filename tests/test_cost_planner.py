@@ -236,22 +236,64 @@ def test_a_use_too_large_to_time_safely_keeps_the_models_choice(monkeypatch):
     plan_uses({"wide": [wide], "small": [small]}, budget=budget - 1, autotune=True)
     assert timed == [small]
     plan = plan_uses({"wide": [wide]}, budget=budget, autotune=True)
-    assert timed == [small, wide] and plan["wide"][0].ghost_ms == 1.0
+    assert timed == [small, wide] and plan["wide"][0].ghost_ms == 1.0 and plan["wide"][0].timed
+    head = _factored(4, 1, 64, 64)  # one position: instantiation (B·p·d) is the larger path
+    c = use_cost("head", 0, head)
+    assert c.instantiate_bytes > c.ghost_bytes
+    plan_uses({"head": [head]}, budget=cost.TIMING_ROOM * c.instantiate_bytes - 1, autotune=True)
+    assert timed == [small, wide]
+    plan_uses({"head": [head]}, budget=cost.TIMING_ROOM * c.instantiate_bytes, autotune=True)
+    assert timed == [small, wide, head]
 
 
-def test_the_paths_are_timed_on_gaussian_factors_of_the_shapes_never_on_the_batch(monkeypatch):
+def test_a_device_out_of_memory_while_timing_leaves_the_use_to_the_model(monkeypatch):
+    from dpzoo.grad_norms import cost
+
+    def no_room(rep):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(cost, "measure_paths", no_room)
+    seq = _factored(16, 128, 256, 256)
+    plan = plan_uses({"seq": [seq]}, budget=2**30, autotune=True)
+    assert not plan["seq"][0].timed and plan["seq"][0].ghost_ms is None
+    assert plan["seq"][0].ghost == plan_uses({"seq": [seq]}, budget=2**30, autotune=False)["seq"][0].ghost
+
+
+def test_untimed_uses_are_ranked_in_the_timed_uses_milliseconds(monkeypatch):
+    """An embedding is never timed: its multiply-adds are converted at the timed uses' rate, so
+    the budget does not compare milliseconds with multiply-adds."""
+    from dpzoo.grad_norms import cost
+
+    rate = 1e-9  # ms per multiply-add, the same for both paths of the timed use
+    monkeypatch.setattr(cost, "measure_paths", lambda rep: (rate * use_cost("x", 0, rep).ghost_flops,
+                                                            rate * use_cost("x", 0, rep).instantiate_flops))  # fmt: skip
+    seq = _factored(4, 16, 8, 8)
+    emb = R.OneHot(torch.zeros(4, 16, dtype=torch.long), torch.randn(4, 16, 8), 30)
+    plan = plan_uses({"seq": [seq], "emb": [emb]}, budget=2**30, autotune=True)
+    e = plan["emb"][0]
+    assert plan["seq"][0].timed and not e.timed
+    assert e.ghost_ms == pytest.approx(e.ghost_flops * rate) and e.instantiate_ms == pytest.approx(
+        e.instantiate_flops * rate
+    )
+
+
+def test_the_paths_are_timed_on_random_factors_of_the_shapes_never_on_the_batch(monkeypatch):
     """The float guard's rechecks take data-dependent time: a plan timed on the batch would depend
     on its values. The timed representations have the use's shapes and dtype, not its storage."""
     from dpzoo.grad_norms import cost
 
     seen = []
     real = cost.ParamGrad
-    monkeypatch.setattr(cost, "ParamGrad", lambda reps, ghost: seen.append(reps[0]) or real(reps, ghost))
+    ghosts = []
+    monkeypatch.setattr(
+        cost, "ParamGrad", lambda reps, ghost: seen.append(reps[0]) or ghosts.append(ghost) or real(reps, ghost)
+    )
     monkeypatch.setattr(cost, "MEASURED", {})
     rep = _factored(3, 5, 4, 6)
     rep.left[0] = float("nan")  # a value the timing must never see
     measure_paths(rep)
     assert seen and all(r is not rep for r in seen)
+    assert {g for g in ghosts} == {True, False}  # both paths were timed
     for r in seen:
         assert r.left.shape == rep.left.shape and r.right.shape == rep.right.shape and r.shape == rep.shape
         assert r.left.dtype == rep.left.dtype and r.left.data_ptr() != rep.left.data_ptr()
@@ -268,3 +310,48 @@ def test_timing_draws_nothing_from_the_global_random_streams(monkeypatch):
     torch.manual_seed(7)
     measure_paths(R.Factored(torch.ones(2, 1, 3, 4), torch.ones(2, 1, 3, 5), (5, 4)))
     assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.parametrize("autotune", [None, True, False])
+def test_the_engine_hands_its_autotune_to_the_planner(monkeypatch, autotune):
+    from dpzoo.grad_norms import assembly
+
+    got = []
+    real = assembly.plan_uses
+    monkeypatch.setattr(assembly, "plan_uses", lambda by, budget, tune: got.append(tune) or real(by, budget, tune))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = DataLoader(TensorDataset(torch.randn(16, 3), torch.randint(0, 2, (16,))), batch_size=8)
+    model, opt, loader = dpzoo.PrivacyEngine().make_private(
+        module=model,
+        optimizer=opt,
+        data_loader=loader,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        autotune=autotune,
+        noise_seed=0,
+        sample_seed=0,
+    )
+    x, y = next(iter(loader))
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert got and all(t is autotune for t in got)
+
+
+def test_probe_factors_share_a_component_across_positions_so_the_guard_does_not_recheck(monkeypatch):
+    """Random rows independent across positions make the float guard recheck every sample in
+    float64 from T = 512 on (ordinary activations rarely do): the timing would charge the ghost
+    path for work a step seldom does."""
+    from dpzoo.grad_norms import cost, float_guard
+
+    rechecked = []
+    real = float_guard.sq_norm64
+    monkeypatch.setattr(float_guard, "sq_norm64", lambda reps, rows: rechecked.append(len(rows)) or real(reps, rows))
+    monkeypatch.setattr(cost, "MEASURED", {})
+    measure_paths(_factored(3, 512, 16, 16))
+    assert rechecked == []
+    independent = _factored(3, 512, 16, 16)
+    param_grad_of = cost.ParamGrad([independent], True)
+    param_grad_of.sq_norm()
+    assert rechecked  # the same shapes with rows independent across positions do recheck

@@ -93,7 +93,7 @@ def _measured(root: Path, config: str, mode: str) -> str:
 def targets(root: Path) -> str:
     configs = load(root, REPORT)["configs"]
     lines = [
-        "| config (bf16) | mode | predicted H100 time ratio (the model's plan) | measured H200 (11-27, timed plan) "
+        "| config (bf16) | mode | predicted H100 time ratio (the model's plan) | measured H200 (11-27; bk-mixopt: timed plan) "
         "| target | predicted peak memory ratio |",
         "| --- | --- | --- | --- | --- | --- |",
     ]

@@ -29,12 +29,14 @@ their memory fits; every other use takes the ghost norm, except that a use whose
 would not fit the budget is instantiated if that is smaller (the space rule as the fallback).
 
 The budget (``memory_budget``, bytes) defaults to half of the device's free memory when the
-step is assembled (:func:`default_budget`). The choice never changes what is computed, only how:
-both paths are exact (tests compare every choice with brute force).
+step is assembled (:func:`default_budget`). Both paths are exact up to the ghost norm's rounding
+bound (an upper bound: :mod:`dpzoo.grad_norms.float_guard`), so the choice changes time, memory
+and that margin, never the guarantee (tests compare every choice with brute force).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, replace
 
@@ -81,11 +83,12 @@ class UseCost:
     instantiate_bytes: float
     ghost: bool = True
     why: str = ""
-    ghost_ms: float | None = None  # measured (autotune), else None
+    ghost_ms: float | None = None  # autotune: measured (timed) or converted from the model, else None
     instantiate_ms: float | None = None
+    timed: bool = False  # ghost_ms / instantiate_ms measured on this device, not converted
 
     def time(self, ghost: bool) -> float:
-        """The cost the planner compares: measured milliseconds when autotuned, else multiply-adds."""
+        """The cost the planner compares: milliseconds when autotuned, else multiply-adds."""
         if self.ghost_ms is not None and self.instantiate_ms is not None:
             return self.ghost_ms if ghost else self.instantiate_ms
         return self.ghost_flops if ghost else self.instantiate_flops
@@ -103,6 +106,7 @@ class UseCost:
             "instantiate_mb": self.instantiate_bytes / 2**20,
             "ghost_ms": self.ghost_ms,
             "instantiate_ms": self.instantiate_ms,
+            "timed": self.timed,
         }
 
 
@@ -160,12 +164,12 @@ def default_budget(device: torch.device) -> float:
     return BUDGET_FRACTION * available if available > 0 else float(2**30)
 
 
-# a use is timed only if both paths fit the budget this many times over, else the model decides:
-# its bytes count elements in the factors' dtype, and the ghost path holds float32 Grams and their
-# product, and the float guard's recheck float64 ones (4x a bfloat16 Gram). Timed without this,
-# ResNet-50-GN's stem at 224² (112² positions) ran an H200 out of memory asking for a (64, 112², 112²)
-# float64 tensor (75 GiB; benchmarks/results/gpu_h200_1127)
-TIMING_ROOM = 8
+# a use is timed only if its paths fit this many times over, in the budget and in the device's free
+# memory (else the model decides): the bytes count elements in the factors' dtype, and the ghost path
+# holds float32 Grams and their product (a float64 recheck, which timing avoids, would hold more).
+# Timed without a bound, ResNet-50-GN's stem at 224² (112² positions) ran an H200 out of memory
+# asking for a (64, 112², 112²) float64 tensor (75 GiB; benchmarks/results/gpu_h200_1127)
+TIMING_ROOM = 16
 # (G, T, p, d, dtype, device) -> per-sample milliseconds (ghost, instantiation), measured once
 MEASURED: dict[tuple, tuple[float, float]] = {}
 
@@ -182,16 +186,17 @@ def measure_paths(rep) -> tuple[float, float]:
     representation) as a step runs them (:class:`~dpzoo.grad_norms.param_grad.ParamGrad`: the
     norm, with the float guard on the ghost path, then the clipped sum), each the faster of two
     timed runs after a warm-up; measured once per shape without the batch size (both paths are
-    linear in it) and scaled to this batch. Timed on Gaussian factors of ``rep``'s shapes, dtype
-    and device, never on its values: the float guard's rechecks (and a CPU's subnormals) take
-    data-dependent time, and the plan must depend on shapes alone."""
+    linear in it) and scaled to this batch. Timed on random factors of ``rep``'s shapes, dtype and
+    device, never on its values (the float guard's rechecks, and a CPU's subnormals, take
+    data-dependent time: the plan must depend on shapes alone), drawn from a generator of its own.
+    Each sample's rows share a component, as real activations do: factors independent across
+    positions make the guard recheck every sample in float64 from T = 512 on, which ordinary data
+    rarely needs (docs/DESIGN.md, "Floating point"), and would bias the timing against the ghost path."""
     b, g, t, p = rep.left.shape
     key = (g, t, p, rep.right.shape[3], rep.right.dtype, str(rep.right.device))
     if key not in MEASURED:
         gen = torch.Generator(rep.right.device).manual_seed(0)  # its own: the user's RNG streams stay as they were
-        left, right = (
-            torch.randn(x.shape, generator=gen, dtype=x.dtype, device=x.device) for x in (rep.left, rep.right)
-        )
+        left, right = (_probe(x, gen) for x in (rep.left, rep.right))
         rep = R.Factored(left, right, rep.shape)
         scale = torch.rand(b, generator=gen, device=rep.right.device)  # clip factors are float32
 
@@ -210,8 +215,16 @@ def measure_paths(rep) -> tuple[float, float]:
     return per_sample[0] * b, per_sample[1] * b
 
 
+def _probe(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Random factors shaped like ``x`` (B, G, T, k): a per-sample component shared by every
+    position, plus half as much noise per position."""
+    shared = torch.randn(*x.shape[:2], 1, x.shape[3], generator=gen, device=x.device)
+    rows = torch.randn(x.shape, generator=gen, device=x.device).mul_(0.5).add_(shared)
+    return rows.to(x.dtype)
+
+
 def _timed(fn, device: torch.device) -> float:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     fn()
     runs = []
     for _ in range(2):
@@ -231,9 +244,9 @@ def plan_uses(
     bytes the instantiated uses may hold together (None: :func:`default_budget` of their device).
     A parameter with more than two uses is summed densely by :class:`~dpzoo.grad_norms.param_grad.ParamGrad`
     (O(uses) instead of O(uses²) cross terms): its uses are reported, not planned. ``autotune``:
-    the linear uses are timed on both paths (:func:`measure_paths`, once per shape; only where
-    both fit the budget :data:`TIMING_ROOM` times over) and compared by time instead of
-    multiply-adds (None: on CUDA only, :func:`autotunes`)."""
+    the linear uses are timed on both paths (:func:`measure_paths`, once per shape, where they
+    fit: :func:`_time_uses`) and compared by time instead of multiply-adds (None: on CUDA only,
+    :func:`autotunes`)."""
     costs = {n: [use_cost(n, i, r) for i, r in enumerate(rs)] for n, rs in by_param.items()}
     device = next((rep_device(r) for rs in by_param.values() for r in rs), torch.device("cpu"))
     if autotune is None:
@@ -241,16 +254,7 @@ def plan_uses(
     if budget is None:
         budget = default_budget(device)
     if autotune:
-        for n, rs in by_param.items():
-            for i, r in enumerate(rs):
-                c = costs[n][i]
-                if (
-                    len(rs) <= 2
-                    and isinstance(r, R.Factored)
-                    and TIMING_ROOM * max(c.ghost_bytes, c.instantiate_bytes) <= budget
-                ):
-                    ghost_ms, inst_ms = measure_paths(r)
-                    costs[n][i] = replace(c, ghost_ms=ghost_ms, instantiate_ms=inst_ms)
+        costs = _time_uses(by_param, costs, min(budget, _free(device)))
     plannable = [c for n, cs in costs.items() if len(cs) <= 2 for c in cs if c.kind != "dense"]
     faster = sorted(
         (c for c in plannable if c.time(False) < c.time(True)),
@@ -286,6 +290,44 @@ def plan_uses(
                 rows.append(_with(c, True, "ghost: faster"))
         out[n] = rows
     return out
+
+
+def _time_uses(by_param: dict[str, list], costs: dict[str, list[UseCost]], room: float) -> dict[str, list[UseCost]]:
+    """``costs`` in milliseconds: each linear use of a parameter with at most two uses timed
+    (:func:`measure_paths`) where its paths and factors fit ``room`` :data:`TIMING_ROOM` times
+    over, and a device out of memory while timing leaves the use to the model; every other use's
+    multiply-adds converted at the median rate of the timed ones, so the budget compares one unit."""
+    out = {n: list(cs) for n, cs in costs.items()}
+    for n, rs in by_param.items():
+        for i, r in enumerate(rs):
+            c = out[n][i]
+            if len(rs) > 2 or not isinstance(r, R.Factored):
+                continue
+            factors = (r.left.numel() + r.right.numel()) * r.right.element_size()
+            if TIMING_ROOM * max(c.ghost_bytes, c.instantiate_bytes, factors) > room:
+                continue
+            try:
+                ghost_ms, inst_ms = measure_paths(r)
+            except torch.cuda.OutOfMemoryError:
+                torch.cuda.empty_cache()
+                continue
+            out[n][i] = replace(c, ghost_ms=ghost_ms, instantiate_ms=inst_ms, timed=True)
+    timed = [c for cs in out.values() for c in cs if c.timed]
+    if not timed:
+        return costs
+    rate = statistics.median([c.ghost_ms / c.ghost_flops for c in timed if c.ghost_ms is not None and c.ghost_flops] +
+                             [c.instantiate_ms / c.instantiate_flops for c in timed if c.instantiate_ms is not None and c.instantiate_flops])  # fmt: skip
+    for n, cs in out.items():
+        out[n] = [c if c.timed or c.kind == "dense" else
+                  replace(c, ghost_ms=c.ghost_flops * rate, instantiate_ms=c.instantiate_flops * rate) for c in cs]  # fmt: skip
+    return out
+
+
+def _free(device: torch.device) -> float:
+    """Free memory on ``device`` in bytes (CUDA's; elsewhere unbounded: the budget decides)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return float("inf")
+    return float(available_memory(device)[0])
 
 
 def _with(c: UseCost, ghost: bool, why: str) -> UseCost:
