@@ -346,3 +346,18 @@ def test_embedding_rows_coalesced_before_abs():
     grads = per_sample_grads(model, lambda m, i, y: F.cross_entropy(m(i), y, reduction="sum"), {"i": ids, "y": y}, 3)
     pg = [torch.stack([torch.cat([g[n].flatten() for n in p.params]) for g in grads]) for p in parts]
     assert torch.allclose(got, _definition(pg, "mgna", 1, 0.05, [p.size for p in parts]))
+
+
+def test_unseeded_selection_noise_is_secret_even_after_torch_manual_seed():
+    """seed=None: the selection's noise and subsampling come from OS entropy, not from torch's
+    global generator, which a script's torch.manual_seed makes predictable."""
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = Branches([1.0] * 6)
+        loader = DataLoader(_data(200), batch_size=20)
+        torch.manual_seed(123)  # the same global state before each selection
+        sel = frost.select(model, loader, 3.0, 1e-4, ratio=0.5, epochs=1, sample_rate=0.2, iterations=2)
+        runs.append(dict(sel.estimates))
+    assert runs[0].keys() == runs[1].keys()
+    assert runs[0] != runs[1]  # equal only if both drew the same noise: the old global-generator seed

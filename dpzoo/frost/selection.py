@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader
 from ..errors import AccountingError, DPZooError, InvalidArgumentError
 from ..privacy.accounting.accountant import Accountant, accountant_spec, get_noise_multiplier
 from ..privacy.bitfit import default_head
+from ..privacy.data import secret_generator
 from ..privacy.engine import PrivacyEngine
 from ..privacy.metadata import check_delta
 from ..runs.progress import StepBar
@@ -221,7 +222,7 @@ def select(
         sigma_ps = float(selection_noise_multiplier)
         if sigma_ps == 0:
             warnings.warn("DP-FROST selection without noise: not differentially private (ε = ∞)")
-    gen = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(2**62, (1,))))
+    gen = torch.Generator().manual_seed(seed) if seed is not None else secret_generator()  # never torch's seed
     measure = PartitionGradientMeasure(
         model, dataset, data_loader.collate_fn, loss_fn or default_loss, method, alpha, clip, max_physical_batch_size
     )
