@@ -9,6 +9,12 @@ Run it on the commits before and after a change (a clone each) and compare the J
 counts are exact, the times a model's (docs/RESULTS.md gives its error). Writes per mode the
 operators, host reads, Python calls and the predicted H100/H200 step time and its ratio to the
 first mode's.
+
+``--timed-plan h200`` (or h100): dpzoo's planner chooses as it does on CUDA (``autotune``), each
+use's two paths priced by the GPU model instead of timed: the trace of one path's operators
+(:class:`~dpzoo.grad_norms.param_grad.ParamGrad`'s norm and clipped sum, as the planner times them)
+turned into that device's milliseconds. Without it the trace plans as a CPU does (the multiply-add
+model), which is not what a GPU runs since the planner times there.
 """
 
 from __future__ import annotations
@@ -26,19 +32,71 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_modes  # noqa: E402
 import cost_trace  # noqa: E402
 import gpu_model  # noqa: E402
+import torch  # noqa: E402
 
 REPORT = Path(__file__).resolve().parent / "results" / "cost" / "cost_report.json"
 
 
-def predict(config: str, precision: str, modes: list[str], report: Path = REPORT) -> dict:
+def priced_plan(device: gpu_model.Device):
+    """A ``prepare`` for :func:`cost_trace.trace_step`: the engine's planner times its uses, each
+    path priced on ``device`` by the model (a sub-trace of the path's operators and Python calls)."""
+    from dpzoo.grad_norms import cost
+
+    priced: dict[tuple, tuple[float, float]] = {}  # per sample, by shape without the batch (as timing is)
+
+    def prepare(run, tracer) -> None:
+        def price(rep) -> tuple[float, float]:
+            b = rep.batch_size
+            key = (tuple(rep.left.shape[1:]), tuple(rep.right.shape[1:]), rep.right.dtype)
+            if key not in priced:  # priced on the warm-up steps: the traced step's Python calls stay counted
+                priced[key] = tuple(ms / b for ms in _price_paths(rep, tracer, device))
+            return priced[key][0] * b, priced[key][1] * b
+
+        cost.measure_paths = price  # restored by predict()
+        if run.engine is not None:
+            run.engine.hooks.autotune = True
+
+    return prepare
+
+
+def _price_paths(rep, tracer, device: gpu_model.Device) -> list[float]:
+    """The model's milliseconds on ``device`` of ``rep``'s ghost path, then its instantiation path."""
+    from dpzoo.grad_norms.param_grad import ParamGrad
+
+    times = []
+    for ghost in (True, False):
+        saved, recording = tracer.trace, tracer.recording
+        tracer.trace, tracer.recording = cost_trace.Trace(), True
+        try:
+            with cost_trace.count_python_calls(tracer.trace):
+                one = ParamGrad([rep], ghost)
+                one.sq_norm()
+                one.clipped_sum(torch.ones(rep.batch_size, device=rep.right.device))
+            path = tracer.trace
+        finally:
+            tracer.trace, tracer.recording = saved, recording
+        times.append(gpu_model.predict(gpu_model.arrays(path), device)["ms"])
+    return times
+
+
+def predict(
+    config: str, precision: str, modes: list[str], report: Path = REPORT, timed_plan: str | None = None
+) -> dict:
+    from dpzoo.grad_norms import cost
+
     constants = json.loads(report.read_text())["validation"]["constants"]
     devices = {k: dataclasses.replace(d, **constants) for k, d in gpu_model.DEVICES.items()}
+    prepare = priced_plan(devices[timed_plan]) if timed_plan else None
     rows = {}
     for mode in modes:
-        trace = cost_trace.trace_step(config, mode, precision)
+        measure = cost.measure_paths
+        try:
+            trace = cost_trace.trace_step(config, mode, precision, prepare=prepare)
+        finally:
+            cost.measure_paths = measure
         counts = cost_trace.summarize(trace)
         shaped = gpu_model.arrays(trace)
-        rows[mode] = {k: counts[k] for k in ("ops", "host_reads", "python_calls")}
+        rows[mode] = {k: counts[k] for k in ("ops", "host_reads", "python_calls", "peak_mb")}
         rows[mode].update({f"{k}_ms": gpu_model.predict(shaped, d)["ms"] for k, d in devices.items()})
     base = rows[modes[0]]
     for row in rows.values():
@@ -52,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", default="bf16", choices=bench_modes.PRECISIONS)
     parser.add_argument("--modes", nargs="+", required=True, help="the first is the ratios' baseline")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--timed-plan", choices=list(gpu_model.DEVICES), default=None,
+                        help="plan as dpzoo does on that GPU (paths priced by the model), not as on a CPU")  # fmt: skip
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -61,7 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         "constants_from": str(REPORT.relative_to(REPORT.parents[2])),
         "config": args.config,
         "precision": args.precision,
-        "modes": predict(args.config, args.precision, args.modes),
+        "plan": f"timed, priced on the {args.timed_plan}"
+        if args.timed_plan
+        else "the multiply-add model (as on a CPU)",
+        "modes": predict(args.config, args.precision, args.modes, timed_plan=args.timed_plan),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

@@ -248,9 +248,10 @@ class ShapeTrace(TorchDispatchMode):
         self.trace.peak_bytes = max(self.trace.peak_bytes, self.live_bytes())
 
 
-def trace_step(config: str | dict, mode: str, precision: str = "fp32", warmup: int = 2) -> Trace:
+def trace_step(config: str | dict, mode: str, precision: str = "fp32", warmup: int = 2, prepare=None) -> Trace:
     """The operators of one training step of ``mode`` on ``config`` (a :mod:`bench_modes` config),
-    after ``warmup`` untraced steps (the engine plans on its first). Raises
+    after ``warmup`` untraced steps (the engine plans on its first). ``prepare(run, tracer)``, if
+    given, runs once the runner is built (cost_predict.py's timed plans). Raises
     :class:`bench_modes.Unsupported` when the library refuses the combination."""
     import torch.fx.experimental._config as fx_config
 
@@ -265,6 +266,8 @@ def trace_step(config: str | dict, mode: str, precision: str = "fp32", warmup: i
             with tracer:
                 # foreach: the multi-tensor optimizer kernels torch uses on CUDA
                 run = bench_modes.make_runner(config, mode, "cpu", precision, engine_kwargs=ENGINE, foreach=True)
+            if prepare is not None:
+                prepare(run, tracer)
             for i in range(warmup + 1):
                 batch = run.next_batch()  # outside the mode: the Poisson sampler draws real indices
                 tracer.track(_tensors(batch))
@@ -274,7 +277,7 @@ def trace_step(config: str | dict, mode: str, precision: str = "fp32", warmup: i
                     gc.disable()
                     tracer.trace.start_bytes = tracer.live_bytes()
                 try:
-                    with tracer, _count_python_calls(tracer.trace) if tracer.recording else contextlib.nullcontext():
+                    with tracer, count_python_calls(tracer.trace) if tracer.recording else contextlib.nullcontext():
                         run.train_step(batch)
                 finally:
                     gc.enable()
@@ -297,7 +300,7 @@ def _dpzoo_source() -> str:
 
 
 @contextlib.contextmanager
-def _count_python_calls(trace: Trace):
+def count_python_calls(trace: Trace):
     """Count the Python function calls of the step into ``trace``, not those of the tracer itself
     (its dispatch handler, and the rule lookups torch makes for any Python dispatch mode)."""
     dispatch = ShapeTrace.__torch_dispatch__.__code__

@@ -226,3 +226,29 @@ def test_floor_flops_counts_what_each_mode_computes(tmp_path):
     for mode in ("dpzoo-bk-mixopt", "dpzoo-bk", "dpzoo-instantiate"):
         assert counts[mode]["gflops"] >= counts["nonprivate-full"]["gflops"] > 0
         assert counts[mode]["ops"] > counts["nonprivate-full"]["ops"]  # the norms are operators of their own
+
+
+def test_a_timed_plan_is_priced_by_the_model_and_changes_what_is_traced():
+    """cost_predict --timed-plan: the planner times (autotune) with each path priced by the GPU
+    model, as a GPU's planner chooses; the traced step's Python calls stay counted, and the
+    library's own timing function is restored afterwards."""
+    import cost_predict
+
+    from dpzoo.grad_norms import cost
+
+    measure, autotuned = cost.measure_paths, []
+    prepare = cost_predict.priced_plan(gpu_model.DEVICES["h200"])
+
+    def spy(run, tracer):
+        prepare(run, tracer)
+        autotuned.append(run.engine.hooks.autotune)
+
+    try:
+        timed = cost_trace.summarize(cost_trace.trace_step("gpt2-tiny-tied", "dpzoo-bk-mixopt", "bf16", prepare=spy))
+    finally:
+        cost.measure_paths = measure
+    planned = cost_trace.summarize(cost_trace.trace_step("gpt2-tiny-tied", "dpzoo-bk-mixopt", "bf16"))
+    assert autotuned == [True] and timed != planned  # another plan: other operators
+    assert timed["python_calls"] > planned["python_calls"] / 2 > 0
+    rows = cost_predict.predict("gpt2-tiny-tied", "bf16", ["nonprivate-full", "dpzoo-bk-mixopt"], timed_plan="h200")
+    assert cost.measure_paths is measure and rows["dpzoo-bk-mixopt"]["ops"] == timed["ops"]
