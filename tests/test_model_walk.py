@@ -37,6 +37,20 @@ class _WalkedWithASideEffect(nn.Linear):
         return super().named_modules(*args, **kwargs)
 
 
+class _DeepFirst(nn.Module):
+    """A module shared at two depths, first reached by the deeper path (depth first), and one
+    buffer tensor registered in two modules."""
+
+    def __init__(self):
+        super().__init__()
+        inner = nn.Linear(2, 2)
+        table = torch.ones(3)
+        self.deep = nn.Sequential(nn.Sequential(inner))
+        self.shallow = inner
+        self.deep[0].register_buffer("table", table)
+        self.register_buffer("same_table", table)
+
+
 def _gpt2():
     torch.manual_seed(0)
     return GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=50, n_positions=8))
@@ -44,6 +58,7 @@ def _gpt2():
 
 MODELS = {
     "shared": _Shared,
+    "deep-first": _DeepFirst,
     "gpt2-tied": _gpt2,
     "resnet": lambda: timm.create_model("resnet18", num_classes=3),
     "nested": lambda: nn.Sequential(nn.Sequential(nn.Sequential(nn.Linear(2, 2), nn.GroupNorm(1, 2))), nn.Linear(2, 1)),
@@ -74,3 +89,36 @@ def test_a_class_that_overrides_a_walk_is_walked_by_torch():
     assert [id(p) for p in model_walk.parameters(model)] == [id(p) for p in model.parameters()]
     assert _WalkedWithASideEffect.walked > before  # torch's walk ran, with the class's own side effect
     assert list(model_walk.named_buffers(model)) == [n for n, _ in model.named_buffers()]
+
+
+def _drops_its_parameters(self, *args, **kwargs):
+    return iter(())
+
+
+@pytest.mark.parametrize("walk", model_walk.WALKS)
+def test_any_override_of_a_walk_or_of_how_modules_compare_falls_back_to_torch(walk):
+    hide = _drops_its_parameters if not walk.startswith("__") else (lambda self, *a: 0 if walk == "__hash__" else True)
+    overriding = type("Overriding", (nn.Linear,), {walk: hide})
+    model = nn.Sequential(nn.Linear(2, 2), overriding(2, 2))
+    assert model_walk.named_modules(model) is None
+    on_instance = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    setattr(on_instance[1], walk, hide.__get__(on_instance[1]))
+    assert model_walk.named_modules(on_instance) is None  # an override on the instance too
+
+
+def test_a_patched_torch_walk_or_a_value_compared_parameter_falls_back_to_torch(monkeypatch):
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    monkeypatch.setattr(nn.Module, "parameters", lambda self, recurse=True: iter([]))
+    assert model_walk.parameters(model) == []  # torch's (patched) walk, not the flat one
+    monkeypatch.undo()
+
+    class Valued(nn.Parameter):
+        def __hash__(self):
+            return 0
+
+        def __eq__(self, other):
+            return True
+
+    model[1].weight = Valued(torch.ones(2, 2))
+    model[0].weight = Valued(torch.ones(2, 2))
+    assert [id(p) for p in model_walk.parameters(model)] == [id(p) for p in model.parameters()]

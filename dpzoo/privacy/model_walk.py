@@ -6,9 +6,10 @@ The guards (:mod:`dpzoo.privacy.guards`) walk the whole model before every train
 at every step. On a GPU a DP step is bound by its host time, and torch's walk costs several Python
 calls per module (one generator frame per level of nesting): a dpzoo instantiation step of a
 4-layer GPT-2 made 10,224 Python calls with torch's walks and 8,250 with this one (counted with
-``sys.setprofile``, as benchmarks/cost_trace.py counts them).
-A module whose class overrides one of torch's walks (PEFT's ``ParamWrapper`` restores weights
-when walked) is walked by torch's own methods instead.
+``sys.setprofile``, as benchmarks/cost_trace.py counts them). Where a module could make torch's
+walk list something else (its class or the instance overrides a walk or how modules compare, as
+PEFT's LoRA ``MultiheadAttention`` does to restore its weights; torch's own walk was patched; a
+parameter or buffer compares by value), the model is walked by torch's own methods instead.
 """
 
 from __future__ import annotations
@@ -16,22 +17,26 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["named_modules", "parameters", "named_buffers"]
+__all__ = ["named_modules", "parameters", "named_buffers", "WALKS"]
 
-_WALKS = ("named_modules", "_named_members", "named_parameters", "parameters", "named_buffers", "buffers")
-_PLAIN: dict[type, bool] = {}  # module class -> whether it keeps every one of torch's walks
+WALKS = ("named_modules", "_named_members", "named_parameters", "parameters", "named_buffers", "buffers",
+          "modules", "children", "named_children", "__hash__", "__eq__")  # fmt: skip
+_TORCH = {w: getattr(nn.Module, w) for w in WALKS}  # torch's own, as imported
+_TENSOR_COMPARE = (torch.Tensor.__hash__, torch.Tensor.__eq__)
 
 
 def _plain(cls: type) -> bool:
-    plain = _PLAIN.get(cls)
-    if plain is None:
-        plain = _PLAIN[cls] = all(getattr(cls, w, None) is getattr(nn.Module, w) for w in _WALKS)
-    return plain
+    """Whether ``cls`` keeps every one of torch's walks and its identity comparison."""
+    for w in WALKS:
+        if getattr(cls, w, None) is not _TORCH[w]:
+            return False
+    return True
 
 
 def named_modules(module: nn.Module) -> list[tuple[str, nn.Module]] | None:
     """``list(module.named_modules())``: each module once, depth first, named by its path. None if
-    some module's class overrides torch's walks (then use torch's: :func:`parameters` does)."""
+    torch's walk could list something else here (the module docstring): then use torch's."""
+    plain: dict[type, bool] = {}  # per walk: a class patched since the last walk is seen
     out: list[tuple[str, nn.Module]] = []
     seen: set[int] = set()
     stack = [("", module)]
@@ -39,7 +44,10 @@ def named_modules(module: nn.Module) -> list[tuple[str, nn.Module]] | None:
         name, m = stack.pop()
         if id(m) in seen:
             continue
-        if not (_PLAIN.get(type(m)) or _plain(type(m))):  # the cached answer without a call
+        cls = type(m)
+        if cls not in plain:
+            plain[cls] = _plain(cls)
+        if not plain[cls] or not _WALK_NAMES.isdisjoint(m.__dict__):  # the class's, or the instance's own
             return None
         seen.add(id(m))
         out.append((name, m))
@@ -52,29 +60,46 @@ def named_modules(module: nn.Module) -> list[tuple[str, nn.Module]] | None:
     return out
 
 
+_WALK_NAMES = frozenset(WALKS)
+
+
+def _tensors(modules, members: str) -> dict[str, torch.Tensor] | None:
+    """{name: tensor} of each module's ``members`` (``_parameters`` or ``_buffers``), each tensor
+    once under its first name, as torch's ``_named_members``; None if one compares by value."""
+    out, seen = {}, set()
+    for prefix, m in modules:
+        for key, t in getattr(m, members).items():
+            if t is None or id(t) in seen:
+                continue
+            kind = type(t)
+            if (
+                kind is not nn.Parameter
+                and kind is not torch.Tensor
+                and (kind.__hash__, kind.__eq__) != _TENSOR_COMPARE
+            ):
+                return None
+            seen.add(id(t))
+            out[f"{prefix}.{key}" if prefix else key] = t
+    return out
+
+
 def parameters(module: nn.Module) -> list[nn.Parameter]:
     """``list(module.parameters())``."""
     modules = named_modules(module)
-    if modules is None:
-        return list(module.parameters())
-    out, seen = [], set()
-    for _, m in modules:
-        for p in m._parameters.values():
-            if p is not None and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
+    found = None if modules is None or _patched() else _tensors(modules, "_parameters")
+    return list(module.parameters()) if found is None else list(found.values())
 
 
 def named_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     """``dict(module.named_buffers())``."""
     modules = named_modules(module)
-    if modules is None:
-        return dict(module.named_buffers())
-    out, seen = {}, set()
-    for prefix, m in modules:
-        for key, b in m._buffers.items():
-            if b is not None and id(b) not in seen:
-                seen.add(id(b))
-                out[f"{prefix}.{key}" if prefix else key] = b
-    return out
+    found = None if modules is None or _patched() else _tensors(modules, "_buffers")
+    return dict(module.named_buffers()) if found is None else found
+
+
+def _patched() -> bool:
+    """Whether torch's walks were replaced since dpzoo was imported (then only torch's own walk is faithful)."""
+    for w in WALKS:
+        if getattr(nn.Module, w) is not _TORCH[w]:
+            return True
+    return False
