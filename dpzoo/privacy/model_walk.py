@@ -5,7 +5,7 @@ module tree instead of torch's nested generators.
 The guards (:mod:`dpzoo.privacy.guards`) walk the whole model before every training forward and
 at every step. On a GPU a DP step is bound by its host time, and torch's walk costs several Python
 calls per module (one generator frame per level of nesting): a dpzoo instantiation step of a
-4-layer GPT-2 made 10,224 Python calls with torch's walks and 8,250 with this one (counted with
+4-layer GPT-2 made 10,224 Python calls with torch's walks and 8,306 with this one (counted with
 ``sys.setprofile``, as benchmarks/cost_trace.py counts them). Where a module could make torch's
 walk list something else (its class or the instance overrides a walk or how modules compare, as
 PEFT's LoRA ``MultiheadAttention`` does to restore its weights; torch's own walk was patched; a
