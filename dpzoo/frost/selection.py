@@ -199,6 +199,8 @@ def select(
     overrides σ_ps (0 = no noise, ε = ∞: for tests only). ``progress``: a bar over the
     iterations with the selection's ε so far (None: when stderr is a terminal).
     ``accept_large_delta``: allow δ ≥ 1/N, as ``make_private`` does (then pass it there too).
+    ``seed``: makes the selection's subsampling and noise reproducible, and therefore not secret
+    (tests only); None (the default) draws them from OS entropy, whatever torch's seed.
     """
     _check_arguments(ratio, sample_rate, iterations, epochs, method, alpha)
     iterations = 1 if single else iterations
