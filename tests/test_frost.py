@@ -361,3 +361,12 @@ def test_unseeded_selection_noise_is_secret_even_after_torch_manual_seed():
         runs.append(dict(sel.estimates))
     assert runs[0].keys() == runs[1].keys()
     assert runs[0] != runs[1]  # equal only if both drew the same noise: the old global-generator seed
+
+
+def test_a_seeded_selection_warns_that_its_noise_is_not_secret():
+    torch.manual_seed(0)
+    model = Branches([1.0] * 4)
+    loader = DataLoader(_data(100), batch_size=20)
+    with pytest.warns(dpzoo.errors.ReproducibleNoiseWarning, match="seed=3: DP-FROST") as caught:
+        frost.select(model, loader, 3.0, 1e-4, ratio=0.5, epochs=1, sample_rate=0.2, iterations=1, seed=3)
+    assert all(w.filename == __file__ for w in caught if issubclass(w.category, dpzoo.errors.ReproducibleNoiseWarning))

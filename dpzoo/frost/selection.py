@@ -28,9 +28,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..errors import AccountingError, DPZooError, InvalidArgumentError
+from ..errors import AccountingError, DPZooError, InvalidArgumentError, ReproducibleNoiseWarning
 from ..privacy.accounting.accountant import Accountant, accountant_spec, get_noise_multiplier
 from ..privacy.bitfit import default_head
+from ..privacy.caller import first_frame_outside_dpzoo
 from ..privacy.data import secret_generator
 from ..privacy.engine import PrivacyEngine
 from ..privacy.metadata import check_delta
@@ -158,6 +159,20 @@ def _head_params(model: nn.Module, always_train) -> list[str]:
     return out
 
 
+def _selection_generator(seed: int | None) -> torch.Generator:
+    """The generator of the selection's subsampling and noise: OS entropy (secret, whatever
+    torch's seed), or ``seed``'s, which warns as the engine's seeds do (reproducible: not secret)."""
+    if seed is None:
+        return secret_generator()
+    warnings.warn(
+        f"seed={seed}: DP-FROST's selection noise and subsampling are reproducible, so they are not secret: "
+        "the guarantee does not hold against anyone who holds the seed. Leave it None outside tests.",
+        ReproducibleNoiseWarning,
+        stacklevel=first_frame_outside_dpzoo(),
+    )
+    return torch.Generator().manual_seed(seed)
+
+
 def select(
     model: nn.Module,
     data_loader: DataLoader,
@@ -224,7 +239,7 @@ def select(
         sigma_ps = float(selection_noise_multiplier)
         if sigma_ps == 0:
             warnings.warn("DP-FROST selection without noise: not differentially private (ε = ∞)")
-    gen = torch.Generator().manual_seed(seed) if seed is not None else secret_generator()  # never torch's seed
+    gen = _selection_generator(seed)
     measure = PartitionGradientMeasure(
         model, dataset, data_loader.collate_fn, loss_fn or default_loss, method, alpha, clip, max_physical_batch_size
     )
