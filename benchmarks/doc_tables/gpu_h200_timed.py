@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from doc_tables import figures, table
-from doc_tables.gpu import load, one_config, ratio, time_memory
+from doc_tables.gpu import load, one_config, ratio, status, time_memory
 from doc_tables.gpu_model import LABELS
 from doc_tables.prose import fixed
 
@@ -26,10 +26,6 @@ OOM_LOG = DIR + "/timed_plans/device_log_ab.txt"  # the timed ResNet-50 run that
 TARGETS = {"1.15", "1.3", "1.6", "1.05"}  # the bf16 targets (doc_tables.gpu_model.TARGETS)
 
 
-def _cell(entry: dict, mode: str, second: bool = False) -> str:
-    return time_memory(entry, mode, second) if mode in entry["time"]["modes"] else "not run"
-
-
 @table("gpu-h200-1127", files=FILES, command=COMMAND)
 def h200_1127(root: Path) -> str:
     lines = [
@@ -43,9 +39,9 @@ def h200_1127(root: Path) -> str:
         cells = [
             LABELS[config],
             f"{entry['time']['modes']['nonprivate-full']['median_ms']:.1f}",
-            _cell(entry, "dpzoo-bk-mixopt"),
-            _cell(entry, "dpzoo-instantiate"),
-            _cell(entry, "dpzoo-bitfit", second=True),
+            time_memory(entry, "dpzoo-bk-mixopt"),  # "not run" where the mode did not run
+            time_memory(entry, "dpzoo-instantiate"),
+            time_memory(entry, "dpzoo-bitfit", second=True),
             ratio(before["dpzoo-bk-mixopt"]["time_ratio"]["median"]),
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -54,11 +50,7 @@ def h200_1127(root: Path) -> str:
 
 def _ms_ratio(modes: dict, mode: str) -> str:
     m = modes.get(mode)
-    if m is None:
-        return "not run"
-    if m["status"] != "ok":
-        return "out of memory" if m["status"] == "oom" else m["status"]
-    return f"{m['median_ms']:.1f} ms ({ratio(m['time_ratio']['median'])})"
+    return status(m) or f"{m['median_ms']:.1f} ms ({ratio(m['time_ratio']['median'])})"
 
 
 @table("gpu-h200-timed-plans", files=TIMED_FILES, command="PYTHONPATH=/tmp/site:.base")

@@ -9,6 +9,7 @@ from pathlib import Path
 from reproduce_dpformer_ml1m import PAPER_EPS5
 
 from doc_tables import table
+from doc_tables.gpu import one_config
 from doc_tables.prose import load
 from doc_tables.seqrec import BASE, group, summary
 
@@ -75,8 +76,8 @@ def _audit(root: Path) -> list[str]:
 def _gpu(root: Path) -> list[str]:
     """The latest GPU measurement (H200, 11-27: the planner timing its choices on CUDA, against
     the model's plan on the same machine), the H100's of 11-26 beside it."""
-    now = {v: one_run(load(root, H200_NOW.format(variant=v)))["dpzoo-bk-mixopt"] for v in ("new", "base")}
-    before = {p: one_run(load(root, H100_NOW.format(precision=p)))["dpzoo-bk-mixopt"] for p in ("fp32", "bf16")}
+    now = {v: _modes(root, H200_NOW.format(variant=v))["dpzoo-bk-mixopt"] for v in ("new", "base")}
+    before = {p: _modes(root, H100_NOW.format(precision=p))["dpzoo-bk-mixopt"] for p in ("fp32", "bf16")}
     ratio = {k: m["time_ratio"]["median"] for k, m in {**now, **before}.items()}
     return [
         "GPT-2 small, T 128, bf16, one H200 (11-27)",
@@ -87,8 +88,8 @@ def _gpu(root: Path) -> list[str]:
     ]
 
 
-def one_run(data: dict) -> dict:
-    return next(iter(data["configs"].values()))["time"]["modes"]
+def _modes(root: Path, path: str) -> dict:
+    return one_config(load(root, path))["time"]["modes"]
 
 
 @table("results-summary", files=[MAIN_JOB, T200, MINILM, AUDIT, *(H100_NOW.format(precision=p) for p in ("fp32", "bf16")),
