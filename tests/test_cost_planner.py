@@ -230,6 +230,7 @@ def test_a_use_too_large_to_time_safely_keeps_the_models_choice(monkeypatch):
 
     wide, small = _factored(4, 64, 8, 8), _factored(4, 2, 8, 8)
     timed = []
+    monkeypatch.setattr(cost, "MEASURED", {})
     monkeypatch.setattr(cost, "measure_paths", lambda rep: timed.append(rep) or (1.0, 2.0))
     c = use_cost("wide", 0, wide)
     budget = cost.TIMING_ROOM * max(c.ghost_bytes, c.instantiate_bytes)
@@ -244,6 +245,26 @@ def test_a_use_too_large_to_time_safely_keeps_the_models_choice(monkeypatch):
     assert timed == [small, wide]
     plan_uses({"head": [head]}, budget=cost.TIMING_ROOM * c.instantiate_bytes, autotune=True)
     assert timed == [small, wide, head]
+
+
+def test_a_shape_timed_once_keeps_its_timing_when_free_memory_drops(monkeypatch):
+    """The room check guards a new timing; a shape already measured is not re-run, so a later step
+    with less free memory keeps the timed plan instead of falling back to the model."""
+    from dpzoo.grad_norms import cost
+
+    monkeypatch.setattr(cost, "MEASURED", {})
+    wide = _factored(4, 64, 8, 8)
+    c = use_cost("wide", 0, wide)
+    budget = cost.TIMING_ROOM * max(c.ghost_bytes, c.instantiate_bytes)
+    first = plan_uses({"wide": [wide]}, budget=budget, autotune=True)["wide"][0]
+    assert first.timed and len(cost.MEASURED) == 1
+    runs = []
+    monkeypatch.setattr(cost, "ParamGrad", lambda *a: runs.append(a))  # a re-timing would call it
+    later = plan_uses({"wide": [_factored(4, 64, 8, 8)]}, budget=budget - 1, autotune=True)["wide"][0]
+    assert later.timed and runs == []
+    assert (later.ghost_ms, later.instantiate_ms, later.ghost) == (first.ghost_ms, first.instantiate_ms, first.ghost)
+    other = _factored(4, 64, 8, 16)  # a new shape still needs the room
+    assert not plan_uses({"o": [other]}, budget=budget - 1, autotune=True)["o"][0].timed
 
 
 def test_a_device_out_of_memory_while_timing_leaves_the_use_to_the_model(monkeypatch):

@@ -192,8 +192,8 @@ def measure_paths(rep) -> tuple[float, float]:
     Each sample's rows share a component, as real activations do: factors independent across
     positions make the guard recheck every sample in float64 from T = 512 on, which ordinary data
     rarely needs (docs/DESIGN.md, "Floating point"), and would bias the timing against the ghost path."""
-    b, g, t, p = rep.left.shape
-    key = (g, t, p, rep.right.shape[3], rep.right.dtype, str(rep.right.device))
+    b = rep.left.shape[0]
+    key = _paths_key(rep)
     if key not in MEASURED:
         gen = torch.Generator(rep.right.device).manual_seed(0)  # its own: the user's RNG streams stay as they were
         left, right = (_probe(x, gen) for x in (rep.left, rep.right))
@@ -213,6 +213,12 @@ def measure_paths(rep) -> tuple[float, float]:
         MEASURED[key] = (_timed(ghost, rep.right.device) / b, _timed(inst, rep.right.device) / b)
     per_sample = MEASURED[key]
     return per_sample[0] * b, per_sample[1] * b
+
+
+def _paths_key(rep) -> tuple:
+    """:data:`MEASURED`'s key for a Factored ``rep``: its shapes without the batch, dtype, device."""
+    _, g, t, p = rep.left.shape
+    return (g, t, p, rep.right.shape[3], rep.right.dtype, str(rep.right.device))
 
 
 def _probe(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -295,7 +301,8 @@ def plan_uses(
 def _time_uses(by_param: dict[str, list], costs: dict[str, list[UseCost]], room: float) -> dict[str, list[UseCost]]:
     """``costs`` in milliseconds: each linear use of a parameter with at most two uses timed
     (:func:`measure_paths`) where its paths and factors fit ``room`` :data:`TIMING_ROOM` times
-    over, and a device out of memory while timing leaves the use to the model; every other use's
+    over or its shape was timed before (so a step with less free memory keeps the plan), and a
+    device out of memory while timing leaves the use to the model; every other use's
     multiply-adds converted at the median rate of the timed ones, so the budget compares one unit."""
     out = {n: list(cs) for n, cs in costs.items()}
     for n, rs in by_param.items():
@@ -304,7 +311,9 @@ def _time_uses(by_param: dict[str, list], costs: dict[str, list[UseCost]], room:
             if len(rs) > 2 or not isinstance(r, R.Factored):
                 continue
             factors = (r.left.numel() + r.right.numel()) * r.right.element_size()
-            if TIMING_ROOM * max(c.ghost_bytes, c.instantiate_bytes, factors) > room:
+            # a shape timed once keeps its timing: the room (free memory now) only guards new timings
+            fits = _paths_key(r) in MEASURED or TIMING_ROOM * max(c.ghost_bytes, c.instantiate_bytes, factors) <= room
+            if not fits:
                 continue
             try:
                 ghost_ms, inst_ms = measure_paths(r)
