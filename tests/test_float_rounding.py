@@ -281,3 +281,29 @@ def test_a_bfloat16_model_releases_the_float32_mechanism_through_make_private():
         assert p.grad.dtype == torch.bfloat16
         # one bfloat16 rounding of the float32 value (2⁻⁸ relative), not two
         assert torch.allclose(p.grad.double(), expected, rtol=2**-8, atol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_float32_dense_norm_is_an_upper_bound_and_tight(seed):
+    """Dense squared norms are summed in float32 (no float64 copy) and taken up by their rounding
+    bound: every sample's is at least the exact sum of squares (float32 row sums round below it
+    about half the time), within 1e-4 of it on ordinary values, and a sample of subnormal,
+    huge or non-finite values gets its float64 sum."""
+    from dpzoo.grad_norms.rounding import dense_sq_norm, round_up
+
+    g = torch.Generator().manual_seed(seed)
+    shape = (512, *[int(n) for n in torch.randint(1, 40, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g)])
+    grad = torch.randn(shape, generator=g) * torch.exp(4 * torch.randn(shape[0], *[1] * (len(shape) - 1), generator=g))
+    grad[0] = (torch.rand(shape[1:], generator=g) + 0.5) * 1e-39  # squares underflow in float32
+    grad[1] = (torch.rand(shape[1:], generator=g) + 0.5) * 1e25  # squares overflow in float32
+    grad[2].view(-1)[0] = float("inf")
+    exact = grad.double().flatten(1).square().sum(1)
+    sq = dense_sq_norm(grad)
+    assert sq.dtype == torch.float32
+    ok = torch.isfinite(exact)
+    assert (sq.double()[ok] >= exact[ok]).all()
+    assert (sq.double()[3:] <= exact[3:] * (1 + 1e-4)).all()
+    assert 0 < sq[0] == round_up(exact[:1], torch.float32)[0]  # summed in float64, rounded up once
+    assert torch.isinf(sq[1]) and torch.isinf(sq[2])  # 1e50 and more: beyond float32, as before
+    wide = torch.randn(4, 3, 5, generator=g, dtype=torch.float64)  # float64 gradients: summed as they are
+    assert torch.allclose(dense_sq_norm(wide), wide.flatten(1).square().sum(1), rtol=1e-15)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from .half import HALF, exact_matmuls, kept_bits, product, round_toward_zero, scaled_product, upcast
-from .rounding import GRAM_CHUNK, round_up, sum_per_sample
+from .rounding import GRAM_CHUNK, dense_sq_norm, sum_per_sample
 
 __all__ = [
     "Dense",
@@ -219,23 +219,13 @@ def sq_norm(rep: Rep, *, ghost: bool | None = None) -> torch.Tensor:
 
 def _sq_norm(rep: Rep, ghost: bool | None) -> torch.Tensor:
     if isinstance(rep, Dense):
-        return _dense_sq_norm(rep.grad)
+        return dense_sq_norm(rep.grad)
     use_ghost = prefers_ghost(rep) if ghost is None else ghost
     if not use_ghost:
-        return _dense_sq_norm(instantiate(rep))
+        return dense_sq_norm(instantiate(rep))
     if isinstance(rep, Factored):  # BK paper eq. 2
         return sum_per_sample(_gram(rep.left, rep.left) * _gram(rep.right, rep.right))
     return _inner(rep, rep, None)
-
-
-def _dense_sq_norm(grad: torch.Tensor) -> torch.Tensor:
-    """Σ g² per sample: row norms (fused, no squared copy), squares summed one dimension at a time,
-    in float64, rounded up: float32 squares below 2⁻¹²⁶ underflow (docs/DESIGN.md "Floating point")."""
-    if grad.dim() <= 2:
-        sq = torch.linalg.vector_norm(grad.flatten(1), dim=1, dtype=torch.float64).square()
-    else:
-        sq = sum_per_sample(torch.linalg.vector_norm(grad, dim=-1, dtype=torch.float64).square())
-    return round_up(sq, torch.promote_types(grad.dtype, torch.float32))
 
 
 def without_samples(rep: Rep, drop: torch.Tensor) -> Rep:
