@@ -14,8 +14,9 @@ outputs per group (a Factored representation, :mod:`dpzoo.grad_norms.reps`):
   factors are known (after every layer's norm).
 
 Counting arithmetic alone, instantiation would win nearly always for sequences; the memory
-traffic term keeps it to narrow layers (GPT-2's 256×256 projection at T = 128), and ghost norm
-is faster for T = 1. ``autotune=True`` times both paths instead (:func:`measure_paths`), and is
+traffic term keeps it to layers whose per-sample gradients are small beside their Grams (every
+layer of GPT-2 4×256 at T = 128, a convolution's high-resolution stages), and ghost norm is faster
+for few positions (T = 1 and wide layers: ResNet's last stages). ``autotune=True`` times both paths instead (:func:`measure_paths`), and is
 what ``autotune=None`` (the default) does on CUDA: there the step is bound by kernel launches and
 host synchronisations, not arithmetic, and the ghost path launches about three times the
 operators of instantiation (its Grams, the float guard, the split clipped sum), so the model
@@ -64,10 +65,13 @@ __all__ = [
 # the share of free device memory the instantiated per-sample gradients may take by default
 BUDGET_FRACTION = 0.5
 # multiply-adds one instantiated element costs besides its arithmetic (writing the per-sample
-# tensor, reading it back for the norm and the sum), fitted on CPU: GPT-2's layers at B 16, T 128
-# measured ghost / instantiation 4.1 / 2.5 ms at 256x256, 9.4 / 19.1 at 256x768, 12.6 / 27.3 at
-# 256x1024 and 11.6 / 19.2 at 1024x256; any value in (170, 256) orders all four as measured
-TRAFFIC = 200
+# tensor, reading it back for the norm and the sum), fitted on CPU (benchmarks/planner_cpu.py,
+# benchmarks/results/planner_cpu): with float32 dense norms (2026-11-28) instantiation is the faster
+# path for all four of GPT-2 4x256's layers at B 16, T 128 (ties at 158-254) and ResNet-18-GN@32's
+# stem, first stage and 1x1 downsample (ties at 2945, 140 and 10), ghost for its 3x3 later stages
+# (ties at 2.4 and below); any value in (2.4, 10) orders every shape whose paths differ by more
+# than 0.1 ms as measured (tests/test_cost_planner.py). It was 200 with float64 norms.
+TRAFFIC = 6
 
 
 @dataclass(frozen=True)
