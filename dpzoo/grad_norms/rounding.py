@@ -155,35 +155,48 @@ DENSE_CHUNK = 32
 
 
 def dense_sq_norm(grad: torch.Tensor) -> torch.Tensor:
-    """Σ g² per sample of ``grad`` (B, ...), never below the exact value, in float32 (float64 for
-    float64 gradients). Float32: the norms of runs of DENSE_CHUNK entries (one fused read, no copy),
+    """Σ g² per sample of ``grad`` (B, ...) in float32, never below the exact value, for float32 and
+    half gradients (float64 gradients: their float64 sum, as computed). Float32: the norms of runs of DENSE_CHUNK entries (one fused read, no copy),
     each squared run norm plus 2·k·2⁻¹²⁶ (the squares and partial sums that underflow, k = the run's
     length) taken 1 / ((1 − u)²(1 − γ_{k+8})) larger, summed in float64 (the extra 8 covers a norm
     that scales its terms, and the float64 squares and sum, whose errors are far below float32's);
     samples whose bound is loose (DENSE_LOOSE) or not finite, float64 sums of squares. Before
     2026-11-28 every sample was summed in float64: a sample whose entries all square below float32's
     range read 0 in float32 (1.83 R in an audit, tests/test_float_rounding.py)."""
+    if grad.dtype == torch.float64:
+        return _sq_norm64(grad)
     if grad.dtype != torch.float32:
-        return round_up(_sq_norm64(grad), torch.promote_types(grad.dtype, torch.float32))
-    flat = grad.reshape(grad.shape[0], -1)
+        return round_up(_sq_norm64(grad, up=True), torch.float32)
+    flat = (
+        grad.flatten(1) if grad.dim() > 1 else grad.unsqueeze(1)
+    )  # flatten, not reshape: B = 0 (an FSDP rank's empty batch)
     whole = flat.shape[1] // DENSE_CHUNK * DENSE_CHUNK
-    runs = [flat[:, :whole].reshape(flat.shape[0], -1, DENSE_CHUNK), flat[:, whole:]]
-    sq = sum(torch.linalg.vector_norm(r, dim=-1).double().square().reshape(flat.shape[0], -1).sum(1) for r in runs)
+    b = flat.shape[0]
+    runs = [flat[:, :whole].reshape(b, whole // DENSE_CHUNK, DENSE_CHUNK), flat[:, whole:]]
+    sq = sum(torch.linalg.vector_norm(r, dim=-1).double().square().reshape(b, -1 if b else 0).sum(1) for r in runs)
     # a run's computed sum ŝ ≥ s(1 − γ_k) − 2k·2⁻¹²⁶ and its norm r̂ ≥ √ŝ (1 − u): s ≤ inflate · (r̂² + 2k·2⁻¹²⁶)
     u = unit_roundoff(torch.float32)
     inflate = 1 / ((1 - u) ** 2 * (1 - gamma(DENSE_CHUNK + 8, u)))
     lost = 2 * flat.shape[1] * torch.finfo(torch.float32).smallest_normal
     out = (sq + lost) * inflate
     redo = ~torch.isfinite(out) | (lost > DENSE_LOOSE * sq)
-    if redo.any():
+    if redo.all():  # every sample (all-zero gradients): no gather
+        out = _sq_norm64(grad, up=True)
+    elif redo.any():
         idx = redo.nonzero().squeeze(1)
-        out = out.index_copy(0, idx, _sq_norm64(grad[idx]))
+        out = out.index_copy(0, idx, _sq_norm64(grad[idx], up=True))
     return round_up(out, torch.float32)
 
 
-def _sq_norm64(grad: torch.Tensor) -> torch.Tensor:
+def _sq_norm64(grad: torch.Tensor, up: bool = False) -> torch.Tensor:
     """Σ g² per sample accumulated in float64: row norms (fused, no squared copy), squares summed
-    one dimension at a time."""
+    one dimension at a time. ``up``: taken (1 + γ_{n+3}) larger in float64's unit roundoff, so that
+    the float64 rounding of a float32 or half gradient's sum never leaves it below the exact one."""
     if grad.dim() <= 2:
-        return torch.linalg.vector_norm(grad.flatten(1), dim=1, dtype=torch.float64).square()
-    return sum_per_sample(torch.linalg.vector_norm(grad, dim=-1, dtype=torch.float64).square())
+        flat = grad.flatten(1) if grad.dim() > 1 else grad.unsqueeze(1)
+        sq = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64).square()
+    else:
+        sq = sum_per_sample(torch.linalg.vector_norm(grad, dim=-1, dtype=torch.float64).square())
+    if not up:
+        return sq
+    return sq * (1 + gamma(grad[0].numel() + 3 if len(grad) else 3, unit_roundoff(torch.float64)))
