@@ -272,3 +272,23 @@ def test_groupnorm_act_pulls_gradient_through_activation():
     with torch.no_grad():
         target = torch.randn_like(model(x))
     _check(model, {"x": x, "target": target}, 3, torch.float64, "auto")
+
+
+@pytest.mark.parametrize("case", [c for c in sorted(CASES) if c.startswith("conv")])
+def test_per_sample_gradients_by_grouped_convolution_match_brute_force(case, monkeypatch):
+    """On a CPU a convolution's instantiated per-sample gradients come from one convolution with
+    the batch folded into its groups (no patches) from GROUPED_MIN_POSITIONS output positions on;
+    forced here for every convolution case (1-3 d, groups, stride, dilation, padding modes)."""
+    from dpzoo.grad_norms.rules import conv
+
+    calls = []
+    real = conv.by_grouped_convolution
+    monkeypatch.setattr(conv, "GROUPED_MIN_POSITIONS", 0)
+    monkeypatch.setattr(conv, "by_grouped_convolution", lambda *a: calls.append(1) or real(*a))
+    model, shape = _build(case, torch.float32)
+    b = 3
+    x = torch.randn(b, *shape, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        target = torch.randn_like(model(x))
+    _check(model, {"x": x, "target": target}, b, torch.float32, "instantiate")
+    assert calls  # the route ran

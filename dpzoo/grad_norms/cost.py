@@ -118,8 +118,8 @@ def use_cost(param: str, use: int, rep) -> UseCost:
     """The estimated multiply-adds and memory of ``rep`` on each path (see the module docstring)."""
     if isinstance(rep, R.Factored):
         b, g, t, p = rep.left.shape
-        d = rep.right.shape[3]
-        size = rep.right.element_size()
+        d = R.right_like(rep).shape[3]
+        size = R.right_like(rep).element_size()
         ghost = 2 * b * g * t * t * (p + d) + b * g * t * t + 2 * b * g * t * p * d
         inst = 2 * b * g * t * p * d + (2 + TRAFFIC) * b * g * p * d
         return UseCost(param, use, "linear", ghost, inst, b * g * t * t * size, b * g * p * d * size)
@@ -199,10 +199,11 @@ def measure_paths(rep) -> tuple[float, float]:
     b = rep.left.shape[0]
     key = _paths_key(rep)
     if key not in MEASURED:
-        gen = torch.Generator(rep.right.device).manual_seed(0)  # its own: the user's RNG streams stay as they were
-        left, right = (_probe(x, gen) for x in (rep.left, rep.right))
+        device = rep.left.device
+        gen = torch.Generator(device).manual_seed(0)  # its own: the user's RNG streams stay as they were
+        left, right = (_probe(x, gen, device) for x in (rep.left, R.right_like(rep)))
         rep = R.Factored(left, right, rep.shape)
-        scale = torch.rand(b, generator=gen, device=rep.right.device)  # clip factors are float32
+        scale = torch.rand(b, generator=gen, device=device)  # clip factors are float32
 
         def ghost():
             one = ParamGrad([rep], True)
@@ -214,7 +215,7 @@ def measure_paths(rep) -> tuple[float, float]:
             one.sq_norm()
             one.clipped_sum(scale)
 
-        MEASURED[key] = (_timed(ghost, rep.right.device) / b, _timed(inst, rep.right.device) / b)
+        MEASURED[key] = (_timed(ghost, device) / b, _timed(inst, device) / b)
     per_sample = MEASURED[key]
     return per_sample[0] * b, per_sample[1] * b
 
@@ -222,14 +223,15 @@ def measure_paths(rep) -> tuple[float, float]:
 def _paths_key(rep) -> tuple:
     """:data:`MEASURED`'s key for a Factored ``rep``: its shapes without the batch, dtype, device."""
     _, g, t, p = rep.left.shape
-    return (g, t, p, rep.right.shape[3], rep.right.dtype, str(rep.right.device))
+    right = R.right_like(rep)
+    return (g, t, p, right.shape[3], right.dtype, str(rep.left.device))
 
 
-def _probe(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """Random factors shaped like ``x`` (B, G, T, k): a per-sample component shared by every
-    position, plus half as much noise per position."""
-    shared = torch.randn(*x.shape[:2], 1, x.shape[3], generator=gen, device=x.device)
-    rows = torch.randn(x.shape, generator=gen, device=x.device).mul_(0.5).add_(shared)
+def _probe(x: torch.Tensor, gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Random factors on ``device`` shaped like ``x`` (B, G, T, k; a meta tensor for a factor not
+    yet formed): a per-sample component shared by every position, plus half as much noise per position."""
+    shared = torch.randn(*x.shape[:2], 1, x.shape[3], generator=gen, device=device)
+    rows = torch.randn(x.shape, generator=gen, device=device).mul_(0.5).add_(shared)
     return rows.to(x.dtype)
 
 
@@ -314,7 +316,8 @@ def _time_uses(by_param: dict[str, list], costs: dict[str, list[UseCost]], room:
             c = out[n][i]
             if len(rs) > 2 or not isinstance(r, R.Factored):
                 continue
-            factors = (r.left.numel() + r.right.numel()) * r.right.element_size()
+            right = R.right_like(r)
+            factors = (r.left.numel() + right.numel()) * right.element_size()
             # a shape timed once keeps its timing: the room (free memory now) only guards new timings
             fits = _paths_key(r) in MEASURED or TIMING_ROOM * max(c.ghost_bytes, c.instantiate_bytes, factors) <= room
             if not fits:
@@ -348,4 +351,10 @@ def _with(c: UseCost, ghost: bool, why: str) -> UseCost:
 
 
 def rep_device(rep) -> torch.device:
-    return rep.grad.device if isinstance(rep, R.Dense) else rep.right.device
+    return (
+        rep.grad.device
+        if isinstance(rep, R.Dense)
+        else rep.left.device
+        if isinstance(rep, R.Factored)
+        else rep.right.device
+    )

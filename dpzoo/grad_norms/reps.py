@@ -39,6 +39,8 @@ from .rounding import GRAM_CHUNK, dense_sq_norm, sum_per_sample
 __all__ = [
     "Dense",
     "Factored",
+    "LazyFactored",
+    "right_like",
     "OneHot",
     "Rep",
     "inner",
@@ -79,8 +81,32 @@ class Factored:
 
     def from_param(self, dense: torch.Tensor) -> torch.Tensor:
         """(B, *shape) → (B, G, r, c)."""
-        g, r, c = self.left.shape[1], self.left.shape[3], self.right.shape[3]
+        g, r, c = self.left.shape[1], self.left.shape[3], right_like(self).shape[3]
         return dense.reshape(dense.shape[0], g, r, c)
+
+
+class LazyFactored(Factored):
+    """A :class:`Factored` use whose right factor is formed on first read, with a direct route to
+    its per-sample gradients that never forms it: a convolution's patches are k× its input
+    (ResNet-18 at 32²: 0.5 GB a step), and on the instantiation path a grouped convolution
+    computes the per-sample gradients from the input itself (:mod:`.rules.conv`). ``right_like``
+    (a meta tensor of the factor's shape and dtype) answers the planner without unfolding;
+    ``per_sample`` is ``None`` where no such route applies."""
+
+    def __init__(self, left, make_right, right_like: torch.Tensor, shape, per_sample=None):
+        self.left, self.shape, self.right_like = left, shape, right_like
+        self._make_right, self._right, self.per_sample = make_right, None, per_sample
+
+    @property
+    def right(self) -> torch.Tensor:
+        if self._right is None:
+            self._right = self._make_right()
+        return self._right
+
+
+def right_like(rep: Factored) -> torch.Tensor:
+    """The right factor, or for a lazy one not yet formed a meta tensor of its shape and dtype."""
+    return rep.right_like if isinstance(rep, LazyFactored) and rep._right is None else rep.right
 
 
 @dataclass
@@ -152,6 +178,8 @@ def instantiate(rep: Rep) -> torch.Tensor:
     """The per-sample gradients, (B, *shape)."""
     if isinstance(rep, Dense):
         return rep.grad
+    if isinstance(rep, LazyFactored) and rep.per_sample is not None:
+        return rep.per_sample()
     if isinstance(rep, Factored):
         return rep.to_param(product(rep.left.transpose(-1, -2), rep.right))
     out = rep.right.new_zeros(rep.batch_size, rep.num_rows, rep.right.shape[-1])

@@ -4,7 +4,11 @@ Conv2dSame and its weight-standardised convolutions (StdConv2d, ScaledStdConv2d 
 
 The input is padded exactly as the module pads it and unfolded into patches, so the
 convolution is a linear layer over T = ∏ output positions: the weight's per-sample gradient
-is factored per group, (grad_output, patches) (BK paper §3.1: T is H_out·W_out).
+is factored per group, (grad_output, patches) (BK paper §3.1: T is H_out·W_out). The patches
+(∏k × the input) are formed only when a path reads them (:class:`~dpzoo.grad_norms.reps.LazyFactored`):
+on a CPU, a use on the instantiation path with at least GROUPED_MIN_POSITIONS output positions per
+input channel (of a group) gets its per-sample gradients from one convolution with the batch folded
+into its groups instead.
 
 The rule mirrors ``_ConvNd._conv_forward`` from the module's *current* attributes: zero padding
 comes from ``module.padding`` (what ``F.conv*d`` gets), other padding modes from
@@ -15,6 +19,7 @@ It relies on ``forward`` and ``_conv_forward``: a subclass overriding either get
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -25,7 +30,7 @@ from torch.nn.modules.conv import _ConvNd
 from ...errors import UnsupportedModuleError
 from ..half import upcast
 from ..registry import register_rule
-from ..reps import Dense, Factored, instantiate
+from ..reps import Dense, LazyFactored, instantiate
 
 
 def _tuple(v, nd: int) -> tuple:
@@ -39,9 +44,18 @@ def unfold_patches(
     (its weight's trailing dims), stride, dilation and groups sees, in the order of the weight's
     dims. ``positions``: keep only the first n windows along each spatial dim (transposed
     convolutions with ``output_padding``)."""
-    nd = x.dim() - 2
+    return _patches(_windows(_padded(x, pad, mode), module, positions), module)
+
+
+def _padded(x: torch.Tensor, pad: list[int] | None, mode: str) -> torch.Tensor:
     if pad is not None and any(pad):
-        x = F.pad(x, pad, mode=mode) if mode != "constant" else F.pad(x, pad)
+        return F.pad(x, pad, mode=mode) if mode != "constant" else F.pad(x, pad)
+    return x
+
+
+def _windows(x: torch.Tensor, module, positions: tuple[int, ...] | None = None) -> torch.Tensor:
+    """(B, C, *spatial) padded → (B, C, *positions, *kernel): a view, nothing copied."""
+    nd = x.dim() - 2
     kernel = tuple(module.weight.shape[2:])
     stride, dilation = _tuple(module.stride, nd), _tuple(module.dilation, nd)
     for i in range(nd):
@@ -51,12 +65,85 @@ def unfold_patches(
             x = x[..., ::d]
         if positions is not None:
             x = x.narrow(2 + i, 0, min(positions[i], x.shape[2 + i]))
-    b, c = x.shape[:2]
-    t = math.prod(x.shape[2 : 2 + nd])
-    k = math.prod(kernel)
+    return x
+
+
+def _patches_shape(windows: torch.Tensor, module) -> tuple[int, int, int, int]:
+    nd = module.weight.dim() - 2
+    b, c = windows.shape[:2]
     g = module.groups
-    x = x.reshape(b, g, c // g, t, k).permute(0, 1, 3, 2, 4)
-    return x.reshape(b, g, t, (c // g) * k)
+    return b, g, math.prod(windows.shape[2 : 2 + nd]), (c // g) * math.prod(module.weight.shape[2:])
+
+
+def _patches(windows: torch.Tensor, module) -> torch.Tensor:
+    """The windows as (B, G, T, C/G · ∏k) rows: the copy (k× the input) the products need."""
+    b, g, t, n = _patches_shape(windows, module)
+    x = windows.reshape(b, g, windows.shape[1] // g, t, math.prod(module.weight.shape[2:])).permute(0, 1, 3, 2, 4)
+    return x.reshape(b, g, t, n)
+
+
+# a convolution's per-sample gradients come from one grouped convolution (CPU) when each sample has
+# at least this many output positions per input channel of a group, else from its patches: oneDNN's
+# grouped weight gradient is fast for long per-group products and slow for short, wide ones. Measured
+# (benchmarks/conv_routes.py, benchmarks/results/conv_routes; norm and clipped sum included): the
+# rule picks the faster route at 11 of 14 ResNet layer shapes (grouped 1.3-9.8x faster from T >= C_in,
+# 0.5-0.8x below it); the three misses cost at most 16%
+GROUPED_MIN_POSITIONS = 1.0
+
+
+def by_grouped_convolution(padded: torch.Tensor, grad_output: torch.Tensor, module) -> torch.Tensor:
+    """Each sample's weight gradient, (B, *weight.shape), as one convolution's weight gradient with
+    the batch folded into its groups: no patches formed. Float32 at IEEE precision whatever the
+    user set for oneDNN (bf16 or TF32 would round the operands); CPU only: measured there
+    (benchmarks/results/planner_cpu: 7x faster than unfolding at ResNet-18's first stage), not yet
+    on a GPU."""
+    b, nd, w = padded.shape[0], padded.dim() - 2, module.weight
+    x = padded.float().reshape(1, b * padded.shape[1], *padded.shape[2:])
+    g = grad_output.float().reshape(1, b * grad_output.shape[1], *grad_output.shape[2:])
+    shape_only = x.new_empty(b * w.shape[0], *w.shape[1:])  # read for its shape: no input gradient is asked for
+    stride, dilation = _tuple(module.stride, nd), _tuple(module.dilation, nd)
+    with _ieee_convolutions():
+        grads = torch.ops.aten.convolution_backward(
+            g, x, shape_only, None, stride, [0] * nd, dilation, False, [0] * nd, b * module.groups, [False, True, False]
+        )[1]
+    return grads.reshape(b, *w.shape)
+
+
+@contextlib.contextmanager
+def _ieee_convolutions():
+    conv = getattr(getattr(torch.backends, "mkldnn", None), "conv", None)
+    before = getattr(conv, "fp32_precision", None)
+    if before is not None:
+        conv.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        if before is not None:
+            conv.fp32_precision = before
+
+
+def _conv_use(x: torch.Tensor, grad_output: torch.Tensor, module, pad, mode) -> LazyFactored:
+    """The weight's use: the output gradient by group, the patches unfolded only if a path reads
+    them, and on a CPU (float32 or half values) the per-sample gradients by grouped convolution."""
+    padded = _padded(x, pad, mode)
+    windows = _windows(padded, module)
+    g = grad_by_group(grad_output, module.groups)
+    b, groups, t, n = _patches_shape(windows, module)
+    if (b, groups, t) != tuple(g.shape[:3]) or n * g.shape[3] * groups != module.weight.numel():
+        raise UnsupportedModuleError(
+            f"{type(module).__name__}: the convolution dpzoo reconstructs from the module's attributes "
+            f"(padding, stride, dilation, groups, kernel) has {t} output positions per sample, "
+            f"the module's output {g.shape[2]}: the module does not compute what the Conv rule assumes."
+        )
+    grouped = (
+        x.device.type == "cpu"
+        and x.dtype != torch.float64
+        and grad_output.dtype != torch.float64
+        and t >= GROUPED_MIN_POSITIONS * (x.shape[1] // module.groups)
+    )
+    per_sample = (lambda: by_grouped_convolution(padded, grad_output, module)) if grouped else None
+    like = torch.empty(b, groups, t, n, dtype=x.dtype, device="meta")
+    return LazyFactored(g, lambda: _patches(windows, module), like, tuple(module.weight.shape), per_sample)
 
 
 def grad_by_group(grad_output: torch.Tensor, groups: int) -> torch.Tensor:
@@ -103,15 +190,7 @@ def _conv_rule(module, activations, grad_output, params, pad_fn=_module_padding)
                 f"convolution's {module.weight.dim() - 2}-d inputs: per-sample gradients need batch-first inputs."
             )
         pad, mode = pad_fn(module, x)
-        patches = unfold_patches(x, module, pad, mode)
-        g = grad_by_group(grad_output, module.groups)
-        if patches.shape[:3] != g.shape[:3] or patches.shape[3] * g.shape[3] * module.groups != module.weight.numel():
-            raise UnsupportedModuleError(
-                f"{type(module).__name__}: the convolution dpzoo reconstructs from the module's attributes "
-                f"(padding, stride, dilation, groups, kernel) has {patches.shape[2]} output positions per sample, "
-                f"the module's output {g.shape[2]}: the module does not compute what the Conv rule assumes."
-            )
-        out["weight"] = Factored(g, patches, tuple(module.weight.shape))
+        out["weight"] = _conv_use(x, grad_output, module, pad, mode)
     if "bias" in params:  # summed over positions in float32 when the output gradient is half
         out["bias"] = Dense(upcast(grad_output).reshape(grad_output.shape[0], grad_output.shape[1], -1).sum(2))
     return out
