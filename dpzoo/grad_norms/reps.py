@@ -95,13 +95,19 @@ class LazyFactored(Factored):
 
     def __init__(self, left, make_right, right_like: torch.Tensor, shape, per_sample=None):
         self.left, self.shape, self.right_like = left, shape, right_like
-        self._make_right, self._right, self.per_sample = make_right, None, per_sample
+        self._make_right, self.per_sample = make_right, per_sample
+        self._right: torch.Tensor | None = None
 
-    @property
+    @property  # type: ignore[override]  # Factored's field, formed on first read
     def right(self) -> torch.Tensor:
         if self._right is None:
             self._right = self._make_right()
+        assert self._right is not None
         return self._right
+
+    @right.setter
+    def right(self, value: torch.Tensor) -> None:
+        self._right = value
 
 
 def right_like(rep: Factored) -> torch.Tensor:
