@@ -182,6 +182,8 @@ def memory_config(
             continue
         cmd = [sys.executable, __file__, "--worker", config, m, "--device", device, "--threads", str(threads)]
         cmd += ["--precision", precision, "--memory-steps", str(steps)]
+        if "--reuse-freed-memory" in sys.argv:
+            cmd.append("--reuse-freed-memory")
         proc = subprocess.run(cmd, capture_output=True, text=True)
         if proc.returncode != 0:
             tail = (proc.stderr.strip().splitlines() or ["no output"])[-1][:300]
@@ -308,6 +310,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "default: on CPU",
     )
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads")
+    ap.add_argument(
+        "--reuse-freed-memory",
+        action="store_true",
+        help="CPU: glibc keeps freed memory for reuse (dpzoo.cpu_allocator), for every mode and memory process",
+    )
     ap.add_argument("--worker", nargs=2, metavar=("CONFIG", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.rounds < MIN_ROUNDS:
@@ -326,6 +333,11 @@ def main(argv=None) -> int:
 
     torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    reused = False
+    if args.reuse_freed_memory:
+        from dpzoo.cpu_allocator import reuse_freed_memory
+
+        reused = reuse_freed_memory()
     if args.worker:
         print(json.dumps(peak_memory(*args.worker, device, 0, args.memory_steps, args.precision)))
         return 0
@@ -339,6 +351,7 @@ def main(argv=None) -> int:
             "command": "python " + " ".join([Path(sys.argv[0]).as_posix()] + (sys.argv[1:] if argv is None else argv)),
             "modes": args.modes,
             "precision": args.precision,
+            "reuse_freed_memory": reused,
             "baseline": BASELINE,
             "pairwise": args.pairwise,
             "rounds": args.rounds,

@@ -27,9 +27,15 @@ def _cell(q: dict) -> str:
     return f"{q['median']:.2f}× [{q['low']:.2f}–{q['high']:.2f}]"
 
 
+REUSE = "benchmarks/results/floor_reuse/training_step.json"
+REUSE_COMMAND = (
+    "--modes dpzoo-bk-mixopt dpzoo-bk --rounds 9 --no-memory --reuse-freed-memory --out benchmarks/results/floor_reuse"
+)
+
+
 @table("cpu-floor", files=[FLOOR], command=COMMAND)
-def floor_table(root: Path) -> str:
-    data = load(root, FLOOR)
+def floor_table(root: Path, path: str = FLOOR) -> str:
+    data = load(root, path)
     lines = [
         "| config | non-private (ms) | floor / non-private | "
         + " | ".join(f"{m.removeprefix('dpzoo-')} / non-private | {m.removeprefix('dpzoo-')} / floor" for m in DP_MODES)
@@ -47,15 +53,27 @@ def floor_table(root: Path) -> str:
 
 
 @figures("cpu-floor", files=[FLOOR], command=COMMAND)
-def floor_figures(root: Path) -> set[str]:
-    """Medians and interval ends of every ratio in the table, and the step times."""
+def floor_figures(root: Path, path: str = FLOOR) -> set[str]:
+    """Medians and interval ends of every ratio in the table (and of every other DP mode timed), and the step times."""
     out: set[str] = set()
-    for entry in load(root, FLOOR)["configs"].values():
+    for entry in load(root, path)["configs"].values():
         modes = entry["time"]["modes"]
-        qs = [modes[m]["time_ratio"] for m in ("floor", *DP_MODES)] + [over_floor(modes, m) for m in DP_MODES]
+        dp = [m for m in modes if m.startswith("dpzoo-") and modes[m].get("status") == "ok"]
+        qs = [modes[m]["time_ratio"] for m in ("floor", *dp)] + [over_floor(modes, m) for m in dp]
         out |= {f"{q[k]:.2f}" for q in qs for k in ("median", "low", "high")}
         out |= {f"{m['median_ms']:.0f}" for m in modes.values() if m.get("status") == "ok"}
     return out | {ratio(1.15).removesuffix("×")}
+
+
+@table("cpu-floor-reuse", files=[REUSE], command=REUSE_COMMAND)
+def floor_reuse_table(root: Path) -> str:
+    """The same run with freed memory kept for reuse (dpzoo.cpu_allocator), every mode alike."""
+    return floor_table(root, REUSE)
+
+
+@figures("cpu-floor-reuse", files=[REUSE, FLOOR], command=REUSE_COMMAND)
+def floor_reuse_figures(root: Path) -> set[str]:
+    return floor_figures(root, REUSE) | floor_figures(root, FLOOR)
 
 
 COUNTS = "benchmarks/results/floor/flops.json"
