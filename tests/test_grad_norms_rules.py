@@ -292,3 +292,23 @@ def test_per_sample_gradients_by_grouped_convolution_match_brute_force(case, mon
         target = torch.randn_like(model(x))
     _check(model, {"x": x, "target": target}, b, torch.float32, "instantiate")
     assert calls  # the route ran
+
+
+@pytest.mark.parametrize("mode", ["instantiate", "ghost"])
+def test_a_convolution_input_edited_in_place_after_the_step_is_assembled_is_refused(mode):
+    """The patches (ghost) and the grouped route (instantiation) read the layer's input when the
+    norms are taken, after the step was assembled: an in-place edit in between is refused, not
+    used (found by an independent review: the norms read the edited values, 100x)."""
+    from dpzoo.errors import UnsupportedModuleError
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=0))
+    x = torch.randn(2, 3, 6, 6)
+    hooks = attach_norm_hooks(model, mode=mode)
+    try:
+        hooks.backward(model(x).sum())
+        hooks.plan()
+        x.mul_(100.0)
+        with pytest.raises(UnsupportedModuleError, match="modified in place after the step was assembled"):
+            hooks.per_param_norms()
+    finally:
+        hooks.detach()

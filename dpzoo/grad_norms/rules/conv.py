@@ -28,7 +28,7 @@ from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
 from ...errors import UnsupportedModuleError
-from ..half import upcast
+from ..half import exact_matmuls, upcast
 from ..registry import register_rule
 from ..reps import Dense, LazyFactored, instantiate
 
@@ -102,7 +102,7 @@ def by_grouped_convolution(padded: torch.Tensor, grad_output: torch.Tensor, modu
     g = grad_output.float().reshape(1, b * grad_output.shape[1], *grad_output.shape[2:])
     shape_only = x.new_empty(b * w.shape[0], *w.shape[1:])  # read for its shape: no input gradient is asked for
     stride, dilation = _tuple(module.stride, nd), _tuple(module.dilation, nd)
-    with _ieee_convolutions():
+    with _ieee_convolutions(), exact_matmuls():  # small inputs take aten's GEMM-based backend
         grads = torch.ops.aten.convolution_backward(
             g, x, shape_only, None, stride, [0] * nd, dilation, False, [0] * nd, b * module.groups, [False, True, False]
         )[1]
@@ -141,9 +141,23 @@ def _conv_use(x: torch.Tensor, grad_output: torch.Tensor, module, pad, mode) -> 
         and grad_output.dtype != torch.float64
         and t >= GROUPED_MIN_POSITIONS * (x.shape[1] // module.groups)
     )
-    per_sample = (lambda: by_grouped_convolution(padded, grad_output, module)) if grouped else None
+    version = x._version  # read later: an in-place edit of the input in between must not go unseen
+
+    def unedited(read):
+        def checked():
+            if x._version != version:
+                raise UnsupportedModuleError(
+                    f"The input of a {type(module).__name__} was modified in place after the step was assembled "
+                    "(hooks.plan(), engine.plan() or the first norm): its per-sample gradients would be those of "
+                    "the edited values. Edit a copy, or edit it before the forward pass."
+                )
+            return read()
+
+        return checked
+
+    per_sample = unedited(lambda: by_grouped_convolution(padded, grad_output, module)) if grouped else None
     like = torch.empty(b, groups, t, n, dtype=x.dtype, device="meta")
-    return LazyFactored(g, lambda: _patches(windows, module), like, tuple(module.weight.shape), per_sample)
+    return LazyFactored(g, unedited(lambda: _patches(windows, module)), like, tuple(module.weight.shape), per_sample)
 
 
 def grad_by_group(grad_output: torch.Tensor, groups: int) -> torch.Tensor:
