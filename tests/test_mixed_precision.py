@@ -286,22 +286,36 @@ def test_a_conv_under_bf16_autocast_hands_over_its_patches_in_bf16(padding_mode)
             _check(hooks, total, clipped, scale, 1e-2)
 
 
-def test_norm_matmuls_run_at_highest_precision_and_restore_the_users_setting():
+def _precisions() -> list[str]:
+    return [torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision]
+
+
+@pytest.mark.parametrize("api", ["legacy", "global", "per-backend"])
+def test_norm_matmuls_run_at_ieee_precision_and_restore_the_users_setting(api):
+    """Whichever of torch's APIs the user set TF32 or bfloat16 matmuls with, dpzoo's products run at
+    IEEE precision and the user's setting is back afterwards, even after an error (the legacy API
+    raised inside dpzoo for a user of torch.backends.fp32_precision)."""
     from dpzoo.grad_norms.half import exact_matmuls
 
-    before = torch.get_float32_matmul_precision()
-    seen = []
-    for user_setting in ("high", "medium"):
-        torch.set_float32_matmul_precision(user_setting)
-        try:
-            with pytest.raises(RuntimeError, match="inside"):
-                with exact_matmuls():
-                    seen.append(torch.get_float32_matmul_precision())
-                    raise RuntimeError("inside")
-            assert torch.get_float32_matmul_precision() == user_setting
-        finally:
-            torch.set_float32_matmul_precision(before)
-    assert seen == ["highest", "highest"]
+    legacy, glob = torch.get_float32_matmul_precision(), torch.backends.fp32_precision
+    backends = _precisions()
+    try:
+        if api == "legacy":
+            torch.set_float32_matmul_precision("medium")
+        elif api == "global":
+            torch.backends.fp32_precision = "tf32"
+        else:
+            torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+        user = _precisions()
+        with pytest.raises(RuntimeError, match="inside"):
+            with exact_matmuls():
+                assert _precisions() == ["ieee", "ieee"]
+                raise RuntimeError("inside")
+        assert _precisions() == user
+    finally:
+        torch.backends.fp32_precision = glob
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision = backends
+        torch.set_float32_matmul_precision(legacy)
 
 
 @pytest.mark.parametrize("user_setting", ["high", "medium"])
@@ -314,7 +328,7 @@ def test_float32_clipped_sums_run_at_highest_precision_whatever_the_user_set(use
     g = torch.Generator().manual_seed(3)
     rep = R.Factored(torch.randn(4, 1, 6, 300, generator=g), torch.randn(4, 1, 6, 200, generator=g), (200, 300))
     seen, mm = [], torch.mm
-    monkeypatch.setattr(torch, "mm", lambda *a, **k: seen.append(torch.get_float32_matmul_precision()) or mm(*a, **k))
+    monkeypatch.setattr(torch, "mm", lambda *a, **k: seen.append(_precisions()) or mm(*a, **k))
     before = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision(user_setting)
     try:
@@ -322,7 +336,7 @@ def test_float32_clipped_sums_run_at_highest_precision_whatever_the_user_set(use
         assert torch.get_float32_matmul_precision() == user_setting
     finally:
         torch.set_float32_matmul_precision(before)
-    assert seen == ["highest"]
+    assert seen == [["ieee", "ieee"]]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bf16 tensor cores)")

@@ -45,14 +45,20 @@ def upcast(t: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def exact_matmuls():
-    """float32 matmuls at "highest" precision whatever the user set: TF32 rounds float32 operands
-    to 10 bits, and :mod:`.rounding`'s bound (and a clipped sum's exactness) assume it does not."""
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
+    """float32 matmuls at IEEE precision whatever the user set: TF32 rounds float32 operands to 10
+    bits (bfloat16 on a CPU at "medium"), and :mod:`.rounding`'s bound (and a clipped sum's
+    exactness) assume it does not. Set per backend (CUDA's and oneDNN's ``fp32_precision``), the
+    API torch asks for since 2.9: the legacy ``torch.set_float32_matmul_precision`` raised here for
+    a user who had set ``torch.backends.fp32_precision`` (found by an independent review)."""
+    backends = [torch.backends.cuda.matmul, torch.backends.mkldnn.matmul]
+    before = [b.fp32_precision for b in backends]
+    for b in backends:
+        b.fp32_precision = "ieee"
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(before)
+        for b, value in zip(backends, before):
+            b.fp32_precision = value
 
 
 def _on_tensor_cores(a: torch.Tensor, b: torch.Tensor) -> bool:
