@@ -50,3 +50,19 @@ def test_elsewhere_it_does_nothing(monkeypatch):
 
     monkeypatch.setattr(cpu_allocator.sys, "platform", "darwin")
     assert cpu_allocator.reuse_freed_memory() is False
+
+
+def test_the_dpzoo_command_keeps_freed_memory_and_main_leaves_it_alone(monkeypatch):
+    """The console script (its own process) applies the setting before running the command;
+    ``main``, which tests and scripts call in their own process, does not."""
+    from dpzoo import cpu_allocator
+    from dpzoo.cli import commands
+
+    calls = []
+    monkeypatch.setattr(cpu_allocator, "reuse_freed_memory", lambda: calls.append("reuse") or True)
+    monkeypatch.setattr(commands, "main", lambda argv=None: calls.append("main") or 0)
+    assert commands.run() == 0 and calls == ["reuse", "main"]
+    calls.clear()
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_allocator, "reuse_freed_memory", lambda: calls.append("reuse") or True)
+    assert commands.main(["list"]) == 0 and calls == []

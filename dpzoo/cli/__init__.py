@@ -7,6 +7,6 @@
 :mod:`~dpzoo.cli.choices` (what ``--help`` lists, without importing torch).
 """
 
-from .commands import build_parser, main
+from .commands import build_parser, main, run
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "run"]
