@@ -4,9 +4,9 @@ OS and unmapping it when freed.
 
 A DP step allocates and frees more large tensors than a non-private one (per-sample gradients,
 Gram matrices, the noise), each above glibc's mmap threshold: every step then pays the kernel to
-map and zero fresh pages. Measured on 2 CPU cores (benchmarks/results/floor_reuse): GPT-2 4×256's
-bk-mixopt step went from 1.37× to 1.18× of the non-private step when the same process kept its
-freed memory; PyTorch's CPU tuning guide gives the same advice with jemalloc or TCMalloc. The cost
+map and zero fresh pages. Measured on 2 CPU cores (benchmarks/results/floor and floor_reuse):
+GPT-2 4×256's bk-mixopt step went from 1.38× to 1.19× of the non-private step when the process
+kept its freed memory; PyTorch's CPU tuning guide gives the same advice with jemalloc or TCMalloc. The cost
 is memory: the process keeps its peak heap (what a training loop reuses every step anyway).
 
 Opt-in and process-wide, so dpzoo never calls it on import; benchmarks take

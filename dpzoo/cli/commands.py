@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
 def run() -> int:
     """The ``dpzoo`` console script and ``python -m dpzoo``: a process of dpzoo's own, so glibc keeps
     freed memory for reuse first (:func:`dpzoo.cpu_allocator.reuse_freed_memory`; on 2 CPU cores a DP
-    step of GPT-2 4×256 took 1.15× of the physical floor with it, 1.36× without: docs/BENCHMARKS.md).
+    step of GPT-2 4×256 took 1.15× of the physical floor with it, 1.33× without: docs/BENCHMARKS.md).
     :func:`main`, which tests and scripts call in their own process, leaves the allocator alone."""
     from ..cpu_allocator import reuse_freed_memory
 
