@@ -238,8 +238,7 @@ class ShapeTrace(TorchDispatchMode):
         read = sum(_bytes(t) for t in inputs)
         packet = FORMULA_OF.get(func._overloadpacket, func._overloadpacket)
         if packet in flop_registry and flops_out is not None:
-            formula = flop_registry[packet]
-            flops = float(formula(*tree_map(_meta, args), **tree_map(_meta, kwargs), out_val=flops_out))
+            flops = _flops(packet, tree_map(_meta, args), tree_map(_meta, kwargs), flops_out)
         else:
             flops = float(max([t.numel() for t in inputs + outputs] or [0]))
         dtype = str((inputs or outputs or [torch.empty(0)])[0].dtype).removeprefix("torch.")
@@ -342,3 +341,17 @@ def summarize(trace: Trace) -> dict:
         "gbytes": sum(op.read + op.written for op in trace.ops if op.kernel) / 1e9,
         "peak_mb": trace.peak_bytes / 2**20,
     }
+
+
+def _flops(packet, args, kwargs, out) -> float:
+    """torch's formula for ``packet``, except that a grouped convolution's weight gradient is counted
+    once per group, not once per group for every group: torch.utils.flop_counter contracts the whole
+    input with every output channel (32x over for 32 groups: a per-sample convolution with the batch
+    folded into the groups)."""
+    formula = flop_registry[packet]
+    if packet is not torch.ops.aten.convolution_backward or len(args) < 11 or args[9] == 1 or not args[10][1]:
+        return float(formula(*args, **kwargs, out_val=out))
+    groups, (grad_input, _, grad_bias) = args[9], args[10]
+    rest = float(formula(*args[:10], [grad_input, False, grad_bias], *args[11:], **kwargs, out_val=out))
+    weight = float(formula(*args[:10], [False, True, False], *args[11:], **kwargs, out_val=out))
+    return rest + weight / groups

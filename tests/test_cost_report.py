@@ -66,6 +66,19 @@ def test_conv2d_flops_are_the_hand_computed_ones_and_half_products_run_on_tensor
     assert _kernels(trace, "aten.bmm")[0].unit == "fp64"
 
 
+@pytest.mark.parametrize("groups", [1, 4])
+def test_a_grouped_convolutions_weight_gradient_counts_its_groups_once(groups):
+    """torch.utils.flop_counter contracts the whole input with every output channel in a grouped
+    convolution's weight gradient (groups times too many FLOPs: 32x for dpzoo's per-sample route,
+    the batch folded into the groups); the trace counts each group's own channels."""
+    B, cin, cout, k, hw = 2, 8, 12, 3, 6
+    conv = nn.Conv2d(cin, cout, k, padding=1, groups=groups)
+    trace, _ = _traced(lambda: conv(torch.randn(B, cin, hw, hw, requires_grad=True)).sum().backward())
+    (op,) = _kernels(trace, "aten.convolution_backward")
+    per_gradient = 2 * B * cout * hw * hw * (cin // groups) * k * k  # input and weight gradients alike
+    assert op.flops == 2 * per_gradient
+
+
 def test_in_place_foreach_and_attention_operators_are_counted_as_a_gpu_runs_them():
     n = 1000
     a, b = torch.randn(n), torch.randn(n)

@@ -66,7 +66,7 @@ __all__ = [
 BUDGET_FRACTION = 0.5
 # multiply-adds one instantiated element costs besides its arithmetic (writing the per-sample
 # tensor, reading it back for the norm and the sum), fitted on CPU (benchmarks/planner_cpu.py,
-# benchmarks/results/planner_cpu): with float32 dense norms (2026-11-28) instantiation is the faster
+# benchmarks/results/planner_cpu): with float32 dense norms (2026-11-27) instantiation is the faster
 # path for all four of GPT-2 4x256's layers at B 16, T 128 (ties at 158-254) and ResNet-18-GN@32's
 # stem, first stage and 1x1 downsample (ties at 2945, 140 and 10), ghost for its 3x3 later stages
 # (ties at 2.4 and below); any value in (2.4, 10) orders every shape whose paths differ by more

@@ -161,7 +161,7 @@ def dense_sq_norm(grad: torch.Tensor) -> torch.Tensor:
     length) taken 1 / ((1 − u)²(1 − γ_{k+8})) larger, summed in float64 (the extra 8 covers a norm
     that scales its terms, and the float64 squares and sum, whose errors are far below float32's);
     samples whose bound is loose (DENSE_LOOSE) or not finite, float64 sums of squares. Before
-    2026-11-28 every sample was summed in float64: a sample whose entries all square below float32's
+    2026-11-27 every sample was summed in float64: a sample whose entries all square below float32's
     range read 0 in float32 (1.83 R in an audit, tests/test_float_rounding.py)."""
     if grad.dtype == torch.float64:
         return _sq_norm64(grad)
