@@ -247,11 +247,27 @@ class ShapeTrace(TorchDispatchMode):
         self.trace.peak_bytes = max(self.trace.peak_bytes, self.live_bytes())
 
 
-def trace_step(config: str | dict, mode: str, precision: str = "fp32", warmup: int = 2, prepare=None) -> Trace:
+def trace_step(
+    config: str | dict, mode: str, precision: str = "fp32", warmup: int = 2, prepare=None, cpu_routes: bool = False
+) -> Trace:
     """The operators of one training step of ``mode`` on ``config`` (a :mod:`bench_modes` config),
     after ``warmup`` untraced steps (the engine plans on its first). ``prepare(run, tracer)``, if
-    given, runs once the runner is built (cost_predict.py's timed plans). Raises
-    :class:`bench_modes.Unsupported` when the library refuses the combination."""
+    given, runs once the runner is built (cost_predict.py's timed plans). ``cpu_routes``: take the
+    routes dpzoo takes on a CPU only (a convolution's per-sample gradients by grouped convolution);
+    off by default, as the traced step stands for a GPU's. Raises :class:`bench_modes.Unsupported`
+    when the library refuses the combination."""
+    from dpzoo.grad_norms.rules import conv
+
+    before = conv.GROUPED_MIN_POSITIONS
+    if not cpu_routes:
+        conv.GROUPED_MIN_POSITIONS = float("inf")
+    try:
+        return _trace_step(config, mode, precision, warmup, prepare)
+    finally:
+        conv.GROUPED_MIN_POSITIONS = before
+
+
+def _trace_step(config: str | dict, mode: str, precision: str, warmup: int, prepare) -> Trace:
     import torch.fx.experimental._config as fx_config
 
     from dpzoo.grad_norms import half

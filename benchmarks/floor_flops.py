@@ -26,7 +26,7 @@ MODES = ("nonprivate-full", "dpzoo-bk-mixopt", "dpzoo-bk", "dpzoo-instantiate")
 
 
 def count(config: str, mode: str) -> dict:
-    s = cost_trace.summarize(cost_trace.trace_step(config, mode, "fp32"))
+    s = cost_trace.summarize(cost_trace.trace_step(config, mode, "fp32", cpu_routes=True))
     return {"gflops": sum(s["gflops"].values()), "gbytes": s["gbytes"], "ops": s["ops"], "host_reads": s["host_reads"]}
 
 

@@ -265,3 +265,19 @@ def test_a_timed_plan_is_priced_by_the_model_and_changes_what_is_traced():
     assert timed["python_calls"] > planned["python_calls"] / 2 > 0
     rows = cost_predict.predict("gpt2-tiny-tied", "bf16", ["nonprivate-full", "dpzoo-bk-mixopt"], timed_plan="h200")
     assert cost.measure_paths is measure and rows["dpzoo-bk-mixopt"]["ops"] == timed["ops"]
+
+
+@pytest.mark.parametrize("cpu_routes", [False, True])
+def test_a_traced_step_takes_the_cpu_only_convolution_route_only_when_asked(cpu_routes):
+    """The trace runs CPU tensors but stands for a GPU's step: a convolution's per-sample gradients
+    by grouped convolution (dpzoo's CPU-only route) are left out unless ``cpu_routes`` (the CPU
+    counts of floor_flops.py), and the setting is restored afterwards."""
+    from dpzoo.grad_norms.rules import conv
+
+    before = conv.GROUPED_MIN_POSITIONS
+    cfg = dict(kind="image", name="resnet18-gn-bias", size=32, batch=4)
+    trace = cost_trace.trace_step(cfg, "dpzoo-instantiate", cpu_routes=cpu_routes)
+    folded = [op for op in _kernels(trace, "aten.convolution_backward") if "by_grouped_convolution" in op.source]
+    assert bool(folded) is cpu_routes
+    assert _kernels(trace, "aten.convolution_backward")  # the input gradients, either way
+    assert conv.GROUPED_MIN_POSITIONS == before
