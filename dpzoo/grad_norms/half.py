@@ -49,8 +49,9 @@ def exact_matmuls():
     bits (bfloat16 on a CPU at "medium"), and :mod:`.rounding`'s bound (and a clipped sum's
     exactness) assume it does not. Set per backend (CUDA's and oneDNN's ``fp32_precision``), the
     API torch asks for since 2.9: the legacy ``torch.set_float32_matmul_precision`` raised here for
-    a user who had set ``torch.backends.fp32_precision`` (found by an independent review)."""
-    backends = [torch.backends.cuda.matmul, torch.backends.mkldnn.matmul]
+    a user who had set ``torch.backends.fp32_precision`` (found by an independent review). oneDNN's
+    convolutions too (the per-sample route of :mod:`.rules.conv`)."""
+    backends = [torch.backends.cuda.matmul, torch.backends.mkldnn.matmul, torch.backends.mkldnn.conv]
     before = [b.fp32_precision for b in backends]
     for b in backends:
         b.fp32_precision = "ieee"

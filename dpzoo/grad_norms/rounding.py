@@ -156,8 +156,8 @@ DENSE_CHUNK = 32
 
 def dense_sq_norm(grad: torch.Tensor) -> torch.Tensor:
     """Σ g² per sample of ``grad`` (B, ...) in float32, never below the exact value, for float32 and
-    half gradients (float64 gradients: their float64 sum, as computed). Float32: the norms of runs of DENSE_CHUNK entries (one fused read, no copy),
-    each squared run norm plus 2·k·2⁻¹²⁶ (the squares and partial sums that underflow, k = the run's
+    half gradients (float64 gradients: their float64 sum, as computed). Float32: the norms of runs
+    of DENSE_CHUNK entries (one fused read, no copy), each squared run norm plus 2·k·2⁻¹²⁶ (the squares and partial sums that underflow, k = the run's
     length) taken 1 / ((1 − u)²(1 − γ_{k+8})) larger, summed in float64 (the extra 8 covers a norm
     that scales its terms, and the float64 squares and sum, whose errors are far below float32's);
     samples whose bound is loose (DENSE_LOOSE) or not finite, float64 sums of squares. Before
@@ -167,9 +167,7 @@ def dense_sq_norm(grad: torch.Tensor) -> torch.Tensor:
         return _sq_norm64(grad)
     if grad.dtype != torch.float32:
         return round_up(_sq_norm64(grad, up=True), torch.float32)
-    flat = (
-        grad.flatten(1) if grad.dim() > 1 else grad.unsqueeze(1)
-    )  # flatten, not reshape: B = 0 (an FSDP rank's empty batch)
+    flat = _rows(grad)
     whole = flat.shape[1] // DENSE_CHUNK * DENSE_CHUNK
     b = flat.shape[0]
     runs = [flat[:, :whole].reshape(b, whole // DENSE_CHUNK, DENSE_CHUNK), flat[:, whole:]]
@@ -193,10 +191,14 @@ def _sq_norm64(grad: torch.Tensor, up: bool = False) -> torch.Tensor:
     one dimension at a time. ``up``: taken (1 + γ_{n+3}) larger in float64's unit roundoff, so that
     the float64 rounding of a float32 or half gradient's sum never leaves it below the exact one."""
     if grad.dim() <= 2:
-        flat = grad.flatten(1) if grad.dim() > 1 else grad.unsqueeze(1)
-        sq = torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64).square()
+        sq = torch.linalg.vector_norm(_rows(grad), dim=1, dtype=torch.float64).square()
     else:
         sq = sum_per_sample(torch.linalg.vector_norm(grad, dim=-1, dtype=torch.float64).square())
     if not up:
         return sq
     return sq * (1 + gamma(grad[0].numel() + 3 if len(grad) else 3, unit_roundoff(torch.float64)))
+
+
+def _rows(grad: torch.Tensor) -> torch.Tensor:
+    """(B, n): one row per sample (flatten, not reshape: B = 0 on an FSDP rank's empty batch)."""
+    return grad.flatten(1) if grad.dim() > 1 else grad.unsqueeze(1)

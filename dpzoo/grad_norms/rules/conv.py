@@ -19,7 +19,6 @@ It relies on ``forward`` and ``_conv_forward``: a subclass overriding either get
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -95,31 +94,17 @@ def by_grouped_convolution(padded: torch.Tensor, grad_output: torch.Tensor, modu
     """Each sample's weight gradient, (B, *weight.shape), as one convolution's weight gradient with
     the batch folded into its groups: no patches formed. Float32 at IEEE precision whatever the
     user set for oneDNN (bf16 or TF32 would round the operands); CPU only: measured there
-    (benchmarks/results/planner_cpu: 7x faster than unfolding at ResNet-18's first stage), not yet
-    on a GPU."""
+    (benchmarks/results/conv_routes), not yet on a GPU."""
     b, nd, w = padded.shape[0], padded.dim() - 2, module.weight
     x = padded.float().reshape(1, b * padded.shape[1], *padded.shape[2:])
     g = grad_output.float().reshape(1, b * grad_output.shape[1], *grad_output.shape[2:])
     shape_only = x.new_empty(b * w.shape[0], *w.shape[1:])  # read for its shape: no input gradient is asked for
     stride, dilation = _tuple(module.stride, nd), _tuple(module.dilation, nd)
-    with _ieee_convolutions(), exact_matmuls():  # small inputs take aten's GEMM-based backend
+    with exact_matmuls():  # oneDNN's convolution, or aten's GEMM-based backend for small inputs
         grads = torch.ops.aten.convolution_backward(
             g, x, shape_only, None, stride, [0] * nd, dilation, False, [0] * nd, b * module.groups, [False, True, False]
         )[1]
     return grads.reshape(b, *w.shape)
-
-
-@contextlib.contextmanager
-def _ieee_convolutions():
-    conv = getattr(getattr(torch.backends, "mkldnn", None), "conv", None)
-    before = getattr(conv, "fp32_precision", None)
-    if before is not None:
-        conv.fp32_precision = "ieee"
-    try:
-        yield
-    finally:
-        if before is not None:
-            conv.fp32_precision = before
 
 
 def _conv_use(x: torch.Tensor, grad_output: torch.Tensor, module, pad, mode) -> LazyFactored:
