@@ -309,3 +309,95 @@ def test_a_float32_dense_norm_is_an_upper_bound_and_tight(seed):
     assert dense_sq_norm(torch.zeros(0, 3, 4)).shape == (0,) == dense_sq_norm(torch.zeros(0, 5)).shape  # an empty rank
     wide = torch.randn(4, 3, 5, generator=g, dtype=torch.float64)  # float64 gradients: summed as they are
     assert torch.allclose(dense_sq_norm(wide), wide.flatten(1).square().sum(1), rtol=1e-15)
+
+
+def test_small_dense_parameters_are_normed_as_one_row_and_the_total_stays_an_upper_bound(monkeypatch):
+    """total_sq_norms (what the DP step clips by): parameters whose gradient is one small dense use
+    (biases, norm scales, in float32, bfloat16 or float64) are normed together, one norm per dtype,
+    and the total over every parameter (large dense, ghost, several uses) is at least the exact
+    per-sample ‖g‖² (float64 brute force) and within 1e-4 of it."""
+    from dpzoo.grad_norms import param_grad
+
+    g = torch.Generator().manual_seed(11)
+    b = 6
+    small = [
+        torch.randn(b, 7, generator=g),
+        torch.randn(b, 3, 4, generator=g).bfloat16(),
+        torch.randn(b, 5, generator=g),
+    ]
+    small[2][0] = 1e-40  # a sample whose squares underflow in float32: float64 fallback inside the shared row
+    small64 = torch.randn(b, 9, generator=g, dtype=torch.float64)
+    big = torch.randn(b, 3 * param_grad.SMALL_DENSE, generator=g)  # normed on its own
+    left, right = torch.randn(b, 1, 5, 30, generator=g), torch.randn(b, 1, 5, 20, generator=g)
+    grads = [ParamGrad([R.Dense(t)]) for t in (*small, small64, big)]
+    grads.append(ParamGrad([R.Factored(left, right, (30, 20))], ghost=True))
+    grads.append(ParamGrad([R.Dense(small[0]), R.Dense(-0.5 * small[0])]))  # two uses, summed first
+    calls = []
+    real = param_grad.dense_sq_norms
+    monkeypatch.setattr(
+        param_grad, "dense_sq_norms", lambda ts: calls.append(sorted(tuple(t.shape) for t in ts)) or real(ts)
+    )
+    total = torch.stack([s.double() for s in param_grad.total_sq_norms(grads)]).sum(0)
+    exact = sum(t.double().flatten(1).square().sum(1) for t in (*small, small64, big))
+    exact = exact + torch.einsum("btr,btc->brc", left[:, 0].double(), right[:, 0].double()).flatten(1).square().sum(1)
+    exact = exact + (0.5 * small[0].double()).square().sum(1)
+    assert (total >= exact).all() and (total <= exact * (1 + 1e-4)).all()
+    # one call (one host read): a shared row for the small float32 (and upcast bfloat16) parameters and
+    # the summed two-use one (7 + 12 + 5 + 7 entries a sample), one for the float64 one, the large one's own
+    assert calls == [sorted([(b, 3 * param_grad.SMALL_DENSE), (b, 9), (b, 31)])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_position_ghost_norms_and_cross_terms_need_no_product_per_feature_chunk(dtype, monkeypatch):
+    """At T = 1 (a classifier head, ResNet's last stage) the Gram entries are dot products summed by
+    chunks of GRAM_CHUNK features without a GEMM per chunk; norms and cross terms equal the float64
+    ones within the rounding of their 1000-term sums, and the guarded norm is never below the exact."""
+    gen = torch.Generator().manual_seed(4)
+    b, r, c = 5, 1000, 300
+    u = R.Factored(*(torch.randn(b, 2, 1, n, generator=gen).to(dtype) for n in (r, c)), (2, r, c))
+    v = R.Factored(u.left.clone(), -0.9 * u.right, (2, r, c))  # cancels most of u
+    products = []
+    real = R.product
+    monkeypatch.setattr(R, "product", lambda x, y: products.append(x.shape) or real(x, y))
+    got_sq, got_inner = R.sq_norm(u, ghost=True).double(), R.inner(u, v, ghost=True).double()
+    assert products == []
+
+    def grad(rep):
+        return torch.einsum("bgtr,bgtc->bgrc", rep.left.double(), rep.right.double()).flatten(1)
+
+    exact_sq, exact_inner = grad(u).square().sum(1), (grad(u) * grad(v)).sum(1)
+    scale = grad(u).square().sum(1)  # the size of the terms the rounding is relative to
+    assert ((got_sq - exact_sq).abs() <= 1e-4 * scale).all()
+    assert ((got_inner - exact_inner).abs() <= 1e-4 * scale).all()
+    guarded = ParamGrad([u, v], ghost=True).sq_norm().double()
+    assert (guarded >= (grad(u) + grad(v)).square().sum(1)).all()
+
+
+def test_dense_norms_of_many_gradients_read_the_host_once_and_equal_one_by_one(monkeypatch):
+    """dense_sq_norms: each result is dense_sq_norm's (float64 fallback for the samples whose bound is
+    loose included), and where no sample needs the fallback all gradients cost one host read."""
+    from dpzoo.grad_norms.rounding import dense_sq_norm, dense_sq_norms
+
+    g = torch.Generator().manual_seed(8)
+    grads = [torch.randn(6, 40, generator=g), torch.randn(6, 3, 70, generator=g), torch.randn(6, 5, generator=g)]
+    grads += [torch.randn(6, 9, generator=g, dtype=torch.float64), torch.randn(6, 11, generator=g).bfloat16()]
+    grads.append(torch.zeros(0, 4))  # an empty rank
+    reads = []
+
+    def counted():
+        for name in ("tolist", "__bool__", "item"):
+            real = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _r=real, _n=name: reads.append(_n) or _r(t, *a))
+
+    for fire in (False, True):
+        if fire:  # a subnormal sample, an infinite one, an all-zero gradient: float64 sums
+            grads[1][2], grads[1][4, 0, 0], grads[2] = 1e-40, float("inf"), torch.zeros(6, 5)
+        expected = [dense_sq_norm(t) for t in grads]
+        reads.clear()
+        counted()
+        got = dense_sq_norms(grads)
+        monkeypatch.undo()
+        assert fire or reads == ["__bool__"], reads
+        for e, x in zip(expected, got):
+            assert e.dtype == x.dtype and torch.equal(e, x)
+    assert got[1][2] > 0 and torch.isinf(got[1][4]) and (got[2] == 0).all()

@@ -310,7 +310,13 @@ def test_norm_matmuls_run_at_ieee_precision_and_restore_the_users_setting(api):
         with pytest.raises(RuntimeError, match="inside"):
             with exact_matmuls():
                 assert _precisions() == ["ieee", "ieee"]
+                with exact_matmuls():  # nested (the hooks enter once, every product again): a no-op
+                    assert _precisions() == ["ieee", "ieee"]
+                assert _precisions() == ["ieee", "ieee"], "the inner exit restored the user's setting too early"
                 raise RuntimeError("inside")
+        assert _precisions() == user
+        with exact_matmuls():  # entered afresh after an error: the nesting depth was reset
+            assert _precisions() == ["ieee", "ieee"]
         assert _precisions() == user
     finally:
         torch.backends.fp32_precision = glob

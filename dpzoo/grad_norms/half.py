@@ -23,13 +23,14 @@ float32's maximum), nor above bfloat16's range: such a sum is computed in float6
 
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 
 import torch
 
 __all__ = [
     "HALF", "upcast", "exact_matmuls", "product", "split_bfloat16", "round_toward_zero", "shared_scale", "kept_bits",
-    "scaled_product", "TENSOR_CORE_DEVICES",
+    "scaled_product", "TENSOR_CORE_DEVICES", "on_tensor_cores",
 ]  # fmt: skip
 
 HALF = (torch.float16, torch.bfloat16)
@@ -43,6 +44,9 @@ def upcast(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in HALF else t
 
 
+_EXACT = threading.local()
+
+
 @contextmanager
 def exact_matmuls():
     """float32 matmuls at IEEE precision whatever the user set: TF32 rounds float32 operands to 10
@@ -51,18 +55,23 @@ def exact_matmuls():
     API torch asks for since 2.9: the legacy ``torch.set_float32_matmul_precision`` raised here for
     a user who had set ``torch.backends.fp32_precision`` (found by an independent review). oneDNN's
     convolutions too (the per-sample route of :mod:`.rules.conv`)."""
+    if getattr(_EXACT, "depth", 0):  # already inside: the settings are ours (a norm runs ~100 products)
+        yield
+        return
     backends = [torch.backends.cuda.matmul, torch.backends.mkldnn.matmul, torch.backends.mkldnn.conv]
     before = [b.fp32_precision for b in backends]
     for b in backends:
         b.fp32_precision = "ieee"
+    _EXACT.depth = 1
     try:
         yield
     finally:
+        _EXACT.depth = 0
         for b, value in zip(backends, before):
             b.fp32_precision = value
 
 
-def _on_tensor_cores(a: torch.Tensor, b: torch.Tensor) -> bool:
+def on_tensor_cores(a: torch.Tensor, b: torch.Tensor) -> bool:
     devices = TENSOR_CORE_DEVICES
     return a.dtype == b.dtype and a.dtype in HALF and a.device.type in devices and b.device.type in devices
 
@@ -70,7 +79,7 @@ def _on_tensor_cores(a: torch.Tensor, b: torch.Tensor) -> bool:
 def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b for (…, n, k) × (…, k, m) with equal leading dimensions: half operands multiplied
     exactly into a float32 result, anything else at its own (upcast) precision."""
-    if not _on_tensor_cores(a, b):
+    if not on_tensor_cores(a, b):
         with exact_matmuls():
             return torch.matmul(upcast(a), upcast(b))
     lead = a.shape[:-2]

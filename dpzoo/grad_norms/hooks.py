@@ -51,9 +51,9 @@ from .capture import Capture, Recorder, Use, output_tensors
 from .cost import check_autotune, check_budget
 from .float_guard import round_up
 from .ghost import ghost_differentiate, wrap_outputs
-from .half import shared_scale
+from .half import exact_matmuls, shared_scale
 from .loss_pool import unwatched
-from .param_grad import ParamGrad
+from .param_grad import ParamGrad, clipped_sums, total_sq_norms
 from .plan import plan_model
 from .rounding import mechanism_dtype
 from .rules.loose import (
@@ -197,6 +197,7 @@ class NormHooks:
         return {"auto": None, "ghost": True, "instantiate": False}[self.mode]
 
     @no_autocast()
+    @exact_matmuls()  # entered once for the ~100s of products of a step's norms (and sums, below)
     def per_param_sq_norms(self) -> dict[str, torch.Tensor]:
         """{parameter name: Tensor[B]} of ‖∂L_i/∂θ‖₂² (every use of a parameter, cross terms included)."""
         st = self._rec.step
@@ -215,7 +216,7 @@ class NormHooks:
 
     def per_sample_norms(self) -> torch.Tensor:
         """Tensor[B]: ‖∂L_i/∂θ‖₂ over all trainable parameters θ (float32 or float64)."""
-        sq = list(self.per_param_sq_norms().values())
+        sq = total_sq_norms(list(self._grads().values()))
         dtype = torch.float64 if any(s.dtype == torch.float64 for s in sq) else torch.float32
         # summed in float64 and rounded up: rounding to nearest could read a clipped sample short
         return round_up(torch.stack([s.double() for s in sq]).sum(0).sqrt(), dtype)
@@ -237,18 +238,11 @@ class NormHooks:
             )
         if drop is not None and (drop.dtype != torch.bool or tuple(drop.shape) != (b,)):
             raise InvalidArgumentError(f"drop must be a bool Tensor[{b}], got {drop.dtype} {tuple(drop.shape)}")
-        out = {}
         # one factor per sample for every parameter, so that no block of the sample's gradient is
         # scaled otherwise than the rest (.half.shared_scale; per parameter it is needed for exactness)
         scale = shared_scale([r for g in grads.values() for r in g.reps], scale)
-        for name, g in grads.items():
-            try:
-                total = g.clipped_sum(scale, drop)
-            except RuntimeError as e:  # representations that do not fit together: refuse, naming the parameter
-                raise UnsupportedModuleError(
-                    f"The clipped sum of {name} failed on what its layer recorded ({str(e).splitlines()[0][:160]}): "
-                    "the module does not compute what its rule assumes."
-                ) from e
+        out = clipped_sums(grads, scale, drop)
+        for name, total in out.items():
             dtype = self._plan.params[name].dtype
             out[name] = total.to(mechanism_dtype(dtype) if mechanism_precision else dtype)
         return out
@@ -306,10 +300,8 @@ class NormHooks:
         """The gradients that reached the outputs of root forward ``call`` in this step (with
         ``ghost_backward=True``), in :func:`output_tensors` order; zeros for an output the loss
         did not use; None if that call is unknown."""
-        st = self._rec.step
-        if call >= len(st.calls):
-            return None
-        return [st.cotangents.get(id(o), torch.zeros_like(o)) for o in st.calls[call]]
+        calls, cotangents = self._rec.step.calls, self._rec.step.cotangents
+        return [cotangents.get(id(o), torch.zeros_like(o)) for o in calls[call]] if call < len(calls) else None
 
     def backward_from(self, outputs: list[torch.Tensor], cotangents: list[torch.Tensor]) -> None:
         """Back-propagate given output gradients (a vector-Jacobian product) to the hooked layers,

@@ -34,7 +34,7 @@ import torch
 
 __all__ = [
     "GRAM_CHUNK", "mechanism_dtype", "unit_roundoff", "gamma", "sum_per_sample", "pair_length", "error_bound", "round_up",
-    "dense_sq_norm", "DENSE_LOOSE",
+    "dense_sq_norm", "dense_sq_norms", "DENSE_LOOSE",
 ]  # fmt: skip
 
 GRAM_CHUNK = 256  # Gram matrices are summed over chunks of this many features (reps._gram)
@@ -163,10 +163,35 @@ def dense_sq_norm(grad: torch.Tensor) -> torch.Tensor:
     samples whose bound is loose (DENSE_LOOSE) or not finite, float64 sums of squares. Before
     2026-11-27 every sample was summed in float64: a sample whose entries all square below float32's
     range read 0 in float32 (1.83 R in an audit, tests/test_float_rounding.py)."""
-    if grad.dtype == torch.float64:
-        return _sq_norm64(grad)
-    if grad.dtype != torch.float32:
-        return round_up(_sq_norm64(grad, up=True), torch.float32)
+    return dense_sq_norms([grad])[0]
+
+
+def dense_sq_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`dense_sq_norm` of each of ``grads``, one host read for all of them where no sample needs
+    its float64 sum (on a GPU each read waits for the queue: a step of GPT-2 small made 100 of them,
+    two per instantiated layer, before 2026-11-28); more only where one does."""
+    first = [_float32_bound(g) if g.dtype == torch.float32 else None for g in grads]
+    redos = [f[1] for f in first if f is not None]
+    check = bool(torch.stack([r.any() for r in redos]).any()) if redos else False
+    out = []
+    for grad, f in zip(grads, first):
+        if f is None:
+            out.append(
+                _sq_norm64(grad) if grad.dtype == torch.float64 else round_up(_sq_norm64(grad, up=True), torch.float32)
+            )
+            continue
+        sq, redo = f
+        if check and redo.all():  # every sample (all-zero gradients): no gather
+            sq = _sq_norm64(grad, up=True)
+        elif check and redo.any():
+            idx = redo.nonzero().squeeze(1)
+            sq = sq.index_copy(0, idx, _sq_norm64(grad[idx], up=True))
+        out.append(round_up(sq, torch.float32))
+    return out
+
+
+def _float32_bound(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the float32 runs' bound in float64, the samples it does not serve), no host read."""
     flat = _rows(grad)
     whole = flat.shape[1] // DENSE_CHUNK * DENSE_CHUNK
     b = flat.shape[0]
@@ -177,13 +202,7 @@ def dense_sq_norm(grad: torch.Tensor) -> torch.Tensor:
     inflate = 1 / ((1 - u) ** 2 * (1 - gamma(DENSE_CHUNK + 8, u)))
     lost = 2 * flat.shape[1] * torch.finfo(torch.float32).smallest_normal
     out = (sq + lost) * inflate
-    redo = ~torch.isfinite(out) | (lost > DENSE_LOOSE * sq)
-    if redo.all():  # every sample (all-zero gradients): no gather
-        out = _sq_norm64(grad, up=True)
-    elif redo.any():
-        idx = redo.nonzero().squeeze(1)
-        out = out.index_copy(0, idx, _sq_norm64(grad[idx], up=True))
-    return round_up(out, torch.float32)
+    return out, ~torch.isfinite(out) | (lost > DENSE_LOOSE * sq)
 
 
 def _sq_norm64(grad: torch.Tensor, up: bool = False) -> torch.Tensor:
