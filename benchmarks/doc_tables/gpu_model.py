@@ -159,3 +159,23 @@ def guard_walks_figures(root: Path) -> set[str]:
                 f"{row['h100_ratio']:.2f}",
             }
     return out
+
+
+HOST_READ_CONFIGS = ["gpt2-small-t128", "gpt2-small-t512", "vit-base-patch16@224", "resnet50-gn-bias@224", "llama-bias-1b-t512"]
+HOST_READS = [f"benchmarks/results/cost/host_reads/before/{c}.json" for c in HOST_READ_CONFIGS] + [
+    f"benchmarks/results/cost/timed_plan/{c}.json" for c in HOST_READ_CONFIGS
+]
+
+
+@figures("gpu-host-reads", files=HOST_READS, command="benchmarks/cost_predict.py")
+def host_reads_figures(root: Path) -> set[str]:
+    """Host reads, operators and predicted H200 ratios (to non-private full and to bias-only) of the
+    DP modes before and after one host read per step served every dense norm (timed plans)."""
+    out = set()
+    for path in HOST_READS:
+        modes = load(root, path)["modes"]
+        for key in ("dpzoo-bk-mixopt", "dpzoo-bitfit"):
+            row = modes[key]
+            out |= {str(row["host_reads"]), f"{row['ops']:,}", f"{row['h200_ratio']:.2f}"}
+            out.add(f"{row['h200_ms'] / modes['nonprivate-bias']['h200_ms']:.2f}")
+    return out
