@@ -161,7 +161,13 @@ def guard_walks_figures(root: Path) -> set[str]:
     return out
 
 
-HOST_READ_CONFIGS = ["gpt2-small-t128", "gpt2-small-t512", "vit-base-patch16@224", "resnet50-gn-bias@224", "llama-bias-1b-t512"]
+HOST_READ_CONFIGS = [
+    "gpt2-small-t128",
+    "gpt2-small-t512",
+    "vit-base-patch16@224",
+    "resnet50-gn-bias@224",
+    "llama-bias-1b-t512",
+]
 HOST_READS = [f"benchmarks/results/cost/host_reads/before/{c}.json" for c in HOST_READ_CONFIGS] + [
     f"benchmarks/results/cost/timed_plan/{c}.json" for c in HOST_READ_CONFIGS
 ]
