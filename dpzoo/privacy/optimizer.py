@@ -315,11 +315,11 @@ class DPOptimizer(WrappedOptimizer):
 
     def scale_grad(self) -> None:
         """``loss_reduction="mean"``: divide the noisy sum by the expected logical batch size."""
-        n = self.expected_batch_size
-        for name, p in self.hooks.trainable_parameters.items() if self.loss_reduction == "mean" else ():
-            if p.grad is not None:  # in place if it is the tensor add_noise wrote (no user holds it)
-                p.grad = p.grad.div_(n) if p.grad is self._written.get(name) else p.grad / n
-                self._written[name] = p.grad
+        if self.loss_reduction == "mean":
+            for name, p in self.hooks.trainable_parameters.items():
+                if p.grad is not None:
+                    p.grad = p.grad / self.expected_batch_size
+                    self._written[name] = p.grad
 
     def _warn_no_gradient(self, names: list[str]) -> None:
         """Once per parameter: trainable, yet no sample of a whole logical step reached it (unused
