@@ -401,3 +401,19 @@ def test_dense_norms_of_many_gradients_read_the_host_once_and_equal_one_by_one(m
         for e, x in zip(expected, got):
             assert e.dtype == x.dtype and torch.equal(e, x)
     assert got[1][2] > 0 and torch.isinf(got[1][4]) and (got[2] == 0).all()
+
+
+def test_a_parameters_uses_are_settled_once_so_the_planners_choices_keep_their_uses(monkeypatch):
+    """total_sq_norms settles a parameter's uses, then (for one not dense) takes its sq_norm: the
+    uses are reordered by the first settling, so a second one would read the planner's choices
+    against the wrong uses and instantiate a use planned on the ghost path (found by a review)."""
+    from dpzoo.grad_norms import param_grad
+
+    gen = torch.Generator().manual_seed(2)
+    uses = [R.Factored(torch.randn(3, 1, t, 40, generator=gen), torch.randn(3, 1, t, 30, generator=gen), (40, 30))
+            for t in (9, 8, 2)]  # fmt: skip
+    g = ParamGrad(uses, choices=[True, False, False])  # the first on the ghost path, the others instantiated
+    total = param_grad.total_sq_norms([g])[0].double()
+    assert [type(r).__name__ for r in g.reps] == ["Dense", "Factored"] and g.reps[1] is uses[0]
+    exact = sum(torch.einsum("btr,btc->brc", u.left[:, 0].double(), u.right[:, 0].double()) for u in uses)
+    assert (total >= exact.flatten(1).square().sum(1)).all()

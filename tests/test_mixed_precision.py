@@ -324,6 +324,46 @@ def test_norm_matmuls_run_at_ieee_precision_and_restore_the_users_setting(api):
         torch.set_float32_matmul_precision(legacy)
 
 
+def test_one_thread_leaving_ieee_matmuls_does_not_lower_another_threads_precision():
+    """The precision settings are the process's: thread A leaving its exact_matmuls while thread B
+    is still inside its own (a step in each) must leave B at IEEE; B leaving restores the user's."""
+    import threading
+
+    from dpzoo.grad_norms.half import exact_matmuls
+
+    backends = _precisions()
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = []
+
+    def thread_a():
+        with exact_matmuls():
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def thread_b():
+        a_in.wait(10)
+        with exact_matmuls():
+            b_in.set()
+            a_out.wait(10)
+            seen.append(_precisions())
+            with exact_matmuls():  # nested inside B after A left: still a no-op
+                seen.append(_precisions())
+        seen.append(_precisions())
+
+    try:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision = "tf32", "bf16"
+        user = _precisions()
+        threads = [threading.Thread(target=thread_a), threading.Thread(target=thread_b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert seen == [["ieee", "ieee"], ["ieee", "ieee"], user]
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision = backends
+
+
 @pytest.mark.parametrize("user_setting", ["high", "medium"])
 def test_float32_clipped_sums_run_at_highest_precision_whatever_the_user_set(user_setting, monkeypatch):
     """TF32 (CUDA) or bfloat16 (CPU at "medium") would round c_i·L inside the clipped sum's GEMM, and

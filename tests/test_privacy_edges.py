@@ -266,6 +266,22 @@ def test_self_check_passes_and_is_recorded_or_opted_out():
     assert "skipped by the user" in engine2.privacy_metadata()["self_check"]
 
 
+def test_self_check_catches_a_bug_in_the_norms_the_step_clips_by(monkeypatch):
+    """The step clips by per_sample_norms(), which takes its own path (small parameters normed as one
+    row); the self-check verifies the per-parameter norms against single-sample passes and that the
+    clipping path's totals are their sum: a bug there alone (norms 2x too small) refuses the step."""
+    from dpzoo.grad_norms import hooks as hooks_module
+
+    real = hooks_module.total_sq_norms
+    monkeypatch.setattr(hooks_module, "total_sq_norms", lambda grads: [s / 4 for s in real(grads)])
+    engine, model, opt, loader = _private(_mlp(), _ds(), batch_size=12)
+    x, y = next(iter(loader))
+    F.cross_entropy(model(x), y).backward()
+    with pytest.raises(SelfCheckError, match="total per-sample norms"):
+        opt.step()
+    assert engine.steps == 0
+
+
 def test_verify_public_api():
     model = _mlp()
     x, y = _ds().tensors

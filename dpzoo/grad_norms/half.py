@@ -44,7 +44,9 @@ def upcast(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in HALF else t
 
 
-_EXACT = threading.local()
+_EXACT = {"depth": 0, "before": None}  # process-wide, as the settings are: the last thread out restores
+_EXACT_LOCK = threading.Lock()
+_BACKENDS = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul, torch.backends.mkldnn.conv)
 
 
 @contextmanager
@@ -54,21 +56,23 @@ def exact_matmuls():
     exactness) assume it does not. Set per backend (CUDA's and oneDNN's ``fp32_precision``), the
     API torch asks for since 2.9: the legacy ``torch.set_float32_matmul_precision`` raised here for
     a user who had set ``torch.backends.fp32_precision`` (found by an independent review). oneDNN's
-    convolutions too (the per-sample route of :mod:`.rules.conv`)."""
-    if getattr(_EXACT, "depth", 0):  # already inside: the settings are ours (a norm runs ~100 products)
-        yield
-        return
-    backends = [torch.backends.cuda.matmul, torch.backends.mkldnn.matmul, torch.backends.mkldnn.conv]
-    before = [b.fp32_precision for b in backends]
-    for b in backends:
-        b.fp32_precision = "ieee"
-    _EXACT.depth = 1
+    convolutions too (the per-sample route of :mod:`.rules.conv`). Re-entrant and counted across
+    threads (the settings are the process's): the user's settings come back when the last context
+    of any thread exits, so one thread leaving cannot lower another's precision mid-step."""
+    with _EXACT_LOCK:
+        if _EXACT["depth"] == 0:
+            _EXACT["before"] = [b.fp32_precision for b in _BACKENDS]
+            for b in _BACKENDS:
+                b.fp32_precision = "ieee"
+        _EXACT["depth"] += 1
     try:
         yield
     finally:
-        _EXACT.depth = 0
-        for b, value in zip(backends, before):
-            b.fp32_precision = value
+        with _EXACT_LOCK:
+            _EXACT["depth"] -= 1
+            if _EXACT["depth"] == 0:
+                for b, value in zip(_BACKENDS, _EXACT["before"]):
+                    b.fp32_precision = value
 
 
 def on_tensor_cores(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -61,6 +61,7 @@ class ParamGrad:
         self.ghost = ghost
         self.choices = choices
         self._sq: torch.Tensor | None = None
+        self._settled = False
 
     def _on_ghost(self, i: int, rep) -> bool:
         if self.ghost is not None:
@@ -72,6 +73,9 @@ class ParamGrad:
         return self.reps[0].batch_size
 
     def _settle(self) -> None:
+        if self._settled:  # once: the uses are reordered, so ``choices`` would no longer index them
+            return
+        self._settled = True
         rs = [
             Dense(instantiate(r)) if not isinstance(r, Dense) and not self._on_ghost(i, r) else r
             for i, r in enumerate(self.reps)

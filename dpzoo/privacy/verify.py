@@ -80,11 +80,7 @@ def _pick(batch: int, samples: int) -> list[int]:
     the rows shows at the ends and the middle)."""
     if batch <= samples:
         return list(range(batch))
-    picks = [0, batch - 1, batch // 2]
-    k = 3
-    while len(picks) < samples:
-        picks.append((k * batch) // (samples + 1))
-        k += 1
+    picks = [0, batch - 1, batch // 2] + [(k * batch) // (samples + 1) for k in range(3, samples)]
     return sorted(dict.fromkeys(picks))[:samples]
 
 
@@ -117,6 +113,11 @@ def self_check(
         hooks.backward_from(outs, cotangents)
         sq = hooks.per_param_sq_norms()
         hooks_norms = {n: v.detach().sqrt().double() for n, v in sq.items()}
+        # the norms the step clips by take their own path (small parameters normed as one row): the same sums
+        total, expected = hooks.per_sample_norms().double(), torch.stack(list(sq.values())).double().sum(0).sqrt()
+        if ((total - expected).abs() > 1e-4 * expected + 1e-30).any():
+            raise SelfCheckError(f"dpzoo's total per-sample norms {total.tolist()[:4]} disagree with its per-parameter "
+                                 f"ones {expected.tolist()[:4]}: a bug in dpzoo (please report it); no step is taken.")  # fmt: skip
         # random per-row weights (not all ones): a per-sample gradient given to the wrong row changes
         # the weighted sum even when the rows the norm check compares are left in place
         gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(7), "little"))
