@@ -46,7 +46,7 @@ def upcast(t: torch.Tensor) -> torch.Tensor:
 
 _EXACT = {"depth": 0, "before": None}  # process-wide, as the settings are: the last thread out restores
 _EXACT_LOCK = threading.Lock()
-_BACKENDS = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul, torch.backends.mkldnn.conv)
+_BACKENDS = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul, torch.backends.mkldnn.conv)  # type: ignore[attr-defined]
 
 
 @contextmanager

@@ -159,7 +159,8 @@ def total_sq_norms(grads: list[ParamGrad]) -> list[torch.Tensor]:
     dtype (the squared norm of a concatenation is the sum of its parts', and :func:`dense_sq_norms`
     bounds its rounding as of any row), every dense one with one host read for all
     (:func:`dense_sq_norms`), every other by :meth:`ParamGrad.sq_norm`."""
-    out, small, dense = [], {}, []
+    out, dense = [], []
+    small: dict[torch.dtype, list] = {}
     for g in grads:
         g._settle()
         rows = _small_dense_rows(g)
@@ -179,7 +180,8 @@ def clipped_sums(grads: dict[str, ParamGrad], scale: torch.Tensor, drop: torch.T
     those that are one small dense use summed as one concatenated row per sample and dtype (one
     product instead of one each; each sum a view of the shared result, in the parameter's shape).
     A sum that fails on what a layer recorded is refused, naming the parameter."""
-    out, small = {}, {}
+    out: dict[str, torch.Tensor] = {}
+    small: dict[torch.dtype, list] = {}
     for name, g in grads.items():
         rows = _small_dense_rows(g)
         if rows is not None:
