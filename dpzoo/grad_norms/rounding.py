@@ -169,7 +169,7 @@ def dense_sq_norm(grad: torch.Tensor) -> torch.Tensor:
 def dense_sq_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """:func:`dense_sq_norm` of each of ``grads``, one host read for all of them where no sample needs
     its float64 sum (on a GPU each read waits for the queue: a step of GPT-2 small made 100 of them,
-    two per instantiated layer, before 2026-11-28); more only where one does."""
+    two per instantiated layer, before commit cb4c181); more only where one does."""
     first = [_float32_bound(g) if g.dtype == torch.float32 else None for g in grads]
     redos = [f[1] for f in first if f is not None]
     check = bool(torch.stack([r.any() for r in redos]).any()) if redos else False
