@@ -364,6 +364,43 @@ def test_one_thread_leaving_ieee_matmuls_does_not_lower_another_threads_precisio
         torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision = backends
 
 
+def _child_precisions(queue):
+    from dpzoo.grad_norms.half import exact_matmuls
+
+    before = _precisions()
+    with exact_matmuls():
+        inside = _precisions()
+    queue.put((before, inside, _precisions()))
+
+
+def test_ieee_matmuls_survive_a_setting_changed_mid_step_and_a_fork():
+    """A nested entry sets IEEE again if the settings were changed inside the context (by another
+    thread, or an exit an interrupt cut short); a child forked while the parent is inside one (a
+    DataLoader worker) starts with the user's settings and a working lock, not the parent's count."""
+    import multiprocessing as mp
+
+    from dpzoo.grad_norms.half import exact_matmuls
+
+    backends = _precisions()
+    try:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision = "tf32", "bf16"
+        user = _precisions()
+        with exact_matmuls():
+            torch.backends.mkldnn.matmul.fp32_precision = "bf16"  # changed behind the context's back
+            with exact_matmuls():
+                assert _precisions() == ["ieee", "ieee"]
+            if "fork" in mp.get_all_start_methods():
+                ctx = mp.get_context("fork")
+                queue = ctx.Queue()
+                child = ctx.Process(target=_child_precisions, args=(queue,))
+                child.start()
+                child.join(60)
+                assert not child.is_alive() and queue.get(timeout=5) == (user, ["ieee", "ieee"], user)
+        assert _precisions() == user
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.mkldnn.matmul.fp32_precision = backends
+
+
 @pytest.mark.parametrize("user_setting", ["high", "medium"])
 def test_float32_clipped_sums_run_at_highest_precision_whatever_the_user_set(user_setting, monkeypatch):
     """TF32 (CUDA) or bfloat16 (CPU at "medium") would round c_i·L inside the clipped sum's GEMM, and

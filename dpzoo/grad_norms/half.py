@@ -23,6 +23,7 @@ float32's maximum), nor above bfloat16's range: such a sum is computed in float6
 
 from __future__ import annotations
 
+import os
 import threading
 from contextlib import contextmanager
 
@@ -44,7 +45,7 @@ def upcast(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in HALF else t
 
 
-_EXACT = {"depth": 0, "before": None}  # process-wide, as the settings are: the last thread out restores
+_EXACT: dict = {"depth": 0, "before": None}  # process-wide, as the settings are: the last thread out restores
 _EXACT_LOCK = threading.Lock()
 _BACKENDS = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul, torch.backends.mkldnn.conv)  # type: ignore[attr-defined]
 
@@ -62,7 +63,8 @@ def exact_matmuls():
     with _EXACT_LOCK:
         if _EXACT["depth"] == 0:
             _EXACT["before"] = [b.fp32_precision for b in _BACKENDS]
-            for b in _BACKENDS:
+        for b in _BACKENDS:  # nested entries too: another thread (or an interrupted exit) may have changed them
+            if b.fp32_precision != "ieee":
                 b.fp32_precision = "ieee"
         _EXACT["depth"] += 1
     try:
@@ -73,6 +75,20 @@ def exact_matmuls():
             if _EXACT["depth"] == 0:
                 for b, value in zip(_BACKENDS, _EXACT["before"]):
                     b.fp32_precision = value
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker) runs none of the parent's threads: their contexts are
+    gone, so their count and a lock one of them may have held are reset, the user's settings back."""
+    global _EXACT_LOCK
+    if _EXACT["depth"]:
+        for b, value in zip(_BACKENDS, _EXACT["before"]):
+            b.fp32_precision = value
+    _EXACT["depth"], _EXACT_LOCK = 0, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def on_tensor_cores(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -75,7 +75,6 @@ class ParamGrad:
     def _settle(self) -> None:
         if self._settled:  # once: the uses are reordered, so ``choices`` would no longer index them
             return
-        self._settled = True
         rs = [
             Dense(instantiate(r)) if not isinstance(r, Dense) and not self._on_ghost(i, r) else r
             for i, r in enumerate(self.reps)
@@ -91,7 +90,7 @@ class ParamGrad:
             for r in rs[1:]:
                 dense = dense + instantiate(r)
             rs = [Dense(dense)]
-        self.reps = rs
+        self.reps, self._settled = rs, True
 
     def sq_norm(self) -> torch.Tensor:
         """‖g_i‖² for every sample (Tensor[B]), every cross term of a multi-use parameter included."""
