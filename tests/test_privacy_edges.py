@@ -284,12 +284,12 @@ def test_self_check_catches_a_bug_in_the_norms_the_step_clips_by(monkeypatch):
 
 def test_the_clipping_paths_check_accepts_a_sample_whose_gradient_underflows():
     """A confidently classified sample (logit margin ~70: cross-entropy gradient ~1e-30, float32
-    squared norms subnormal) has norms that are rounding allowances on both paths, which differ by
-    more than 1e-4 relative: the comparison must allow for them, not refuse (found by a review)."""
+    squared norms subnormal) has norms that are rounding allowances (a float32 bound rounds up to
+    at least 2⁻¹⁴⁹), far above its exact norms in relative terms: neither the clipping path's check
+    nor the single-sample comparison may refuse it (found by a review; the second was older)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     x = torch.randn(8, 4) * 0.3
-    x[1, 0] = 5.0  # sample 1, not one of the samples compared alone (0, 4, 7)
     y = torch.tensor([0, 1] * 4)
     with torch.no_grad():
         model[0].weight.zero_()
@@ -297,8 +297,12 @@ def test_the_clipping_paths_check_accepts_a_sample_whose_gradient_underflows():
         model[0].bias.zero_()
         model[2].weight.copy_(torch.tensor([[-4.4] * 8, [4.4] * 8]))
         model[2].bias.zero_()
-    report = dpzoo.verify(model, x, lambda out: F.cross_entropy(out, y, reduction="sum"))
-    assert report.samples == [0, 4, 7]
+    # sample 1 is not among those compared alone (0, 4, 7), sample 0 is: with y[0] = 1 its margin is ~70 too
+    for tiny, label in ((1, 1), (0, 1)):
+        xs, ys = x.clone(), y.clone()
+        xs[tiny, 0], ys[tiny] = 5.0, label
+        report = dpzoo.verify(model, xs, lambda out, ys=ys: F.cross_entropy(out, ys, reduction="sum"))
+        assert report.samples == [0, 4, 7]
 
 
 def test_verify_public_api():
