@@ -4,7 +4,9 @@ It owns the choices made on a parameter's uses: ghost or instantiation per use (
 the BK rule, or the hooks' forced mode), summing many uses once (a recurrent cell called every
 time step) instead of O(uses²) cross terms, the cross terms themselves (:mod:`.reps`), and the
 floating-point guard on ghost norms (:mod:`.float_guard`). It offers :meth:`ParamGrad.sq_norm`,
-:meth:`ParamGrad.clipped_sum` and :meth:`ParamGrad.instantiate`.
+:meth:`ParamGrad.clipped_sum` and :meth:`ParamGrad.instantiate`; over a step's parameters,
+:func:`total_sq_norms` (what the step clips by) and :func:`clipped_sums`, which take the small dense
+parameters (biases, norm scales) together as one row.
 """
 
 from __future__ import annotations
