@@ -142,13 +142,18 @@ class ParamGrad:
         return row_sparse(merged)
 
 
-def _small_dense_rows(g: ParamGrad) -> torch.Tensor | None:
-    """(B, n) rows of ``g``'s gradient if it is one dense use of at most SMALL_DENSE entries a
-    sample, half values in float32 (as a norm or sum of it sees them); else None."""
+def _one_dense(g: ParamGrad) -> torch.Tensor | None:
+    """``g``'s per-sample gradient if it is one dense use; else None."""
     rep = g.reps[0]
-    if len(g.reps) != 1 or not isinstance(rep, Dense) or math.prod(rep.grad.shape[1:]) > SMALL_DENSE:
+    return rep.grad if len(g.reps) == 1 and isinstance(rep, Dense) else None
+
+
+def _small_rows(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """(B, n) rows of a dense gradient of at most SMALL_DENSE entries a sample, half values in
+    float32 (as a norm or sum of it sees them); else None."""
+    if grad is None or math.prod(grad.shape[1:]) > SMALL_DENSE:
         return None
-    grad = upcast(rep.grad)
+    grad = upcast(grad)
     return grad.flatten(1) if grad.dim() > 1 else grad.unsqueeze(1)
 
 
@@ -164,11 +169,12 @@ def total_sq_norms(grads: list[ParamGrad]) -> list[torch.Tensor]:
     small: dict[torch.dtype, list] = {}
     for g in grads:
         g._settle()
-        rows = _small_dense_rows(g)
+        grad = _one_dense(g)
+        rows = _small_rows(grad)
         if rows is not None:
             small.setdefault(rows.dtype, []).append(rows)
-        elif len(g.reps) == 1 and isinstance(g.reps[0], Dense):  # what sq_norm would compute, read later
-            dense.append(upcast(g.reps[0].grad))
+        elif grad is not None:  # what sq_norm would compute, its host read shared
+            dense.append(upcast(grad))
         else:
             out.append(g.sq_norm())
     return out + dense_sq_norms(dense + [torch.cat(rows, 1) for rows in small.values()])
@@ -184,9 +190,10 @@ def clipped_sums(grads: dict[str, ParamGrad], scale: torch.Tensor, drop: torch.T
     out: dict[str, torch.Tensor] = {}
     small: dict[torch.dtype, list] = {}
     for name, g in grads.items():
-        rows = _small_dense_rows(g)
+        grad = _one_dense(g)
+        rows = _small_rows(grad)
         if rows is not None:
-            small.setdefault(rows.dtype, []).append((name, rows, g.reps[0].grad.shape[1:]))
+            small.setdefault(rows.dtype, []).append((name, rows, grad.shape[1:]))
             continue
         try:
             out[name] = g.clipped_sum(scale, drop)
