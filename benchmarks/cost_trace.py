@@ -17,7 +17,8 @@ What it cannot see, by construction:
   a step where every check passes (nothing non-finite, nothing out of range, nothing lost), so the
   trace follows the path a normal step takes; dpzoo's first-step self-check is off.
 - the device: the trace runs CPU tensors, with dpzoo's tensor-core product path on
-  (:data:`dpzoo.grad_norms.half.TENSOR_CORE_DEVICES`), the optimizer's multi-tensor (foreach)
+  (:data:`dpzoo.grad_norms.half.TENSOR_CORE_DEVICES`) and batched products where a GPU would launch
+  many small ones (:data:`~dpzoo.grad_norms.half.LAUNCH_DEVICES`), the optimizer's multi-tensor (foreach)
   kernels as on CUDA, and the CPU attention kernels counted by the formulas of the GPU's. Under
   CPU autocast softmax, log-softmax, layer norm and sums stay in bf16 where CUDA autocast runs them
   in float32: a bf16 trace leaves out those casts and counts their bytes at half width (the
@@ -273,8 +274,9 @@ def _trace_step(config: str | dict, mode: str, precision: str, warmup: int, prep
     from dpzoo.grad_norms import half
 
     tracer = ShapeTrace()
-    devices = set(half.TENSOR_CORE_DEVICES)
+    devices, launching = set(half.TENSOR_CORE_DEVICES), set(half.LAUNCH_DEVICES)
     half.TENSOR_CORE_DEVICES.add("cpu")
+    half.LAUNCH_DEVICES.add("cpu")
     # boolean-mask indexing needs a nonzero count: every element kept (the passing step's answer)
     with fx_config.patch(meta_nonzero_assume_all_nonzero=True), _seeded():
         try:
@@ -300,6 +302,8 @@ def _trace_step(config: str | dict, mode: str, precision: str, warmup: int, prep
         finally:
             half.TENSOR_CORE_DEVICES.clear()
             half.TENSOR_CORE_DEVICES.update(devices)
+            half.LAUNCH_DEVICES.clear()
+            half.LAUNCH_DEVICES.update(launching)
     return tracer.trace
 
 

@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from dpzoo.grad_norms import half
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))  # the scripts import their helper modules by their bare names
 
@@ -118,7 +120,7 @@ def test_nothing_is_computed_and_live_memory_is_counted():
     assert not bool((c == 4).all())  # values were never computed (the memory is whatever was there)
 
 
-def test_a_traced_step_runs_the_operators_of_a_real_step():
+def test_a_traced_step_runs_the_operators_of_a_real_step(monkeypatch):
     """The shape-only step launches the same operators, in the same order, as the step computed
     for real (after the same warm-up) whose host reads get the same answers (those of a step where
     no check fires: on real data a check may fire on a few rows, e.g. the zero gradient of a shifted
@@ -140,8 +142,10 @@ def test_a_traced_step_runs_the_operators_of_a_real_step():
                 return func(*args, **(kwargs or {}))
 
         batch = run.next_batch()
+        monkeypatch.setattr(half, "LAUNCH_DEVICES", {"cuda", "cpu"})  # as traced: a GPU's batched products
         with Names():
             run.train_step(batch)
+        monkeypatch.undo()
         assert names == traced, mode
 
 
@@ -153,6 +157,9 @@ def test_counts_are_deterministic_and_the_dp_step_costs_more():
     b = cost_trace.summarize(cost_trace.trace_step(config, "dpzoo-bk-mixopt", "bf16"))
     # every operator is attributed to the dpzoo function that ran it: no DP machinery in non-private training
     assert not any(op.source.startswith(("grad_norms/", "privacy/")) for op in plain.ops)
+    # no tensor made from host values inside the DP step: on a GPU its copy to the device waits for
+    # the queue, a host read the trace would not count (round_up made one per norm until 11-28)
+    assert not [op.source for op in dp.ops if op.name == "aten.lift_fresh.default" and op.source]
     assert any(op.source.startswith("nn/") for op in plain.ops)  # dpzoo's own RMSNorm module
     top = gpu_model.by_source(dp, gpu_model.DEVICES["h100"])
     assert any(r["source"].startswith("grad_norms/") for r in top)

@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from dp_reference import seeded_noise
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -271,12 +272,11 @@ def test_a_bfloat16_model_releases_the_float32_mechanism_through_make_private():
         per_sample.append(torch.autograd.grad((out * w.double()).sum(), reference))
     (model(x) * w).sum().backward()
     opt.step()
-    gen = torch.Generator().manual_seed(3)
-    for i, p in enumerate(model.parameters()):
+    noises = seeded_noise(list(model.parameters()), sigma * r, torch.Generator().manual_seed(3))
+    for i, (p, noise) in enumerate(zip(model.parameters(), noises)):
         norms = [torch.sqrt(sum(g.square().sum() for g in grads)) for grads in per_sample]
         factors = round_toward_zero(torch.tensor([min(1.0, r / float(n)) for n in norms]), torch.bfloat16)
         clipped = sum(g[i] * float(c) for g, c in zip(per_sample, factors))
-        noise = torch.empty(p.shape).normal_(0.0, sigma * r, generator=gen)
         expected = (clipped.float() + noise).double()
         assert p.grad.dtype == torch.bfloat16
         # one bfloat16 rounding of the float32 value (2⁻⁸ relative), not two
@@ -380,6 +380,7 @@ def test_dense_norms_of_many_gradients_read_the_host_once_and_equal_one_by_one(m
 
     g = torch.Generator().manual_seed(8)
     grads = [torch.randn(6, 40, generator=g), torch.randn(6, 3, 70, generator=g), torch.randn(6, 5, generator=g)]
+    grads.append(torch.randn(6, 2, 32, generator=g) * 1e-3)  # whole runs only
     grads += [torch.randn(6, 9, generator=g, dtype=torch.float64), torch.randn(6, 11, generator=g).bfloat16()]
     grads.append(torch.zeros(0, 4))  # an empty rank
     reads = []

@@ -36,46 +36,67 @@ import torch
 
 from . import reps as R
 from . import rounding
-from .rounding import round_up
+from .half import launches_kernels
+from .rounding import any_flag, round_up
 
-__all__ = ["GHOST_FLOOR", "LOOSE", "RECHECK", "row_sums", "sq_norm64", "triangle_bound", "guard", "round_up"]
+__all__ = ["GHOST_FLOOR", "LOOSE", "RECHECK", "row_sums", "sq_norm64", "triangle_bound", "guard", "guards", "round_up"]
 
 GHOST_FLOOR = 2.0**-8
 RECHECK = 2.0**-6  # below RECHECK · U a float32 ghost norm is recomputed in float64
 LOOSE = 2.0**-6  # a rounding bound above LOOSE · ‖g‖² (the norm inflated by > 0.8%): recompute in float64
 
 
-def _norm64(t: torch.Tensor) -> torch.Tensor:
-    """‖t‖ over the last dim in float64, never below the exact norm by more than its own rounding:
-    rows whose norm is near the limits of squaring (or 0, inf, NaN) are scaled by their largest
-    entry first; every other row gets √(k·s) added, s the subnormal spacing, for squares that
-    underflowed (half-precision rows are summed in float32)."""
+def _norm64(t: torch.Tensor, rescale: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(‖t‖ over the last dim in float64, the rows near the limits of squaring, or None where none
+    can be). The norm is never below the exact one by more than its own rounding: every row gets
+    √(k·s) added, s the subnormal spacing, for squares that underflowed (half-precision rows are
+    summed in float32); rows near the limits (or 0, inf, NaN) are scaled by their largest entry
+    first, where ``rescale`` (one host read); without it their norms are left as computed, to be
+    redone if any is marked. On a GPU float32 and half rows are summed in float64 in the same read:
+    no square under- or overflows there, so no row is near the limits (a zero row, the last
+    position of a causal LM in every layer, needs no host read), and a non-finite row makes the
+    ghost norm itself non-finite, which the guard recomputes anyway."""
     acc = torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+    if acc == torch.float32 and launches_kernels(t):
+        return torch.linalg.vector_norm(t, dim=-1, dtype=torch.float64), None
     n = torch.linalg.vector_norm(t, dim=-1, dtype=acc)
     risky = ~((n > 2.0**-60) & (n < 2.0**60))
     spacing = torch.finfo(acc).smallest_normal * torch.finfo(acc).eps
     n = n.double() + (t.shape[-1] * spacing) ** 0.5
-    if risky.any():
+    if rescale and risky.any():
         rows = t[risky]
         top = rows.abs().amax(-1, keepdim=True)
         top = torch.where(top > 0, top, torch.ones_like(top))
         n[risky] = torch.linalg.vector_norm(rows / top, dim=-1, dtype=acc).double() * top.squeeze(-1).double()
-    return n
+    return n, risky
 
 
-def row_sums(rep: "R.Rep") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(U, A, B) per sample in float64: U = Σ_t ‖L_t‖‖R_t‖ ≥ ‖g‖, A = Σ_t ‖L_t‖, B = Σ_t ‖R_t‖
-    (one-hot rows have norm 1; a dense gradient is its own single row on both sides)."""
+def row_sums(rep: "R.Rep", rescale: bool = True) -> tuple:
+    """(U, A, B, risky) per sample in float64: U = Σ_t ‖L_t‖‖R_t‖ ≥ ‖g‖, A = Σ_t ‖L_t‖,
+    B = Σ_t ‖R_t‖ (one-hot rows have norm 1; a dense gradient is its own single row on both sides);
+    risky: None, or a device bool, whether a row norm was near the limits of squaring (``rescale``:
+    rescaled, one host read; else left as computed, so the sums are not to be used where True)."""
     if isinstance(rep, R.Dense):  # row norms over the last dimension, then in float64
         g = rep.grad
-        n = _norm64(g.reshape(g.shape[0], -1, g.shape[-1]) if g.dim() > 1 else g.unsqueeze(1)).square().sum(1).sqrt()
-        return n, n, n
-    right = _norm64(rep.right)
+        n, risky = _norm64(g.reshape(g.shape[0], -1, g.shape[-1]) if g.dim() > 1 else g.unsqueeze(1), rescale)
+        n = n.square().sum(1).sqrt()
+        return n, n, n, _any(risky)
+    right, risky = _norm64(rep.right, rescale)
     if isinstance(rep, R.OneHot):
         s = right.sum(1)
-        return s, torch.full_like(s, float(rep.index.shape[1])), s
-    left = _norm64(rep.left)
-    return (left * right).flatten(1).sum(1), left.flatten(1).sum(1), right.flatten(1).sum(1)
+        return s, torch.full_like(s, float(rep.index.shape[1])), s, _any(risky)
+    left, risky_left = _norm64(rep.left, rescale)
+    sums = (left * right).flatten(1).sum(1), left.flatten(1).sum(1), right.flatten(1).sum(1)
+    return (*sums, _any(risky, risky_left))
+
+
+def _any(*masks: torch.Tensor | None) -> torch.Tensor | None:
+    """Whether any entry of any mask is True (a device bool); None if every mask is None."""
+    out = None
+    for m in masks:
+        if m is not None:
+            out = m.any() if out is None else out | m.any()
+    return out
 
 
 def triangle_bound(rep: "R.Rep") -> torch.Tensor:
@@ -106,18 +127,56 @@ def guard(reps: list, total: torch.Tensor) -> torch.Tensor:
     part) on the ghost path, ``total`` being their computed value: the rounding bound of
     :mod:`.rounding` added, samples where that bound is loose (or ``total`` not finite) recomputed
     in float64, floored at (GHOST_FLOOR · U)²; in ``total``'s dtype, rounded up."""
-    sums = [row_sums(r) for r in reps]
-    bound = sum(s[0] for s in sums)
+    return guards([(reps, total)])[0]
+
+
+def guards(items: list[tuple[list, torch.Tensor]]) -> list[torch.Tensor]:
+    """:func:`guard` of each (reps, total), one host read for all where no sample needs its float64
+    norm and no row its rescaled norm (on a GPU each read waits for the queue); those that do are
+    guarded again one by one, as they would be alone. On a CPU, one by one."""
+    if not any(launches_kernels(total) for _, total in items):  # a CPU's host reads cost nothing
+        return [_checked(reps, total) for reps, total in items]
+    first = [_unchecked(reps, total) for reps, total in items]
+    fired = any_flag([flag for _, flag in first])
+    return [
+        _checked(reps, total) if fired and bool(flag) else result for (reps, total), (result, flag) in zip(items, first)
+    ]
+
+
+def _unchecked(reps: list, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(:func:`_checked`'s result where the flag, a device bool, is False; no host read): the same
+    operators but the rescaling of risky rows and the float64 recomputation, which the flag marks."""
+    sums = [row_sums(r, rescale=False) for r in reps]
+    result, redo = _bounded(reps, total, [s[:3] for s in sums])
+    flag = _any(redo, *(s[3] for s in sums))
+    assert flag is not None
+    return result[0], flag
+
+
+def _bounded(reps: list, total: torch.Tensor, sums: list) -> tuple[tuple, torch.Tensor]:
+    """((the guarded norm if no sample is redone, out, err, floor), the samples to redo in float64:
+    below RECHECK · U, a bound above LOOSE of the norm, or not finite; any comparison with a NaN)."""
+    bound = sums[0][0]
+    for s in sums[1:]:
+        bound = bound + s[0]
     err = rounding.error_bound(reps, sums, total.dtype)
     floor = (GHOST_FLOOR * bound).square()
     out = total.double()
     if total.dtype == torch.float64:
         redo = out < floor
-    else:
-        redo = ~torch.isfinite(out) | (out < (RECHECK * bound).square()) | (err > LOOSE * out)
-    if redo.any():
-        rows = redo.nonzero().squeeze(1)
-        out = out.index_copy(0, rows, sq_norm64(reps, rows))
-        err64 = rounding.error_bound(reps, [tuple(x[rows] for x in s) for s in sums], torch.float64)
-        err = err.index_copy(0, rows, err64)
+    else:  # (RECHECK · U)² = (RECHECK / GHOST_FLOOR)² · floor, a power of two
+        redo = ~((out >= floor * (RECHECK / GHOST_FLOOR) ** 2) & (out * LOOSE >= err) & (out < float("inf")))
+    return (round_up(torch.maximum(out + err, floor), total.dtype), out, err, floor), redo
+
+
+def _checked(reps: list, total: torch.Tensor) -> torch.Tensor:
+    """The guard with its host reads: risky rows rescaled, loose samples recomputed in float64."""
+    sums = [row_sums(r)[:3] for r in reps]
+    (result, out, err, floor), redo = _bounded(reps, total, sums)
+    if not redo.any():
+        return result
+    rows = redo.nonzero().squeeze(1)
+    out = out.index_copy(0, rows, sq_norm64(reps, rows))
+    err64 = rounding.error_bound(reps, [tuple(x[rows] for x in s) for s in sums], torch.float64)
+    err = err.index_copy(0, rows, err64)
     return round_up(torch.maximum(out + err, floor), total.dtype)

@@ -31,13 +31,15 @@ import torch
 
 __all__ = [
     "HALF", "upcast", "exact_matmuls", "product", "split_bfloat16", "round_toward_zero", "shared_scale", "kept_bits",
-    "scaled_product", "TENSOR_CORE_DEVICES", "on_tensor_cores",
+    "scaled_product", "has_bfloat16_factors", "TENSOR_CORE_DEVICES", "on_tensor_cores", "LAUNCH_DEVICES", "launches_kernels",
 ]  # fmt: skip
 
 HALF = (torch.float16, torch.bfloat16)
 # device types whose half products run as one float32-output product (``out_dtype``); the cost
 # report (benchmarks/cost_trace.py) adds "cpu" to trace on a CPU the operators CUDA runs
 TENSOR_CORE_DEVICES = {"cuda"}
+# device types whose operators are kernels launched on a queue (the cost report adds "cpu" too)
+LAUNCH_DEVICES = {"cuda"}
 
 
 def upcast(t: torch.Tensor) -> torch.Tensor:
@@ -96,6 +98,13 @@ def on_tensor_cores(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.dtype in HALF and a.device.type in devices and b.device.type in devices
 
 
+def launches_kernels(t: torch.Tensor) -> bool:
+    """Whether ``t``'s operators are kernels queued on an accelerator (:data:`LAUNCH_DEVICES`):
+    there each operator costs a launch, so one larger operator (with a copy) beats many small
+    ones, where a CPU runs the small ones faster."""
+    return t.device.type in LAUNCH_DEVICES
+
+
 def product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b for (…, n, k) × (…, k, m) with equal leading dimensions: half operands multiplied
     exactly into a float32 result, anything else at its own (upcast) precision."""
@@ -117,16 +126,29 @@ def round_toward_zero(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``scale`` in ``dtype``, never larger in magnitude: to nearest it could grow by 2⁻⁹ (bfloat16)."""
     if scale.dtype == dtype:
         return scale
+    if dtype in _WIDER.get(scale.dtype, ()):  # every value of scale's dtype is one of dtype's
+        return scale.to(dtype)
     low = scale.to(dtype)
     return torch.where(low.to(scale.dtype).abs() > scale.abs(), torch.nextafter(low, torch.zeros_like(low)), low)
 
 
+def has_bfloat16_factors(reps) -> bool:
+    """Whether any of ``reps`` is a factored use with bfloat16 factors (its clipped sum scales them)."""
+    return any(getattr(r, "left", None) is not None and r.left.dtype == r.right.dtype == torch.bfloat16 for r in reps)
+
+
+_WIDER = {
+    torch.bfloat16: (torch.float32, torch.float64),
+    torch.float16: (torch.float32, torch.float64),
+    torch.float32: (torch.float64,),
+}
+
+
 def shared_scale(reps, scale: torch.Tensor) -> torch.Tensor:
-    """``scale`` rounded toward zero to bfloat16 (in its own dtype) if any of ``reps`` is a
-    bfloat16 factored use, so that every use of the parameter is scaled by the same c̃_i."""
-    if any(getattr(r, "left", None) is not None and r.left.dtype == r.right.dtype == torch.bfloat16 for r in reps):
-        return round_toward_zero(scale, torch.bfloat16).to(scale.dtype)
-    return scale
+    """``scale`` rounded toward zero to bfloat16 (a bfloat16 tensor: rounding it again is free) if
+    any of ``reps`` is a bfloat16 factored use, so that every use of the parameter is scaled by the
+    same c̃_i."""
+    return round_toward_zero(scale, torch.bfloat16) if has_bfloat16_factors(reps) else scale
 
 
 SPLIT_TINY = 2.0**-118  # below it, lo of a 16-bit value can need bits under bfloat16's subnormal spacing

@@ -219,7 +219,9 @@ class NormHooks:
         sq = total_sq_norms(list(self._grads().values()))
         dtype = torch.float64 if any(s.dtype == torch.float64 for s in sq) else torch.float32
         # summed in float64 and rounded up: rounding to nearest could read a clipped sample short
-        return round_up(torch.stack([s.double() for s in sq]).sum(0).sqrt(), dtype)
+        same = len({s.dtype for s in sq}) == 1  # one cast of the stack, not one per parameter
+        rows = torch.stack(sq).double() if same else torch.stack([s.double() for s in sq])
+        return round_up(rows.sum(0).sqrt(), dtype)
 
     @no_autocast()
     def clipped_sum(

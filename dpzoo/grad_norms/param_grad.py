@@ -17,7 +17,7 @@ import torch
 
 from ..errors import InvalidArgumentError, UnsupportedModuleError
 from .autocast import no_autocast
-from .float_guard import guard
+from .float_guard import guard, guards
 from .half import exact_matmuls, shared_scale, upcast
 from .reps import (
     Dense,
@@ -97,20 +97,23 @@ class ParamGrad:
     def sq_norm(self) -> torch.Tensor:
         """‖g_i‖² for every sample (Tensor[B]), every cross term of a multi-use parameter included."""
         if self._sq is None:
-            self._settle()
-            rs = self.reps
-            ghost = self.ghost is not False  # what is not Dense after settling is on the ghost path
-            total = sq_norm(rs[0], ghost=ghost)
-            for i in range(len(rs)):
-                if i:
-                    total = total + sq_norm(rs[i], ghost=ghost)
-                for j in range(i + 1, len(rs)):  # cross terms of a parameter used twice
-                    total = total + 2 * inner(rs[i], rs[j], ghost=ghost)
-            total = total.clamp_min(0)
-            if not all(isinstance(r, Dense) for r in rs):  # a dense norm is that of the very tensor summed
-                total = guard(rs, total)
-            self._sq = total
+            total, guarded = self._unguarded_sq_norm()
+            self._sq = guard(self.reps, total) if guarded else total
         return self._sq
+
+    def _unguarded_sq_norm(self) -> tuple[torch.Tensor, bool]:
+        """(the computed ‖g_i‖², whether it needs the floating-point guard: a use on the ghost path)."""
+        self._settle()
+        rs = self.reps
+        ghost = self.ghost is not False  # what is not Dense after settling is on the ghost path
+        total = sq_norm(rs[0], ghost=ghost)
+        for i in range(len(rs)):
+            if i:
+                total = total + sq_norm(rs[i], ghost=ghost)
+            for j in range(i + 1, len(rs)):  # cross terms of a parameter used twice
+                total = total + 2 * inner(rs[i], rs[j], ghost=ghost)
+        # a dense norm is that of the very tensor summed: no guard
+        return total.clamp_min(0), not all(isinstance(r, Dense) for r in rs)
 
     def clipped_sum(self, scale: torch.Tensor, drop: torch.Tensor | None = None) -> torch.Tensor:
         """Σ_i scale_i g_i over every use (the parameter's shape); samples where ``drop`` is True
@@ -164,8 +167,9 @@ def total_sq_norms(grads: list[ParamGrad]) -> list[torch.Tensor]:
     that settle to one small dense use (SMALL_DENSE) normed as one concatenated row per sample and
     dtype (the squared norm of a concatenation is the sum of its parts', and :func:`dense_sq_norms`
     bounds its rounding as of any row), every dense one with one host read for all
-    (:func:`dense_sq_norms`), every other by :meth:`ParamGrad.sq_norm`."""
-    out, dense = [], []
+    (:func:`dense_sq_norms`), every other as :meth:`ParamGrad.sq_norm` does, the floating-point
+    guards of those on the ghost path with one host read for all (:func:`.float_guard.guards`)."""
+    out, dense, ghost = [], [], []
     small: dict[torch.dtype, list] = {}
     for g in grads:
         g._settle()
@@ -175,8 +179,18 @@ def total_sq_norms(grads: list[ParamGrad]) -> list[torch.Tensor]:
             small.setdefault(rows.dtype, []).append(rows)
         elif grad is not None:  # what sq_norm would compute, its host read shared
             dense.append(upcast(grad))
+        elif g._sq is not None:
+            out.append(g._sq)
         else:
-            out.append(g.sq_norm())
+            total, guarded = g._unguarded_sq_norm()
+            if guarded:  # guarded below, with one host read for all
+                ghost.append((g, total))
+            else:
+                g._sq = total
+                out.append(total)
+    for (g, _), sq in zip(ghost, guards([(g.reps, total) for g, total in ghost])):
+        g._sq = sq
+        out.append(sq)
     return out + dense_sq_norms(dense + [torch.cat(rows, 1) for rows in small.values()])
 
 

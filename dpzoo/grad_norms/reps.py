@@ -33,7 +33,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .half import HALF, exact_matmuls, kept_bits, on_tensor_cores, product, round_toward_zero, scaled_product, upcast
+from .half import (
+    HALF,
+    exact_matmuls,
+    kept_bits,
+    launches_kernels,
+    on_tensor_cores,
+    product,
+    round_toward_zero,
+    scaled_product,
+    upcast,
+)
 from .rounding import GRAM_CHUNK, dense_sq_norm, sum_per_sample
 
 __all__ = [
@@ -198,9 +208,31 @@ def _gram(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     k = a.shape[-1]
     if a.shape[-2] == b.shape[-2] == 1 and k > GRAM_CHUNK and not on_tensor_cores(a, b):
         return _dot_by_chunks(upcast(a), upcast(b))
+    # on a GPU, every chunk in one batched product when the chunks' Grams take no more memory than
+    # the input (S ≤ GRAM_CHUNK): ~8 operators instead of ~8 a chunk (GPT-2's 2304 features: 9 chunks)
+    if k >= 2 * GRAM_CHUNK and b.shape[-2] <= GRAM_CHUNK and launches_kernels(a):
+        return _gram_batched(a, b)
     out = product(a[..., :GRAM_CHUNK], b[..., :GRAM_CHUNK].transpose(-1, -2))
     for i in range(GRAM_CHUNK, k, GRAM_CHUNK):
         out = out.add_(product(a[..., i : i + GRAM_CHUNK], b[..., i : i + GRAM_CHUNK].transpose(-1, -2)))
+    return out
+
+
+def _gram_batched(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """:func:`_gram` with the whole chunks as one batch of products (one copy of each factor), summed
+    over the chunks, then the rest: the same chains of additions (a chunk's, then across chunks)."""
+    k, t, s = a.shape[-1], a.shape[-2], b.shape[-2]
+    whole = k // GRAM_CHUNK * GRAM_CHUNK
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # (…, T, k) → (L·n, T, GRAM_CHUNK)
+        x = x[..., :whole].reshape(-1, x.shape[-2], whole // GRAM_CHUNK, GRAM_CHUNK)
+        return x.transpose(1, 2).reshape(-1, x.shape[1], GRAM_CHUNK)
+
+    ca = chunks(a)
+    cb = ca if b is a else chunks(b)
+    out = product(ca, cb.transpose(-1, -2)).view(-1, whole // GRAM_CHUNK, t, s).sum(1).view(*a.shape[:-2], t, s)
+    if whole < k:
+        out = out.add_(product(a[..., whole:], b[..., whole:].transpose(-1, -2)))
     return out
 
 

@@ -30,11 +30,14 @@ summed again in float64 (a float64 sum of float32 squares cannot under- or overf
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 
 __all__ = [
     "GRAM_CHUNK", "mechanism_dtype", "unit_roundoff", "gamma", "sum_per_sample", "pair_length", "error_bound", "round_up",
-    "dense_sq_norm", "dense_sq_norms", "DENSE_LOOSE",
+    "dense_sq_norm", "dense_sq_norms", "DENSE_LOOSE", "any_flag",
 ]  # fmt: skip
 
 GRAM_CHUNK = 256  # Gram matrices are summed over chunks of this many features (reps._gram)
@@ -110,22 +113,30 @@ def error_bound(reps: list, row_sums: list, dtype: torch.dtype) -> torch.Tensor:
     float64, each U computed with its own rounding (so taken (1 + γ) larger)."""
     u = unit_roundoff(dtype)
     extra = len(reps) ** 2 + 4  # the additions of the terms, squaring a dense row norm, the clamp
-    total = torch.zeros_like(row_sums[0][0])
-    for i, ri in enumerate(reps):
-        for j, rj in enumerate(reps):
-            k = gamma(pair_length(ri, rj) + extra, u)
-            total = total + k * (1 + k) ** 2 * row_sums[i][0] * row_sums[j][0]
+    ks = [[gamma(pair_length(ri, rj) + extra, u) for rj in reps] for ri in reps]
+    total = None
+    for i in range(len(reps)):
+        for j in range(len(reps)):
+            c = ks[i][j] * (1 + ks[i][j]) ** 2
+            total = (
+                row_sums[i][0] * row_sums[j][0] * c
+                if total is None
+                else total.addcmul_(row_sums[i][0], row_sums[j][0], value=c)
+            )
     # a product that underflows loses up to the subnormal spacing s: a Gram entry over r features
     # up to r·s, times the other factor's Gram (≤ B² summed); a dense use's squares and products
     # lose up to its numel·s; and each product of two Gram entries one more s
     spacing = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
     width = sum(_width(r) for r in reps)
     grids = sum(_grid(r) for r in reps)
-    ab = sum(s[1] for s in row_sums) + sum(s[2] for s in row_sums) + 1
-    worst = max(gamma(pair_length(a, b) + extra, u) for a in reps for b in reps)
-    underflow = spacing * (width * ab.square() * (1 + worst) ** 2 + grids)
+    ab = row_sums[0][1] + row_sums[0][2]
+    for s in row_sums[1:]:
+        ab = ab + s[1] + s[2]
+    worst = max(max(row) for row in ks)
+    underflow = (ab + 1).square().mul_(spacing * width * (1 + worst) ** 2).add_(spacing * grids)
     # U = 0: no position has both factors nonzero, so every product of Gram entries is an exact 0
-    return total + underflow * (sum(s[0] for s in row_sums) > 0)
+    bound = row_sums[0][0] if len(row_sums) == 1 else sum(s[0] for s in row_sums)
+    return total.addcmul_(underflow, bound > 0)
 
 
 def _grid(rep) -> int:
@@ -141,9 +152,10 @@ def _width(rep) -> int:
 
 
 def round_up(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` (float64) in ``dtype``, never below it: rounding to nearest may round down."""
+    """``x`` (float64) in ``dtype``, never below it: rounding to nearest may round down. (No
+    tensor from a Python value: on a GPU its copy to the device waits for the queue.)"""
     y = x.to(dtype)
-    return torch.where(y.double() < x, torch.nextafter(y, y.new_tensor(float("inf"))), y)
+    return torch.where(y < x, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
 
 
 # a float32 dense norm whose underflow allowance exceeds this share of it is summed in float64
@@ -157,9 +169,10 @@ DENSE_CHUNK = 32
 def dense_sq_norm(grad: torch.Tensor) -> torch.Tensor:
     """Σ g² per sample of ``grad`` (B, ...) in float32, never below the exact value, for float32 and
     half gradients (float64 gradients: their float64 sum, as computed). Float32: the norms of runs
-    of DENSE_CHUNK entries (one fused read, no copy), each squared run norm plus 2·k·2⁻¹²⁶ (the squares and partial sums that underflow, k = the run's
-    length) taken 1 / ((1 − u)²(1 − γ_{k+8})) larger, summed in float64 (the extra 8 covers a norm
-    that scales its terms, and the float64 squares and sum, whose errors are far below float32's);
+    of DENSE_CHUNK entries (one fused read, no copy), whose squares are summed in float64, plus
+    2·n·2⁻¹²⁶ (the squares and partial sums that underflow, n = the row's length), taken
+    1 / ((1 − u)²(1 − γ_{k+8})) larger (k = DENSE_CHUNK; the extra 8 covers a norm that scales its
+    terms, and the float64 squares, sum, root and square, whose errors are far below float32's);
     samples whose bound is loose (DENSE_LOOSE) or not finite, float64 sums of squares. Before
     2026-11-27 every sample was summed in float64: a sample whose entries all square below float32's
     range read 0 in float32 (1.83 R in an audit, tests/test_float_rounding.py)."""
@@ -169,40 +182,80 @@ def dense_sq_norm(grad: torch.Tensor) -> torch.Tensor:
 def dense_sq_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """:func:`dense_sq_norm` of each of ``grads``, one host read for all of them where no sample needs
     its float64 sum (on a GPU each read waits for the queue: a step of GPT-2 small made 100 of them,
-    two per instantiated layer, before commit cb4c181); more only where one does."""
-    first = [_float32_bound(g) if g.dtype == torch.float32 else None for g in grads]
-    redos = [f[1] for f in first if f is not None]
-    check = bool(torch.stack([r.any() for r in redos]).any()) if redos else False
-    out = []
-    for grad, f in zip(grads, first):
-        if f is None:
-            out.append(
-                _sq_norm64(grad) if grad.dtype == torch.float64 else round_up(_sq_norm64(grad, up=True), torch.float32)
-            )
-            continue
-        sq, redo = f
-        if check and redo.all():  # every sample (all-zero gradients): no gather
-            sq = _sq_norm64(grad, up=True)
-        elif check and redo.any():
-            idx = redo.nonzero().squeeze(1)
-            sq = sq.index_copy(0, idx, _sq_norm64(grad[idx], up=True))
-        out.append(round_up(sq, torch.float32))
+    two per instantiated layer, before commit cb4c181); more only where one does. The float32 ones
+    of a device and batch size are bounded, checked and rounded as one stacked tensor: a few
+    operators for all of them, not a dozen each (on a GPU each costs a launch)."""
+    out: list = [None] * len(grads)
+    groups: dict[tuple, list[int]] = {}
+    for i, grad in enumerate(grads):
+        if grad.dtype == torch.float32:
+            groups.setdefault((grad.device, grad.shape[0]), []).append(i)
+        elif grad.dtype == torch.float64:
+            out[i] = _sq_norm64(grad)
+        else:
+            out[i] = round_up(_sq_norm64(grad, up=True), torch.float32)
+    bounds = [(idx, *_float32_bounds([grads[i] for i in idx])) for idx in groups.values()]
+    check = any_flag([redo.any() for _, _, redo in bounds])
+    for idx, sq, redo in bounds:
+        if check:
+            _sum_again(sq, redo, [grads[i] for i in idx])
+        for i, row in zip(idx, round_up(sq, torch.float32).unbind(0)):
+            out[i] = row
     return out
 
 
-def _float32_bound(grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the float32 runs' bound in float64, the samples it does not serve), no host read."""
-    flat = _rows(grad)
-    whole = flat.shape[1] // DENSE_CHUNK * DENSE_CHUNK
-    b = flat.shape[0]
-    runs = [flat[:, :whole].reshape(b, whole // DENSE_CHUNK, DENSE_CHUNK), flat[:, whole:]]
-    sq = sum(torch.linalg.vector_norm(r, dim=-1).double().square().reshape(b, -1 if b else 0).sum(1) for r in runs)
-    # a run's computed sum ŝ ≥ s(1 − γ_k) − 2k·2⁻¹²⁶ and its norm r̂ ≥ √ŝ (1 − u): s ≤ inflate · (r̂² + 2k·2⁻¹²⁶)
+def any_flag(flags: list[torch.Tensor]) -> bool:
+    """Whether any of the device bools ``flags`` is True: one host read per device, not one each."""
+    by_device: dict[torch.device, list] = {}
+    for f in flags:
+        by_device.setdefault(f.device, []).append(f)
+    return any(bool(torch.stack(fs).any()) for fs in by_device.values())
+
+
+def _float32_bounds(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For float32 ``grads`` of one batch size and device: (n, B) float64 upper bounds of their
+    per-sample sums of squares, and the samples those do not serve (loose or not finite); no host
+    read. A run's computed sum ŝ ≥ s(1 − γ_k) − 2k·2⁻¹²⁶ and its norm r̂ ≥ √ŝ (1 − u), so
+    s ≤ inflate · (r̂² + 2k·2⁻¹²⁶)."""
+    sq = torch.stack([_runs_sq(g) for g in grads])
     u = unit_roundoff(torch.float32)
     inflate = 1 / ((1 - u) ** 2 * (1 - gamma(DENSE_CHUNK + 8, u)))
-    lost = 2 * flat.shape[1] * torch.finfo(torch.float32).smallest_normal
-    out = (sq + lost) * inflate
-    return out, ~torch.isfinite(out) | (lost > DENSE_LOOSE * sq)
+    widths = [2 * math.prod(g.shape[1:]) * torch.finfo(torch.float32).smallest_normal for g in grads]
+    lost = _constants(tuple(widths), sq.device)
+    bound = (sq + lost) * inflate
+    return bound, ~(torch.isfinite(bound) & (sq >= lost / DENSE_LOOSE))
+
+
+def _runs_sq(grad: torch.Tensor) -> torch.Tensor:
+    """Σ over runs of DENSE_CHUNK entries of each run's float32 norm squared, in float64: (B,)."""
+    flat = _rows(grad)
+    b, n = flat.shape
+    whole = n // DENSE_CHUNK * DENSE_CHUNK
+    sq = None
+    if whole:  # the runs' norms, then the float64 norm of those (their squares summed, no copy)
+        runs = torch.linalg.vector_norm((flat if whole == n else flat[:, :whole]).view(b, -1, DENSE_CHUNK), dim=-1)
+        sq = torch.linalg.vector_norm(runs, dim=-1, dtype=torch.float64).square()
+    if whole < n or sq is None:
+        rest = torch.linalg.vector_norm(flat[:, whole:], dim=-1).double().square()
+        sq = rest if sq is None else sq + rest
+    return sq
+
+
+@functools.lru_cache(maxsize=256)
+def _constants(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """(n, 1) float64 of ``values`` on ``device``, made once: a tensor from host values is a copy
+    that waits for a GPU's queue, so a step does not make it again."""
+    return torch.tensor(values, dtype=torch.float64, device=device).unsqueeze(1)
+
+
+def _sum_again(bound: torch.Tensor, redo: torch.Tensor, grads: list[torch.Tensor]) -> None:
+    """Replace, in place, the bounds of the samples ``redo`` marks by float64 sums of squares."""
+    for row, grad in enumerate(grads):
+        if redo[row].all():  # every sample (all-zero gradients): no gather
+            bound[row] = _sq_norm64(grad, up=True)
+        elif redo[row].any():
+            idx = redo[row].nonzero().squeeze(1)
+            bound[row].index_copy_(0, idx, _sq_norm64(grad[idx], up=True))
 
 
 def _sq_norm64(grad: torch.Tensor, up: bool = False) -> torch.Tensor:

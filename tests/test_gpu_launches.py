@@ -1,0 +1,130 @@
+"""Fewer operators and host reads per DP step where a GPU launches each (issue 30): the Gram chunks
+as one batched product, the floating-point guards of every ghost norm with one host read, and the
+float32 dense norms bounded as one stacked tensor. Each is exact against float64 brute force and
+gives what the one-at-a-time path gives. The GPU paths run here on the CPU by adding "cpu" to
+:data:`dpzoo.grad_norms.half.LAUNCH_DEVICES` (the cost report traces them the same way).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dpzoo.grad_norms import float_guard, half, param_grad
+from dpzoo.grad_norms import reps as R
+from dpzoo.grad_norms.param_grad import ParamGrad
+from dpzoo.grad_norms.rounding import GRAM_CHUNK, gamma, unit_roundoff
+
+
+def _grad64(rep: R.Factored) -> torch.Tensor:
+    return torch.einsum("bgtr,bgtc->bgrc", rep.left.double(), rep.right.double()).flatten(1)
+
+
+def _bound(rep: R.Factored, k: int) -> torch.Tensor:
+    """γ of the chunked Gram's chains times Σ_{t,s} |L_t||L_s||R_t||R_s|: what float32 may be off by."""
+    n = min(k, GRAM_CHUNK) + -(-k // GRAM_CHUNK) + 4
+    u = rep.left.double().norm(dim=-1) * rep.right.double().norm(dim=-1)
+    return 3 * gamma(n, unit_roundoff(torch.float32)) * u.flatten(1).sum(1).square()
+
+
+@pytest.mark.parametrize("k, t", [(512, 3), (700, 17), (1000, 1), (2304, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gram_chunks_in_one_batched_product_give_the_exact_norm_and_cross_term(k, t, dtype, monkeypatch):
+    gen = torch.Generator().manual_seed(k + t)
+    b, g, c = 3, 2 if t < 100 else 1, 200
+    u = R.Factored(*(torch.randn(b, g, t, n, generator=gen).to(dtype) for n in (k, c)), (g, k, c))
+    v = R.Factored(torch.randn(b, g, t, k, generator=gen).to(dtype), -0.7 * u.right, (g, k, c))
+    loop_sq, loop_inner = R.sq_norm(u, ghost=True), R.inner(u, v, ghost=True)
+    products = []
+    real = R.product
+    monkeypatch.setattr(R, "product", lambda x, y: products.append(x.shape) or real(x, y))
+    monkeypatch.setattr(half, "LAUNCH_DEVICES", {"cuda", "cpu"})
+    got_sq, got_inner = R.sq_norm(u, ghost=True).double(), R.inner(u, v, ghost=True).double()
+    exact_sq, exact_inner = _grad64(u).square().sum(1), (_grad64(u) * _grad64(v)).sum(1)
+    bound = _bound(u, k) + _bound(v, k)
+    assert ((got_sq - exact_sq).abs() <= bound).all() and ((got_inner - exact_inner).abs() <= bound).all()
+    assert torch.allclose(got_sq, loop_sq.double(), rtol=1e-5) and torch.allclose(
+        got_inner, loop_inner.double(), rtol=1e-4, atol=1e-3 * bound.max().item()
+    )
+    if t > 1:  # one batched product per wide Gram (the norm's, the cross term's), not one per chunk
+        whole = [s for s in products if s[-1] == GRAM_CHUNK]
+        assert len(whole) == 2 and all(s[0] == b * g * (k // GRAM_CHUNK) for s in whole), products
+    guarded = ParamGrad([u, v], ghost=True).sq_norm().double()
+    assert (guarded >= (_grad64(u) + _grad64(v)).square().sum(1)).all()
+
+
+def _ghost_params(gen: torch.Generator, n: int) -> list[ParamGrad]:
+    shapes = [(5, 30, 20), (3, 40, 1), (7, 9, 33), (2, 64, 64)]
+    return [
+        ParamGrad([R.Factored(torch.randn(4, 1, t, r, generator=gen), torch.randn(4, 1, t, c, generator=gen), (1, r, c))], ghost=True)
+        for t, r, c in shapes[:n]
+    ]  # fmt: skip
+
+
+def _counting_reads(monkeypatch, reads: list) -> None:
+    for name in ("__bool__", "item", "tolist"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _r=real, _n=name: reads.append(_n) or _r(t, *a))
+
+
+@pytest.mark.parametrize(
+    "fire", ["none", "zero rows", "cancelling", "tiny rows", "huge rows", "inf", "tiny float64 rows"]
+)
+def test_every_ghost_guard_of_a_step_costs_one_host_read_and_equals_the_guard_one_by_one(fire, monkeypatch):
+    """On a GPU, total_sq_norms guards every ghost-path parameter with one host read where none
+    needs its float64 norm or a rescaled row (zero rows, the last position of a causal LM, need
+    neither); where one does (cancelling positions, values whose float32 Grams under- or overflow,
+    a non-finite value, float64 rows near the limits of squaring), that parameter is guarded again alone. Each result equals
+    ParamGrad.sq_norm's and is never below the exact squared norm."""
+    monkeypatch.setattr(half, "LAUNCH_DEVICES", {"cuda", "cpu"})
+    gen = torch.Generator().manual_seed(3)
+    grads = _ghost_params(gen, 4)
+    rep = grads[1].reps[0]
+    if fire == "cancelling":  # a sample's positions cancel to 1e-4 of their size
+        rep.left[2, 0, :] = rep.left[2, 0, 0]
+        rep.right[2, 0, 1], rep.right[2, 0, 2] = -(1 - 1e-4) * rep.right[2, 0, 0], 0
+    elif fire == "tiny rows":
+        rep.left[0] *= 1e-25
+    elif fire == "huge rows":
+        rep.right[3] *= 1e25
+    elif fire == "zero rows":
+        for g in grads:
+            g.reps[0].right[:, :, -1] = 0
+    elif fire == "inf":
+        rep.left[1, 0, 0, 0] = float("inf")
+    elif fire == "tiny float64 rows":  # normed in float64 and near its limits: rescaled, not recomputed
+        grads = [
+            ParamGrad([R.Factored(r.left.double(), r.right.double(), r.shape)], ghost=True)
+            for g in grads
+            for r in g.reps
+        ]
+        grads[1].reps[0].left[0] *= 1e-25
+    one_by_one = [ParamGrad(g.reps, ghost=True).sq_norm() for g in grads]
+    reads: list = []
+    _counting_reads(monkeypatch, reads)
+    total = param_grad.total_sq_norms(grads)
+    counted = list(reads)
+    quiet = fire in ("none", "zero rows")
+    assert not quiet or counted == ["__bool__"], counted
+    assert quiet or len(counted) > 1  # the one that fired was guarded again
+    for got, expected, g in zip(total, one_by_one, grads):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
+        exact = _grad64(g.reps[0]).square().sum(1)
+        ok = torch.isfinite(exact)
+        assert (got.double()[ok] >= exact[ok]).all()
+
+
+def test_a_guard_that_does_not_fire_is_the_checked_guard(monkeypatch):
+    """guards' unchecked result (no host read) is what the guard with its reads computes, for
+    several uses, a lookup and a dense use together."""
+    gen = torch.Generator().manual_seed(5)
+    f = R.Factored(torch.randn(3, 1, 6, 10, generator=gen), torch.randn(3, 1, 6, 8, generator=gen), (1, 10, 8))
+    onehot = R.OneHot(torch.randint(0, 10, (3, 4), generator=gen), torch.randn(3, 4, 8, generator=gen), 10)
+    dense = R.Dense(torch.randn(3, 10, 8, generator=gen))
+    items = []
+    for reps in ([f], [f, onehot], [f, dense]):
+        total = sum(R.sq_norm(r, ghost=True) for r in reps).clamp_min(0)
+        items.append((reps, total))
+    batched = float_guard.guards(items)
+    for (reps, total), got in zip(items, batched):
+        assert torch.equal(got, float_guard.guard(reps, total))
