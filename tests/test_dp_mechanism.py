@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
-from dp_reference import AUTO_S_GAMMA, clip_weights, total_norms
+from dp_reference import AUTO_S_GAMMA, clip_weights, seeded_noise, total_norms
 from grad_reference import per_sample_grads
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -252,8 +252,8 @@ def test_seqrec_training_step_is_user_level_dp_sgd_with_automatic_clipping(monke
     assert not torch.allclose(c, torch.ones_like(c), rtol=0.05)  # the clip changes the sum: the test can fail
     gen = torch.Generator().manual_seed(5)
     sigma = engine.noise_multiplier
-    for n, p in model.named_parameters():
+    noises = seeded_noise([p for _, p in model.named_parameters()], sigma * R, gen)
+    for (n, p), noise in zip(model.named_parameters(), noises):
         signal = sum(c[i] * grads[i][n] for i in range(len(x)))
-        noise = torch.normal(0.0, sigma * R, size=p.shape, generator=gen)
         got = seen[id(p)][1] * len(x)
         torch.testing.assert_close(got - noise, signal, rtol=1e-3, atol=1e-4 * R, msg=n)

@@ -16,7 +16,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from dp_reference import clip_weights
+from dp_reference import clip_weights, seeded_noise
 from grad_reference import assert_close
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -123,7 +123,7 @@ def expected_update(model64, x, y, keep, noise_params):
     norms = torch.stack([torch.sqrt(sum(t.pow(2).sum() for t in gi)) for gi in grads])
     c = clip_weights(norms, R, "abadi")
     gen = torch.Generator().manual_seed(5)
-    noise = [torch.normal(0.0, SIGMA * R, size=p.shape, generator=gen) for p in noise_params]
+    noise = seeded_noise(list(noise_params), SIGMA * R, gen)
     return [-LR * (sum(c[j] * grads[j][k] for j in range(len(keep))).float() + noise[k]) for k in range(len(noise))]
 
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("accelerate")
 
+from dp_reference import seeded_noise
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -265,9 +266,9 @@ def test_one_step_is_a_hand_computed_dp_sgd_step(tmp_path, task, clipping):
     names = {id(p): n for n, p in params.items()}
     expected_batch = 8  # q · N = (4 · 2 / 16) · 16
     assert engine.expected_batch_size == pytest.approx(expected_batch)
-    for hook_name, p in engine.hooks.trainable_parameters.items():
+    noises = seeded_noise(list(engine.hooks.trainable_parameters.values()), sigma * clip, gen)
+    for (hook_name, p), noise in zip(engine.hooks.trainable_parameters.items(), noises):
         name = names[id(p)]
-        noise = torch.normal(0.0, sigma * clip, size=p.shape, generator=gen, dtype=p.dtype)
         weight = {"abadi": lambda n: min(1.0, clip / n), "automatic": lambda n: clip / (n + 0.01)}[clipping]
         clipped = sum(grads[i][name] * weight(float(norms[i])) for i in batch)
         want = theta[name] - lr * (clipped + noise) / expected_batch
@@ -738,9 +739,9 @@ def test_a_user_column_clips_each_users_summed_gradient(tmp_path):
     assert record["privacy_unit"] == "user" and record["users"] == 6 and record["max_examples_per_user"] == 3
     gen = torch.Generator().manual_seed(7)
     names = {id(p): n for n, p in params.items()}
-    for hook_name, p in engine.hooks.trainable_parameters.items():
+    noises = seeded_noise(list(engine.hooks.trainable_parameters.values()), sigma * clip, gen)
+    for (hook_name, p), noise in zip(engine.hooks.trainable_parameters.items(), noises):
         k = list(params).index(names[id(p)])
-        noise = torch.normal(0.0, sigma * clip, size=p.shape, generator=gen, dtype=p.dtype)
         clipped = sum(per_user[u][k] * min(1.0, clip / norms[u]) for u in taken)
         want = theta[names[id(p)]] - lr * (clipped + noise) / engine.expected_batch_size
         torch.testing.assert_close(p.detach(), want, rtol=1e-4, atol=1e-6, msg=hook_name)

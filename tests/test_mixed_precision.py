@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from dp_reference import clip_weights
+from dp_reference import clip_weights, seeded_noise
 from grad_reference import assert_close, reference, zoo_model_and_inputs
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -132,7 +132,7 @@ def test_a_dp_step_under_bf16_autocast_is_the_dp_sgd_formula():
     c = clip_weights(norms, r, "abadi")
     gen = torch.Generator().manual_seed(5)
     params = list(model.parameters())
-    noise = [torch.normal(0.0, sigma * r, size=p.shape, generator=gen) for p in params]
+    noise = seeded_noise(params, sigma * r, gen)
     expected = [-lr * (sum(c[i] * grads[i][k] for i in range(len(y))).float() + noise[k]) for k in range(len(params))]
     before = [p.detach().clone() for p in params]
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -21,6 +21,7 @@ from dpzoo.privacy import BatchMemoryManager
 from dpzoo.privacy.opacus_parity import OPACUS_ARGUMENTS
 
 opacus = pytest.importorskip("opacus", reason="opacus is in the `test` extra: pip install -e '.[test]'")
+from dp_reference import seeded_noise  # noqa: E402
 from opacus.accountants.utils import get_noise_multiplier as opacus_noise_multiplier  # noqa: E402
 
 from dpzoo.engines.opacus import make_private as dpzoo_opacus_make_private  # noqa: E402
@@ -239,8 +240,7 @@ def _dp_reference(model, x, y, expected_batch):
     gen = torch.Generator().manual_seed(SEED)
     params = dict(model.named_parameters())
     out = {}
-    for n in names:
-        noise = torch.normal(0.0, SIGMA * R, size=params[n].shape, generator=gen, dtype=F64)
+    for n, noise in zip(names, seeded_noise([(params[n].shape, F64) for n in names], SIGMA * R, gen)):
         out[n] = -(sum(c[i] * grads[i][n] for i in range(len(x))) + noise) / expected_batch
     return out
 

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from dp_reference import clip_weights
+from dp_reference import clip_weights, seeded_noise
 from grad_reference import assert_close, check_against_brute_force, per_sample_grads, zoo_model_and_inputs
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -391,8 +391,8 @@ def test_one_dp_step_equals_dp_sgd_formula(mode):
     gen = torch.Generator().manual_seed(SEED)
     params = dict(model.named_parameters())
     expected = {}
-    for n in trainable:  # noise per trainable parameter, in named_parameters order
-        noise = torch.normal(0.0, SIGMA * R, size=params[n].shape, generator=gen, dtype=torch.float64)
+    noises = seeded_noise([(params[n].shape, torch.float64) for n in trainable], SIGMA * R, gen)
+    for n, noise in zip(trainable, noises):  # drawn as dpzoo draws it, in named_parameters order
         expected[n] = -lr * (sum(c[i] * grads[i][n] for i in range(len(grads))) + noise)
     before = {n: p.detach().clone() for n, p in params.items()}
     _lm_loss(model, ids).backward()

@@ -39,6 +39,7 @@ from ..errors import PrivacyUsageError, UnsupportedModuleError
 from ..grad_norms.rounding import mechanism_dtype
 from ..grad_norms.sharded import is_dtensor
 from .data import secret_generator
+from .distributed import flat_noise, world_and_rank
 
 if TYPE_CHECKING:
     from .optimizer import DPOptimizer
@@ -139,7 +140,23 @@ class ShardedGrads:
             return self.optimizer.replicated_grad(p, summed)
         return self.sharded(p, summed)
 
-    def sharded(self, p, summed: torch.Tensor | None) -> torch.Tensor:
+    def write_many(self, params: list, summed: list) -> list[torch.Tensor]:
+        """Every parameter's ``.grad``; seeded noise drawn as one process draws it (:func:`flat_noise`:
+        per device and dtype, all coordinates in order, on every rank from the shared generator),
+        each sharded parameter keeping its rows, rank 0 adding a replicated one's."""
+        opt = self.optimizer
+        std = opt.noise_multiplier * opt.max_grad_norm
+        if opt.noise_seed is None or std == 0:  # secret noise: each owner draws its own, in any order
+            return [self(p, s) for p, s in zip(params, summed)]
+        noise: list = [None] * len(params)
+        for idx, flat in flat_noise(params, std, opt.generator_for):
+            for i, part in zip(idx, flat.split([params[i].numel() for i in idx])):
+                noise[i] = part.view(tuple(params[i].shape))
+        return [
+            self.sharded(p, s, z) if is_dtensor(p) else _replicated(p, s, z) for p, s, z in zip(params, summed, noise)
+        ]
+
+    def sharded(self, p, summed: torch.Tensor | None, seeded_noise: torch.Tensor | None = None) -> torch.Tensor:
         from torch.distributed.tensor import DTensor
 
         opt = self.optimizer
@@ -163,7 +180,9 @@ class ShardedGrads:
             )
         std = opt.noise_multiplier * opt.max_grad_norm
         if std > 0:
-            if opt.noise_seed is not None:  # the shared generator, in step with one process: keep my rows
+            if seeded_noise is not None:  # the full parameter's, drawn on every rank alike: keep my rows
+                noise = seeded_noise[start:stop]
+            elif opt.noise_seed is not None:  # the shared generator, in step with one process: keep my rows
                 noise = torch.normal(
                     0.0, std, size=tuple(p.shape), generator=opt.generator_for(p.device), dtype=dtype, device=p.device
                 )[start:stop]
@@ -174,3 +193,15 @@ class ShardedGrads:
             mine = mine + noise.to(p.device)
         mine = mine.to(p.dtype)
         return DTensor.from_local(mine.contiguous(), mesh, p.placements, shape=p.shape, stride=p.stride())
+
+
+def _replicated(p: torch.Tensor, summed: torch.Tensor | None, noise: torch.Tensor) -> torch.Tensor:
+    """A replicated parameter's ``.grad`` under seeded noise drawn on every rank: the sums of every
+    rank all-reduced, ``noise`` (p's, from :func:`flat_noise`) added once, by rank 0."""
+    world, rank = world_and_rank()
+    g = torch.zeros_like(noise) if summed is None else summed.to(noise.dtype).contiguous()
+    if rank == 0:
+        g = g + noise
+    if world > 1:
+        dist.all_reduce(g)
+    return g.to(p.dtype)

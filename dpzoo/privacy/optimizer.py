@@ -42,8 +42,8 @@ from .budget import restore_history
 from .clipping import AUTOMATIC_GAMMA as AUTOMATIC_GAMMA  # re-exported: it was defined here
 from .clipping import CLIPPING, clip_factors
 from .data import StepSignal, secret_generator
-from .distributed import noised_all_reduce
-from .scaled_samples import nonfinite_samples, unscaled_cotangents
+from .distributed import noised_all_reduce, noised_all_reduce_many
+from .scaled_samples import nonfinite_samples, refuse_torch_grad_scaler, unscaled_cotangents
 from .wrapped_optimizer import WrappedOptimizer
 
 __all__ = ["DPOptimizer", "clip_factors", "CLIPPING"]
@@ -197,8 +197,7 @@ class DPOptimizer(WrappedOptimizer):
 
     @contextlib.contextmanager
     def _aborting(self):
-        """A refused micro-batch or step is dropped whole (nothing of it is released), so the
-        next batch starts clean."""
+        """A refused micro-batch or step is dropped whole (nothing released): the next starts clean."""
         try:
             yield
         except BaseException:
@@ -295,15 +294,22 @@ class DPOptimizer(WrappedOptimizer):
             )
 
     def add_noise(self) -> None:
-        """Write ``p.grad`` = clipped sum over all ranks + N(0, σ²R²) once per coordinate (by
-        :meth:`replicated_grad`, or the engine's :attr:`grad_writer` for sharded parameters)."""
+        """``p.grad`` = clipped sum over all ranks + N(0, σ²R²) once per coordinate, for all at once
+        (:func:`.distributed.noised_all_reduce_many`), by an override of :meth:`replicated_grad` or FSDP2's writer."""
         params = self.hooks.trainable_parameters
         if self.samples_in_step:
             self._warn_no_gradient([n for n in params if n not in self._reached])
         self._reached = set()
-        write = self.grad_writer or self.replicated_grad
-        for name, p in params.items():
-            g = write(p, self._summed.get(name))
+        summed, writer, tensors = [self._summed.get(name) for name in params], self.grad_writer, list(params.values())
+        overridden = "replicated_grad" in vars(self) or type(self).replicated_grad is not DPOptimizer.replicated_grad
+        if overridden or (writer is not None and not hasattr(writer, "write_many")):  # the override writes each
+            grads = [(writer or self.replicated_grad)(p, s) for p, s in zip(tensors, summed)]
+        elif writer is not None:
+            grads = writer.write_many(tensors, summed)
+        else:
+            std, seeded = self.noise_multiplier * self.max_grad_norm, self.noise_seed is not None
+            grads = noised_all_reduce_many(tensors, summed, std, self.generator_for, seeded)
+        for (name, p), g in zip(params.items(), grads):
             p.grad = g
             self._written[name] = g
         self._summed = {}
@@ -314,12 +320,12 @@ class DPOptimizer(WrappedOptimizer):
         return noised_all_reduce(p, summed, std, self.generator_for(p.device) if seeded else None, seeded)
 
     def scale_grad(self) -> None:
-        """``loss_reduction="mean"``: divide the noisy sum by the expected logical batch size."""
+        """``loss_reduction="mean"``: the noisy sums divided by the expected logical batch size (new tensors)."""
         if self.loss_reduction == "mean":
-            for name, p in self.hooks.trainable_parameters.items():
-                if p.grad is not None:
-                    p.grad = p.grad / self.expected_batch_size
-                    self._written[name] = p.grad
+            named = [(name, p) for name, p in self.hooks.trainable_parameters.items() if p.grad is not None]
+            for (name, p), g in zip(named, torch._foreach_div([p.grad for _, p in named], self.expected_batch_size)):
+                p.grad = g
+                self._written[name] = g
 
     def _warn_no_gradient(self, names: list[str]) -> None:
         """Once per parameter: trainable, yet no sample of a whole logical step reached it (unused
@@ -382,13 +388,7 @@ class DPOptimizer(WrappedOptimizer):
     _step_supports_amp_scaling = True  # torch's GradScaler then hands step() its state: refused
 
     def step(self, closure=None):
-        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) is not None:
-            raise PrivacyUsageError(
-                "torch's GradScaler is not supported: it skips steps and moves its scale on the non-private summed "
-                "gradient, which the released model would reveal. For float16 use dpzoo.DPGradScaler(optimizer) "
-                "(a fixed scale; a sample whose gradient overflows contributes 0), or bfloat16 autocast, which "
-                "needs no scaler."
-            )
+        refuse_torch_grad_scaler(self)
         if closure is not None:
             with torch.enable_grad():
                 closure()

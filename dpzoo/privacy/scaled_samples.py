@@ -1,6 +1,7 @@
 """What the DP optimizer does with per-sample gradients of a scaled loss (float16 autocast with
 :class:`~dpzoo.privacy.grad_scaler.DPGradScaler`): samples whose norm is not finite are dropped
-(or refused without a scaler), and the self-check gets the output gradients of the unscaled loss.
+(or refused without a scaler), and the self-check gets the output gradients of the unscaled loss;
+torch's own GradScaler is refused.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ import torch
 
 from ..errors import PrivacyUsageError
 
-__all__ = ["nonfinite_samples", "unscaled_cotangents"]
+__all__ = ["nonfinite_samples", "unscaled_cotangents", "refuse_torch_grad_scaler"]
 
 
 def nonfinite_samples(norms: torch.Tensor, drop: bool) -> torch.Tensor | None:
@@ -37,3 +38,14 @@ def unscaled_cotangents(cotangents: list[torch.Tensor] | None, scale: float) -> 
         torch.nan_to_num(c.to(torch.promote_types(c.dtype, torch.float32)) / scale, nan=0.0, posinf=0.0, neginf=0.0)
         for c in cotangents
     ]
+
+
+def refuse_torch_grad_scaler(optimizer) -> None:
+    """Refuse a step that torch's GradScaler drives (it hands ``step()`` its state)."""
+    if getattr(optimizer, "grad_scale", None) is not None or getattr(optimizer, "found_inf", None) is not None:
+        raise PrivacyUsageError(
+            "torch's GradScaler is not supported: it skips steps and moves its scale on the non-private summed "
+            "gradient, which the released model would reveal. For float16 use dpzoo.DPGradScaler(optimizer) "
+            "(a fixed scale; a sample whose gradient overflows contributes 0), or bfloat16 autocast, which "
+            "needs no scaler."
+        )
