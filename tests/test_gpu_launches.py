@@ -128,3 +128,37 @@ def test_a_guard_that_does_not_fire_is_the_checked_guard(monkeypatch):
     batched = float_guard.guards(items)
     for (reps, total), got in zip(items, batched):
         assert torch.equal(got, float_guard.guard(reps, total))
+
+
+@pytest.mark.parametrize("lose", [False, True])
+def test_every_clipped_sum_of_a_step_costs_one_host_read_and_equals_the_sum_one_by_one(lose, monkeypatch):
+    """On a GPU, clipped_sums checks every scaled factor's bits with one host read; a parameter whose
+    scaled factor lost bits (values below 2⁻¹¹⁸ after scaling, bfloat16; below float32's smallest
+    normal, float32) is summed again alone in float64. Each sum equals ParamGrad.clipped_sum's and
+    the float64 brute force Σ_i s_i g_i within float32 rounding."""
+    monkeypatch.setattr(half, "LAUNCH_DEVICES", {"cuda", "cpu"})
+    gen = torch.Generator().manual_seed(6)
+    b = 5
+    grads = {}
+    for name, dtype, (t, r, c) in [
+        ("a", torch.bfloat16, (3, 20, 30)),
+        ("b", torch.float32, (4, 12, 7)),
+        ("c", torch.bfloat16, (2, 9, 16)),
+    ]:
+        left, right = torch.randn(b, 1, t, r, generator=gen).to(dtype), torch.randn(b, 1, t, c, generator=gen).to(dtype)
+        grads[name] = ParamGrad([R.Factored(left, right, (1, r, c))], ghost=True)
+    if lose:
+        grads["a"].reps[0].left[1] *= 2.0**-125
+        grads["b"].reps[0].left[2, 0, 0] = 1e-39  # a subnormal: scaled, it loses bits
+    scale = half.round_toward_zero(torch.rand(b, generator=gen) + 0.1, torch.bfloat16)
+    one_by_one = {n: g.clipped_sum(scale) for n, g in grads.items()}
+    reads: list = []
+    _counting_reads(monkeypatch, reads)
+    got = param_grad.clipped_sums(grads, scale, None)
+    counted = list(reads)
+    assert counted == ["__bool__"] if not lose else len(counted) > 1, counted  # then each read again
+    for name, g in grads.items():
+        torch.testing.assert_close(got[name], one_by_one[name], rtol=0, atol=0)
+        rep = g.reps[0]
+        exact = torch.einsum("b,btr,btc->rc", scale.double(), rep.left[:, 0].double(), rep.right[:, 0].double())
+        torch.testing.assert_close(got[name].double().view_as(exact), exact, rtol=1e-5, atol=1e-6)

@@ -31,7 +31,7 @@ import torch
 
 __all__ = [
     "HALF", "upcast", "exact_matmuls", "product", "split_bfloat16", "round_toward_zero", "shared_scale", "kept_bits",
-    "scaled_product", "has_bfloat16_factors", "TENSOR_CORE_DEVICES", "on_tensor_cores", "LAUNCH_DEVICES", "launches_kernels",
+    "scaled_product", "flagged_scaled_product", "lost_bits", "has_bfloat16_factors", "TENSOR_CORE_DEVICES", "on_tensor_cores", "LAUNCH_DEVICES", "launches_kernels",
 ]  # fmt: skip
 
 HALF = (torch.float16, torch.bfloat16)
@@ -154,25 +154,37 @@ def shared_scale(reps, scale: torch.Tensor) -> torch.Tensor:
 SPLIT_TINY = 2.0**-118  # below it, lo of a 16-bit value can need bits under bfloat16's subnormal spacing
 
 
+def lost_bits(narrow: torch.Tensor, scaled: torch.Tensor, tiny: float) -> torch.Tensor:
+    """Whether ``scaled`` (``narrow`` times the per-sample scale) lost a bit, a device bool (no host
+    read): not finite, or below ``tiny`` where ``narrow`` is not 0 (below it products lose bits or
+    vanish, and the other factor can multiply what was lost far beyond the clip)."""
+    return (((scaled.abs() < tiny) & (narrow != 0)) | ~torch.isfinite(scaled)).any()
+
+
 def kept_bits(narrow: torch.Tensor, scaled: torch.Tensor, tiny: float) -> bool:
-    """Whether ``scaled`` (``narrow`` times the per-sample scale) kept every bit: finite, and at least
-    ``tiny`` wherever ``narrow`` is not 0 (below it products lose bits or vanish, and the other
-    factor can multiply what was lost far beyond the clip). One host synchronisation."""
-    lost = ((scaled.abs() < tiny) & (narrow != 0)) | ~torch.isfinite(scaled)
-    return not bool(lost.any())
+    """Not :func:`lost_bits`: one host synchronisation."""
+    return not bool(lost_bits(narrow, scaled, tiny))
 
 
 def scaled_product(left: torch.Tensor, right: torch.Tensor, scale: torch.Tensor) -> torch.Tensor | None:
     """Σ_i scale_i · left_iᵀ right_i, (r, c) in float32, for bfloat16 factors ``left``: (B, T, r)
     and ``right``: (B, T, c), the scale already bfloat16 values (:func:`shared_scale`). The scale
     goes on the narrower factor, split exactly into two. None where the split is not exact."""
+    total, lost = flagged_scaled_product(left, right, scale)
+    return None if bool(lost) else total
+
+
+def flagged_scaled_product(
+    left: torch.Tensor, right: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(:func:`scaled_product`'s sum, whether the split lost a bit: a device bool, no host read;
+    where True the sum is not to be used)."""
     b, t, r = left.shape
     c = right.shape[-1]
     weights = round_toward_zero(scale, torch.bfloat16).float().view(-1, 1, 1)
     narrow, other = (left, right) if r <= c else (right, left)
     hi, lo = split_bfloat16(narrow.float() * weights)  # exact: 8 × 8 significant bits
-    if not kept_bits(narrow, hi.float() + lo.float(), SPLIT_TINY):  # not finite if hi overflowed
-        return None
+    lost = lost_bits(narrow, hi.float() + lo.float(), SPLIT_TINY)  # not finite if hi overflowed
     other = other.reshape(b * t, -1)
     total = product(hi.reshape(b * t, -1).t(), other).add_(product(lo.reshape(b * t, -1).t(), other))
-    return total if r <= c else total.t()
+    return (total if r <= c else total.t()), lost

@@ -11,6 +11,7 @@ parameters (biases, norm scales) together as one row.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -18,12 +19,13 @@ import torch
 from ..errors import InvalidArgumentError, UnsupportedModuleError
 from .autocast import no_autocast
 from .float_guard import guard, guards
-from .half import exact_matmuls, shared_scale, upcast
+from .half import exact_matmuls, launches_kernels, shared_scale, upcast
 from .reps import (
     Dense,
     OneHot,
     RowSparse,
     clipped_sum,
+    flagged_clipped_sum,
     inner,
     instantiate,
     prefers_ghost,
@@ -31,7 +33,7 @@ from .reps import (
     sq_norm,
     without_samples,
 )
-from .rounding import dense_sq_norms
+from .rounding import any_flag, dense_sq_norms
 
 __all__ = ["ParamGrad", "total_sq_norms", "clipped_sums", "SMALL_DENSE"]
 
@@ -125,6 +127,17 @@ class ParamGrad:
             total = total + clipped_sum(r, scale)
         return total
 
+    def flagged_clipped_sum(self, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(:meth:`clipped_sum`'s sum, whether a use's scaled factor lost bits: a device bool, or
+        None; no host read). Where True, :meth:`clipped_sum` is the sum to use."""
+        scale = shared_scale(self.reps, scale)
+        total, lost = flagged_clipped_sum(self.reps[0], scale)
+        for r in self.reps[1:]:
+            part, flag = flagged_clipped_sum(r, scale)
+            total = total + part
+            lost = flag if lost is None else lost if flag is None else lost | flag
+        return total, lost
+
     def instantiate(self) -> torch.Tensor:
         """The per-sample gradients, (B, *shape), every use summed."""
         total = instantiate(self.reps[0])
@@ -143,6 +156,18 @@ class ParamGrad:
             else OneHot(torch.cat([r.index for r in rs], 1), torch.cat([r.right for r in rs], 1), rs[0].num_rows)
         )
         return row_sparse(merged)
+
+
+@contextlib.contextmanager
+def _refusing(name: str):
+    """A sum that fails on what a layer recorded is refused, naming the parameter."""
+    try:
+        yield
+    except RuntimeError as e:  # representations that do not fit together
+        raise UnsupportedModuleError(
+            f"The clipped sum of {name} failed on what its layer recorded ({str(e).splitlines()[0][:160]}): "
+            "the module does not compute what its rule assumes."
+        ) from e
 
 
 def _one_dense(g: ParamGrad) -> torch.Tensor | None:
@@ -203,19 +228,25 @@ def clipped_sums(grads: dict[str, ParamGrad], scale: torch.Tensor, drop: torch.T
     A sum that fails on what a layer recorded is refused, naming the parameter."""
     out: dict[str, torch.Tensor] = {}
     small: dict[torch.dtype, list] = {}
+    flagged: dict[str, torch.Tensor] = {}
     for name, g in grads.items():
         grad = _one_dense(g)
         rows = _small_rows(grad)
         if rows is not None:
             small.setdefault(rows.dtype, []).append((name, rows, grad.shape[1:]))
             continue
-        try:
-            out[name] = g.clipped_sum(scale, drop)
-        except RuntimeError as e:  # representations that do not fit together
-            raise UnsupportedModuleError(
-                f"The clipped sum of {name} failed on what its layer recorded ({str(e).splitlines()[0][:160]}): "
-                "the module does not compute what its rule assumes."
-            ) from e
+        with _refusing(name):
+            if drop is None and launches_kernels(scale):  # one host read for every parameter, below
+                out[name], lost = g.flagged_clipped_sum(scale)
+                if lost is not None:
+                    flagged[name] = lost
+            else:
+                out[name] = g.clipped_sum(scale, drop)
+    if flagged and any_flag(list(flagged.values())):
+        for name, lost in flagged.items():
+            if bool(lost):  # a scaled factor lost bits: its sum in float64
+                with _refusing(name):
+                    out[name] = grads[name].clipped_sum(scale, drop)
     for group in small.values():
         total = ParamGrad([Dense(torch.cat([rows for _, rows, _ in group], 1))]).clipped_sum(scale, drop)
         for (name, rows, shape), part in zip(group, total.split([rows.shape[1] for _, rows, _ in group])):

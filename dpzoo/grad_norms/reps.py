@@ -36,12 +36,12 @@ import torch
 from .half import (
     HALF,
     exact_matmuls,
-    kept_bits,
+    flagged_scaled_product,
     launches_kernels,
+    lost_bits,
     on_tensor_cores,
     product,
     round_toward_zero,
-    scaled_product,
     upcast,
 )
 from .rounding import GRAM_CHUNK, dense_sq_norm, sum_per_sample
@@ -56,6 +56,7 @@ __all__ = [
     "inner",
     "sq_norm",
     "clipped_sum",
+    "flagged_clipped_sum",
     "without_samples",
     "prefers_ghost",
     "instantiate",
@@ -324,21 +325,35 @@ def clipped_sum(rep: Rep, scale: torch.Tensor) -> torch.Tensor:
     precision or better whatever the user's matmul setting. bfloat16 factors: exact half products
     (:func:`.half.scaled_product`); other half values are upcast first. A factored use whose
     scaled factor would lose bits (under- or overflow) is summed in float64."""
+    total, lost = flagged_clipped_sum(rep, scale)
+    return _wide_clipped_sum(rep, scale) if lost is not None and bool(lost) else total
+
+
+def flagged_clipped_sum(rep: Rep, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(:func:`clipped_sum`'s working-precision sum, whether a scaled factor lost bits: a device
+    bool, or None where none can; no host read). Where True, the sum is :func:`clipped_sum`'s
+    float64 one instead (on a GPU one host read then serves every parameter of a step)."""
     if isinstance(rep, Factored) and rep.left.shape[1] == 1 and rep.left.dtype == rep.right.dtype == torch.bfloat16:
-        total = scaled_product(rep.left[:, 0], rep.right[:, 0], scale)
-        if total is not None:
-            return rep.to_param(total.unsqueeze(0))
-        wide = Factored(rep.left.double(), rep.right.double(), rep.shape)
-        return _weighted_sum(wide, round_toward_zero(scale, torch.bfloat16).double()).float()
+        total, lost = flagged_scaled_product(rep.left[:, 0], rep.right[:, 0], scale)
+        return rep.to_param(total.unsqueeze(0)), lost
     rep = Factored(upcast(rep.left), upcast(rep.right), rep.shape) if isinstance(rep, Factored) else _acc_rep(rep)
     scale = round_toward_zero(scale, _dtype(rep))
     with exact_matmuls():
-        return _weighted_sum(rep, scale)
+        return _flagged_sum(rep, scale)
 
 
-def _weighted_sum(rep: Rep, scale: torch.Tensor) -> torch.Tensor:
+def _wide_clipped_sum(rep: Rep, scale: torch.Tensor) -> torch.Tensor:
+    """The float64 sum of a factored use whose scaled factor lost bits, in its working dtype (float32
+    for half factors), the scale rounded toward zero as the working-precision sum rounds it."""
+    working = torch.float32 if rep.left.dtype in HALF else rep.left.dtype
+    scale = round_toward_zero(scale, torch.bfloat16 if rep.left.dtype == torch.bfloat16 else working)
+    wide = Factored(rep.left.double(), rep.right.double(), rep.shape)
+    return _flagged_sum(wide, scale.double())[0].to(working)
+
+
+def _flagged_sum(rep: Rep, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     if isinstance(rep, Dense):
-        return torch.tensordot(scale, rep.grad, dims=([0], [0]))  # a GEMV: faster than einsum on CPU
+        return torch.tensordot(scale, rep.grad, dims=([0], [0])), None  # a GEMV: faster than einsum on CPU
     if isinstance(rep, Factored):
         # one GEMM Lᵀ(R) over the B·T rows, the scale on the narrower factor: einsum picked a
         # transposed output at T = 1 (ResNet's last stage), which every later add then strides
@@ -346,15 +361,14 @@ def _weighted_sum(rep: Rep, scale: torch.Tensor) -> torch.Tensor:
         c = rep.right.shape[3]
         narrow = rep.left if r <= c or g > 1 else rep.right
         scaled = narrow * scale.view(-1, 1, 1, 1)
-        if rep.left.dtype == torch.float32 and not kept_bits(narrow, scaled, torch.finfo(torch.float32).tiny):
-            return _weighted_sum(Factored(rep.left.double(), rep.right.double(), rep.shape), scale.double()).float()
+        lost = lost_bits(narrow, scaled, torch.finfo(torch.float32).tiny) if rep.left.dtype == torch.float32 else None
         if g > 1:
-            return rep.to_param(torch.einsum("bgtr,bgtc->grc", scaled, rep.right))
+            return rep.to_param(torch.einsum("bgtr,bgtc->grc", scaled, rep.right)), lost
         left, right = (scaled, rep.right) if r <= c else (rep.left, scaled)
-        return rep.to_param(torch.mm(left.reshape(b * t, r).t(), right.reshape(b * t, c)).unsqueeze(0))
+        return rep.to_param(torch.mm(left.reshape(b * t, r).t(), right.reshape(b * t, c)).unsqueeze(0)), lost
     weighted = (rep.right * scale.view(-1, 1, 1)).flatten(0, 1)
     out = rep.right.new_zeros(rep.num_rows, rep.right.shape[-1])
-    return out.index_add_(0, rep.index.flatten(), weighted)
+    return out.index_add_(0, rep.index.flatten(), weighted), None
 
 
 def _dtype(rep: Rep) -> torch.dtype:
