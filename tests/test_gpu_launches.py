@@ -162,3 +162,14 @@ def test_every_clipped_sum_of_a_step_costs_one_host_read_and_equals_the_sum_one_
         rep = g.reps[0]
         exact = torch.einsum("b,btr,btc->rc", scale.double(), rep.left[:, 0].double(), rep.right[:, 0].double())
         torch.testing.assert_close(got[name].double().view_as(exact), exact, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("launch", [False, True])
+def test_a_clipped_sum_that_does_not_fit_is_refused_naming_its_parameter(launch, monkeypatch):
+    from dpzoo.errors import UnsupportedModuleError
+
+    if launch:
+        monkeypatch.setattr(half, "LAUNCH_DEVICES", {"cuda", "cpu"})
+    bad = ParamGrad([R.Factored(torch.randn(2, 1, 3, 4), torch.randn(2, 1, 5, 6), (1, 4, 6))], ghost=True)
+    with pytest.raises(UnsupportedModuleError, match="clipped sum of blocks.0.weight failed"):
+        param_grad.clipped_sums({"blocks.0.weight": bad}, torch.ones(2), None)

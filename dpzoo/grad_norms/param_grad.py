@@ -11,7 +11,6 @@ parameters (biases, norm scales) together as one row.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
@@ -158,11 +157,11 @@ class ParamGrad:
         return row_sparse(merged)
 
 
-@contextlib.contextmanager
-def _refusing(name: str):
-    """A sum that fails on what a layer recorded is refused, naming the parameter."""
+def _summed(name: str, g: ParamGrad, scale: torch.Tensor, drop: torch.Tensor | None, flagged: bool) -> tuple:
+    """(``g``'s clipped sum, the flag of :meth:`ParamGrad.flagged_clipped_sum` or None); a sum that
+    fails on what a layer recorded is refused, naming the parameter."""
     try:
-        yield
+        return g.flagged_clipped_sum(scale) if flagged else (g.clipped_sum(scale, drop), None)
     except RuntimeError as e:  # representations that do not fit together
         raise UnsupportedModuleError(
             f"The clipped sum of {name} failed on what its layer recorded ({str(e).splitlines()[0][:160]}): "
@@ -229,24 +228,20 @@ def clipped_sums(grads: dict[str, ParamGrad], scale: torch.Tensor, drop: torch.T
     out: dict[str, torch.Tensor] = {}
     small: dict[torch.dtype, list] = {}
     flagged: dict[str, torch.Tensor] = {}
+    deferred = drop is None and launches_kernels(scale)  # on a GPU: one host read for every parameter, below
     for name, g in grads.items():
         grad = _one_dense(g)
         rows = _small_rows(grad)
         if rows is not None:
             small.setdefault(rows.dtype, []).append((name, rows, grad.shape[1:]))
             continue
-        with _refusing(name):
-            if drop is None and launches_kernels(scale):  # one host read for every parameter, below
-                out[name], lost = g.flagged_clipped_sum(scale)
-                if lost is not None:
-                    flagged[name] = lost
-            else:
-                out[name] = g.clipped_sum(scale, drop)
+        out[name], lost = _summed(name, g, scale, drop, deferred)
+        if lost is not None:
+            flagged[name] = lost
     if flagged and any_flag(list(flagged.values())):
         for name, lost in flagged.items():
             if bool(lost):  # a scaled factor lost bits: its sum in float64
-                with _refusing(name):
-                    out[name] = grads[name].clipped_sum(scale, drop)
+                out[name] = _summed(name, grads[name], scale, drop, False)[0]
     for group in small.values():
         total = ParamGrad([Dense(torch.cat([rows for _, rows, _ in group], 1))]).clipped_sum(scale, drop)
         for (name, rows, shape), part in zip(group, total.split([rows.shape[1] for _, rows, _ in group])):
