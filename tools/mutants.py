@@ -79,14 +79,19 @@ def drop_a_sample():
 def _scale_noise(factor: float, secret: bool):
     import dpzoo.privacy.optimizer as opt
 
-    original = opt.noised_all_reduce
+    original, original_many = opt.noised_all_reduce, opt.noised_all_reduce_many
 
-    def noised_all_reduce(p, summed, std, generator, *args, **kw):
+    def noised_all_reduce(p, summed, std, generator, *args, **kw):  # one parameter (an override's path)
         if (generator is None) == secret:
             std = std * factor
         return original(p, summed, std, generator, *args, **kw)
 
-    opt.noised_all_reduce = noised_all_reduce
+    def noised_all_reduce_many(params, summed, std, generator_for, every_rank_draws=False):  # all at once
+        if (not every_rank_draws) == secret:  # the optimizer passes "seeded" as every_rank_draws
+            std = std * factor
+        return original_many(params, summed, std, generator_for, every_rank_draws)
+
+    opt.noised_all_reduce, opt.noised_all_reduce_many = noised_all_reduce, noised_all_reduce_many
 
 
 def norms_2_percent_low():
