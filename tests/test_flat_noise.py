@@ -93,3 +93,16 @@ def test_the_optimizer_draws_once_per_dtype_and_an_override_still_writes_each_gr
     opt.step()
     assert calls == [p.shape for p in model.parameters()]
     assert isinstance(opt, DPOptimizer)
+
+
+def test_a_class_level_patch_of_replicated_grad_writes_each_gradient(monkeypatch):
+    """mock.patch.object(DPOptimizer, "replicated_grad", ...) (how an audit may inject a bug) is an
+    override too: found by a review, it was skipped for the all-at-once draw."""
+    model, opt, loader = _private()
+    calls = []
+    noised = DPOptimizer.replicated_grad
+    monkeypatch.setattr(DPOptimizer, "replicated_grad", lambda self, p, s: calls.append(p.shape) or noised(self, p, s))
+    x, y = next(b for b in loader if len(b[0]))
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert calls == [p.shape for p in model.parameters()]

@@ -307,6 +307,7 @@ def test_a_float32_dense_norm_is_an_upper_bound_and_tight(seed):
     assert torch.isinf(sq[1]) and torch.isinf(sq[2])  # 1e50 and more: beyond float32, as before
     assert dense_sq_norm(torch.tensor([[2.0**-63, 2.0**-149]])).item() > 2.0**-126  # the float64 sum's own rounding, up
     assert dense_sq_norm(torch.zeros(0, 3, 4)).shape == (0,) == dense_sq_norm(torch.zeros(0, 5)).shape  # an empty rank
+    assert dense_sq_norm(torch.zeros(0, 96, 64)).shape == (0,)  # whole runs of an empty rank (found by a review)
     wide = torch.randn(4, 3, 5, generator=g, dtype=torch.float64)  # float64 gradients: summed as they are
     assert torch.allclose(dense_sq_norm(wide), wide.flatten(1).square().sum(1), rtol=1e-15)
 

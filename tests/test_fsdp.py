@@ -288,27 +288,35 @@ def _noise_and_refusals(rank, world, out_dir):
     except Exception as e:  # noqa: BLE001 - reported: FSDP1 could not be built here
         out["fsdp1"] = f"not built: {type(e).__name__}: {e}"
     # Poisson batches of expected size 1 per rank: some are empty on one rank and not on the
-    # other; every rank still runs each step's forward, backward and step (no hang)
-    model = _shard(_mlp())
-    engine = dpzoo.PrivacyEngine()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, opt, dl = engine.make_private(
-        module=model,
-        optimizer=opt,
-        data_loader=DataLoader(_data("mlp", 8), batch_size=1),
-        noise_multiplier=1.0,
-        max_grad_norm=1.0,
-        loss_reduction="sum",
-        self_check=False,
-    )
-    sizes = []
-    for _ in range(2):
-        for x, y in dl:
-            sizes.append(len(x))
-            _loss(model, x, y).backward()
-            opt.step()
-            opt.zero_grad()
-    out["sizes"], out["steps"] = sizes, engine.steps
+    # other; every rank still runs each step's forward, backward and step (no hang); in float64, and
+    # in float32 with layers of 32 entries or more a sample (dense norms by runs: B = 0 crashed there)
+    torch.manual_seed(0)
+    wide = nn.Sequential(Block(8, 64), Block(64, 40), nn.Linear(40, 3))
+    data = _data("mlp", 8)
+    for key, model, ds in [
+        ("", _mlp(), data),
+        ("-float32", wide, TensorDataset(data.tensors[0].float(), data.tensors[1])),
+    ]:
+        model = _shard(model)
+        engine = dpzoo.PrivacyEngine()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt, dl = engine.make_private(
+            module=model,
+            optimizer=opt,
+            data_loader=DataLoader(ds, batch_size=1),
+            noise_multiplier=1.0,
+            max_grad_norm=1.0,
+            loss_reduction="sum",
+            self_check=False,
+        )
+        sizes = []
+        for _ in range(2):
+            for x, y in dl:
+                sizes.append(len(x))
+                _loss(model, x, y).backward()
+                opt.step()
+                opt.zero_grad()
+        out["sizes" + key], out["steps" + key] = sizes, engine.steps
     return out
 
 
@@ -334,8 +342,14 @@ def test_secret_noise_once_per_coordinate_empty_batches_and_refusals(tmp_path):
         ("fsdp1", "FSDP1"),
     ]:
         assert ranks[0][key] is not None and words in ranks[0][key], (key, ranks[0][key])
-    assert ranks[0]["steps"] == ranks[1]["steps"] == len(ranks[0]["sizes"]) == len(ranks[1]["sizes"])
-    assert 0 in ranks[0]["sizes"] + ranks[1]["sizes"]
+    for key in ("", "-float32"):
+        assert (
+            ranks[0]["steps" + key]
+            == ranks[1]["steps" + key]
+            == len(ranks[0]["sizes" + key])
+            == len(ranks[1]["sizes" + key])
+        )
+        assert 0 in ranks[0]["sizes" + key] + ranks[1]["sizes" + key]
 
 
 def _mixed_precision(rank, world, out_dir):

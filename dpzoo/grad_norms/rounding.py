@@ -30,7 +30,6 @@ summed again in float64 (a float64 sum of float32 squares cannot under- or overf
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -217,13 +216,15 @@ def _float32_bounds(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tens
     per-sample sums of squares, and the samples those do not serve (loose or not finite); no host
     read. A run's computed sum ŝ ≥ s(1 − γ_k) − 2k·2⁻¹²⁶ and its norm r̂ ≥ √ŝ (1 − u), so
     s ≤ inflate · (r̂² + 2k·2⁻¹²⁶)."""
-    sq = torch.stack([_runs_sq(g) for g in grads])
+    sqs = [_runs_sq(g) for g in grads]
     u = unit_roundoff(torch.float32)
     inflate = 1 / ((1 - u) ** 2 * (1 - gamma(DENSE_CHUNK + 8, u)))
-    widths = [2 * math.prod(g.shape[1:]) * torch.finfo(torch.float32).smallest_normal for g in grads]
-    lost = _constants(tuple(widths), sq.device)
-    bound = (sq + lost) * inflate
-    return bound, ~(torch.isfinite(bound) & (sq >= lost / DENSE_LOOSE))
+    lost = [2 * math.prod(g.shape[1:]) * torch.finfo(torch.float32).smallest_normal for g in grads]
+    # each gradient's own constant by one multi-tensor operator (no tensor made from host values:
+    # on a GPU its copy waits for the queue); the share test is a heuristic for tightness only
+    bound = torch.stack(torch._foreach_add(sqs, lost)).mul_(inflate)
+    share = torch.stack(torch._foreach_mul(sqs, [DENSE_LOOSE / x for x in lost]))
+    return bound, ~(torch.isfinite(bound) & (share >= 1))
 
 
 def _runs_sq(grad: torch.Tensor) -> torch.Tensor:
@@ -233,19 +234,13 @@ def _runs_sq(grad: torch.Tensor) -> torch.Tensor:
     whole = n // DENSE_CHUNK * DENSE_CHUNK
     sq = None
     if whole:  # the runs' norms, then the float64 norm of those (their squares summed, no copy)
-        runs = torch.linalg.vector_norm((flat if whole == n else flat[:, :whole]).view(b, -1, DENSE_CHUNK), dim=-1)
+        runs = (flat if whole == n else flat[:, :whole]).view(b, whole // DENSE_CHUNK, DENSE_CHUNK)  # B = 0: no -1
+        runs = torch.linalg.vector_norm(runs, dim=-1)
         sq = torch.linalg.vector_norm(runs, dim=-1, dtype=torch.float64).square()
     if whole < n or sq is None:
         rest = torch.linalg.vector_norm(flat[:, whole:], dim=-1).double().square()
         sq = rest if sq is None else sq + rest
     return sq
-
-
-@functools.lru_cache(maxsize=256)
-def _constants(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
-    """(n, 1) float64 of ``values`` on ``device``, made once: a tensor from host values is a copy
-    that waits for a GPU's queue, so a step does not make it again."""
-    return torch.tensor(values, dtype=torch.float64, device=device).unsqueeze(1)
 
 
 def _sum_again(bound: torch.Tensor, redo: torch.Tensor, grads: list[torch.Tensor]) -> None:

@@ -143,7 +143,8 @@ class ShardedGrads:
     def write_many(self, params: list, summed: list) -> list[torch.Tensor]:
         """Every parameter's ``.grad``; seeded noise drawn as one process draws it (:func:`flat_noise`:
         per device and dtype, all coordinates in order, on every rank from the shared generator),
-        each sharded parameter keeping its rows, rank 0 adding a replicated one's."""
+        each sharded parameter keeping its rows, rank 0 adding a replicated one's. Seeded noise is for
+        tests: every rank then holds the whole model's noise in float32 during the step."""
         opt = self.optimizer
         std = opt.noise_multiplier * opt.max_grad_norm
         if opt.noise_seed is None or std == 0:  # secret noise: each owner draws its own, in any order

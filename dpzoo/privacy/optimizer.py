@@ -147,13 +147,11 @@ class DPOptimizer(WrappedOptimizer):
         )
 
     def attach_step_hook(self, fn: Callable[["DPOptimizer"], None]) -> None:
-        """``fn(optimizer)`` after every logical step, the engine's noise-only steps on empty
-        batches included (e.g. to step an LR schedule once per logical step)."""
+        """``fn(optimizer)`` after every logical step, noise-only ones included (e.g. an LR schedule's step)."""
         self._step_hooks.append(fn)
 
     def signal_skip_step(self, do_skip: bool = True) -> None:
-        """Opacus' BatchMemoryManager protocol, refused: it splits batches behind dpzoo's loader,
-        whose step signal then no longer matches the samples of a step."""
+        """Opacus' BatchMemoryManager protocol, refused: it splits batches behind dpzoo's loader's back."""
         raise PrivacyUsageError(
             "Opacus' BatchMemoryManager cannot split dpzoo's batches: use dpzoo.privacy.BatchMemoryManager "
             "(the same arguments) or make_private(max_physical_batch_size=...)."
@@ -301,7 +299,7 @@ class DPOptimizer(WrappedOptimizer):
             self._warn_no_gradient([n for n in params if n not in self._reached])
         self._reached = set()
         summed, writer, tensors = [self._summed.get(name) for name in params], self.grad_writer, list(params.values())
-        overridden = "replicated_grad" in vars(self) or type(self).replicated_grad is not DPOptimizer.replicated_grad
+        overridden = "replicated_grad" in vars(self) or type(self).replicated_grad is not _REPLICATED_GRAD
         if overridden or (writer is not None and not hasattr(writer, "write_many")):  # the override writes each
             grads = [(writer or self.replicated_grad)(p, s) for p, s in zip(tensors, summed)]
         elif writer is not None:
@@ -328,9 +326,8 @@ class DPOptimizer(WrappedOptimizer):
                 self._written[name] = g
 
     def _warn_no_gradient(self, names: list[str]) -> None:
-        """Once per parameter: trainable, yet no sample of a whole logical step reached it (unused
-        in forward, or its path was detached). Still private (it gets noise like every
-        parameter), but almost always a bug that silently stops it from learning."""
+        """Once per parameter: trainable, yet no sample of a whole logical step reached it (unused in forward,
+        or its path detached). Still private (it gets noise), but almost always a bug that stops it learning."""
         if not (new := [n for n in names if n not in self._warned_no_grad]):
             return
         self._warned_no_grad.update(new)
@@ -398,3 +395,6 @@ class DPOptimizer(WrappedOptimizer):
                 fn(self)
             return out
         return None
+
+
+_REPLICATED_GRAD = DPOptimizer.replicated_grad  # as defined: a subclass's or a patch's differs
