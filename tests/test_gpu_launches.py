@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 from dpzoo.grad_norms import float_guard, half, param_grad
 from dpzoo.grad_norms import reps as R
@@ -173,3 +174,32 @@ def test_a_clipped_sum_that_does_not_fit_is_refused_naming_its_parameter(launch,
     bad = ParamGrad([R.Factored(torch.randn(2, 1, 3, 4), torch.randn(2, 1, 5, 6), (1, 4, 6))], ghost=True)
     with pytest.raises(UnsupportedModuleError, match="clipped sum of blocks.0.weight failed"):
         param_grad.clipped_sums({"blocks.0.weight": bad}, torch.ones(2), None)
+
+
+@pytest.mark.parametrize("change", [None, "running", "mask", "nan"])
+def test_the_buffer_watch_reads_the_host_once_and_names_what_changed(change, monkeypatch):
+    """StateWatch compares every buffer on the device with one host read (torch.equal read once per
+    buffer: 4 of a llama step's 6 reads); a changed one is named (a value set to NaN included)."""
+    from dpzoo.errors import PrivacyUsageError
+    from dpzoo.privacy.guards import StateWatch
+
+    model = nn.Linear(3, 3)
+    model.register_buffer("running", torch.zeros(4))
+    model.register_buffer("mask", torch.ones(2, 2, dtype=torch.bool))
+    model.register_buffer("inv_freq", torch.arange(5.0))
+    watch = StateWatch(model)
+    watch.start_forward(first_step=False)
+    if change == "running":
+        model.running.data[1] = 0.5
+    elif change == "mask":
+        model.mask[0, 1] = False
+    elif change == "nan":
+        model.inv_freq[2] = float("nan")
+    reads: list = []
+    _counting_reads(monkeypatch, reads)
+    if change is None:
+        watch.compare_buffers("the step")
+        assert list(reads) == ["__bool__"], reads
+        return
+    with pytest.raises(PrivacyUsageError, match=f"Buffer\\(s\\) {'inv_freq' if change == 'nan' else change} changed"):
+        watch.compare_buffers("the step")

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..errors import PrivacyUsageError
 from ..grad_norms.hooks import NormHooks
+from ..grad_norms.rounding import any_flag
 from .model_walk import named_buffers, parameters
 
 __all__ = ["check_optimizer_parameters", "check_step_parameters", "trainable_changed", "StateWatch"]
@@ -114,11 +115,13 @@ class StateWatch:
         if before is None:
             return
         now = named_buffers(self.module)
-        changed = [
-            n
-            for n, b in before.items()
-            if n not in now or now[n].shape != b.shape or not torch.equal(now[n].detach(), b)
-        ]
+        changed = [n for n, b in before.items() if n not in now or now[n].shape != b.shape]
+        kept = [n for n in before if n not in changed]
+        # compared on the device, one host read for all (on a GPU each read waits for the queue;
+        # torch.equal read once per buffer): != as equal compares, NaN never equal to itself
+        flags = [(now[n].detach() != before[n]).any() for n in kept]
+        if flags and any_flag(flags):
+            changed += [n for n, f in zip(kept, flags) if bool(f)]
         changed += [n for n in now if n not in before]
         if changed:
             self._buffers_at_step = None
