@@ -169,7 +169,7 @@ HOST_READ_CONFIGS = [
     "llama-bias-1b-t512",
 ]
 HOST_READS = [f"benchmarks/results/cost/host_reads/before/{c}.json" for c in HOST_READ_CONFIGS] + [
-    f"benchmarks/results/cost/timed_plan/{c}.json" for c in HOST_READ_CONFIGS
+    f"benchmarks/results/cost/host_reads/after/{c}.json" for c in HOST_READ_CONFIGS
 ]
 
 
@@ -184,4 +184,25 @@ def host_reads_figures(root: Path) -> set[str]:
             row = modes[key]
             out |= {str(row["host_reads"]), f"{row['ops']:,}", f"{row['h200_ratio']:.2f}"}
             out.add(f"{row['h200_ms'] / modes['nonprivate-bias']['h200_ms']:.2f}")
+    return out
+
+
+LAUNCHES = [f"benchmarks/results/cost/host_reads/after/{c}.json" for c in HOST_READ_CONFIGS] + [
+    TIMED.format(config=c) for c in HOST_READ_CONFIGS
+]
+
+
+@figures("gpu-launches", files=LAUNCHES, command="benchmarks/cost_predict.py")
+def launches_figures(root: Path) -> set[str]:
+    """Operators, host reads, predicted H200 ratios and peak memory (GB) of the DP modes before and
+    after the step's kernels were batched (stacked dense norms, batched Grams, one read for every
+    guard and clipped sum, the noise in one draw; timed plans)."""
+    out = set()
+    for path in LAUNCHES:
+        modes = load(root, path)["modes"]
+        for key in ("dpzoo-bk-mixopt", "dpzoo-bitfit"):
+            row = modes[key]
+            out |= {str(row["host_reads"]), f"{row['ops']:,}", f"{row['h200_ratio']:.2f}"}
+            out |= {f"{row['h200_ms'] / modes['nonprivate-bias']['h200_ms']:.2f}", f"{row['peak_mb'] / 1024:.1f}"}
+            out.add(f"{row['peak_mb'] / modes['nonprivate-full']['peak_mb']:.2f}")
     return out
