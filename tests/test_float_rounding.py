@@ -308,6 +308,7 @@ def test_a_float32_dense_norm_is_an_upper_bound_and_tight(seed):
     assert dense_sq_norm(torch.tensor([[2.0**-63, 2.0**-149]])).item() > 2.0**-126  # the float64 sum's own rounding, up
     assert dense_sq_norm(torch.zeros(0, 3, 4)).shape == (0,) == dense_sq_norm(torch.zeros(0, 5)).shape  # an empty rank
     assert dense_sq_norm(torch.zeros(0, 96, 64)).shape == (0,)  # whole runs of an empty rank (found by a review)
+    assert torch.equal(dense_sq_norm(torch.zeros(2, 0)), torch.zeros(2))  # no entries (a review: division by 0)
     wide = torch.randn(4, 3, 5, generator=g, dtype=torch.float64)  # float64 gradients: summed as they are
     assert torch.allclose(dense_sq_norm(wide), wide.flatten(1).square().sum(1), rtol=1e-15)
 

@@ -203,3 +203,42 @@ def test_the_buffer_watch_reads_the_host_once_and_names_what_changed(change, mon
         return
     with pytest.raises(PrivacyUsageError, match=f"Buffer\\(s\\) {'inv_freq' if change == 'nan' else change} changed"):
         watch.compare_buffers("the step")
+
+
+@pytest.mark.parametrize("launch", [False, True])
+def test_uses_that_cancel_share_one_scale_when_a_mixed_dtype_factor_loses_bits(launch, monkeypatch):
+    """A factored use with a bfloat16 and a float32 factor whose scaled factor loses bits is summed
+    in float64 by the same (float32-rounded) scale as its working path and as the parameter's other
+    uses, so uses that cancel still give 0 (a review found -819 from a bfloat16-rounded scale)."""
+    if launch:
+        monkeypatch.setattr(half, "LAUNCH_DEVICES", {"cuda", "cpu"})
+    left = torch.tensor([[[[1.0], [2.0**-130]]]], dtype=torch.bfloat16)
+    right = torch.tensor([[[[2.0**20, 3.0], [1.0, 1.0]]]])
+    fac = R.Factored(left, right, (1, 1, 2))
+    g = torch.einsum("btr,btc->brc", left[:, 0].float(), right[:, 0])
+    grads = {"w": ParamGrad([fac, R.Dense(-g.view(1, 1, 1, 2))], ghost=True)}
+    got = param_grad.clipped_sums(grads, torch.tensor([0.7]), None)["w"]
+    assert got.abs().max() < 1e-6, got
+
+
+def test_the_buffer_watch_refuses_a_dtype_change_a_signed_zero_and_a_quantized_rescale():
+    """Channels a value comparison misses (found by a review): a buffer replaced by one of another
+    dtype, 0.0 turned into -0.0, a quantized buffer whose scale changed (equal dequantized values)."""
+    from dpzoo.errors import PrivacyUsageError
+    from dpzoo.privacy.guards import StateWatch
+
+    for change in ("dtype", "zero", "quantized"):
+        model = nn.Linear(2, 2)
+        model.register_buffer("b", torch.zeros(4))
+        if change == "quantized":
+            model.b = torch.quantize_per_tensor(torch.zeros(4), 1.0, 0, torch.quint8)
+        watch = StateWatch(model)
+        watch.start_forward(first_step=False)
+        if change == "dtype":
+            model.b = torch.zeros(4, dtype=torch.float64)
+        elif change == "zero":
+            model.b[2] = -0.0
+        else:
+            model.b = torch.quantize_per_tensor(torch.zeros(4), 0.123456789, 0, torch.quint8)
+        with pytest.raises(PrivacyUsageError, match="Buffer"):
+            watch.compare_buffers("the step")

@@ -333,22 +333,33 @@ def flagged_clipped_sum(rep: Rep, scale: torch.Tensor) -> tuple[torch.Tensor, to
     """(:func:`clipped_sum`'s working-precision sum, whether a scaled factor lost bits: a device
     bool, or None where none can; no host read). Where True, the sum is :func:`clipped_sum`'s
     float64 one instead (on a GPU one host read then serves every parameter of a step)."""
-    if isinstance(rep, Factored) and rep.left.shape[1] == 1 and rep.left.dtype == rep.right.dtype == torch.bfloat16:
+    scale = _working_scale(rep, scale)
+    if _bfloat16_pair(rep):
         total, lost = flagged_scaled_product(rep.left[:, 0], rep.right[:, 0], scale)
         return rep.to_param(total.unsqueeze(0)), lost
     rep = Factored(upcast(rep.left), upcast(rep.right), rep.shape) if isinstance(rep, Factored) else _acc_rep(rep)
-    scale = round_toward_zero(scale, _dtype(rep))
     with exact_matmuls():
         return _flagged_sum(rep, scale)
 
 
+def _bfloat16_pair(rep: Rep) -> bool:
+    """A factored use of one group with both factors bfloat16: exact half products."""
+    return isinstance(rep, Factored) and rep.left.shape[1] == 1 and rep.left.dtype == rep.right.dtype == torch.bfloat16
+
+
+def _working_scale(rep: Rep, scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` rounded toward zero as the working-precision sum scales ``rep``: to bfloat16 for
+    exact half products, else to the dtype of the (upcast) factor it multiplies."""
+    if _bfloat16_pair(rep):
+        return round_toward_zero(scale, torch.bfloat16)
+    return round_toward_zero(scale, upcast(rep.right).dtype if isinstance(rep, Factored) else _dtype(_acc_rep(rep)))
+
+
 def _wide_clipped_sum(rep: Rep, scale: torch.Tensor) -> torch.Tensor:
-    """The float64 sum of a factored use whose scaled factor lost bits, in its working dtype (float32
-    for half factors), the scale rounded toward zero as the working-precision sum rounds it."""
-    working = torch.float32 if rep.left.dtype in HALF else rep.left.dtype
-    scale = round_toward_zero(scale, torch.bfloat16 if rep.left.dtype == torch.bfloat16 else working)
+    """The float64 sum, in float32, of a factored use whose scaled factor lost bits (only float32
+    and half factors can), by the same scale as the working-precision sum."""
     wide = Factored(rep.left.double(), rep.right.double(), rep.shape)
-    return _flagged_sum(wide, scale.double())[0].to(working)
+    return _flagged_sum(wide, _working_scale(rep, scale).double())[0].float()
 
 
 def _flagged_sum(rep: Rep, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -223,8 +223,8 @@ def _float32_bounds(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tens
     # each gradient's own constant by one multi-tensor operator (no tensor made from host values:
     # on a GPU its copy waits for the queue); the share test is a heuristic for tightness only
     bound = torch.stack(torch._foreach_add(sqs, lost)).mul_(inflate)
-    share = torch.stack(torch._foreach_mul(sqs, [DENSE_LOOSE / x for x in lost]))
-    return bound, ~(torch.isfinite(bound) & (share >= 1))
+    over = torch.stack(torch._foreach_sub(sqs, [x / DENSE_LOOSE for x in lost]))  # width 0: 0, never loose
+    return bound, ~(torch.isfinite(bound) & (over >= 0))
 
 
 def _runs_sq(grad: torch.Tensor) -> torch.Tensor:

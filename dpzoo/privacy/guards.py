@@ -90,6 +90,24 @@ def _checksums(module: nn.Module) -> dict[str, tuple[float, float]]:
         return {n: (float(p.double().sum()), float(p.double().pow(2).sum())) for n, p in module.named_parameters()}
 
 
+def _comparable(now: torch.Tensor, before: torch.Tensor) -> bool:
+    """Same shape and dtype (a dtype change could carry data in the bits the values compare
+    equal on) and a plain (strided, unquantized) layout; else the buffer counts as changed, or
+    for a quantized one :func:`_differs` compares it whole."""
+    return now.shape == before.shape and now.dtype == before.dtype and now.layout == before.layout
+
+
+def _differs(now: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """A device bool: any value of ``now`` other than ``before``'s (NaN never equal to itself, and
+    for floats the sign of zero too); a quantized buffer compared with its scale and zero point."""
+    if now.is_quantized or before.is_quantized:
+        return torch.tensor(not torch.equal(now, before))
+    out = now != before
+    if now.is_floating_point():
+        out = out | (torch.signbit(now) != torch.signbit(before))
+    return out.any()
+
+
 class StateWatch:
     """Nothing computed from the batch may be stored outside the DP update: the model's buffers
     are compared by value (``.data`` writes move no version counter) from a step's first forward
@@ -115,11 +133,11 @@ class StateWatch:
         if before is None:
             return
         now = named_buffers(self.module)
-        changed = [n for n, b in before.items() if n not in now or now[n].shape != b.shape]
+        changed = [n for n, b in before.items() if n not in now or not _comparable(now[n], b)]
         kept = [n for n in before if n not in changed]
         # compared on the device, one host read for all (on a GPU each read waits for the queue;
-        # torch.equal read once per buffer): != as equal compares, NaN never equal to itself
-        flags = [(now[n].detach() != before[n]).any() for n in kept]
+        # torch.equal read once per buffer)
+        flags = [_differs(now[n].detach(), before[n]) for n in kept]
         if flags and any_flag(flags):
             changed += [n for n, f in zip(kept, flags) if bool(f)]
         changed += [n for n in now if n not in before]
