@@ -173,18 +173,26 @@ HOST_READS = [f"benchmarks/results/cost/host_reads/before/{c}.json" for c in HOS
 ]
 
 
-@figures("gpu-host-reads", files=HOST_READS, command="benchmarks/cost_predict.py")
-def host_reads_figures(root: Path) -> set[str]:
+def _prediction_figures(root: Path, paths: list[str], memory: bool = False) -> set[str]:
     """Host reads, operators and predicted H200 ratios (to non-private full and to bias-only) of the
-    DP modes before and after one host read per step served every dense norm (timed plans)."""
+    DP modes in the timed-plan predictions ``paths``; with ``memory`` their peak memory too (GB, and
+    its ratio to non-private full)."""
     out = set()
-    for path in HOST_READS:
+    for path in paths:
         modes = load(root, path)["modes"]
         for key in ("dpzoo-bk-mixopt", "dpzoo-bitfit"):
             row = modes[key]
             out |= {str(row["host_reads"]), f"{row['ops']:,}", f"{row['h200_ratio']:.2f}"}
             out.add(f"{row['h200_ms'] / modes['nonprivate-bias']['h200_ms']:.2f}")
+            if memory:
+                out |= {f"{row['peak_mb'] / 1024:.1f}", f"{row['peak_mb'] / modes['nonprivate-full']['peak_mb']:.2f}"}
     return out
+
+
+@figures("gpu-host-reads", files=HOST_READS, command="benchmarks/cost_predict.py")
+def host_reads_figures(root: Path) -> set[str]:
+    """Before and after one host read per step served every dense norm (timed plans)."""
+    return _prediction_figures(root, HOST_READS)
 
 
 LAUNCHES = [f"benchmarks/results/cost/host_reads/after/{c}.json" for c in HOST_READ_CONFIGS] + [
@@ -194,15 +202,6 @@ LAUNCHES = [f"benchmarks/results/cost/host_reads/after/{c}.json" for c in HOST_R
 
 @figures("gpu-launches", files=LAUNCHES, command="benchmarks/cost_predict.py")
 def launches_figures(root: Path) -> set[str]:
-    """Operators, host reads, predicted H200 ratios and peak memory (GB) of the DP modes before and
-    after the step's kernels were batched (stacked dense norms, batched Grams, one read for every
-    guard and clipped sum, the noise in one draw; timed plans)."""
-    out = set()
-    for path in LAUNCHES:
-        modes = load(root, path)["modes"]
-        for key in ("dpzoo-bk-mixopt", "dpzoo-bitfit"):
-            row = modes[key]
-            out |= {str(row["host_reads"]), f"{row['ops']:,}", f"{row['h200_ratio']:.2f}"}
-            out |= {f"{row['h200_ms'] / modes['nonprivate-bias']['h200_ms']:.2f}", f"{row['peak_mb'] / 1024:.1f}"}
-            out.add(f"{row['peak_mb'] / modes['nonprivate-full']['peak_mb']:.2f}")
-    return out
+    """Before and after the step's kernels were batched (stacked dense norms, batched Grams, one
+    read for every guard and clipped sum, the noise in one draw; timed plans), peak memory too."""
+    return _prediction_figures(root, LAUNCHES, memory=True)

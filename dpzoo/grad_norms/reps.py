@@ -333,11 +333,11 @@ def flagged_clipped_sum(rep: Rep, scale: torch.Tensor) -> tuple[torch.Tensor, to
     """(:func:`clipped_sum`'s working-precision sum, whether a scaled factor lost bits: a device
     bool, or None where none can; no host read). Where True, the sum is :func:`clipped_sum`'s
     float64 one instead (on a GPU one host read then serves every parameter of a step)."""
-    if _bfloat16_pair(rep):
-        total, lost = flagged_scaled_product(rep.left[:, 0], rep.right[:, 0], scale)  # rounds the scale itself
+    if _bfloat16_pair(rep):  # the product rounds the scale to bfloat16 itself, as _working_scale does
+        total, lost = flagged_scaled_product(rep.left[:, 0], rep.right[:, 0], scale)
         return rep.to_param(total.unsqueeze(0)), lost
+    scale = _working_scale(rep, scale)
     rep = Factored(upcast(rep.left), upcast(rep.right), rep.shape) if isinstance(rep, Factored) else _acc_rep(rep)
-    scale = round_toward_zero(scale, _dtype(rep))  # as _working_scale
     with exact_matmuls():
         return _flagged_sum(rep, scale)
 
