@@ -438,7 +438,7 @@ def test_bf16_factors_on_cuda_are_exact_products_in_float32(shape):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bf16 tensor cores)")
 @pytest.mark.parametrize("mode", ["auto", "ghost", "instantiate"])
-@pytest.mark.parametrize("case", ["mlp", "gpt2"])
+@pytest.mark.parametrize("case", ["mlp", "gpt2", "resnet18-gn-bias"])
 def test_bf16_cuda_autocast_norms_and_sums_are_those_of_the_autocast_model(case, mode):
     """The CPU test above on CUDA, where the factors go through the tensor-core products."""
     _check_autocast_model(case, mode, "cuda")

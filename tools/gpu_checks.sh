@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 30 in one device call, most important first, under one deadline:
+#
+#   bash tools/gpu_checks.sh SECONDS        # on the device machine; results in $OUT
+#
+# 1. the CUDA tests (tests/test_cuda_steps.py, the CUDA cases of tests/test_mixed_precision.py);
+# 2. the bf16 table (benchmarks/bench_training_step.py) of the five GPU configurations;
+# 3. the fp32 table of GPT-2 small T128, ViT-B/16 and ResNet-50-GN;
+# 4. GPT-2 small T1024 in bf16 with --pairwise;
+# 5. a profile of GPT-2 small T128's bf16 DP step (host- or device-bound?).
+# Each step runs under `timeout` cut to what is left of SECONDS, so the call ends inside its limit
+# and what finished comes back: $OUT/device_log.txt and $OUT/results.tar.gz (the device tool
+# returns at most 8 files). Wheels in .whl/ (dp-accounting and dm-tree: the device image lacks
+# them) are installed to /tmp/site first.
+set -u
+budget=${1:-480}
+deadline=$((SECONDS + budget))
+out=${OUT:-/tmp/gpu_checks}
+res=/tmp/gpu_results
+mkdir -p "$out" "$res"
+log=$out/device_log.txt
+export PYTHONUNBUFFERED=1
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        >>"$log" 2>&1 || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+
+step() {  # step SECONDS CMD...: run CMD with at most SECONDS, never past the deadline
+    local want=$1 left=$((deadline - SECONDS - 5))
+    shift
+    ((left < want)) && want=$left
+    if ((want < 10)); then
+        echo "=== skipped (deadline): $*" >>"$log"
+        return
+    fi
+    echo "=== $* ($(date +%T), limit ${want}s)" >>"$log"
+    timeout "$want" "$@" >>"$log" 2>&1
+    echo "rc=$? $(date +%T)" >>"$log"
+}
+
+{
+    echo "commit $(git rev-parse --short HEAD 2>/dev/null) $(git status --short 2>/dev/null | wc -l) changed files"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -c "import torch, transformers, timm; print(torch.__version__, transformers.__version__, timm.__version__)"
+} >>"$log" 2>&1
+
+bench=(python3 benchmarks/bench_training_step.py --device cuda --rounds 5 --steps 2 --warmup 2 --threads 8)
+modes=(nonprivate-full nonprivate-bias dpzoo-bk-mixopt dpzoo-bitfit)
+step 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_steps.py tests/test_mixed_precision.py -k "cuda"
+for c in gpt2-small-t128 gpt2-small-t512 vit-base-patch16@224 resnet50-gn-bias@224 llama-bias-1b-t512; do
+    step 90 "${bench[@]}" --precision bf16 --configs "$c" --modes "${modes[@]}" --out "$res/bf16_${c//@/_}"
+done
+for c in gpt2-small-t128 vit-base-patch16@224 resnet50-gn-bias@224; do
+    step 75 "${bench[@]}" --precision fp32 --configs "$c" --modes "${modes[@]}" --out "$res/fp32_${c//@/_}"
+done
+step 100 "${bench[@]}" --precision bf16 --pairwise --configs gpt2-small-t1024 --modes "${modes[@]}" --out "$res/bf16_gpt2-small-t1024"
+step 60 python3 benchmarks/profile_step.py --device cuda --precision bf16 --configs gpt2-small-t128 \
+    --modes nonprivate-full dpzoo-bk-mixopt --steps 2 --top 30 --out "$res/profile_gpt2-small-t128"
+tar -czf "$out/results.tar.gz" -C "$res" . 2>>"$log"
+echo "done $(date +%T)" >>"$log"
