@@ -283,16 +283,23 @@ def test_a_bfloat16_model_releases_the_float32_mechanism_through_make_private():
         assert torch.allclose(p.grad.double(), expected, rtol=2**-8, atol=1e-6)
 
 
+@pytest.mark.parametrize("launch", [False, True])
 @pytest.mark.parametrize("seed", range(3))
-def test_a_float32_dense_norm_is_an_upper_bound_and_tight(seed):
+def test_a_float32_dense_norm_is_an_upper_bound_and_tight(seed, launch, monkeypatch):
     """Dense squared norms are summed in float32 (no float64 copy) and taken up by their rounding
     bound: every sample's is at least the exact sum of squares (float32 row sums round below it
     about half the time), within 1e-4 of it on ordinary values, and a sample of subnormal,
-    huge or non-finite values gets its float64 sum."""
-    from dpzoo.grad_norms.rounding import dense_sq_norm, round_up
+    huge or non-finite values gets its float64 sum. ``launch``: the GPU's runs of 1,024 entries."""
+    from dpzoo.grad_norms import half
+    from dpzoo.grad_norms.rounding import LAUNCH_DENSE_CHUNK, dense_chunk, dense_sq_norm, round_up
 
+    if launch:
+        monkeypatch.setattr(half, "LAUNCH_DEVICES", {"cuda", "cpu"})
     g = torch.Generator().manual_seed(seed)
     shape = (512, *[int(n) for n in torch.randint(1, 40, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g)])
+    if launch:
+        shape = (64, LAUNCH_DENSE_CHUNK * (seed + 1) + 37 * seed)  # whole runs, and a remainder
+        assert dense_chunk(torch.zeros(1)) == LAUNCH_DENSE_CHUNK
     grad = torch.randn(shape, generator=g) * torch.exp(4 * torch.randn(shape[0], *[1] * (len(shape) - 1), generator=g))
     grad[0] = (torch.rand(shape[1:], generator=g) + 0.5) * 1e-39  # squares underflow in float32
     grad[1] = (torch.rand(shape[1:], generator=g) + 0.5) * 1e25  # squares overflow in float32

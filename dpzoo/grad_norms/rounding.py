@@ -34,6 +34,8 @@ import math
 
 import torch
 
+from .half import launches_kernels
+
 __all__ = [
     "GRAM_CHUNK", "mechanism_dtype", "unit_roundoff", "gamma", "sum_per_sample", "pair_length", "error_bound", "round_up",
     "dense_sq_norm", "dense_sq_norms", "DENSE_LOOSE", "any_flag",
@@ -163,14 +165,23 @@ DENSE_LOOSE = 2.0**-20
 # γ_40 (2.4e-6) whatever the width, at 1.3-1.8x the time of whole-row norms (still ~25x faster
 # than a float64 copy on a CPU)
 DENSE_CHUNK = 32
+# on a GPU (half.LAUNCH_DEVICES) runs this long: CUDA's norm kernel read 32-entry runs at ~0.8 TB/s
+# on an H200 (20 ms of GPT-2 small's 106 ms bf16 DP step, profiled 2026-11-28); the bound γ_1032
+# (6.2e-5) raises a norm by at most 3.1e-5 of itself
+LAUNCH_DENSE_CHUNK = 1024
+
+
+def dense_chunk(grad: torch.Tensor) -> int:
+    """The run length of ``grad``'s float32 dense norm: DENSE_CHUNK, LAUNCH_DENSE_CHUNK on a GPU."""
+    return LAUNCH_DENSE_CHUNK if launches_kernels(grad) else DENSE_CHUNK
 
 
 def dense_sq_norm(grad: torch.Tensor) -> torch.Tensor:
     """Σ g² per sample of ``grad`` (B, ...) in float32, never below the exact value, for float32 and
     half gradients (float64 gradients: their float64 sum, as computed). Float32: the norms of runs
-    of DENSE_CHUNK entries (one fused read, no copy), whose squares are summed in float64, plus
+    of k = :func:`dense_chunk` entries (one fused read, no copy), whose squares are summed in float64, plus
     2·n·2⁻¹²⁶ (the squares and partial sums that underflow, n = the row's length), taken
-    1 / ((1 − u)²(1 − γ_{k+8})) larger (k = DENSE_CHUNK; the extra 8 covers a norm that scales its
+    1 / ((1 − u)²(1 − γ_{k+8})) larger (the extra 8 covers a norm that scales its
     terms, and the float64 squares, sum, root and square, whose errors are far below float32's);
     samples whose bound is loose (DENSE_LOOSE) or not finite, float64 sums of squares. Before
     2026-11-27 every sample was summed in float64: a sample whose entries all square below float32's
@@ -216,9 +227,10 @@ def _float32_bounds(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tens
     per-sample sums of squares, and the samples those do not serve (loose or not finite); no host
     read. A run's computed sum ŝ ≥ s(1 − γ_k) − 2k·2⁻¹²⁶ and its norm r̂ ≥ √ŝ (1 − u), so
     s ≤ inflate · (r̂² + 2k·2⁻¹²⁶)."""
-    sqs = [_runs_sq(g) for g in grads]
+    k = dense_chunk(grads[0])  # one device
+    sqs = [_runs_sq(g, k) for g in grads]
     u = unit_roundoff(torch.float32)
-    inflate = 1 / ((1 - u) ** 2 * (1 - gamma(DENSE_CHUNK + 8, u)))
+    inflate = 1 / ((1 - u) ** 2 * (1 - gamma(k + 8, u)))
     lost = [2 * math.prod(g.shape[1:]) * torch.finfo(torch.float32).smallest_normal for g in grads]
     # each gradient's own constant by one multi-tensor operator (no tensor made from host values:
     # on a GPU its copy waits for the queue); the share test is a heuristic for tightness only
@@ -227,14 +239,14 @@ def _float32_bounds(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tens
     return bound, ~(torch.isfinite(bound) & (over >= 0))
 
 
-def _runs_sq(grad: torch.Tensor) -> torch.Tensor:
-    """Σ over runs of DENSE_CHUNK entries of each run's float32 norm squared, in float64: (B,)."""
+def _runs_sq(grad: torch.Tensor, k: int) -> torch.Tensor:
+    """Σ over runs of ``k`` entries of each run's float32 norm squared, in float64: (B,)."""
     flat = _rows(grad)
     b, n = flat.shape
-    whole = n // DENSE_CHUNK * DENSE_CHUNK
+    whole = n // k * k
     sq = None
     if whole:  # the runs' norms, then the float64 norm of those (their squares summed, no copy)
-        runs = (flat if whole == n else flat[:, :whole]).view(b, whole // DENSE_CHUNK, DENSE_CHUNK)  # B = 0: no -1
+        runs = (flat if whole == n else flat[:, :whole]).view(b, whole // k, k)  # B = 0: no -1
         runs = torch.linalg.vector_norm(runs, dim=-1)
         sq = torch.linalg.vector_norm(runs, dim=-1, dtype=torch.float64).square()
     if whole < n or sq is None:
