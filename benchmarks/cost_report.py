@@ -8,7 +8,7 @@ checked against every measured GPU table in benchmarks/results.
 Writes ``cost_report.json``: per configuration, precision and mode the counts (operators, kernels,
 host reads, Python calls, GFLOPs per unit, GB moved, peak memory), their ratios to the
 non-private step (DP-BiTFiT also to the non-private bias-only step), and the predicted step times;
-with validation, the model's constants calibrated on the newest measured table (H200, 2026-11-27) and its error on
+with validation, the model's constants calibrated on the newest measured table (H200, 2026-11-28) and its error on
 every measured cell (``validation``), and ``validation.png`` (predicted against measured ratios).
 Counts are the same on any machine; the predictions are a model's (docs/RESULTS.md says where it
 misses).
@@ -32,27 +32,51 @@ import cost_trace  # noqa: E402
 import gpu_model  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# measured tables: (label, device, files, what code ran); the first is the calibration table
+# measured tables: (label, device, files, what code ran, the GPU's dense-norm run length then);
+# the first is the calibration table
 TABLES = [
+    (
+        "h200-2026-11-28",
+        "h200",
+        ["gpu_h200_1128/bf16_*.json", "gpu_h200_1128/fp32_*.json"],
+        "97dd5d3 (fewer launches and host reads; dense norms over runs of 32)",
+        32,
+    ),
+    (
+        "h200-2026-11-28 runs of 1,024",
+        "h200",
+        ["gpu_h200_1128/dense_runs/bf16_*.json"],
+        "0822966 (dense norms over runs of 1,024 on a GPU)",
+        None,
+    ),
     (
         "h200-2026-11-27",
         "h200",
         ["gpu_h200_1127/bf16_*.json"],
         "2bb3e0b (bf16 convolution factors, fewer guard walks)",
+        32,
     ),
     (
         "h100-2026-11-26",
         "h100",
         ["gpu_h100_1126/bf16_*.json", "gpu_h100_1126/fp32_*.json"],
         "6a6b4e7 (half-precision factors)",
+        32,
     ),
     (
         "h200-2026-11-25",
         "h200",
         ["gpu_h200/bf16_*.json", "gpu_h200/fp32_*.json"],
         "2923122 (before half-precision factors)",
+        32,
     ),
-    ("h100-2026-11-24", "h100", ["gpu/training_step.json", "gpu/training_step_bf16.json"], "680ee46 (first GPU table)"),
+    (
+        "h100-2026-11-24",
+        "h100",
+        ["gpu/training_step.json", "gpu/training_step_bf16.json"],
+        "680ee46 (first GPU table)",
+        32,
+    ),
 ]
 SECOND_BASELINE = bench_modes.SECOND_BASELINE
 
@@ -139,12 +163,13 @@ def measured_cells(patterns: list[str]) -> list[dict]:
 def validate(traces: dict) -> dict:
     """The model calibrated on the first table (leave-one-configuration-out errors too), then its
     error on every measured cell of every table; cells whose modes were not traced are skipped."""
-    arrays = {k: gpu_model.arrays(t) for k, t in traces.items() if not isinstance(t, str)}
+    traced = {k: t for k, t in traces.items() if not isinstance(t, str)}
     tables = []
-    for label, device, patterns, code in TABLES:
+    for label, device, patterns, code, runs in TABLES:
+        arrays = {k: gpu_model.arrays(t, dense_runs=runs) for k, t in traced.items()}  # priced as that code ran
         cells = [c for c in measured_cells(patterns) if cell_key(c) in arrays and baseline_key(c) in arrays]
-        tables.append((label, device, code, cells))
-    label, device, _, cells = tables[0]
+        tables.append((label, device, code, cells, arrays))
+    label, device, _, cells, arrays = tables[0]
     groups: dict = {}
     for c in cells:
         groups.setdefault(c["config"], []).append(c)  # both precisions of a configuration held out together
@@ -157,7 +182,7 @@ def validate(traces: dict) -> dict:
             c["held_out_error"] = e
     constants = {k: getattr(fitted, k) for k in gpu_model.GRID}
     out = {"calibrated_on": label, "constants": constants, "tables": []}
-    for label, device, code, cells in tables:
+    for label, device, code, cells, arrays in tables:
         d = dataclasses.replace(gpu_model.DEVICES[device], **constants)
         for c in cells:
             mode_ms = gpu_model.predict(arrays[cell_key(c)], d)["ms"]
@@ -185,7 +210,7 @@ def plot(validation: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 6))
-    for table, marker in zip(validation["tables"], "os^"):
+    for table, marker in zip(validation["tables"], "os^vDP<>"):
         xs = [c["measured_ratio"] for c in table["cells"]]
         ys = [c["predicted_ratio"] for c in table["cells"]]
         ax.scatter(xs, ys, marker=marker, label=f"{table['table']} ({table['within_20pct']}/{len(xs)} within 20%)")

@@ -36,6 +36,7 @@ import collections
 import contextlib
 import gc
 import itertools
+import math
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -57,6 +58,8 @@ HALF = (torch.bfloat16, torch.float16)
 RELABELS = {aten.set_, aten._unsafe_view}
 # in-place operators that write their destination without reading it
 WRITE_ONLY = {aten.copy_, aten.fill_, aten.zero_, aten.normal_, aten.uniform_, aten.bernoulli_, aten.random_}
+# reductions whose speed on a GPU depends on how many contiguous entries each output reduces
+REDUCTIONS = {aten.linalg_vector_norm, aten.sum, aten.mean, aten.amax, aten.amin, aten.norm}
 # the CPU's attention kernels counted by the formulas of the GPU's (same products)
 FORMULA_OF = {
     aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
@@ -81,6 +84,7 @@ class Op:
     kernel: bool  # launches device work
     sync: bool  # the host waits for the device's answer
     source: str = ""  # the innermost dpzoo function that ran it ("" for the model's own and torch's)
+    inner: int = 0  # a reduction over the innermost dimensions: entries per output (0: another operator)
 
 
 @dataclass
@@ -244,7 +248,10 @@ class ShapeTrace(TorchDispatchMode):
             flops = float(max([t.numel() for t in inputs + outputs] or [0]))
         dtype = str((inputs or outputs or [torch.empty(0)])[0].dtype).removeprefix("torch.")
         kernel = not sync and func not in NO_KERNEL
-        self.trace.ops.append(Op(str(func), flops, read, written, dtype, _unit(func, inputs), kernel, sync, source))
+        inner = _inner_extent(func, args, kwargs, outputs)
+        self.trace.ops.append(
+            Op(str(func), flops, read, written, dtype, _unit(func, inputs), kernel, sync, source, inner)
+        )
         self.trace.peak_bytes = max(self.trace.peak_bytes, self.live_bytes())
 
 
@@ -337,6 +344,26 @@ def count_python_calls(trace: Trace):
         yield
     finally:
         sys.setprofile(None)
+
+
+def _inner_extent(func, args, kwargs, outputs) -> int:
+    """For a reduction of a contiguous tensor over its innermost dimensions into more than one
+    output: the entries each output reduces (a GPU reads short runs far below its bandwidth:
+    :data:`gpu_model.SHORT_RUN_SHARE`); 0 for any other operator."""
+    x = args[0] if args else None
+    if func._overloadpacket not in REDUCTIONS or not isinstance(x, torch.Tensor) or not outputs:
+        return 0
+    if outputs[0].numel() <= 1 or x.dim() == 0 or not x.is_contiguous():
+        return 0
+    names = [a.name for a in func._schema.arguments]
+    i = names.index("dim") if "dim" in names else None
+    dim = kwargs.get("dim", args[i] if i is not None and i < len(args) else None)
+    if dim is None:
+        return 0
+    dims = sorted(d % x.dim() for d in ([dim] if isinstance(dim, int) else dim))
+    if not dims or dims != list(range(x.dim() - len(dims), x.dim())):
+        return 0
+    return math.prod(x.shape[d] for d in dims)
 
 
 @contextlib.contextmanager

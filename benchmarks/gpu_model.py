@@ -57,6 +57,20 @@ DEVICES = {
 }
 
 
+# the share of the attainable bandwidth a reduction reaches when each output reduces k contiguous
+# entries, measured on an H200 (benchmarks/results/gpu_h200_1128/dense_runs/dense_norm_runs.json:
+# a (32, 768·3072) float32 tensor's run norms, each run length's TB/s over the best); below 32 as 32
+# (not measured), from 2,048 on the whole
+SHORT_RUN_SHARE = {32: 0.18, 64: 0.32, 128: 0.58, 256: 0.82, 512: 0.86, 1024: 0.95, 2048: 1.0}
+
+
+def run_share(inner: np.ndarray) -> np.ndarray:
+    """:data:`SHORT_RUN_SHARE` of each operator's inner extent, interpolated in log2; 1 for 0."""
+    ks = np.log2(list(SHORT_RUN_SHARE))
+    shares = np.interp(np.log2(np.maximum(inner, 1)), ks, list(SHORT_RUN_SHARE.values()))
+    return np.where(inner > 0, shares, 1.0)
+
+
 @dataclass
 class Arrays:
     """A trace as arrays: what :func:`predict` needs, computed once per trace."""
@@ -65,19 +79,30 @@ class Arrays:
     nbytes: np.ndarray
     unit: np.ndarray  # index into UNITS
     kernel: np.ndarray  # bool
+    share: np.ndarray  # of the attainable bandwidth (short-run reductions below 1)
     segment: np.ndarray  # index of the host read that ends the operator's segment
     reads: int
     python_calls: int
 
 
-def arrays(trace: Trace) -> Arrays:
+def arrays(trace: Trace, dense_runs: int | None = None) -> Arrays:
+    """``dense_runs``: price the float32 dense norms' run norms (``rounding._runs_sq``) as runs of
+    that many entries, for a table measured before the GPU's run length changed (same operators and
+    bytes; a gradient of exactly 2²⁰ entries has its second-stage norm repriced too)."""
     ops = trace.ops
     sync = np.array([op.sync for op in ops], dtype=bool)
+    inner = np.array([op.inner for op in ops], dtype=float)
+    if dense_runs is not None:
+        from dpzoo.grad_norms.rounding import LAUNCH_DENSE_CHUNK
+
+        runs = np.array([op.source.endswith("rounding.py:_runs_sq") for op in ops], dtype=bool)
+        inner = np.where(runs & (inner == LAUNCH_DENSE_CHUNK), dense_runs, inner)
     return Arrays(
         flops=np.array([op.flops for op in ops], dtype=float),
         nbytes=np.array([op.read + op.written for op in ops], dtype=float),
         unit=np.array([UNITS.index(op.unit) for op in ops], dtype=int),
         kernel=np.array([op.kernel for op in ops], dtype=bool),
+        share=run_share(inner),
         segment=np.concatenate([[0], np.cumsum(sync)[:-1]]).astype(int) if ops else np.zeros(0, int),
         reads=int(sync.sum()),
         python_calls=trace.python_calls,
@@ -88,7 +113,7 @@ def kernel_seconds(a: Arrays, device: Device) -> np.ndarray:
     """Each operator's device time: its roofline plus the kernel's fixed time (0 for no kernel)."""
     rates = np.array([np.inf] + [device.rate(u) for u in UNITS[1:]])
     compute = a.flops / rates[a.unit]
-    memory = a.nbytes / (device.bandwidth * device.memory_efficiency)
+    memory = a.nbytes / (device.bandwidth * device.memory_efficiency * a.share)
     return np.where(a.kernel, np.maximum(compute, memory) + device.kernel_s, 0.0)
 
 

@@ -228,7 +228,7 @@ def test_report_writes_counts_ratios_and_predictions(tmp_path):
 
 
 def test_measured_cells_are_read_from_every_table():
-    for _, _, patterns, _ in cost_report.TABLES:
+    for _, _, patterns, _, _ in cost_report.TABLES:
         cells = cost_report.measured_cells(patterns)
         assert cells and all(c["measured_ratio"] > 0 and c["mode"] != "nonprivate-full" for c in cells)
 
@@ -288,3 +288,30 @@ def test_a_traced_step_takes_the_cpu_only_convolution_route_only_when_asked(cpu_
     assert bool(folded) is cpu_routes
     assert _kernels(trace, "aten.convolution_backward")  # the input gradients, either way
     assert conv.GROUPED_MIN_POSITIONS == before
+
+
+def test_a_reduction_over_short_runs_is_priced_at_the_measured_share_of_the_bandwidth():
+    """A norm whose outputs each reduce k contiguous entries records k (a reduction over an outer
+    dimension, or to one value, records 0); the model reads 32-entry runs at the H200's measured
+    share (dense_norm_runs.json), 2,048 and more at the whole bandwidth, the same bytes either way."""
+    x = torch.randn(8, 64, 1024)
+    trace, _ = _traced(lambda: [
+        torch.linalg.vector_norm(x.view(8, 2048, 32), dim=-1),
+        torch.linalg.vector_norm(x, dim=-1),
+        x.sum(dim=(1, 2)),
+        x.sum(dim=0),
+        torch.linalg.vector_norm(x),
+        torch.linalg.vector_norm(x.transpose(1, 2), dim=-1),
+    ])  # fmt: skip
+    assert [op.inner for op in trace.ops if op.kernel] == [32, 1024, 65536, 0, 0, 0]
+    d = dataclasses_replace(gpu_model.DEVICES["h200"], kernel_s=0.0)
+    a = gpu_model.arrays(trace)
+    times = gpu_model.kernel_seconds(a, d)[a.kernel]
+    full = a.nbytes[a.kernel] / (d.bandwidth * d.memory_efficiency)  # its bytes at the whole bandwidth
+    assert times == pytest.approx(full / [0.18, 0.95, 1, 1, 1, 1])
+    runs = cost_trace.Op("aten.linalg_vector_norm", 0, 10**9, 10**6, "float32", "memory", True, False,
+                         "grad_norms/rounding.py:_runs_sq", inner=1024)  # fmt: skip
+    priced = [
+        gpu_model.kernel_seconds(gpu_model.arrays(cost_trace.Trace([runs]), dense_runs=k), d)[0] for k in (None, 32)
+    ]
+    assert priced[1] / priced[0] == pytest.approx(0.95 / 0.18)  # a table measured when the GPU took runs of 32
