@@ -63,7 +63,7 @@ def test_a_figure_typed_by_hand_is_caught(copy_of_the_documents):
     edit(results, row, "|".join(cells))
     found = doc_tables.problems(copy_of_the_documents)
     assert len(found) == 1 and "differs from its files" in found[0]
-    assert doc_tables.write(copy_of_the_documents) == ["docs/RESULTS.md: gpu-h200-1127"]
+    assert doc_tables.write(copy_of_the_documents) == ["docs/RESULTS.md: gpu-h200-1128"]
     assert doc_tables.problems(copy_of_the_documents) == []
 
 
