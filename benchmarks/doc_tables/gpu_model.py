@@ -66,19 +66,22 @@ def tables(root: Path) -> str:
     return "\n".join(lines)
 
 
-# the measured H200 cell of each target: (file, mode, time-ratio key); the timed plan where it ran
+# the measured H200 cell of each target (11-28, timed plan): today's code where the day's second call
+# ran it, else the first call's (the library of 97dd5d3, dense norms over runs of 32)
 MEASURED = {
-    "gpt2-small-t128": ("benchmarks/results/gpu_h200_1127/timed_plans/new_gpt2-small-t128.json", "time_ratio"),
+    "gpt2-small-t128": ("benchmarks/results/gpu_h200_1128/dense_runs/bf16_gpt2-small-t128.json", "time_ratio"),
+    "gpt2-small-t512": ("benchmarks/results/gpu_h200_1128/bf16_gpt2-small-t512.json", "time_ratio"),
     "vit-base-patch16@224": (
-        "benchmarks/results/gpu_h200_1127/timed_plans/new_vit-base-patch16@224.json",
+        "benchmarks/results/gpu_h200_1128/dense_runs/bf16_vit-base-patch16@224.json",
         "time_ratio",
     ),
-    "resnet50-gn-bias@224": (
-        "benchmarks/results/gpu_h200_1127/timed_plans/new_resnet50-gn-bias@224.json",
-        "time_ratio",
+    "resnet50-gn-bias@224": ("benchmarks/results/gpu_h200_1128/bf16_resnet50-gn-bias@224.json", "time_ratio"),
+    "llama-bias-1b-t512": (
+        "benchmarks/results/gpu_h200_1128/dense_runs/bf16_llama-bias-1b-t512.json",
+        "time_ratio_second",
     ),
-    "llama-bias-1b-t512": ("benchmarks/results/gpu_h200_1127/bf16_llama-bias-1b-t512.json", "time_ratio_second"),
 }
+RUNS_OF_32 = {"gpt2-small-t512", "resnet50-gn-bias@224"}
 
 
 def _measured(root: Path, config: str, mode: str) -> str:
@@ -86,7 +89,7 @@ def _measured(root: Path, config: str, mode: str) -> str:
         return "not measured with the timed plan"
     path, key = MEASURED[config]
     (entry,) = load(root, path)["configs"].values()
-    return ratio(entry["time"]["modes"][mode][key]["median"])
+    return ratio(entry["time"]["modes"][mode][key]["median"]) + (" (runs of 32)" if config in RUNS_OF_32 else "")
 
 
 TIMED = "benchmarks/results/cost/timed_plan/{config}.json"  # cost_predict.py --timed-plan h200, at today's code
@@ -103,7 +106,7 @@ def _timed_prediction(root: Path, config: str, mode: str, key: str, what: str = 
 def targets(root: Path) -> str:
     configs = load(root, REPORT)["configs"]
     lines = [
-        "| config (bf16) | mode | predicted H100 time ratio (the model's plan) | measured H200 (11-27; bk-mixopt: timed plan) "
+        "| config (bf16) | mode | predicted H100 time ratio (the model's plan) | measured H200 (2026-11-28, timed plan) "
         "| predicted H200, today's code (timed plan) | target | predicted peak memory ratio: the model's plan / timed |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
