@@ -347,13 +347,14 @@ def count_python_calls(trace: Trace):
 
 
 def _inner_extent(func, args, kwargs, outputs) -> int:
-    """For a reduction of a contiguous tensor over its innermost dimensions into more than one
-    output: the entries each output reduces (a GPU reads short runs far below its bandwidth:
+    """For a reduction over a tensor's innermost dimensions, each output's entries contiguous in
+    memory (the rest of the tensor may be strided: a row slice), into more than one output: the
+    entries each output reduces (a GPU reads short runs far below its bandwidth:
     :data:`gpu_model.SHORT_RUN_SHARE`); 0 for any other operator."""
     x = args[0] if args else None
     if func._overloadpacket not in REDUCTIONS or not isinstance(x, torch.Tensor) or not outputs:
         return 0
-    if outputs[0].numel() <= 1 or x.dim() == 0 or not x.is_contiguous():
+    if outputs[0].numel() <= 1 or x.dim() == 0:
         return 0
     names = [a.name for a in func._schema.arguments]
     i = names.index("dim") if "dim" in names else None
@@ -363,7 +364,12 @@ def _inner_extent(func, args, kwargs, outputs) -> int:
     dims = sorted(d % x.dim() for d in ([dim] if isinstance(dim, int) else dim))
     if not dims or dims != list(range(x.dim() - len(dims), x.dim())):
         return 0
-    return math.prod(x.shape[d] for d in dims)
+    run = 1  # the reduced dimensions must lie one after the other in memory
+    for d in reversed(dims):
+        if x.shape[d] != 1 and x.stride(d) != run:
+            return 0
+        run *= x.shape[d]
+    return run if run > 1 else 0  # one entry per output: a copy, at the whole bandwidth
 
 
 @contextlib.contextmanager

@@ -87,8 +87,10 @@ class Arrays:
 
 def arrays(trace: Trace, dense_runs: int | None = None) -> Arrays:
     """``dense_runs``: price the float32 dense norms' run norms (``rounding._runs_sq``) as runs of
-    that many entries, for a table measured before the GPU's run length changed (same operators and
-    bytes; a gradient of exactly 2²⁰ entries has its second-stage norm repriced too)."""
+    that many entries, for a table measured before the GPU's run length changed: the same bytes;
+    not quite the same operators (a gradient whose width is a multiple of 32 but not of 1,024, e.g.
+    GPT-2's 50,257 × 768 embedding, has one remainder norm more today, priced as it is), and a
+    gradient of exactly 2²⁰ entries has its second-stage norm repriced too."""
     ops = trace.ops
     sync = np.array([op.sync for op in ops], dtype=bool)
     inner = np.array([op.inner for op in ops], dtype=float)

@@ -67,7 +67,7 @@ def test_float32_norms_and_clipped_sums_on_cuda_are_those_of_float64_brute_force
     model64, inputs64, loss_fn = _case(case)
     b = next(iter(inputs64.values())).shape[0]
     scale = torch.rand(b, dtype=torch.float64, generator=torch.Generator().manual_seed(9)) + 0.1
-    total, _, clipped = reference(model64, loss_fn, inputs64, b, scale)
+    total, per_param, clipped = reference(model64, loss_fn, inputs64, b, scale)
     model = copy.deepcopy(model64).float().cuda()
     inputs = {k: (v.float() if v.is_floating_point() else v).cuda() for k, v in inputs64.items()}
     with attach_norm_hooks(model, mode=mode) as hooks:
@@ -76,6 +76,9 @@ def test_float32_norms_and_clipped_sums_on_cuda_are_those_of_float64_brute_force
         assert norms.is_cuda and norms.dtype == torch.float32
         assert_close(norms.cpu(), total, FP32_TOL, "norms")
         assert (norms.cpu().double() >= total * (1 - BELOW_TOL)).all(), (norms, total)
+        # each parameter's own norms, to a floor far below the total's: a small parameter's error shows
+        for n, got in hooks.per_param_norms().items():
+            assert_close(got.cpu(), per_param[n], FP32_TOL, n, floor=total.max() * 1e-5)
         sums = hooks.clipped_sum(scale.float().cuda())
     biggest = max(c.abs().max() for c in clipped.values())
     for n, c in clipped.items():
