@@ -36,7 +36,6 @@ import collections
 import contextlib
 import gc
 import itertools
-import math
 import sys
 import warnings
 from dataclasses import dataclass, field
