@@ -12,7 +12,13 @@
 # Each step runs under `timeout` cut to what is left of SECONDS, so the call ends inside its limit
 # and what finished comes back: $OUT/device_log.txt and $OUT/results.tar.gz (the device tool
 # returns at most 8 files). Wheels in .whl/ (dp-accounting and dm-tree: the device image lacks
-# them) are installed to /tmp/site first.
+# them) are installed to /tmp/site first; fetch them here once, and name .whl in the call's carry:
+#
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl dp-accounting==0.6.0 dm-tree
+#
+# The device's own torch (2.11 on 2026-11-28) and transformers run the code: both in the supported range.
 set -u
 budget=${1:-480}
 deadline=$((SECONDS + budget))
