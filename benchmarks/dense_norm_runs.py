@@ -13,21 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
-
-
-def _time(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+from gemm_probe import median_ms
 
 
 def main() -> None:
@@ -46,9 +34,7 @@ def main() -> None:
         def two_stage(runs=runs):
             return torch.linalg.vector_norm(torch.linalg.vector_norm(runs, dim=-1), dim=-1, dtype=torch.float64)
 
-        for _ in range(3):
-            two_stage()
-        ms = _time(two_stage, args.reps)
+        ms = median_ms(two_stage, args.reps)
         rows.append({"k": k, "ms": ms, "read_TB_per_s": gb / ms})
         print(f"k={k:>8}  {ms:.3f} ms  {gb / ms:.2f} TB/s", flush=True)
     out = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "shape": list(flat.shape), "rows": rows}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from doc_tables import figures, table
 from doc_tables.gpu import load, one_config, ratio, time_memory
-from doc_tables.gpu_model import LABELS, PREDICTED_163F862
+from doc_tables.gpu_model import LABELS, PREDICTED_163F862, TARGET_FIGURES
 from doc_tables.prose import fixed, numbers_in
 
 DIR = "benchmarks/results/gpu_h200_1128"
@@ -28,7 +28,6 @@ FILES = (
 PREDICTED_FILES = [PREDICTED_163F862.format(config=c) for c in PREDICTED]
 PROFILE = DIR + "/profile_gpt2-small-t128_bf16.json"
 DENSE_RUNS = DIR + "/dense_runs/dense_norm_runs.json"
-TARGETS = {"1.15", "1.3", "1.6", "1.05"}  # the bf16 targets (doc_tables.gpu_model.TARGETS)
 
 
 def _predicted(root: Path, config: str, mode: str, second: bool = False) -> str:
@@ -88,4 +87,4 @@ def h200_1128_figures(root: Path) -> set[str]:
     values += numbers_in(load(root, PROFILE)["modes"])  # step, phase, operator and kernel ms
     runs = load(root, DENSE_RUNS)["rows"]
     values += [r["ms"] for r in runs] + [r["read_TB_per_s"] for r in runs]
-    return fixed(values, 0, 1, 2) | {f"{r['k']:,}" for r in runs} | TARGETS
+    return fixed(values, 0, 1, 2) | {f"{r['k']:,}" for r in runs} | TARGET_FIGURES

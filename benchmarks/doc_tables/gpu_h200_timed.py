@@ -9,7 +9,7 @@ from pathlib import Path
 
 from doc_tables import figures, table
 from doc_tables.gpu import load, one_config, ratio, status, time_memory
-from doc_tables.gpu_model import LABELS
+from doc_tables.gpu_model import LABELS, TARGET_FIGURES
 from doc_tables.prose import fixed
 
 DIR = "benchmarks/results/gpu_h200_1127"
@@ -23,7 +23,6 @@ COMMAND = "bench_training_step.py --device cuda --rounds 5 --steps 2 --warmup 2 
 FILES = [RUN.format(config=c) for c in CONFIGS] + [H100_NOW.format(config=H100_NAMES[c]) for c in CONFIGS]
 TIMED_FILES = [TIMED.format(variant=v, config=c) for c in TIMED_CONFIGS for v in ("base", "new")]
 OOM_LOG = DIR + "/timed_plans/device_log_ab.txt"  # the timed ResNet-50 run that ran out of memory
-TARGETS = {"1.15", "1.3", "1.6", "1.05"}  # the issue's bf16 targets (doc_tables.gpu_model.TARGETS)
 
 
 @table("gpu-h200-1127", files=FILES, command=COMMAND)
@@ -96,4 +95,4 @@ def h200_1127_figures(root: Path) -> set[str]:
         values += [m["ratio"] for m in memory.values() if "ratio" in m]
         if "nonprivate-full" in memory:  # first-step peaks over non-private's
             values += [m["first_step_mb"] / memory["nonprivate-full"]["first_step_mb"] for m in memory.values()]
-    return fixed(values, 0, 1) | fixed(values, 1, 2) | fixed(map(float, asked), 0) | TARGETS
+    return fixed(values, 0, 1) | fixed(values, 1, 2) | fixed(map(float, asked), 0) | TARGET_FIGURES
