@@ -1562,12 +1562,15 @@ def test_in_place_edits_of_a_view_output_are_exact(edit, backward):
     assert check(model, {"x": x}, may_raise=False, **_how(backward)) == "matched"
 
 
+@pytest.mark.parametrize("bias_only", [False, True], ids=["weights", "bias-only"])
 @pytest.mark.parametrize("where", ["prepend", "global"])
-def test_output_edited_by_a_hook_that_runs_before_dpzoo_is_refused(where):
+def test_output_edited_by_a_hook_that_runs_before_dpzoo_is_refused(where, bias_only):
     """A forward hook that runs before dpzoo's may edit the output in place: the recorded gradient
     would be that of the edited value (norms 25-40% off before such hooks were refused)."""
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).double()
+    if bias_only:
+        _bias_only(m)
     hooks = attach_norm_hooks(m)
     edit = (lambda mod, i, o: o.mul_(2.0)) if where == "prepend" else (lambda mod, i, o: o.clamp_(-0.5, 0.5))
     handle = (
@@ -1581,6 +1584,21 @@ def test_output_edited_by_a_hook_that_runs_before_dpzoo_is_refused(where):
     finally:
         handle.remove()
         hooks.detach()
+
+
+@pytest.mark.parametrize("backward", BACKWARDS)
+@pytest.mark.parametrize("edit", ["return", "in-place"])
+def test_a_user_hook_editing_a_bias_only_layers_output_leaves_its_norm_exact(edit, backward):
+    """The bias-only (activation-free) path took the output gradient with a full backward pre-hook,
+    which torch applies after every forward hook: a user hook returning ``out * 2`` or doing
+    ``out.mul_(2)`` made the bias's per-sample norms 21-35% off (low: the clip bound exceeded),
+    silently through the hooks API (the engine's first-step self-check refused it). Now dpzoo's
+    forward hook runs first (prepend) on the layer's own output; a hook put ahead of it is refused
+    (test_output_edited_by_a_hook_that_runs_before_dpzoo_is_refused)."""
+    torch.manual_seed(0)
+    m = _bias_only(_perturb(nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).double()))
+    m[0].register_forward_hook((lambda mod, i, o: o * 2.0) if edit == "return" else (lambda mod, i, o: o.mul_(2.0)))
+    assert check(m, {"x": _x(B, 4)}, may_raise=False, **_how(backward)) == "matched"
 
 
 def test_hooks_registered_after_dpzoo_without_prepend_and_torch_trackers_are_fine():

@@ -55,10 +55,11 @@ def test_zoo_bias_only_norms_and_no_activations(name):
     _bias_only(model)
     hooks = attach_norm_hooks(model)
     try:
-        # DP-BiTFiT: no forward hook or pre-hook on any layer, nothing stored by the forward pass.
-        # Only the root carries one (batch size, and the output tensors from which parameter
-        # uses are counted after loss.backward(): a privacy check, not an activation store).
-        assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules() if m is not model)
+        # DP-BiTFiT: no forward pre-hook on any layer, nothing stored by the forward pass (a layer's
+        # forward hook only puts a gradient hook on its output). The root's hooks keep the batch
+        # size and the output tensors from which parameter uses are counted after loss.backward():
+        # a privacy check, not an activation store.
+        assert all(not m._forward_pre_hooks for m in model.modules() if m is not model)
         loss = loss_fn(model, **inputs)
         assert hooks.records == ()
         hooks.backward(loss)

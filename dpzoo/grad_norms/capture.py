@@ -10,7 +10,9 @@ the graph audit's counts) and the runtime flags shared with ghost differentiatio
   (wrapped for ghost differentiation with ``ghost_backward``);
 * on each layer whose rule needs activations: its input (detached, with version counters) and
   a gradient catcher on its output;
-* on activation-free layers (DP-BiTFiT): a backward hook storing the output gradient only;
+* on activation-free layers (DP-BiTFiT): a forward hook putting a gradient hook on the layer's own
+  output, which stores the output gradient only (a backward hook on the module's input gradient
+  for rules with ``grad_from``);
 * on owners of loose tensors: per-sample copies swapped in for the module's forward;
 * under FSDP2, the unsharded tensors that stand in for sharded parameters during a pass
   (:mod:`dpzoo.grad_norms.sharded`), noted so the audit and ghost differentiation see them.
@@ -29,7 +31,7 @@ from ..errors import UnsupportedModuleError
 from .copy_inert import CopyInert
 from .plan import ModelPlan, ModulePlan
 from .sharded import is_dtensor, note_alias, stands_in
-from .tensors import first_tensor, gradient_source, hooks_ahead, in_backward, output_tensors
+from .tensors import first_tensor, gradient_source, in_backward, output_tensors, refuse_hooks_ahead
 
 __all__ = ["Use", "Step", "Recorder", "Capture", "output_tensors", "first_tensor", "in_backward"]
 
@@ -138,20 +140,15 @@ class Capture:
                     m.register_forward_hook(CopyInert(self._forward_hook(plan)), with_kwargs=True, prepend=True)
                 )
                 self.first_hooks[id(m)] = handles[-1].id
-            else:  # activation-free: no forward hook on the layer, nothing stored (the root's
-                # pre-hook marks a new step, so several backward passes in one step add up)
+            else:  # activation-free: nothing stored (several backward passes in one step add up)
                 if plan.rule.grad_from is not None:  # the gradient at a submodule's input
                     target = plan.rule.grad_from(m)
-                    handles.append(
-                        target.register_full_backward_hook(CopyInert(self._backward_hook(plan, use_grad_input=True)))
-                    )
-                else:  # the output gradient: a pre-hook needs no wrapping of the inputs (cheaper)
-                    target = m
-                    pre = self._backward_hook(plan)
-                    handles.append(
-                        m.register_full_backward_pre_hook(CopyInert(lambda mod, go, f=pre: f(mod, None, go)))
-                    )
-                self.bw_modules.append(target)
+                    handles.append(target.register_full_backward_hook(CopyInert(self._backward_hook(plan))))
+                    self.bw_modules.append(target)
+                else:  # the output gradient: a hook on the layer's own output, first among its forward hooks
+                    hook = CopyInert(self._output_grad_hook(plan))
+                    handles.append(m.register_forward_hook(hook, with_kwargs=True, prepend=True))
+                    self.first_hooks[id(m)] = handles[-1].id
                 if any(is_dtensor(t) for t in plan.tensors):  # FSDP2: note the unsharded stand-ins
                     handles.append(m.register_forward_pre_hook(CopyInert(self._alias_pre_hook(plan))))
         # The root's output hook last: when the root is itself a hooked layer (a bare nn.Linear),
@@ -259,15 +256,7 @@ class Capture:
                 )
             acts = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
             source = gradient_source(output, args)
-            ahead = hooks_ahead(module, self.first_hooks.get(id(module)))
-            if ahead:  # they may have edited the output in place: its gradient would be the edited value's
-                raise UnsupportedModuleError(
-                    f"Forward hook(s) {', '.join(ahead)} run on {plan.name} ({type(module).__name__}) before "
-                    "dpzoo's (a global hook, or one registered with prepend=True after dpzoo attached): an edit "
-                    "they make to the output would hide the layer's own output from dpzoo. Register them "
-                    "without prepend=True, or on the module's parent; dpzoo's own (CopyInert) are another "
-                    "engine's, still attached to a layer reused from its model: engine.detach() first."
-                )
+            refuse_hooks_ahead(plan.name, module, self.first_hooks.get(id(module)))
             use = Use(
                 module,
                 plan.name,
@@ -282,6 +271,25 @@ class Capture:
             source.register_hook(self._grad_catcher(use))
             rec.step.uses.append(use)
             return expanded  # None (output unchanged) unless expanded
+
+        return hook
+
+    def _output_grad_hook(self, plan: ModulePlan):
+        """An activation-free layer's forward hook (first among its forward hooks): a gradient hook on
+        the layer's own output, which a later hook's edit or an in-place op cannot change; each time
+        a backward reaches it, a :class:`Use` with the output gradient. Until 2026-11-28 a full backward
+        pre-hook: torch runs it after every forward hook (``return out * 2`` halved a bias norm)."""
+        rec_ref = weakref.ref(self.rec)
+
+        def hook(module, args, kwargs, output):
+            out = output if isinstance(output, torch.Tensor) else first_tensor(output)
+            if out is None or not out.requires_grad or not torch.is_grad_enabled() or self.rec.paused:
+                return None
+            refuse_hooks_ahead(plan.name, module, self.first_hooks.get(id(module)))
+            source = gradient_source(out, tuple(args) + tuple(kwargs.values()))
+            view_of = None if source is out else out.shape
+            source.register_hook(lambda grad: _record_output_grad(rec_ref, plan, grad, view_of))
+            return None
 
         return hook
 
@@ -330,20 +338,12 @@ class Capture:
 
         return catch
 
-    def _backward_hook(self, plan: ModulePlan, use_grad_input: bool = False):
-        rec = self.rec
+    def _backward_hook(self, plan: ModulePlan):  # rules with grad_from: the gradient at a submodule's input
+        rec_ref = weakref.ref(self.rec)
 
         def hook(module, grad_input, grad_output):
-            grad = grad_input[0] if use_grad_input else grad_output[0]
-            if grad is None or rec.paused:
-                return None
-            # the backward pass: the user's, also when ghost differentiation runs inside it
-            task = rec.pass_id if rec.by_edges else torch._C._current_graph_task_id()
-            rec.step.uses.append(
-                Use(plan.module, plan.name, plan.params, grad=grad.detach(), batch_size=grad.shape[0], task=task)
-            )
-            rec.step.backward_done = True
-            return None
+            if grad_input[0] is not None:
+                _record_output_grad(rec_ref, plan, grad_input[0])
 
         return hook
 
@@ -383,3 +383,17 @@ class Capture:
             return None
 
         return hook
+
+
+def _record_output_grad(rec_ref, plan: ModulePlan, grad: torch.Tensor, view_of: torch.Size | None = None) -> None:
+    """One use of an activation-free layer in this backward pass: its output gradient. The record is
+    held weakly: the hook lives on the output's autograd node (see Capture._grad_catcher)."""
+    rec = rec_ref()
+    if rec is None or rec.paused:
+        return
+    grad = grad.detach() if grad.requires_grad else grad  # create_graph=True (else a plain tensor)
+    grad = grad if view_of is None else grad.view(view_of)
+    # the backward pass: the user's, also when ghost differentiation runs inside it
+    task = rec.pass_id if rec.by_edges else torch._C._current_graph_task_id()
+    rec.step.uses.append(Use(plan.module, plan.name, plan.params, grad=grad, batch_size=grad.shape[0], task=task))
+    rec.step.backward_done = True

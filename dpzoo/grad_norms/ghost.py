@@ -1,7 +1,7 @@
 """Ghost differentiation (BK paper, Algorithm 1): back-propagate only to the hooked layers.
 
 :func:`ghost_differentiate` asks autograd for the output gradients of the hooked layers (and
-the gradients of bias-only layers, through their backward hooks), never for a weight gradient,
+the gradients of bias-only layers, through their output-gradient hooks), never for a weight gradient,
 so ``.grad`` is left alone. With ``ghost_backward=True``, :func:`wrap_outputs` hands the user
 model outputs cut from the model graph whose backward (:class:`GhostBackward`) runs it, so a
 plain ``loss.backward()`` is ghost differentiation. Each pass is audited
@@ -126,7 +126,7 @@ def ghost_differentiate(rec: Recorder, plan: ModelPlan, roots: list, grads: list
     uses = [u for u in rec.step.uses if u.edge is not None and u.output is not None and u.output.requires_grad]
     targets = [u.edge for u in uses]
     n_edges = len(targets)
-    for mp in plan.modules:  # bias-only layers: their backward hooks fire on the way
+    for mp in plan.modules:  # bias-only layers: their output-gradient hooks fire on the way
         if not mp.needs_activations:
             for n in mp.params:
                 p = getattr(mp.module, n)

@@ -13,7 +13,7 @@ How it works (BK paper, Algorithm 1):
 
 1. forward: a hook on each layer with a trainable weight keeps the layer's input (the
    activation) and hooks its output tensor; layers whose only trainable parameters are
-   biases get a backward hook and store nothing (DP-BiTFiT Algorithm 1, App. B);
+   biases store nothing: a hook on their output keeps its gradient (DP-BiTFiT Algorithm 1, App. B);
 2. backward: each hooked output's gradient is book-kept. ``hooks.backward(loss)`` asks
    autograd only for these output gradients (ghost differentiation), so no weight gradient
    is computed; ``loss.backward()`` works too;
@@ -284,7 +284,7 @@ class NormHooks:
     @property
     def records(self) -> tuple[Use, ...]:
         """The uses recorded in the current step, in order (one per call of a hooked module, swap of a
-        loose tensor, or activation-free backward hook firing); ``activations`` is None once
+        loose tensor, or activation-free output gradient received); ``activations`` is None once
         assembled or on the activation-free path. For inspection: do not modify."""
         return tuple(self._rec.step.uses)
 

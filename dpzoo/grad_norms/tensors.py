@@ -1,13 +1,15 @@
 """Tensors in a hooked layer's calls: the ones in a model's output, a layer's first input, the
 tensor whose gradient is a layer output's (robust to in-place ops on the output), and whether
-autograd is running a backward pass."""
+autograd is running a backward pass; the forward hooks that run before dpzoo's, refused."""
 
 from __future__ import annotations
 
 import torch
 from torch.nn.modules import module as torch_module
 
-__all__ = ["output_tensors", "first_tensor", "gradient_source", "hooks_ahead", "in_backward"]
+from ..errors import UnsupportedModuleError
+
+__all__ = ["output_tensors", "first_tensor", "gradient_source", "hooks_ahead", "refuse_hooks_ahead", "in_backward"]
 
 
 def output_tensors(output, grad_only: bool = True) -> list[torch.Tensor]:
@@ -63,13 +65,29 @@ def hooks_ahead(module: torch.nn.Module, first: int | None) -> list[str]:
     """The forward hooks torch runs on ``module`` before dpzoo's (whose handle id is ``first``):
     global forward hooks other than torch's own bookkeeping (``torch.distributed._tools``' module
     tracker, used by FlopCounterMode), then module hooks registered ahead of it with prepend=True."""
+    hooks = module._forward_hooks
+    if not torch_module._global_forward_hooks and next(iter(hooks), None) == first:
+        return []  # the usual case, once per hooked call: no list built
     ahead = [
         getattr(h, "__qualname__", repr(h))
         for h in torch_module._global_forward_hooks.values()
         if not getattr(h, "__module__", "").startswith("torch.")
     ]
-    for key, h in module._forward_hooks.items():
+    for key, h in hooks.items():
         if key == first:
             break
         ahead.append(getattr(h, "__qualname__", repr(h)))
     return ahead
+
+
+def refuse_hooks_ahead(name: str, module: torch.nn.Module, first: int | None) -> None:
+    """Raise if forward hooks run on ``module`` (planned as ``name``) before dpzoo's (handle id ``first``)."""
+    ahead = hooks_ahead(module, first)
+    if ahead:  # they may have edited the output in place: its gradient would be the edited value's
+        raise UnsupportedModuleError(
+            f"Forward hook(s) {', '.join(ahead)} run on {name} ({type(module).__name__}) before "
+            "dpzoo's (a global hook, or one registered with prepend=True after dpzoo attached): an edit "
+            "they make to the output would hide the layer's own output from dpzoo. Register them "
+            "without prepend=True, or on the module's parent; dpzoo's own (CopyInert) are another "
+            "engine's, still attached to a layer reused from its model: engine.detach() first."
+        )
