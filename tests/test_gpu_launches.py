@@ -242,3 +242,49 @@ def test_the_buffer_watch_refuses_a_dtype_change_a_signed_zero_and_a_quantized_r
             model.b = torch.quantize_per_tensor(torch.zeros(4), 0.123456789, 0, torch.quint8)
         with pytest.raises(PrivacyUsageError, match="Buffer"):
             watch.compare_buffers("the step")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_gpu_row_norm_of_the_guard_is_an_upper_bound_read_once_without_a_float64_copy(dtype, monkeypatch):
+    """The guard's row norms on a GPU: float32 in one read (no float64 copy of the rows: CUDA reduces
+    half rows into float32 in the kernel; a float64 norm copies them first), never below the exact
+    norm, within γ_{k+8} (1.8e-5 here) above it on ordinary rows; nothing marked (no host read): rows
+    whose squares overflow read inf (the guard recomputes their samples), and are rescaled to their
+    exact norm where asked."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    monkeypatch.setattr(half, "LAUNCH_DEVICES", {"cuda", "cpu"})
+    gen = torch.Generator().manual_seed(7)
+    t = torch.randn(6, 9, 300, generator=gen).to(dtype)
+    t[0, 0] = 0  # the last position of a causal LM
+    t[0, 1] = (torch.randn(300, generator=gen) * 1e-30).to(dtype)  # squares underflow in float32
+    t[1, 2] = (torch.randn(300, generator=gen) * 1e25).to(dtype)  # squares overflow in float32
+    t[1, 3, 5] = float("inf")
+    exact = t.double().norm(dim=-1)
+
+    class Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.dtype == torch.float64 and out.numel() >= t.numel():
+                seen.append(str(func))
+            return out
+
+    def row_norms(rescale: bool) -> tuple:  # one position per sample: A = Σ_t ‖L_t‖ is the row's norm
+        rows = R.Factored(t.reshape(-1, 1, 1, 300), torch.ones(54, 1, 1, 2, dtype=dtype), (1, 300, 2))
+        _, norms, _, risky = float_guard.row_sums(rows, rescale)
+        return norms.view(6, 9), risky
+
+    seen: list = []
+    with Copies():
+        n, risky = row_norms(False)
+    assert not seen, seen
+    assert risky is None  # overflowed rows are inf, which the guard recomputes: no mark, no host read
+    assert torch.isinf(n[1, 2]) and torch.isinf(n[1, 3])
+    ok = torch.isfinite(exact) & (exact < 2.0**60)
+    assert (n[ok] >= exact[ok]).all()
+    big = ok & (exact > 1)
+    assert (n[big] <= exact[big] * (1 + 2 * gamma(300 + 8, unit_roundoff(torch.float32)))).all()
+    assert (n[0, :2] < 1e-20).all()  # loose by the underflow allowance only
+    rescaled, _ = row_norms(True)
+    assert exact[1, 2] <= rescaled[1, 2] <= exact[1, 2] * (1 + 2 * gamma(300 + 8, unit_roundoff(torch.float32)))
+    assert torch.isinf(rescaled[1, 3])
