@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -77,10 +78,12 @@ def profile_mode(config: str, mode: str, device: str, precision: str, warmup: in
         # verbose: without it the profiler records no Python stacks (pytorch/pytorch#100253)
         config = torch._C._profiler._ExperimentalConfig(verbose=True)
         with profile(activities=activities, with_stack=True, experimental_config=config) as prof:
+            start = time.perf_counter()
             for _ in range(steps):
                 step()
             if on_device:
                 torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - start) * 1e3 / steps
     except Exception as e:  # out of memory, or a library failing (e.g. Opacus under autocast)
         return {"mode": mode, **bench_modes.failure(e)}
     finally:
@@ -90,6 +93,10 @@ def profile_mode(config: str, mode: str, device: str, precision: str, warmup: in
 
     events = prof.key_averages()
     phases = {e.key: _total_time_us(e, on_device) / 1e3 / steps for e in events if e.key in PHASES}
+    # every kernel's own time: on a GPU the phases' ranges are spans on the device (idle gaps
+    # included, and the backward's kernels run outside its range), so they do not add up to this
+    kernels = [e for e in events if getattr(e, "device_type", DeviceType.CPU) != DeviceType.CPU]
+    kernel_ms = sum(_self_time_us(e, True) for e in kernels) / 1e3 / steps if on_device else None
     ops = sorted((e for e in events if e.key not in PHASES), key=lambda e: -_self_time_us(e, on_device))
     top_ops = [
         {"op": e.key, "calls_per_step": e.count / steps, "self_ms_per_step": _self_time_us(e, on_device) / 1e3 / steps}
@@ -111,6 +118,8 @@ def profile_mode(config: str, mode: str, device: str, precision: str, warmup: in
         "time": "device (CUDA kernel) time" if on_device else "CPU time",
         "step_ms": sum(phases.values()),
         "phases_ms": phases,
+        "wall_ms": wall_ms,  # under the profiler (slower than unprofiled)
+        "kernel_ms": kernel_ms,  # the GPU's busy time; wall - kernel ~ time the GPU waited on the host
         "top_ops": top_ops,
         "dpzoo_lines": dpzoo_lines,
     }
@@ -124,6 +133,8 @@ def render(result: dict) -> str:
             continue
         ph = ", ".join(f"{k} {v:.2f}" for k, v in m["phases_ms"].items())
         out.append(f"\n## {m['mode']}: {m['step_ms']:.2f} ms/step of {m['time']} ({ph})")
+        busy = f", kernels {m['kernel_ms']:.2f} ms" if m.get("kernel_ms") is not None else ""
+        out.append(f"  wall {m['wall_ms']:.2f} ms/step under the profiler{busy}")
         out += [f"  {o['self_ms_per_step']:9.3f} ms  x{o['calls_per_step']:<6.0f} {o['op']}" for o in m["top_ops"]]
         if m["dpzoo_lines"]:
             out.append("  -- by dpzoo source line --")

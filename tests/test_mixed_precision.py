@@ -211,7 +211,6 @@ def _check_half_rep_against_float64(rep, tol):
     same values, the clipped sum with the scale rounded toward zero to bfloat16."""
     from dpzoo.grad_norms import reps as R
     from dpzoo.grad_norms.half import round_toward_zero
-
     from dpzoo.grad_norms.rounding import dense_chunk, gamma
 
     exact = _float64(rep)

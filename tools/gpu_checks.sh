@@ -18,7 +18,9 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl dp-accounting==0.6.0 dm-tree
 #
-# BF16_CONFIGS / FP32_CONFIGS (space-separated) narrow steps 2 and 4 to what a call still needs.
+# BF16_CONFIGS / FP32_CONFIGS (space-separated) narrow steps 2 and 4 to what a call still needs;
+# BF16_MODES replaces step 2's modes (e.g. add dpzoo-bk dpzoo-instantiate: the planner's choice against
+# each path forced), PLAN_CONFIGS adds, after step 2, the planner's choices (benchmarks/plan_choices.py).
 #
 # The device's own torch (2.11 on 2026-11-28) and transformers run the code: both in the supported range.
 set -u
@@ -57,8 +59,14 @@ step() {  # step SECONDS CMD...: run CMD with at most SECONDS, never past the de
 bench=(python3 benchmarks/bench_training_step.py --device cuda --rounds 5 --steps 2 --warmup 2 --threads 8)
 modes=(nonprivate-full nonprivate-bias dpzoo-bk-mixopt dpzoo-bitfit)
 [ -n "${SKIP_TESTS:-}" ] || step 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_steps.py tests/test_mixed_precision.py -k "cuda"
+read -r -a bf16_modes <<<"${BF16_MODES:-${modes[*]}}"
 for c in ${BF16_CONFIGS:-gpt2-small-t128 gpt2-small-t512 vit-base-patch16@224 resnet50-gn-bias@224 llama-bias-1b-t512}; do
-    step 90 "${bench[@]}" --precision bf16 --configs "$c" --modes "${modes[@]}" --out "$res/bf16_${c//@/_}"
+    m=("${bf16_modes[@]}")
+    [[ $c == llama* ]] && m=("${modes[@]}")  # forced paths do not fit a 1.1B model's per-sample gradients
+    step 90 "${bench[@]}" --precision bf16 --configs "$c" --modes "${m[@]}" --out "$res/bf16_${c//@/_}"
+done
+for c in ${PLAN_CONFIGS:-}; do
+    step 60 python3 benchmarks/plan_choices.py "$c" --device cuda --precision bf16
 done
 step 150 python3 benchmarks/profile_step.py --device cuda --precision bf16 --configs llama-bias-1b-t512 \
     --modes nonprivate-bias dpzoo-bitfit --steps 2 --top 30 --out "$res/profile_llama-bias-1b-t512"
