@@ -10,7 +10,7 @@
 # 4. the fp32 table of GPT-2 small T128, ViT-B/16 and ResNet-50-GN;
 # 5. GPT-2 small T1024 in bf16 with --pairwise, then the largest batches (--max-batch).
 # Each step runs under `timeout` cut to what is left of SECONDS, so the call ends inside its limit
-# and what finished comes back: $OUT/device_log.txt and $OUT/results.tar.gz (the device tool
+# and what finished comes back (re-tarred after each step): $OUT/device_log.txt and $OUT/results.tar.gz (the device tool
 # returns at most 8 files). Wheels in .whl/ (dp-accounting and dm-tree: the device image lacks
 # them) are installed to /tmp/site first; fetch them here once, and name .whl in the call's carry:
 #
@@ -48,6 +48,7 @@ step() {  # step SECONDS CMD...: run CMD with at most SECONDS, never past the de
     echo "=== $* ($(date +%T), limit ${want}s)" >>"$log"
     timeout "$want" "$@" >>"$log" 2>&1
     echo "rc=$? $(date +%T)" >>"$log"
+    tar -czf "$out/results.tar.gz" -C "$res" . 2>>"$log"  # after every step: a call cut short keeps what finished
 }
 
 {
