@@ -1,6 +1,7 @@
 """docs/RESULTS.md's H200 tables of 2026-11-28 (benchmarks/results/gpu_h200_1128): today's code in
 bf16 and fp32 against the cost model's predictions made before it ran, and the dense norms over
-runs of 1,024 entries that the profile of that call led to."""
+runs of 1,024 entries that the profile of that call led to (GPT-2 T128, ViT-B/16 and the llama in
+the same session; GPT-2 T512, T1024 and ResNet-50-GN in the next, ``head_ae809ef/``)."""
 
 from __future__ import annotations
 
@@ -14,19 +15,25 @@ from doc_tables.prose import fixed, numbers_in
 DIR = "benchmarks/results/gpu_h200_1128"
 RUN = DIR + "/{precision}_{config}.json"
 RUNS_1024 = DIR + "/dense_runs/bf16_{config}.json"
+HEAD = DIR + "/head_ae809ef/{precision}_{config}.json"  # the next session's call: library ae809ef
 CONFIGS = ["gpt2-small-t128", "gpt2-small-t512", "gpt2-small-t1024", "vit-base-patch16@224", "resnet50-gn-bias@224",
            "llama-bias-1b-t512"]  # fmt: skip
 FP32 = ["gpt2-small-t128", "vit-base-patch16@224", "resnet50-gn-bias@224"]
 RERUN = ["gpt2-small-t128", "vit-base-patch16@224", "llama-bias-1b-t512"]
+HEAD_BF16 = ["gpt2-small-t512", "gpt2-small-t1024", "resnet50-gn-bias@224"]
+HEAD_FP32 = ["resnet50-gn-bias@224"]
 PREDICTED = ["gpt2-small-t128", "gpt2-small-t512", "vit-base-patch16@224", "resnet50-gn-bias@224", "llama-bias-1b-t512"]
 COMMAND = "bash tools/gpu_checks.sh"
 FILES = (
     [RUN.format(precision="bf16", config=c) for c in CONFIGS]
     + [RUN.format(precision="fp32", config=c) for c in FP32]
     + [RUNS_1024.format(config=c) for c in RERUN]
+    + [HEAD.format(precision="bf16", config=c) for c in HEAD_BF16]
+    + [HEAD.format(precision="fp32", config=c) for c in HEAD_FP32]
 )
 PREDICTED_FILES = [PREDICTED_163F862.format(config=c) for c in PREDICTED]
 PROFILE = DIR + "/profile_gpt2-small-t128_bf16.json"
+HEAD_PROFILES = [DIR + f"/head_ae809ef/profile_{c}_bf16.json" for c in ("gpt2-small-t128", "llama-bias-1b-t512")]
 DENSE_RUNS = DIR + "/dense_runs/dense_norm_runs.json"
 
 
@@ -42,27 +49,41 @@ def _entry(root: Path, path: str) -> dict | None:
     return one_config(load(root, path)) if (root / path).exists() else None
 
 
+def _runs_1024(root: Path, config: str) -> dict | None:
+    """The bf16 run at runs of 1,024 entries: the same session's call 3, or the next session's."""
+    if config in RERUN:
+        return _entry(root, RUNS_1024.format(config=config))
+    return _entry(root, HEAD.format(precision="bf16", config=config)) if config in HEAD_BF16 else None
+
+
+def _bitfit(entry: dict | None) -> str:
+    return ratio(entry["time"]["modes"]["dpzoo-bitfit"]["time_ratio_second"]["median"]) if entry else "not run"
+
+
 @table("gpu-h200-1128", files=FILES + PREDICTED_FILES, command=COMMAND)
 def h200_1128(root: Path) -> str:
     lines = [
         "| config | non-private bf16 (ms) | bk-mixopt bf16: time / memory | time predicted before (163f862) "
-        "| bk-mixopt bf16, runs of 1,024 | DP-BiTFiT bf16 of bias-only: measured / predicted "
-        "| fp32: non-private (ms), bk-mixopt time / memory |",
+        "| bk-mixopt bf16, runs of 1,024 | DP-BiTFiT bf16 of bias-only: measured / predicted / runs of 1,024 "
+        "| fp32: non-private (ms), bk-mixopt time / memory; runs of 1,024 |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for config in CONFIGS:
         bf16 = one_config(load(root, RUN.format(precision="bf16", config=config)))
-        rerun = _entry(root, RUNS_1024.format(config=config)) if config in RERUN else None
+        rerun = _runs_1024(root, config)
         fp32 = one_config(load(root, RUN.format(precision="fp32", config=config))) if config in FP32 else None
-        bitfit = bf16["time"]["modes"]["dpzoo-bitfit"]["time_ratio_second"]["median"]
+        fp32_1024 = _entry(root, HEAD.format(precision="fp32", config=config)) if config in HEAD_FP32 else None
         cells = [
             LABELS[config],
             f"{bf16['time']['modes']['nonprivate-full']['median_ms']:.1f}",
             time_memory(bf16, "dpzoo-bk-mixopt"),
             _predicted(root, config, "dpzoo-bk-mixopt"),
             time_memory(rerun, "dpzoo-bk-mixopt") if rerun else "not run",
-            f"{ratio(bitfit)} / {_predicted(root, config, 'dpzoo-bitfit', second=True)}",
-            f"{fp32['time']['modes']['nonprivate-full']['median_ms']:.1f}, {time_memory(fp32, 'dpzoo-bk-mixopt')}"
+            f"{_bitfit(bf16)} / {_predicted(root, config, 'dpzoo-bitfit', second=True)} / {_bitfit(rerun)}",
+            (
+                f"{fp32['time']['modes']['nonprivate-full']['median_ms']:.1f}, {time_memory(fp32, 'dpzoo-bk-mixopt')}"
+                + (f"; {time_memory(fp32_1024, 'dpzoo-bk-mixopt')}" if fp32_1024 else "")
+            )
             if fp32
             else "not run",
         ]
@@ -70,7 +91,7 @@ def h200_1128(root: Path) -> str:
     return "\n".join(lines)
 
 
-@figures("gpu-h200-1128", files=FILES + PREDICTED_FILES + [PROFILE, DENSE_RUNS], command=COMMAND)
+@figures("gpu-h200-1128", files=FILES + PREDICTED_FILES + [PROFILE, DENSE_RUNS] + HEAD_PROFILES, command=COMMAND)
 def h200_1128_figures(root: Path) -> set[str]:
     """The runs' times (ms) and ratios, the predictions' ratios, the profile's ms, the runs' TB/s."""
     values = []
@@ -84,7 +105,8 @@ def h200_1128_figures(root: Path) -> set[str]:
         modes = load(root, path)["modes"]
         for b in ("nonprivate-full", "nonprivate-bias"):
             values += [modes[m][key] / modes[b][key] for m in modes for key in ("h200_ms", "peak_mb")]
-    values += numbers_in(load(root, PROFILE)["modes"])  # step, phase, operator and kernel ms
+    for path in [PROFILE] + HEAD_PROFILES:
+        values += numbers_in(load(root, path)["modes"])  # step, phase, operator and kernel ms
     runs = load(root, DENSE_RUNS)["rows"]
     values += [r["ms"] for r in runs] + [r["read_TB_per_s"] for r in runs]
     return fixed(values, 0, 1, 2) | {f"{r['k']:,}" for r in runs} | TARGET_FIGURES

@@ -67,22 +67,24 @@ def tables(root: Path) -> str:
     return "\n".join(lines)
 
 
-# the measured H200 cell of each target (11-28, timed plan): today's code where the day's second call
-# ran it, else the first call's (the library of 97dd5d3, dense norms over runs of 32)
+# the measured H200 cell of each target (11-28, timed plan), all at dense norms over runs of 1,024: the
+# day's third call (0822966) or the next session's (ae809ef)
 MEASURED = {
     "gpt2-small-t128": ("benchmarks/results/gpu_h200_1128/dense_runs/bf16_gpt2-small-t128.json", "time_ratio"),
-    "gpt2-small-t512": ("benchmarks/results/gpu_h200_1128/bf16_gpt2-small-t512.json", "time_ratio"),
+    "gpt2-small-t512": ("benchmarks/results/gpu_h200_1128/head_ae809ef/bf16_gpt2-small-t512.json", "time_ratio"),
     "vit-base-patch16@224": (
         "benchmarks/results/gpu_h200_1128/dense_runs/bf16_vit-base-patch16@224.json",
         "time_ratio",
     ),
-    "resnet50-gn-bias@224": ("benchmarks/results/gpu_h200_1128/bf16_resnet50-gn-bias@224.json", "time_ratio"),
+    "resnet50-gn-bias@224": (
+        "benchmarks/results/gpu_h200_1128/head_ae809ef/bf16_resnet50-gn-bias@224.json",
+        "time_ratio",
+    ),
     "llama-bias-1b-t512": (
         "benchmarks/results/gpu_h200_1128/dense_runs/bf16_llama-bias-1b-t512.json",
         "time_ratio_second",
     ),
 }
-RUNS_OF_32 = {"gpt2-small-t512", "resnet50-gn-bias@224"}
 
 
 def _measured(root: Path, config: str, mode: str) -> str:
@@ -90,7 +92,7 @@ def _measured(root: Path, config: str, mode: str) -> str:
         return "not measured with the timed plan"
     path, key = MEASURED[config]
     (entry,) = load(root, path)["configs"].values()
-    return ratio(entry["time"]["modes"][mode][key]["median"]) + (" (runs of 32)" if config in RUNS_OF_32 else "")
+    return ratio(entry["time"]["modes"][mode][key]["median"])
 
 
 TIMED = "benchmarks/results/cost/timed_plan/{config}.json"  # cost_predict.py --timed-plan h200, at today's code
