@@ -76,7 +76,14 @@ TINY_CONFIGS = {
         kind="llama", vocab=64, layers=1, width=16, heads=2, kv_heads=1, mlp=32, batch=4, seq=8, modes=LLAMA_MODES
     ),
 }
-ALL_CONFIGS = {**CONFIGS, **GPU_CONFIGS, **TINY_CONFIGS}
+# the 1.1B llama's 22 layers at width 64: a step bound by the host on a CPU, as the 1.1B llama's
+# DP-BiTFiT step is on a GPU (its per-layer Python: hooks, bookkeeping, guards), timed here
+HOST_CONFIGS = {
+    "llama-22x64-t16": dict(
+        kind="llama", vocab=256, layers=22, width=64, heads=4, kv_heads=1, mlp=128, batch=4, seq=16, modes=LLAMA_MODES
+    ),
+}
+ALL_CONFIGS = {**CONFIGS, **GPU_CONFIGS, **TINY_CONFIGS, **HOST_CONFIGS}
 PRECISIONS = ("fp32", "bf16")  # bf16: the forward and loss under torch.autocast(bfloat16), weights fp32
 
 

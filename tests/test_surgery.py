@@ -881,12 +881,16 @@ def test_check_dp_ready_on_timm_resnet18(resnet18):
     assert any(p.startswith("bn1:") and "BatchNorm2d" in p for p in problems)
     assert any(p.startswith("act1:") and "inplace=True" in p for p in problems)
     assert any(p.startswith("conv1:") and "no bias" in p for p in problems)
-    # `x += shortcut` only breaks layers hooked for their bias alone (auto mode stores activations)
+    # `x += shortcut` breaks no layer hooked with activations (auto mode)
     assert not any(p.startswith("layer1.0:") for p in problems)
     bias_only = make_dp_ready(copy.deepcopy(resnet18), fix_inplace=False)
     for n, p in bias_only.named_parameters():
         p.requires_grad_(n.endswith("bias"))
-    assert any(p.startswith("layer1.0:") and "BasicBlock" in p for p in check_dp_ready(bias_only))
+    # nor, since 2026-11-28, those hooked for their bias alone (a hook on the layer's own output
+    # receives the gradient before the in-place add); the in-place activations left are refused
+    after = check_dp_ready(bias_only)
+    assert not any(p.startswith("layer1.0:") and "BasicBlock" in p for p in after)
+    assert any(p.startswith("layer1.0.act1:") and "inplace=True" in p for p in after)
     make_dp_ready(resnet18)
     assert check_dp_ready(resnet18, require_bias=True) == []
 
