@@ -1601,6 +1601,84 @@ def test_a_user_hook_editing_a_bias_only_layers_output_leaves_its_norm_exact(edi
     assert check(m, {"x": _x(B, 4)}, may_raise=False, **_how(backward)) == "matched"
 
 
+class EditedPermutedOutput(nn.Module):
+    """timm's LayerNorm2d returns a permuted view of layer_norm's output: read, then edited in place."""
+
+    def __init__(self):
+        super().__init__()
+        from timm.layers import LayerNorm2d
+
+        self.norm = LayerNorm2d(2)
+
+    def forward(self, x):
+        h = self.norm(x)
+        before = h * 1.7  # reads h before the edit: its share of the gradient goes to the view's own node
+        h.relu_()
+        return torch.tanh(h) + before
+
+
+@pytest.mark.parametrize("backward", BACKWARDS)
+@pytest.mark.parametrize("bias_only", [False, True], ids=["weights", "bias-only"])
+def test_an_in_place_edit_of_a_permuted_view_output_is_exact(bias_only, backward):
+    """A permuted view is hooked at its base, like a reshape: hooked as itself, the gradient after the
+    edit went around its node (norms 8-22% low, found by a review on 2026-11-28; on the bias-only path
+    torch refused it before the output-gradient hooks)."""
+    torch.manual_seed(1)
+    m = _perturb(EditedPermutedOutput().double())
+    if bias_only:
+        m.norm.weight.requires_grad_(False)
+    assert check(m, {"x": _x(B, 2, 4, 4)}, may_raise=False, **_how(backward)) == "matched"
+
+
+class ScaledGradient(nn.Module):
+    """A model that scales (or reverses) a layer output's gradient with a tensor hook in its forward."""
+
+    def __init__(self, k):
+        super().__init__()
+        self.a, self.b, self.k = nn.Linear(4, 5), nn.Linear(5, 2), k
+
+    def forward(self, x):
+        h = self.a(x)
+        if h.requires_grad:
+            h.register_hook(lambda g: g * self.k)
+        return self.b(torch.tanh(h))
+
+
+@pytest.mark.parametrize("backward", BACKWARDS)
+@pytest.mark.parametrize("bias_only", [False, True], ids=["weights", "bias-only"])
+@pytest.mark.parametrize("k", [3.0, -1.0])
+def test_a_gradient_hook_on_a_layer_output_is_part_of_its_gradient(k, bias_only, backward):
+    """autograd gives a layer's parameters the gradient after every hook on its output: dpzoo reads it
+    there (a pre-hook on the output's node, run after tensor hooks). A review of 2026-11-28 found the
+    bias-only path 3x low (k = 3) and the clipped sum reversed (k = -1) with dpzoo's own tensor hook
+    registered first; with loss.backward() the activation path had the same error before."""
+    torch.manual_seed(0)
+    m = _perturb(ScaledGradient(k).double())
+    if bias_only:
+        _bias_only(m)
+    assert check(m, {"x": _x(B, 4)}, may_raise=False, **_how(backward)) == "matched"
+
+
+def test_a_bias_only_model_dropped_without_detach_is_freed():
+    """dpzoo's hook on a bias-only layer's output lives in the autograd graph, which the garbage
+    collector cannot see through: it holds the recorder and the layer weakly, so a model and its
+    hooks dropped without detach() are collected with the step's stored gradients (a review found
+    model -> hooks -> recorder -> graph -> hook -> layer kept them all)."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    m = _bias_only(nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 2)))
+    hooks = attach_norm_hooks(m)
+    out = m(torch.randn(3, 5, 4))
+    (out**2).sum().backward()
+    hooks.per_sample_norms()
+    model_ref, grad_ref = weakref.ref(m), weakref.ref(hooks.records[0].grad)
+    del m, hooks, out
+    gc.collect()
+    assert model_ref() is None and grad_ref() is None
+
+
 def test_hooks_registered_after_dpzoo_without_prepend_and_torch_trackers_are_fine():
     """A user hook after dpzoo's (even one editing the output: dpzoo saw the layer's own output
     first, the edit is part of the graph behind it) and torch's FlopCounterMode (global hooks of

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import dpzoo
 from dpzoo.grad_norms import attach_norm_hooks, find_rule
-from dpzoo.grad_norms.plan import find_problems, refusal
+from dpzoo.grad_norms.plan import INPLACE_RESIDUAL_BLOCKS, find_problems, refusal
 from dpzoo.nn import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
 from dpzoo.surgery.inplace import BLOCK_SWAPS
 
@@ -649,6 +649,10 @@ def test_make_dp_ready_leaves_what_it_cannot_replace_and_says_why():
     assert {p.module for p in find_problems(model)} == {"sub", "hooked"}
 
 
+def test_inplace_residual_block_types_are_the_ones_surgery_swaps():
+    assert set(INPLACE_RESIDUAL_BLOCKS) == set(BLOCK_SWAPS)
+
+
 @pytest.mark.parametrize("block", list(BLOCK_SWAPS))
 def test_timm_blocks_adding_their_shortcut_in_place_onto_bias_only_layers_are_exact(block):
     """timm's ResNet blocks end with ``x += shortcut`` on a norm layer's output. dpzoo refused them
@@ -716,10 +720,12 @@ def _frozen(m, *names):
     return m
 
 
-def _timm_block(bias_only=False):
+def _timm_block(bias_only=False, gnact=False):
+    from timm.layers.norm_act import GroupNormAct
     from timm.models.resnet import BasicBlock
 
-    b = BasicBlock(4, 4, norm_layer=lambda c, **k: nn.GroupNorm(2, c, **k), act_layer=nn.ReLU)
+    norm = (lambda c, **k: GroupNormAct(c, num_groups=2, apply_act=False)) if gnact else None
+    b = BasicBlock(4, 4, norm_layer=norm or (lambda c, **k: nn.GroupNorm(2, c, **k)), act_layer=nn.ReLU)
     b.act1.inplace = b.act2.inplace = False
     if bias_only:
         for n, p in b.named_parameters():
@@ -888,6 +894,9 @@ CORPUS = {
     ),
     # refused until 2026-11-28 (x += shortcut behind the bias-only path's full backward hook)
     "timm-block-bias-only": (lambda: _timm_block(bias_only=True), _img, True),
+    # GroupNormAct's bias is read by a full backward hook on its activation, which torch refuses to
+    # see edited in place (a review found the refusal dropped with the one above)
+    "timm-block-gnact-bias-only": (lambda: _timm_block(bias_only=True, gnact=True), _img, False),
     "raw-parameter": (lambda: Custom(nn.Linear(4, 4), raw=True), lambda: torch.randn(8, 4), False),
     "linear-subclass-overriding-forward": (lambda: nn.Sequential(Scaled(4, 2)), lambda: torch.randn(8, 4), False),
     "conv-forward-replaced": (_replaced_forward, _img, False),

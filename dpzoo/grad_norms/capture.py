@@ -28,10 +28,11 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModuleError
+from . import tensors
 from .copy_inert import CopyInert
 from .plan import ModelPlan, ModulePlan
 from .sharded import is_dtensor, note_alias, stands_in
-from .tensors import first_tensor, gradient_source, in_backward, output_tensors, refuse_hooks_ahead
+from .tensors import first_tensor, gradient_source, in_backward, output_tensors
 
 __all__ = ["Use", "Step", "Recorder", "Capture", "output_tensors", "first_tensor", "in_backward"]
 
@@ -47,7 +48,7 @@ class Use:
     versions: tuple | None = None
     output: torch.Tensor | None = None
     edge: object | None = None  # autograd GradientEdge of the output, taken before any in-place op
-    view_of: torch.Size | None = None  # the edge is the output's base: its gradient, viewed in this shape
+    view_of: tuple | None = None  # the edge is the output's base: its gradient, read as the output (tensors.as_output)
     grad: torch.Tensor | None = None
     loose: bool = False
     batch_size: int | None = None
@@ -256,7 +257,7 @@ class Capture:
                 )
             acts = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
             source = gradient_source(output, args)
-            refuse_hooks_ahead(plan.name, module, self.first_hooks.get(id(module)))
+            tensors.refuse_hooks_ahead(plan.name, module, self.first_hooks.get(id(module)))
             use = Use(
                 module,
                 plan.name,
@@ -265,10 +266,10 @@ class Capture:
                 versions if versions is not None else now,
                 output,
                 torch.autograd.graph.get_gradient_edge(source),
-                view_of=None if source is output else output.shape,
+                view_of=tensors.view_of(output, source),
                 batch_size=x.shape[0],
             )
-            source.register_hook(self._grad_catcher(use))
+            tensors.on_gradient(source, self._grad_catcher(use))
             rec.step.uses.append(use)
             return expanded  # None (output unchanged) unless expanded
 
@@ -279,16 +280,17 @@ class Capture:
         the layer's own output, which a later hook's edit or an in-place op cannot change; each time
         a backward reaches it, a :class:`Use` with the output gradient. Until 2026-11-28 a full backward
         pre-hook: torch runs it after every forward hook (``return out * 2`` halved a bias norm)."""
-        rec_ref = weakref.ref(self.rec)
+        rec_ref, module_ref, name, params = weakref.ref(self.rec), weakref.ref(plan.module), plan.name, plan.params
 
         def hook(module, args, kwargs, output):
             out = output if isinstance(output, torch.Tensor) else first_tensor(output)
             if out is None or not out.requires_grad or not torch.is_grad_enabled() or self.rec.paused:
                 return None
-            refuse_hooks_ahead(plan.name, module, self.first_hooks.get(id(module)))
+            tensors.refuse_hooks_ahead(plan.name, module, self.first_hooks.get(id(module)))
             source = gradient_source(out, tuple(args) + tuple(kwargs.values()))
-            view_of = None if source is out else out.shape
-            source.register_hook(lambda grad: _record_output_grad(rec_ref, plan, grad, view_of))
+            view = tensors.view_of(out, source)
+            # weak references only: the hook lives in the autograd graph, out of the garbage collector's sight
+            tensors.on_gradient(source, lambda grad: _record_output_grad(rec_ref, module_ref, name, params, grad, view))
             return None
 
         return hook
@@ -332,18 +334,18 @@ class Capture:
             rec, u = rec_ref(), use_ref()
             if rec is None or u is None or rec.by_edges:
                 return  # step already dropped, or hooks.backward collects it from its edge
-            grad = grad.detach() if u.view_of is None else grad.detach().view(u.view_of)
+            grad = tensors.as_output(grad.detach(), u.view_of)
             u.grad = grad if u.grad is None else u.grad + grad
             rec.step.backward_done = True
 
         return catch
 
     def _backward_hook(self, plan: ModulePlan):  # rules with grad_from: the gradient at a submodule's input
-        rec_ref = weakref.ref(self.rec)
+        rec_ref, module_ref = weakref.ref(self.rec), weakref.ref(plan.module)
 
         def hook(module, grad_input, grad_output):
             if grad_input[0] is not None:
-                _record_output_grad(rec_ref, plan, grad_input[0])
+                _record_output_grad(rec_ref, module_ref, plan.name, plan.params, grad_input[0])
 
         return hook
 
@@ -385,15 +387,14 @@ class Capture:
         return hook
 
 
-def _record_output_grad(rec_ref, plan: ModulePlan, grad: torch.Tensor, view_of: torch.Size | None = None) -> None:
-    """One use of an activation-free layer in this backward pass: its output gradient. The record is
-    held weakly: the hook lives on the output's autograd node (see Capture._grad_catcher)."""
-    rec = rec_ref()
-    if rec is None or rec.paused:
+def _record_output_grad(rec_ref, module_ref, name: str, params: tuple, grad: torch.Tensor, view=None) -> None:
+    """One use of an activation-free layer in this backward pass: its output gradient. The record and
+    the layer are held weakly: the hook lives on the output's autograd node (see Capture._grad_catcher)."""
+    rec, module = rec_ref(), module_ref()
+    if rec is None or module is None or rec.paused:
         return
-    grad = grad.detach() if grad.requires_grad else grad  # create_graph=True (else a plain tensor)
-    grad = grad if view_of is None else grad.view(view_of)
+    grad = tensors.as_output(grad.detach() if grad.requires_grad else grad, view)  # requires_grad: create_graph
     # the backward pass: the user's, also when ghost differentiation runs inside it
     task = rec.pass_id if rec.by_edges else torch._C._current_graph_task_id()
-    rec.step.uses.append(Use(plan.module, plan.name, plan.params, grad=grad, batch_size=grad.shape[0], task=task))
+    rec.step.uses.append(Use(module, name, params, grad=grad, batch_size=grad.shape[0], task=task))
     rec.step.backward_done = True

@@ -22,6 +22,7 @@ from .loss_pool import check_watched
 from .plan import ModelPlan
 from .sample_rows import SampleRows, State, tag, track
 from .sharded import aliases_of, is_dtensor
+from .tensors import as_output
 
 __all__ = ["GhostBackward", "wrap_outputs", "ghost_differentiate"]
 
@@ -154,7 +155,7 @@ def ghost_differentiate(rec: Recorder, plan: ModelPlan, roots: list, grads: list
         rec.by_edges = False
     for use, g in zip(uses, got[:n_edges]):
         if g is not None:
-            g = g.detach() if use.view_of is None else g.detach().view(use.view_of)
+            g = as_output(g.detach(), use.view_of)
             use.grad = g if use.grad is None else use.grad + g
     rec.step.backward_done = True
     compare_uses(rec.step, plan.params)

@@ -7,7 +7,7 @@ gets a :class:`ModulePlan` with its rule (:mod:`dpzoo.grad_norms.registry`), whe
 needs the layer's activations (or only its output gradient: DP-BiTFiT), and the loose tensors
 swapped for per-sample copies (:mod:`dpzoo.grad_norms.rules.loose`). What that walk cannot cover
 (no rule, a rule refusing the instance, parameters read by their owner without calling the module,
-``inplace=True``) is a :class:`Problem` of stage
+``inplace=True``, in-place residual blocks around GroupNormAct's bias) is a :class:`Problem` of stage
 ``"attach"``: ``plan_model`` raises on it. :func:`find_problems` adds what ``make_private`` refuses
 before attaching (stage ``"setup"``: lazy parameters, Embedding ``max_norm``, layers mixing samples
 in train mode) and what the hooks refuse at the first forward (``"forward"``: BatchNorm using batch
@@ -27,6 +27,13 @@ from ..nn.hf_blocks import flattened_submodules
 from .registry import Rule, find_rule, why_no_rule
 from .rules.loose import functional_submodules, is_broadcast_lookup, loose_names, loose_refusal, shared_lookup_refusal
 
+try:  # timm's ResNet blocks end with `x += shortcut` (dpzoo.surgery swaps them for out-of-place ones)
+    from timm.models.resnet import BasicBlock, Bottleneck
+
+    INPLACE_RESIDUAL_BLOCKS: tuple[type, ...] = (BasicBlock, Bottleneck)
+except ImportError:  # pragma: no cover - timm is a dependency
+    INPLACE_RESIDUAL_BLOCKS = ()
+
 __all__ = [
     "ModulePlan",
     "ModelPlan",
@@ -35,6 +42,7 @@ __all__ = [
     "plan_model",
     "find_problems",
     "refusal",
+    "INPLACE_RESIDUAL_BLOCKS",
 ]
 
 STAGES = ("setup", "attach", "forward")
@@ -55,7 +63,7 @@ class Problem:
 
     module: str  # the module's name ("<root>": the model itself)
     kind: str  # no-trainable, inplace, functional-use, rule-refuses, uncovered, loose-refused, no-rule,
-    # flattened-tokens, shared-lookup (attach); lazy, embedding-max-norm, sample-mixing (setup); batch-statistics (forward)
+    # inplace-residual, flattened-tokens, shared-lookup (attach); lazy, embedding-max-norm, sample-mixing (setup); batch-statistics (forward)
     message: str  # one line: what is wrong and how to fix it (the refusal's text)
     stage: str = "attach"  # setup: make_private refuses; attach: attach_norm_hooks too; forward: the first forward
     params: tuple[str, ...] = ()  # qualified names of the parameters concerned
@@ -220,11 +228,32 @@ def _survey(model: nn.Module) -> tuple[ModelPlan, list[Problem]]:
                 plans.append(plan)
             if problem is not None:
                 problems.append(problem)
-    # (timm's in-place residual blocks around bias-only layers were refused here until 2026-11-28, when
-    # those layers took their output gradient with a torch full backward hook, which forbids them)
-    problems += _flattening(model, plans)
+    problems += _inplace_residuals(model, plans) + _flattening(model, plans)
     rules = {id(p.module): p.rule for p in plans if p.rule is not None}
     return ModelPlan(params, param_names, plans, rules, batchnorms), problems
+
+
+def _inplace_residuals(model: nn.Module, plans: list[ModulePlan]) -> list[Problem]:
+    """timm blocks adding their shortcut in place onto the output of a layer whose bias-only gradient
+    is read by a torch full backward hook (rules with ``grad_from``: timm's GroupNormAct), which torch
+    refuses. Bias-only layers read at their own output take such edits (refused for them too until
+    2026-11-28, when they also used a full backward hook)."""
+    out = []
+    hooked = [p.name for p in plans if not p.needs_activations and not p.loose and p.rule.grad_from is not None]
+    for n, m in model.named_modules():
+        inside = [h for h in hooked if not n or h == n or h.startswith(n + ".")]
+        if type(m) in INPLACE_RESIDUAL_BLOCKS and inside:
+            label = n or "<root>"
+            out.append(
+                Problem(
+                    label,
+                    "inplace-residual",
+                    f"Module {label} ({type(m).__name__}) adds its shortcut in place (x += shortcut) onto outputs of "
+                    f"layers whose bias-only gradient dpzoo reads with a backward hook ({', '.join(inside[:4])}), "
+                    "which torch refuses. dpzoo.make_dp_ready(model) swaps the block for an out-of-place one.",
+                )
+            )
+    return out
 
 
 def _flattening(model: nn.Module, plans: list[ModulePlan]) -> list[Problem]:

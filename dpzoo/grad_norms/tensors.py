@@ -9,7 +9,17 @@ from torch.nn.modules import module as torch_module
 
 from ..errors import UnsupportedModuleError
 
-__all__ = ["output_tensors", "first_tensor", "gradient_source", "hooks_ahead", "refuse_hooks_ahead", "in_backward"]
+__all__ = [
+    "output_tensors",
+    "first_tensor",
+    "gradient_source",
+    "view_of",
+    "as_output",
+    "on_gradient",
+    "hooks_ahead",
+    "refuse_hooks_ahead",
+    "in_backward",
+]
 
 
 def output_tensors(output, grad_only: bool = True) -> list[torch.Tensor]:
@@ -43,22 +53,69 @@ def in_backward() -> bool:
 
 def gradient_source(output: torch.Tensor, inputs: tuple) -> torch.Tensor:
     """The tensor whose gradient is a layer output's gradient, taken where an in-place op on the
-    output cannot hide it. A layer output that is a whole reshape of a tensor the layer made
-    (``F.linear`` on a 3-d input returns a view of its 2-d product since torch 2.14) loses its
-    autograd node when modified in place (``h[:, 0] = 0`` rebases the view's history onto its base),
-    and a hook on it never fires; the base's node stays in the graph and receives the gradient
-    of the output's value before the in-place op, which is what the layer's rule needs."""
+    output cannot hide it. A layer output that is a whole reshape or permutation of a tensor the layer
+    made (``F.linear`` on a 3-d input returns a view of its 2-d product since torch 2.14; timm's
+    LayerNorm2d a permuted one) loses its autograd node when modified in place (``h[:, 0] = 0``
+    rebases the view's history onto its base): a hook on it never fires, or sees only what read it
+    before the edit (a review found LayerNorm2d's norms 8-22% low on 2026-11-28, permuted views being
+    hooked as themselves). The base's node stays in the graph and receives the gradient of the
+    output's value before the in-place op, which is what the layer's rule needs; :func:`as_output`
+    gives it the output's shape and layout."""
     base = output._base
     if (
         base is None
         or base.grad_fn is None
         or base.numel() != output.numel()
         or base.storage_offset() != output.storage_offset()
-        or not (base.is_contiguous() and output.is_contiguous())
+        or not (base.is_contiguous() and _dense(output))
         or any(isinstance(a, torch.Tensor) and (a is base or a._base is base) for a in inputs)
     ):
         return output
     return base
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t`` covers its numel consecutive storage entries once each (a permutation of a
+    contiguous layout): its strides, sorted, are those of a contiguous tensor of the sorted sizes."""
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def view_of(output: torch.Tensor, source: torch.Tensor) -> tuple | None:
+    """What :func:`as_output` needs to turn ``source``'s gradient into ``output``'s (None: the same tensor)."""
+    return None if source is output else (tuple(output.shape), tuple(output.stride()))
+
+
+def as_output(grad: torch.Tensor, view: tuple | None) -> torch.Tensor:
+    """The gradient of a layer's output from that of its :func:`gradient_source` (``view``: from
+    :func:`view_of`): the base's gradient laid out as the base, read with the output's strides."""
+    if view is None:
+        return grad
+    shape, stride = view
+    return grad.contiguous().as_strided(shape, stride)
+
+
+def on_gradient(t: torch.Tensor, fn) -> None:
+    """Call ``fn(grad)`` each time a backward reaches ``t``, with the gradient autograd then uses for
+    ``t``'s value: a pre-hook on ``t``'s autograd node, which torch runs after every hook registered
+    on the tensor (a model's ``h.register_hook(lambda g: 3 * g)`` is part of the gradient the layer's
+    parameters get; a tensor hook registered before it saw the unscaled gradient, found by a review
+    on 2026-11-28); a tensor hook on a leaf."""
+    node = t.grad_fn
+    if node is None:
+        t.register_hook(fn)
+        return
+    nr = t.output_nr
+
+    def pre(grad_outputs):
+        if grad_outputs[nr] is not None:
+            fn(grad_outputs[nr])
+
+    node.register_prehook(pre)
 
 
 def hooks_ahead(module: torch.nn.Module, first: int | None) -> list[str]:
