@@ -95,7 +95,9 @@ def profile_mode(config: str, mode: str, device: str, precision: str, warmup: in
     phases = {e.key: _total_time_us(e, on_device) / 1e3 / steps for e in events if e.key in PHASES}
     # every kernel's own time: on a GPU the phases' ranges are spans on the device (idle gaps
     # included, and the backward's kernels run outside its range), so they do not add up to this
-    kernels = [e for e in events if getattr(e, "device_type", DeviceType.CPU) != DeviceType.CPU]
+    # (the phases' own device-side ranges are events on the device too: left out; they doubled the sum
+    # in the first profile that wrote it, 2026-11-28)
+    kernels = [e for e in events if getattr(e, "device_type", DeviceType.CPU) != DeviceType.CPU and e.key not in PHASES]
     kernel_ms = sum(_self_time_us(e, True) for e in kernels) / 1e3 / steps if on_device else None
     ops = sorted((e for e in events if e.key not in PHASES), key=lambda e: -_self_time_us(e, on_device))
     top_ops = [
