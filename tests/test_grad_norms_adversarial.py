@@ -1659,6 +1659,21 @@ def test_a_gradient_hook_on_a_layer_output_is_part_of_its_gradient(k, bias_only,
     assert check(m, {"x": _x(B, 4)}, may_raise=False, **_how(backward)) == "matched"
 
 
+@pytest.mark.parametrize("backward", ["hooks", "loss"])
+@pytest.mark.parametrize("bias_only", [False, True], ids=["weights", "bias-only"])
+def test_parameters_swapped_by_functional_call_are_refused(bias_only, backward):
+    """torch.func.functional_call runs the layers on other tensors: refused on both paths (a review
+    found the bias-only path reporting the swapped-in tensors' gradients as the parameters', where
+    theirs is zero)."""
+    torch.manual_seed(0)
+    m = _perturb(nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)).double())
+    if bias_only:
+        _bias_only(m)
+    other = {n: p.detach().clone().requires_grad_(p.requires_grad) for n, p in m.named_parameters()}
+    loss = lambda model, x: (torch.func.functional_call(model, other, (x,)) ** 2).sum()  # noqa: E731
+    _raises(m, {"x": _x(B, 4)}, loss, backward=backward, match="swapped for other tensors")
+
+
 def test_a_bias_only_model_dropped_without_detach_is_freed():
     """dpzoo's hook on a bias-only layer's output lives in the autograd graph, which the garbage
     collector cannot see through: it holds the recorder and the layer weakly, so a model and its

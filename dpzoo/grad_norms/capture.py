@@ -1,4 +1,4 @@
-"""Capture: the forward (and activation-free backward) hooks that record one step.
+"""Capture: the hooks that record one step (forward hooks, and gradient hooks on layer outputs).
 
 A :class:`Recorder` holds what a set of hooks records in the current step (a :class:`Step`:
 one :class:`Use` per call of a hooked module or swap of a loose tensor, the model's outputs,
@@ -10,9 +10,8 @@ the graph audit's counts) and the runtime flags shared with ghost differentiatio
   (wrapped for ghost differentiation with ``ghost_backward``);
 * on each layer whose rule needs activations: its input (detached, with version counters) and
   a gradient catcher on its output;
-* on activation-free layers (DP-BiTFiT): a forward hook putting a gradient hook on the layer's own
-  output, which stores the output gradient only (a backward hook on the module's input gradient
-  for rules with ``grad_from``);
+* on activation-free layers (DP-BiTFiT): a hook on the layer's own output storing its gradient only
+  (a backward hook on the module's input gradient for rules with ``grad_from``);
 * on owners of loose tensors: per-sample copies swapped in for the module's forward;
 * under FSDP2, the unsharded tensors that stand in for sharded parameters during a pass
   (:mod:`dpzoo.grad_norms.sharded`), noted so the audit and ghost differentiation see them.
@@ -35,6 +34,10 @@ from .sharded import is_dtensor, note_alias, stands_in
 from .tensors import first_tensor, gradient_source, in_backward, output_tensors
 
 __all__ = ["Use", "Step", "Recorder", "Capture", "output_tensors", "first_tensor", "in_backward"]
+
+SWAPPED = ("The parameters of {name} ({kind}) were swapped for other tensors during this forward (torch.func.functional_"
+           "call, a parametrization or stateless call): dpzoo's rule would attribute the gradient to the wrong tensor. "
+           "Call the model with its own parameters.")  # fmt: skip
 
 
 @dataclass
@@ -230,11 +233,7 @@ class Capture:
             if x is None or x.dim() == 0:
                 raise UnsupportedModuleError(f"{plan.name} ({type(module).__name__}) got no batched tensor input.")
             if not self.note_aliases(plan, module):
-                raise UnsupportedModuleError(
-                    f"The parameters of {plan.name} ({type(module).__name__}) were swapped for other tensors during "
-                    "this forward (torch.func.functional_call, a parametrization or stateless call): dpzoo's rule "
-                    "would attribute the gradient to the wrong tensor. Call the model with its own parameters."
-                )
+                raise UnsupportedModuleError(SWAPPED.format(name=plan.name, kind=type(module).__name__))
             expanded = None
             if (
                 plan.broadcast_lookup
@@ -276,10 +275,9 @@ class Capture:
         return hook
 
     def _output_grad_hook(self, plan: ModulePlan):
-        """An activation-free layer's forward hook (first among its forward hooks): a gradient hook on
-        the layer's own output, which a later hook's edit or an in-place op cannot change; each time
-        a backward reaches it, a :class:`Use` with the output gradient. Until 2026-11-28 a full backward
-        pre-hook: torch runs it after every forward hook (``return out * 2`` halved a bias norm)."""
+        """An activation-free layer's forward hook, first among them: each time a backward reaches the
+        layer's own output, a :class:`Use` with its gradient (until 2026-11-28 a full backward pre-hook,
+        which torch runs after every forward hook: ``return out * 2`` halved a bias norm)."""
         rec_ref, module_ref, name, params = weakref.ref(self.rec), weakref.ref(plan.module), plan.name, plan.params
 
         def hook(module, args, kwargs, output):
@@ -287,6 +285,8 @@ class Capture:
             if out is None or not out.requires_grad or not torch.is_grad_enabled() or self.rec.paused:
                 return None
             tensors.refuse_hooks_ahead(plan.name, module, self.first_hooks.get(id(module)))
+            if not self.note_aliases(plan, module):  # swapped parameters: the gradient is another tensor's
+                raise UnsupportedModuleError(SWAPPED.format(name=plan.name, kind=type(module).__name__))
             source = gradient_source(out, tuple(args) + tuple(kwargs.values()))
             view = tensors.view_of(out, source)
             # weak references only: the hook lives in the autograd graph, out of the garbage collector's sight
