@@ -50,6 +50,20 @@ TABLES = [
         None,
     ),
     (
+        "h200-2026-11-28 today's code",
+        "h200",
+        ["gpu_h200_1128/head_95928c5/bf16_*.json", "gpu_h200_1128/head_95928c5/fp32_*.json"],
+        "95928c5 (output-gradient hooks, float32 guard row norms)",
+        None,
+    ),
+    (
+        "h200-2026-11-28 next session",
+        "h200",
+        ["gpu_h200_1128/head_ae809ef/bf16_*.json", "gpu_h200_1128/head_ae809ef/fp32_*.json"],
+        "ae809ef (runs of 1,024; GPT-2 T512 and T1024, ResNet-50-GN)",
+        None,
+    ),
+    (
         "h200-2026-11-27",
         "h200",
         ["gpu_h200_1127/bf16_*.json"],

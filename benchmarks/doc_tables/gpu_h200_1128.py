@@ -5,6 +5,7 @@ the same session; GPT-2 T512, T1024 and ResNet-50-GN in the next, ``head_ae809ef
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from doc_tables import figures, table
@@ -110,3 +111,67 @@ def h200_1128_figures(root: Path) -> set[str]:
     runs = load(root, DENSE_RUNS)["rows"]
     values += [r["ms"] for r in runs] + [r["read_TB_per_s"] for r in runs]
     return fixed(values, 0, 1, 2) | {f"{r['k']:,}" for r in runs} | TARGET_FIGURES
+
+
+TODAY = DIR + "/head_95928c5/{precision}_{config}.json"  # the next session's second call: library 95928c5
+TODAY_BF16 = ["gpt2-small-t128", "vit-base-patch16@224", "llama-bias-1b-t512"]
+TODAY_FILES = [TODAY.format(precision="bf16", config=c) for c in TODAY_BF16] + [
+    TODAY.format(precision="fp32", config="gpt2-small-t128")
+]
+TODAY_PROFILES = [DIR + f"/head_95928c5/profile_{c}_bf16.json" for c in ("gpt2-small-t128", "llama-bias-1b-t512")]
+
+
+@table("gpu-h200-1128-today", files=TODAY_FILES, command=COMMAND)
+def h200_1128_today(root: Path) -> str:
+    lines = [
+        "| config (bf16) | non-private (ms) | bk-mixopt: time / memory | every layer ghost | every layer instantiated "
+        "| DP-BiTFiT of bias-only | fp32 bk-mixopt |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for config in TODAY_BF16:
+        entry = one_config(load(root, TODAY.format(precision="bf16", config=config)))
+        fp32 = _entry(root, TODAY.format(precision="fp32", config=config))
+        cells = [
+            LABELS[config],
+            f"{entry['time']['modes']['nonprivate-full']['median_ms']:.1f}",
+            time_memory(entry, "dpzoo-bk-mixopt"),
+            time_memory(entry, "dpzoo-bk") if "dpzoo-bk" in entry["time"]["modes"] else "not run",
+            time_memory(entry, "dpzoo-instantiate") if "dpzoo-instantiate" in entry["time"]["modes"] else "not run",
+            _bitfit(entry),
+            time_memory(fp32, "dpzoo-bk-mixopt") if fp32 else "not run",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+LLAMA_PREDICTED = "benchmarks/results/cost/timed_plan/llama-bias-1b-t512.json"
+PLAN_CHOICES = DIR + "/head_95928c5/plan_choices_gpt2-small-t128.jsonl"
+
+
+@figures(
+    "gpu-h200-1128-today",
+    files=TODAY_FILES + TODAY_PROFILES + [LLAMA_PREDICTED, PLAN_CHOICES, RUNS_1024.format(config="llama-bias-1b-t512")],
+    command=COMMAND,
+)
+def h200_1128_today_figures(root: Path) -> set[str]:
+    """The call's times and ratios, its profiles' numbers (the kernels: kernel_ms less the phases'
+    device ranges, which that call's kernel_ms counted too), the llama's predicted DP-BiTFiT ratio."""
+    values = []
+    for path in TODAY_PROFILES:
+        for m in load(root, path)["modes"]:
+            values.append(m["kernel_ms"] - sum(m["phases_ms"].values()))
+    modes = load(root, LLAMA_PREDICTED)["modes"]
+    values.append(modes["dpzoo-bitfit"]["h200_ms"] / modes["nonprivate-bias"]["h200_ms"])
+    for path in TODAY_FILES:
+        for m in one_config(load(root, path))["time"]["modes"].values():
+            values += [m["median_ms"], m["time_ratio"]["median"], m["time_ratio"]["low"], m["time_ratio"]["high"]]
+            values += [m["time_ratio_second"]["median"]] if "time_ratio_second" in m else []
+        values += [m["ratio"] for m in one_config(load(root, path)).get("memory", {}).values() if "ratio" in m]
+    for path in TODAY_PROFILES:
+        values += numbers_in(load(root, path)["modes"])
+    for line in (root / PLAN_CHOICES).read_text().splitlines():  # the planner's timings, one JSON per plan
+        rows = json.loads(line)["timed_rows"]
+        values += [r["ghost_ms"] for r in rows] + [r["instantiate_ms"] for r in rows]
+    before = one_config(load(root, RUNS_1024.format(config="llama-bias-1b-t512")))  # the call before the hooks
+    values.append(before["time"]["modes"]["dpzoo-bitfit"]["time_ratio_second"]["median"])
+    return fixed(values, 0, 1, 2) | TARGET_FIGURES

@@ -67,13 +67,13 @@ def tables(root: Path) -> str:
     return "\n".join(lines)
 
 
-# the measured H200 cell of each target (11-28, timed plan), all at dense norms over runs of 1,024: the
-# day's third call (0822966) or the next session's (ae809ef)
+# the measured H200 cell of each target (11-28, timed plan), the latest code each was run at: the next
+# session's second call (95928c5) or its first (ae809ef)
 MEASURED = {
-    "gpt2-small-t128": ("benchmarks/results/gpu_h200_1128/dense_runs/bf16_gpt2-small-t128.json", "time_ratio"),
+    "gpt2-small-t128": ("benchmarks/results/gpu_h200_1128/head_95928c5/bf16_gpt2-small-t128.json", "time_ratio"),
     "gpt2-small-t512": ("benchmarks/results/gpu_h200_1128/head_ae809ef/bf16_gpt2-small-t512.json", "time_ratio"),
     "vit-base-patch16@224": (
-        "benchmarks/results/gpu_h200_1128/dense_runs/bf16_vit-base-patch16@224.json",
+        "benchmarks/results/gpu_h200_1128/head_95928c5/bf16_vit-base-patch16@224.json",
         "time_ratio",
     ),
     "resnet50-gn-bias@224": (
@@ -81,7 +81,7 @@ MEASURED = {
         "time_ratio",
     ),
     "llama-bias-1b-t512": (
-        "benchmarks/results/gpu_h200_1128/dense_runs/bf16_llama-bias-1b-t512.json",
+        "benchmarks/results/gpu_h200_1128/head_95928c5/bf16_llama-bias-1b-t512.json",
         "time_ratio_second",
     ),
 }
@@ -137,7 +137,8 @@ def model_figures(root: Path) -> set[str]:
     out = set()
     for c in v["tables"][0]["cells"]:
         out |= {_pct(c["held_out_error"])[:-1]}
-    for c in (c for t in v["tables"][:2] for c in t["cells"]):  # the calibration and the call after it
+    # the calibration table and the later calls of 2026-11-28, today's code among them
+    for c in (c for t in v["tables"] if t["table"].startswith("h200-2026-11-28") for c in t["cells"]):
         out |= {_pct(c["error"])[:-1]}
         out |= {f"{c['measured_ratio']:.2f}", f"{c['predicted_ratio']:.2f}", f"{c['traced_memory_ratio']:.2f}"}
         out |= {f"{c['measured_memory_ratio']:.2f}"} if c["measured_memory_ratio"] else set()
