@@ -44,3 +44,19 @@ def test_unknown_mode_is_refused(capsys):
     with pytest.raises(SystemExit):
         profile_step.main(["--modes", "dpzoo-nope"])
     assert "unknown mode(s) dpzoo-nope" in capsys.readouterr().err
+
+
+def test_host_profile_names_dpzoo_functions_in_a_dp_step_and_none_in_a_non_private_one(tmp_path):
+    """benchmarks/host_profile.py: the host's side of a step, by function."""
+    import host_profile
+
+    for mode in ("nonprivate-bias", "dpzoo-bitfit"):
+        assert host_profile.main(["gpt2-tiny-tied", mode, "--steps", "1", "--out", str(tmp_path)]) == 0
+    dp = json.loads((tmp_path / "host_gpt2-tiny-tied_dpzoo-bitfit_fp32.json").read_text())
+    plain = json.loads((tmp_path / "host_gpt2-tiny-tied_nonprivate-bias_fp32.json").read_text())
+    assert dp["step_ms"] > 0 and dp["profiled_step_ms"] > 0
+    files = [row["file"] for row in dp["by_cumulative_time"]]
+    assert any("dpzoo/grad_norms" in f or "dpzoo/privacy" in f for f in files), files
+    assert not any("dpzoo/grad_norms" in row["file"] for row in plain["by_cumulative_time"])
+    top = dp["by_cumulative_time"]
+    assert top == sorted(top, key=lambda r: -r["cumulative_ms_per_step"])

@@ -5,8 +5,8 @@
 #
 # 1. the CUDA tests (tests/test_cuda_steps.py, the CUDA cases of tests/test_mixed_precision.py);
 # 2. the bf16 table (benchmarks/bench_training_step.py) of the five GPU configurations;
-# 3. a profile of the llama's DP-BiTFiT and bias-only steps (1.68x of bias-only on 2026-11-28,
-#    1.15x predicted: the model's largest miss) and of GPT-2 small T128's bf16 DP step;
+# 3. a profile of the llama's DP-BiTFiT and bias-only steps (1.69x of bias-only on 2026-11-28: host
+#    time), on the device (profile_step.py) and on the host (host_profile.py), and of GPT-2 T128's DP step;
 # 4. the fp32 table of GPT-2 small T128, ViT-B/16 and ResNet-50-GN;
 # 5. GPT-2 small T1024 in bf16 with --pairwise, then the largest batches (--max-batch).
 # Each step runs under `timeout` cut to what is left of SECONDS, so the call ends inside its limit
@@ -71,6 +71,9 @@ for c in ${PLAN_CONFIGS:-}; do
 done
 step 150 python3 benchmarks/profile_step.py --device cuda --precision bf16 --configs llama-bias-1b-t512 \
     --modes nonprivate-bias dpzoo-bitfit --steps 2 --top 30 --out "$res/profile_llama-bias-1b-t512"
+for m in nonprivate-bias dpzoo-bitfit; do  # the host's side of the llama's DP-BiTFiT step, by Python function
+    step 45 python3 benchmarks/host_profile.py llama-bias-1b-t512 "$m" --device cuda --precision bf16 --out "$res/host"
+done
 step 60 python3 benchmarks/profile_step.py --device cuda --precision bf16 --configs gpt2-small-t128 \
     --modes nonprivate-full dpzoo-bk-mixopt --steps 2 --top 30 --out "$res/profile_gpt2-small-t128"
 for c in ${FP32_CONFIGS:-gpt2-small-t128 vit-base-patch16@224 resnet50-gn-bias@224}; do
