@@ -576,6 +576,33 @@ def test_reentrant_checkpoint_with_hooks_backward_is_refused_by_torch():
         hooks.detach()
 
 
+class CheckpointedFirst(nn.Module):
+    """A reentrant checkpoint with no hooked layer before it, on an input that requires grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.n, self.out = nn.Linear(4, 5), nn.LayerNorm(5), nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.out(checkpoint(lambda v: self.n(torch.tanh(self.a(v))), x, use_reentrant=True))
+
+
+@pytest.mark.parametrize("backward", [b for b in BACKWARDS if b != "loss"])
+@pytest.mark.parametrize("bias_only", [False, True], ids=["weights", "bias-only"])
+def test_a_reentrant_checkpoint_torch_would_skip_is_refused(bias_only, backward):
+    """Ghost differentiation (autograd.grad) skips a reentrant checkpoint's node when no target lies
+    behind it: every layer inside read zero gradients (a review, 2026-11-28). Refused; plain
+    loss.backward() runs the checkpoint and is exact."""
+    torch.manual_seed(0)
+    m = _perturb(CheckpointedFirst().double())
+    if bias_only:
+        _bias_only(m)
+    x = _x(B, 4).requires_grad_(True)
+    _raises(m, {"x": x}, match="use_reentrant=False", **_how(backward))
+    if backward == "hooks":
+        assert check(m, {"x": x}, may_raise=False, backward="loss") == "matched"
+
+
 def test_parameter_used_in_the_loss_raises_with_hooks_backward():
     torch.manual_seed(0)
     assert check(TiedInLoss().double(), {"ids": _ids()}, _tied_in_loss) == "raised"

@@ -124,6 +124,15 @@ def ghost_differentiate(rec: Recorder, plan: ModelPlan, roots: list, grads: list
     # Count the uses in the graph of these roots too: with ghost_backward, hooks.backward
     # counted only the loss's graph, and several forward passes each reach here once.
     count_edges(rec.step, roots)
+    if any(type(fn).__name__ == "CheckpointFunctionBackward" for fn in rec.step.walked.values()):
+        # autograd.grad runs a reentrant checkpoint's node only when a target lies behind it (then torch
+        # refuses); with none (an input that requires grad, no hooked layer before it) it skips the
+        # node and every layer inside silently (norms 37-83% low, found by a review, 2026-11-28)
+        raise UnsupportedModuleError(
+            "Reentrant activation checkpointing (torch.utils.checkpoint(..., use_reentrant=True)) hides the layers "
+            "it wraps from dpzoo's ghost differentiation. Pass use_reentrant=False (Hugging Face: "
+            "gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False}))."
+        )
     uses = [u for u in rec.step.uses if u.edge is not None and u.output is not None and u.output.requires_grad]
     targets = [u.edge for u in uses]
     n_edges = len(targets)
