@@ -92,16 +92,22 @@ def h200_1128(root: Path) -> str:
     return "\n".join(lines)
 
 
+def _run_values(root: Path, path: str) -> list[float]:
+    """A benchmark run's step times (ms), time ratios (median, low, high; to the second baseline) and memory ratios."""
+    entry = one_config(load(root, path))
+    values = []
+    for m in entry["time"]["modes"].values():
+        values += [m["median_ms"], m["time_ratio"]["median"], m["time_ratio"]["low"], m["time_ratio"]["high"]]
+        values += [m["time_ratio_second"]["median"]] if "time_ratio_second" in m else []
+    return values + [m["ratio"] for m in entry.get("memory", {}).values() if "ratio" in m]
+
+
 @figures("gpu-h200-1128", files=FILES + PREDICTED_FILES + [PROFILE, DENSE_RUNS] + HEAD_PROFILES, command=COMMAND)
 def h200_1128_figures(root: Path) -> set[str]:
     """The runs' times (ms) and ratios, the predictions' ratios, the profile's ms, the runs' TB/s."""
     values = []
     for path in FILES:
-        entry = one_config(load(root, path))
-        for m in entry["time"]["modes"].values():
-            values += [m["median_ms"], m["time_ratio"]["median"], m["time_ratio"]["low"], m["time_ratio"]["high"]]
-            values += [m["time_ratio_second"]["median"]] if "time_ratio_second" in m else []
-        values += [m["ratio"] for m in entry.get("memory", {}).values() if "ratio" in m]
+        values += _run_values(root, path)
     for path in PREDICTED_FILES:
         modes = load(root, path)["modes"]
         for b in ("nonprivate-full", "nonprivate-bias"):
@@ -163,10 +169,7 @@ def h200_1128_today_figures(root: Path) -> set[str]:
     modes = load(root, LLAMA_PREDICTED)["modes"]
     values.append(modes["dpzoo-bitfit"]["h200_ms"] / modes["nonprivate-bias"]["h200_ms"])
     for path in TODAY_FILES:
-        for m in one_config(load(root, path))["time"]["modes"].values():
-            values += [m["median_ms"], m["time_ratio"]["median"], m["time_ratio"]["low"], m["time_ratio"]["high"]]
-            values += [m["time_ratio_second"]["median"]] if "time_ratio_second" in m else []
-        values += [m["ratio"] for m in one_config(load(root, path)).get("memory", {}).values() if "ratio" in m]
+        values += _run_values(root, path)
     for path in TODAY_PROFILES:
         values += numbers_in(load(root, path)["modes"])
     for line in (root / PLAN_CHOICES).read_text().splitlines():  # the planner's timings, one JSON per plan

@@ -44,6 +44,8 @@ def count_edges(step: Step, roots: list) -> None:
         if fn is None or id(fn) in walked:
             continue
         walked[id(fn)] = fn
+        if type(fn).__name__ == "CheckpointFunctionBackward":  # ghost differentiation refuses it (ghost.py)
+            step.reentrant_checkpoint = True
         for nxt, _ in fn.next_functions:
             if nxt is None:
                 continue

@@ -72,6 +72,7 @@ class Step:
     edges: dict | None = None  # parameter id -> direct uses in the graph (counted before backward)
     walked: dict | None = None  # id -> graph node reachable from the loss (held, so ids stay unique)
     graph_checked: bool = False
+    reentrant_checkpoint: bool = False  # a reentrant checkpoint's node was walked (audit.count_edges)
     stray: list = field(default_factory=list)  # ghost_backward: parameters that got a weight gradient
     unreached: list = field(default_factory=list)  # parameters no gradient reached this step (zeros)
     costs: dict = field(default_factory=dict)  # the planner's choice per use of each parameter (cost.UseCost)
@@ -275,9 +276,8 @@ class Capture:
         return hook
 
     def _output_grad_hook(self, plan: ModulePlan):
-        """An activation-free layer's forward hook, first among them: each time a backward reaches the
-        layer's own output, a :class:`Use` with its gradient (until 2026-11-28 a full backward pre-hook,
-        which torch runs after every forward hook: ``return out * 2`` halved a bias norm)."""
+        """An activation-free layer's first forward hook: a :class:`Use` with the gradient of the layer's own
+        output each time a backward reaches it (not a full backward pre-hook, run after every forward hook)."""
         rec_ref, module_ref, name, params = weakref.ref(self.rec), weakref.ref(plan.module), plan.name, plan.params
 
         def hook(module, args, kwargs, output):

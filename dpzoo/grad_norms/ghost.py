@@ -124,7 +124,7 @@ def ghost_differentiate(rec: Recorder, plan: ModelPlan, roots: list, grads: list
     # Count the uses in the graph of these roots too: with ghost_backward, hooks.backward
     # counted only the loss's graph, and several forward passes each reach here once.
     count_edges(rec.step, roots)
-    if any(type(fn).__name__ == "CheckpointFunctionBackward" for fn in rec.step.walked.values()):
+    if rec.step.reentrant_checkpoint:
         # autograd.grad runs a reentrant checkpoint's node only when a target lies behind it (then torch
         # refuses); with none (an input that requires grad, no hooked layer before it) it skips the
         # node and every layer inside silently (norms 37-83% low, found by a review, 2026-11-28)
