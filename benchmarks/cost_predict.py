@@ -45,11 +45,11 @@ def priced_plan(device: gpu_model.Device):
     priced: dict[tuple, tuple[float, float]] = {}  # per sample, by shape without the batch (as timing is)
 
     def prepare(run, tracer) -> None:
-        def price(rep) -> tuple[float, float]:
+        def price(rep, stack: int = 1) -> tuple[float, float]:
             b = rep.batch_size
-            key = (tuple(rep.left.shape[1:]), tuple(rep.right.shape[1:]), rep.right.dtype)
+            key = (tuple(rep.left.shape[1:]), tuple(rep.right.shape[1:]), rep.right.dtype, stack)
             if key not in priced:  # priced on the warm-up steps: the traced step's Python calls stay counted
-                priced[key] = tuple(ms / b for ms in _price_paths(rep, tracer, device))
+                priced[key] = tuple(ms / b for ms in _price_paths(rep, tracer, device, stack))
             return priced[key][0] * b, priced[key][1] * b
 
         cost.measure_paths = price  # restored by predict()
@@ -59,9 +59,10 @@ def priced_plan(device: gpu_model.Device):
     return prepare
 
 
-def _price_paths(rep, tracer, device: gpu_model.Device) -> list[float]:
-    """The model's milliseconds on ``device`` of ``rep``'s ghost path, then its instantiation path."""
-    from dpzoo.grad_norms.param_grad import ParamGrad
+def _price_paths(rep, tracer, device: gpu_model.Device, stack: int = 1) -> list[float]:
+    """The model's milliseconds on ``device`` of ``rep``'s ghost path, then its instantiation path, per
+    use of ``stack`` uses of its shape at once (as :func:`dpzoo.grad_norms.cost.measure_paths` times them)."""
+    from dpzoo.grad_norms.param_grad import ParamGrad, clipped_sums, total_sq_norms
 
     times = []
     for ghost in (True, False):
@@ -69,13 +70,13 @@ def _price_paths(rep, tracer, device: gpu_model.Device) -> list[float]:
         tracer.trace, tracer.recording = cost_trace.Trace(), True
         try:
             with cost_trace.count_python_calls(tracer.trace):
-                one = ParamGrad([rep], ghost)
-                one.sq_norm()
-                one.clipped_sum(torch.ones(rep.batch_size, device=rep.right.device))
+                grads = {str(i): ParamGrad([rep], ghost) for i in range(stack)}
+                total_sq_norms(list(grads.values()))
+                clipped_sums(grads, torch.ones(rep.batch_size, device=rep.right.device), None)
             path = tracer.trace
         finally:
             tracer.trace, tracer.recording = saved, recording
-        times.append(gpu_model.predict(gpu_model.arrays(path), device)["ms"])
+        times.append(gpu_model.predict(gpu_model.arrays(path), device)["ms"] / stack)
     return times
 
 

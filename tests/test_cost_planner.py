@@ -194,7 +194,7 @@ def test_autotune_none_plans_by_the_model_on_cpu_and_by_the_timings_on_cuda(monk
     seq, single = _factored(16, 128, 256, 256), _factored(16, 1, 256, 256)
     timed = []
 
-    def fake_times(rep):  # the opposite of the model's order, so a timed plan is told apart
+    def fake_times(rep, stack=1):  # the opposite of the model's order, so a timed plan is told apart
         timed.append(rep)
         return (1.0, 2.0) if rep is seq else (2.0, 1.0)
 
@@ -213,8 +213,8 @@ def test_the_timed_ghost_path_runs_the_float_guard_as_a_step_does(monkeypatch):
     from dpzoo.grad_norms import cost, param_grad
 
     calls = []
-    real = param_grad.guard
-    monkeypatch.setattr(param_grad, "guard", lambda reps, total: calls.append(1) or real(reps, total))
+    real = param_grad.guards
+    monkeypatch.setattr(param_grad, "guards", lambda items: calls.append(1) or real(items))
     monkeypatch.setattr(cost, "MEASURED", {})
     ghost_ms, inst_ms = measure_paths(_factored(3, 7, 5, 6))
     assert calls and ghost_ms > 0 and inst_ms > 0  # the guard ran in the ghost path's timing
@@ -242,7 +242,7 @@ def test_a_use_too_large_to_time_safely_keeps_the_models_choice(monkeypatch):
     wide, small = _factored(4, 64, 8, 8), _factored(4, 2, 8, 8)
     timed = []
     monkeypatch.setattr(cost, "MEASURED", {})
-    monkeypatch.setattr(cost, "measure_paths", lambda rep: timed.append(rep) or (1.0, 2.0))
+    monkeypatch.setattr(cost, "measure_paths", lambda rep, stack=1: timed.append(rep) or (1.0, 2.0))
     c = use_cost("wide", 0, wide)
     budget = cost.TIMING_ROOM * max(c.ghost_bytes, c.instantiate_bytes)
     plan_uses({"wide": [wide], "small": [small]}, budget=budget - 1, autotune=True)
@@ -281,7 +281,7 @@ def test_a_shape_timed_once_keeps_its_timing_when_free_memory_drops(monkeypatch)
 def test_a_device_out_of_memory_while_timing_leaves_the_use_to_the_model(monkeypatch):
     from dpzoo.grad_norms import cost
 
-    def no_room(rep):
+    def no_room(rep, stack=1):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(cost, "measure_paths", no_room)
@@ -297,7 +297,7 @@ def test_untimed_uses_are_ranked_in_the_timed_uses_milliseconds(monkeypatch):
     from dpzoo.grad_norms import cost
 
     rate = 1e-9  # ms per multiply-add, the same for both paths of the timed use
-    monkeypatch.setattr(cost, "measure_paths", lambda rep: (rate * use_cost("x", 0, rep).ghost_flops,
+    monkeypatch.setattr(cost, "measure_paths", lambda rep, stack=1: (rate * use_cost("x", 0, rep).ghost_flops,
                                                             rate * use_cost("x", 0, rep).instantiate_flops))  # fmt: skip
     seq = _factored(4, 16, 8, 8)
     emb = R.OneHot(torch.zeros(4, 16, dtype=torch.long), torch.randn(4, 16, 8), 30)

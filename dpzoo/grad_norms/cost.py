@@ -46,7 +46,8 @@ import torch
 from ..device_memory import available_memory
 from ..errors import InvalidArgumentError
 from . import reps as R
-from .param_grad import ParamGrad
+from .half import launches_kernels
+from .param_grad import ParamGrad, clipped_sums, stack_capacity, total_sq_norms
 
 __all__ = [
     "UseCost",
@@ -185,19 +186,22 @@ def autotunes(device: torch.device) -> bool:
     return device.type == "cuda" and not torch.are_deterministic_algorithms_enabled()
 
 
-def measure_paths(rep) -> tuple[float, float]:
+def measure_paths(rep, stack: int = 1) -> tuple[float, float]:
     """Milliseconds of the ghost path and of the instantiation path for ``rep`` (a Factored
-    representation) as a step runs them (:class:`~dpzoo.grad_norms.param_grad.ParamGrad`: the
-    norm, with the float guard on the ghost path, then the clipped sum), each the faster of two
-    timed runs after a warm-up; measured once per shape without the batch size (both paths are
-    linear in it) and scaled to this batch. Timed on random factors of ``rep``'s shapes, dtype and
-    device, never on its values (the float guard's rechecks, and a CPU's subnormals, take
+    representation) as a step runs them (the norm, with the float guard on the ghost path, then the
+    clipped sum: :func:`~dpzoo.grad_norms.param_grad.total_sq_norms` and
+    :func:`~dpzoo.grad_norms.param_grad.clipped_sums`), each the faster of two timed runs after a
+    warm-up; each path of ``stack`` uses of this shape at once, per use (on a GPU a step norms and
+    sums the ghost path's as one stack, and reads the host once for all uses of either path: timed
+    alone, the instantiation path paid a host read the step shares). Measured once per shape and stack without the batch size (both
+    paths are linear in it) and scaled to this batch. Timed on random factors of ``rep``'s shapes,
+    dtype and device, never on its values (the float guard's rechecks, and a CPU's subnormals, take
     data-dependent time: the plan must depend on shapes alone), drawn from a generator of its own.
     Each sample's rows share a component, as real activations do: factors independent across
     positions make the guard recheck every sample in float64 from T = 512 on, which ordinary data
     rarely needs (docs/DESIGN.md, "Floating point"), and would bias the timing against the ghost path."""
     b = rep.left.shape[0]
-    key = _paths_key(rep)
+    key = (*_paths_key(rep), stack)
     if key not in MEASURED:
         device = rep.left.device
         gen = torch.Generator(device).manual_seed(0)  # its own: the user's RNG streams stay as they were
@@ -205,17 +209,12 @@ def measure_paths(rep) -> tuple[float, float]:
         rep = R.Factored(left, right, rep.shape)
         scale = torch.rand(b, generator=gen, device=device)  # clip factors are float32
 
-        def ghost():
-            one = ParamGrad([rep], True)
-            one.sq_norm()
-            one.clipped_sum(scale)
+        def run(ghost: bool, uses: int) -> None:
+            grads = {str(i): ParamGrad([rep], ghost) for i in range(uses)}
+            total_sq_norms(list(grads.values()))
+            clipped_sums(grads, scale, None)
 
-        def inst():
-            one = ParamGrad([rep], False)
-            one.sq_norm()
-            one.clipped_sum(scale)
-
-        MEASURED[key] = (_timed(ghost, device) / b, _timed(inst, device) / b)
+        MEASURED[key] = tuple(_timed(lambda: run(ghost, stack), device) / stack / b for ghost in (True, False))
     per_sample = MEASURED[key]
     return per_sample[0] * b, per_sample[1] * b
 
@@ -311,19 +310,22 @@ def _time_uses(by_param: dict[str, list], costs: dict[str, list[UseCost]], room:
     device out of memory while timing leaves the use to the model; every other use's
     multiply-adds converted at the median rate of the timed ones, so the budget compares one unit."""
     out = {n: list(cs) for n, cs in costs.items()}
+    stacks = _stack_sizes(by_param)
     for n, rs in by_param.items():
         for i, r in enumerate(rs):
             c = out[n][i]
             if len(rs) > 2 or not isinstance(r, R.Factored):
                 continue
             right = R.right_like(r)
+            stack = stacks.get((n, i), 1)
             factors = (r.left.numel() + right.numel()) * right.element_size()
+            need = TIMING_ROOM * stack * max(c.ghost_bytes, c.instantiate_bytes, factors)
             # a shape timed once keeps its timing: the room (free memory now) only guards new timings
-            fits = _paths_key(r) in MEASURED or TIMING_ROOM * max(c.ghost_bytes, c.instantiate_bytes, factors) <= room
+            fits = (*_paths_key(r), stack) in MEASURED or need <= room
             if not fits:
                 continue
             try:
-                ghost_ms, inst_ms = measure_paths(r)
+                ghost_ms, inst_ms = measure_paths(r, stack)
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 continue
@@ -337,6 +339,22 @@ def _time_uses(by_param: dict[str, list], costs: dict[str, list[UseCost]], room:
         out[n] = [c if c.timed or c.kind == "dense" else
                   replace(c, ghost_ms=c.ghost_flops * rate, instantiate_ms=c.instantiate_flops * rate) for c in cs]  # fmt: skip
     return out
+
+
+def _stack_sizes(by_param: dict[str, list]) -> dict[tuple[str, int], int]:
+    """{(parameter, use): how many uses its ghost path would be stacked with (itself included)}: the
+    single factored uses of one group on a GPU, by shape and dtype, up to
+    :func:`~dpzoo.grad_norms.param_grad.stack_capacity` (as if all took the ghost path)."""
+    keys: dict[tuple[str, int], tuple] = {}
+    for n, rs in by_param.items():
+        r = rs[0] if len(rs) == 1 else None
+        if isinstance(r, R.Factored) and r.left.shape[1] == 1 and launches_kernels(r.left):
+            right = R.right_like(r)
+            keys[(n, 0)] = (tuple(r.left.shape), tuple(right.shape), r.left.dtype, right.dtype, r.shape)
+    counts: dict[tuple, int] = {}
+    for key in keys.values():
+        counts[key] = counts.get(key, 0) + 1
+    return {use: min(counts[key], stack_capacity(by_param[use[0]][0])) for use, key in keys.items()}
 
 
 def _free(device: torch.device) -> float:

@@ -39,7 +39,10 @@ from . import rounding
 from .half import launches_kernels
 from .rounding import any_flag, round_up
 
-__all__ = ["GHOST_FLOOR", "LOOSE", "RECHECK", "row_sums", "sq_norm64", "triangle_bound", "guard", "guards", "round_up"]
+__all__ = [
+    "GHOST_FLOOR", "LOOSE", "RECHECK", "row_sums", "sq_norm64", "triangle_bound", "guard", "guards", "first_pass",
+    "settle", "round_up",
+]  # fmt: skip
 
 GHOST_FLOOR = 2.0**-8
 RECHECK = 2.0**-6  # below RECHECK · U a float32 ghost norm is recomputed in float64
@@ -160,16 +163,24 @@ def guards(items: list[tuple[list, torch.Tensor]]) -> list[torch.Tensor]:
     guarded again one by one, as they would be alone. On a CPU, one by one."""
     if not any(launches_kernels(total) for _, total in items):  # a CPU's host reads cost nothing
         return [_checked(reps, total) for reps, total in items]
-    first = [_unchecked(reps, total) for reps, total in items]
-    fired = any_flag([flag for _, flag in first])
+    return settle(items, [first_pass(reps, total) for reps, total in items])
+
+
+def settle(items: list[tuple], firsts: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """The guarded norms of ``items`` (reps, total) from their :func:`first_pass` results, with one
+    host read: where a flag is set, that item is guarded again alone, with its reads. ``reps`` may be
+    a function that makes the list again (a stack of uses, not held between the passes)."""
+    fired = any_flag([flag for _, flag in firsts])
     return [
-        _checked(reps, total) if fired and bool(flag) else result for (reps, total), (result, flag) in zip(items, first)
+        _checked(reps() if callable(reps) else reps, total) if fired and bool(flag) else result
+        for (reps, total), (result, flag) in zip(items, firsts)
     ]
 
 
-def _unchecked(reps: list, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(:func:`_checked`'s result where the flag, a device bool, is False; no host read): the same
-    operators but the rescaling of risky rows and the float64 recomputation, which the flag marks."""
+def first_pass(reps: list, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the guarded norm where the flag, a device bool, is False; no host read): the checked
+    guard's operators but the rescaling of risky rows and the float64 recomputation, which the flag
+    marks (:func:`settle` then guards the item again with them)."""
     sums = [row_sums(r, rescale=False) for r in reps]
     result, redo = _bounded(reps, total, [s[:3] for s in sums])
     flag = _any(redo, *(s[3] for s in sums))

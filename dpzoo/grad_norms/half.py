@@ -175,16 +175,19 @@ def scaled_product(left: torch.Tensor, right: torch.Tensor, scale: torch.Tensor)
 
 
 def flagged_scaled_product(
-    left: torch.Tensor, right: torch.Tensor, scale: torch.Tensor
+    left: torch.Tensor, right: torch.Tensor, scale: torch.Tensor, blocks: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(:func:`scaled_product`'s sum, whether the split lost a bit: a device bool, no host read;
-    where True the sum is not to be used)."""
-    b, t, r = left.shape
+    where True the sum is not to be used). ``blocks``: the samples are that many equal blocks
+    (uses of one shape stacked along the batch), each summed on its own: (blocks, r, c)."""
+    t, r = left.shape[1:]
     c = right.shape[-1]
     weights = round_toward_zero(scale, torch.bfloat16).float().view(-1, 1, 1)
     narrow, other = (left, right) if r <= c else (right, left)
     hi, lo = split_bfloat16(narrow.float() * weights)  # exact: 8 × 8 significant bits
     lost = lost_bits(narrow, hi.float() + lo.float(), SPLIT_TINY)  # not finite if hi overflowed
-    other = other.reshape(b * t, -1)
-    total = product(hi.reshape(b * t, -1).t(), other).add_(product(lo.reshape(b * t, -1).t(), other))
-    return (total if r <= c else total.t()), lost
+    lead = (blocks,) if blocks > 1 else ()  # each block's B·T rows one contraction, as alone
+    other = other.reshape(*lead, -1, other.shape[-1])
+    total = product(hi.reshape(*lead, -1, hi.shape[-1]).transpose(-1, -2), other)
+    total = total.add_(product(lo.reshape(*lead, -1, lo.shape[-1]).transpose(-1, -2), other))
+    return (total if r <= c else total.transpose(-1, -2)), lost

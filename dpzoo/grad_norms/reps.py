@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import InvalidArgumentError
 from .half import (
     HALF,
     exact_matmuls,
@@ -329,17 +330,21 @@ def clipped_sum(rep: Rep, scale: torch.Tensor) -> torch.Tensor:
     return _wide_clipped_sum(rep, scale) if lost is not None and bool(lost) else total
 
 
-def flagged_clipped_sum(rep: Rep, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def flagged_clipped_sum(rep: Rep, scale: torch.Tensor, blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(:func:`clipped_sum`'s working-precision sum, whether a scaled factor lost bits: a device
     bool, or None where none can; no host read). Where True, the sum is :func:`clipped_sum`'s
-    float64 one instead (on a GPU one host read then serves every parameter of a step)."""
+    float64 one instead (on a GPU one host read then serves every parameter of a step).
+    ``blocks``: a factored ``rep`` of one group holding that many uses of one shape stacked along
+    the batch (the n-th's samples at rows n·B…), each summed on its own: (blocks, *shape)."""
+    if blocks > 1 and not (isinstance(rep, Factored) and rep.left.shape[1] == 1):
+        raise InvalidArgumentError("blocks > 1: only a factored use of one group holds uses stacked along the batch")
     if _bfloat16_pair(rep):  # the product rounds the scale to bfloat16 itself, as _working_scale does
-        total, lost = flagged_scaled_product(rep.left[:, 0], rep.right[:, 0], scale)
-        return rep.to_param(total.unsqueeze(0)), lost
+        total, lost = flagged_scaled_product(rep.left[:, 0], rep.right[:, 0], scale, blocks)
+        return rep.to_param(total.unsqueeze(-3)), lost
     scale = _working_scale(rep, scale)
     rep = Factored(upcast(rep.left), upcast(rep.right), rep.shape) if isinstance(rep, Factored) else _acc_rep(rep)
     with exact_matmuls():
-        return _flagged_sum(rep, scale)
+        return _flagged_sum(rep, scale, blocks)
 
 
 def _bfloat16_pair(rep: Rep) -> bool:
@@ -362,7 +367,7 @@ def _wide_clipped_sum(rep: Rep, scale: torch.Tensor) -> torch.Tensor:
     return _flagged_sum(wide, _working_scale(rep, scale).double())[0].float()
 
 
-def _flagged_sum(rep: Rep, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _flagged_sum(rep: Rep, scale: torch.Tensor, blocks: int = 1) -> tuple[torch.Tensor, torch.Tensor | None]:
     if isinstance(rep, Dense):
         return torch.tensordot(scale, rep.grad, dims=([0], [0])), None  # a GEMV: faster than einsum on CPU
     if isinstance(rep, Factored):
@@ -376,6 +381,9 @@ def _flagged_sum(rep: Rep, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         if g > 1:
             return rep.to_param(torch.einsum("bgtr,bgtc->grc", scaled, rep.right)), lost
         left, right = (scaled, rep.right) if r <= c else (rep.left, scaled)
+        if blocks > 1:  # each block's B·T rows one GEMM, as alone
+            total = torch.bmm(left.reshape(blocks, -1, r).transpose(1, 2), right.reshape(blocks, -1, c))
+            return rep.to_param(total.unsqueeze(1)), lost
         return rep.to_param(torch.mm(left.reshape(b * t, r).t(), right.reshape(b * t, c)).unsqueeze(0)), lost
     weighted = (rep.right * scale.view(-1, 1, 1)).flatten(0, 1)
     out = rep.right.new_zeros(rep.num_rows, rep.right.shape[-1])
