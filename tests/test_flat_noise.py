@@ -52,6 +52,18 @@ def test_a_zero_noise_multiplier_writes_the_sums_and_zeros():
     assert torch.equal(out[0], summed[0]) and torch.equal(out[1], torch.zeros(4))
 
 
+def test_a_sum_in_another_shape_is_added_by_index_and_the_gradients_are_views_of_one_buffer():
+    """A clipped sum handed over flat (or in any shape of the parameter's numel) is added coordinate
+    by coordinate, never broadcast; each gradient is a view of the step's one noise buffer."""
+    params = [torch.zeros(4, 1), torch.zeros(2, 3)]
+    summed = [torch.arange(4.0), torch.arange(6.0).view(3, 2).t()]  # flat; transposed
+    out = noised_all_reduce_many(params, summed, 0.0, lambda d: pytest.fail("no draw without noise"))
+    assert torch.equal(out[0], torch.arange(4.0).view(4, 1)) and torch.equal(out[1], summed[1])
+    assert out[0].untyped_storage().data_ptr() == out[1].untyped_storage().data_ptr()
+    with pytest.raises(RuntimeError):
+        noised_all_reduce_many([torch.zeros(4, 1)], [torch.zeros(3)], 0.0, lambda d: None)
+
+
 def _private(opt_cls=None):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))

@@ -120,15 +120,26 @@ def noised_all_reduce_many(
         if rank != 0 and draws:  # drawn to keep seeded generators in step: rank 0's noise alone is released
             flat.zero_()
         sizes = [params[i].numel() for i in idx]
-        views = flat.split(sizes)
-        adds = [(views[j], summed[i]) for j, i in enumerate(idx) if summed[i] is not None]
-        if adds:  # by logical index: a sum's memory layout does not matter
-            torch._foreach_add_([v for v, _ in adds], [s.reshape(-1).to(flat.dtype) for _, s in adds])
+        shaped = [v.view(params[i].shape) for i, v in zip(idx, flat.split(sizes))]  # each parameter's coordinates
+        adds = [(shaped[j], summed[i]) for j, i in enumerate(idx) if summed[i] is not None]
+        if adds:  # element by element: a sum's memory layout does not matter
+            torch._foreach_add_([v for v, _ in adds], [_like(s, v) for v, s in adds])
         if world > 1:
             dist.all_reduce(flat)
-        for i, v in zip(idx, flat.to(params[idx[0]].dtype).split(sizes)):
-            out[i] = v.view(params[i].shape)
+        dtype = params[idx[0]].dtype
+        if dtype != flat.dtype:  # half parameters: noise and sums in float32, one cast for all
+            shaped = [v.view(params[i].shape) for i, v in zip(idx, flat.to(dtype).split(sizes))]
+        for i, v in zip(idx, shaped):
+            out[i] = v
     return out
+
+
+def _like(summed: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    """``summed`` in ``view``'s shape and dtype (no operator where they already agree; a reshape,
+    never a broadcast, where the shapes differ)."""
+    if summed.shape != view.shape:
+        summed = summed.reshape(view.shape)
+    return summed if summed.dtype == view.dtype else summed.to(view.dtype)
 
 
 def flat_noise(params: list[torch.Tensor], std: float, generator_for: Callable[[torch.device], torch.Generator]):
