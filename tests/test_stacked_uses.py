@@ -204,3 +204,27 @@ def test_measure_paths_times_a_stack_per_use(monkeypatch):
     ghost1, inst1 = cost.measure_paths(rep)
     ghost4, inst4 = cost.measure_paths(rep, 4)
     assert len(cost.MEASURED) == 2 and min(ghost1, inst1, ghost4, inst4) > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bf16 tensor cores)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stacks_on_cuda_give_each_uses_own_norm_and_sum(dtype):
+    """On a GPU's own kernels (tensor-core batched products for bfloat16): every member's norm never
+    below the float64 brute force and within the guard's margin of it, each clipped sum within
+    float32 rounding of Σ_i s_i g_i, and both what the use gives alone up to the kernels' rounding."""
+    reps = [R.Factored(r.left.cuda(), r.right.cuda(), r.shape) for r in _reps(dtype, seed=7)]
+    scale = half.round_toward_zero(torch.rand(B, generator=torch.Generator().manual_seed(8)) + 0.1, torch.bfloat16)
+    grads = {str(i): ParamGrad([r], ghost=True) for i, r in enumerate(reps)}
+    norms = param_grad.total_sq_norms(list(grads.values()))
+    sums = param_grad.clipped_sums(grads, scale.cuda(), None)
+    for i, (rep, norm) in enumerate(zip(reps, norms)):
+        cpu = R.Factored(rep.left.cpu(), rep.right.cpu(), rep.shape)
+        exact = _grad64(cpu).flatten(1).square().sum(1)
+        assert (norm.cpu().double() >= exact).all() and (norm.cpu().double() <= exact * 1.02).all()
+        alone = ParamGrad([rep], ghost=True)
+        torch.testing.assert_close(norm, alone.sq_norm(), rtol=1e-5, atol=0)
+        want = torch.einsum("b,brc->rc", scale.double(), _grad64(cpu))
+        assert (sums[str(i)].cpu().double() - want).abs().max() <= 1e-5 * want.abs().max()
+        torch.testing.assert_close(
+            sums[str(i)], alone.clipped_sum(scale.cuda()), rtol=1e-5, atol=1e-5 * want.abs().max().item()
+        )
