@@ -228,3 +228,23 @@ def test_stacks_on_cuda_give_each_uses_own_norm_and_sum(dtype):
         torch.testing.assert_close(
             sums[str(i)], alone.clipped_sum(scale.cuda()), rtol=1e-5, atol=1e-5 * want.abs().max().item()
         )
+
+
+def test_a_stack_that_does_not_fit_the_room_is_timed_with_fewer_uses_at_once(monkeypatch):
+    """Timing holds every use of a stack at once on both paths: where the room (the budget, the
+    device's free memory) holds TIMING_ROOM times two uses, five of one shape are timed two at a
+    time; where it holds not even one, the use is left to the model."""
+    asked = []
+    monkeypatch.setattr(cost, "MEASURED", {})
+    monkeypatch.setattr(cost, "measure_paths", lambda rep, stack=1: asked.append(stack) or (1.0, 2.0))
+    monkeypatch.setattr(cost, "rep_device", lambda rep: torch.device("cuda"))
+    monkeypatch.setattr(half, "LAUNCH_DEVICES", {"cuda", "cpu"})
+    reps = _reps(torch.float32, seed=9)[:5]  # five uses of one shape
+    c = cost.use_cost("x", 0, reps[0])
+    factors = (reps[0].left.numel() + reps[0].right.numel()) * 4
+    one = cost.TIMING_ROOM * max(c.ghost_bytes, c.instantiate_bytes, factors)
+    plan = cost.plan_uses({str(i): [r] for i, r in enumerate(reps)}, budget=2 * one + 1, autotune=True)
+    assert asked == [2] * 5 and all(cs[0].timed for cs in plan.values())
+    asked.clear()
+    plan = cost.plan_uses({str(i): [r] for i, r in enumerate(reps)}, budget=one - 1, autotune=True)
+    assert asked == [] and not any(cs[0].timed for cs in plan.values())

@@ -317,11 +317,13 @@ def _time_uses(by_param: dict[str, list], costs: dict[str, list[UseCost]], room:
             if len(rs) > 2 or not isinstance(r, R.Factored):
                 continue
             right = R.right_like(r)
-            stack = stacks.get((n, i), 1)
             factors = (r.left.numel() + right.numel()) * right.element_size()
-            need = TIMING_ROOM * stack * max(c.ghost_bytes, c.instantiate_bytes, factors)
-            # a shape timed once keeps its timing: the room (free memory now) only guards new timings
-            fits = (*_paths_key(r), stack) in MEASURED or need <= room
+            one = TIMING_ROOM * max(c.ghost_bytes, c.instantiate_bytes, factors)  # per use timed at once
+            want = stacks.get((n, i), 1)
+            # a shape timed once keeps its timing: the room (free memory now) only guards new timings,
+            # with as many uses at once as it holds
+            stack = want if (*_paths_key(r), want) in MEASURED else max(1, min(want, int(room // max(one, 1))))
+            fits = (*_paths_key(r), stack) in MEASURED or one * stack <= room
             if not fits:
                 continue
             try:
