@@ -71,9 +71,10 @@ def _spoil(reps: list[R.Factored], how: str) -> None:
 @pytest.mark.parametrize("how", ["none", "cancelling", "tiny", "huge", "inf"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stacked_ghost_norms_are_each_uses_own_and_never_below_the_exact_norm(how, dtype, monkeypatch):
-    """Every member's guarded squared norm equals what its use gives alone (ParamGrad.sq_norm), is
-    never below the float64 brute force, and a quiet step reads the host once; a stack whose guard
-    fires is guarded again, and its other members keep their own norms."""
+    """Every member's guarded squared norm is what its use gives alone (ParamGrad.sq_norm) up to
+    float32 rounding (a batched product may round otherwise at another batch size), never below the
+    float64 brute force, and a quiet step reads the host once; a stack whose guard fires is guarded
+    again, and its other members keep their own norms."""
     if dtype == torch.bfloat16 and how in ("tiny", "huge"):
         pytest.skip("bfloat16 shares float32's exponent range: the float32 cases cover it")
     reps = _reps(dtype)
@@ -88,7 +89,7 @@ def test_stacked_ghost_norms_are_each_uses_own_and_never_below_the_exact_norm(ho
     assert (list(reads) == ["__bool__"]) == (how == "none"), reads
     for g, norm, one, rep in zip(grads, got, alone, reps):
         assert norm is g.sq_norm()  # cached on the parameter
-        torch.testing.assert_close(norm, one, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(norm, one, rtol=1e-5, atol=0, equal_nan=True)
         exact = _grad64(rep).flatten(1).square().sum(1)
         ok = torch.isfinite(exact)
         assert (norm.double()[ok] >= exact[ok]).all()
@@ -125,7 +126,7 @@ def test_stack_bytes_bounds_what_one_stack_copies(monkeypatch):
         narrow = param_grad.total_sq_norms([ParamGrad([r], ghost=True) for r in reps])
     assert ops.cats == 2 * 2 + 2  # and the second shape's three (smaller) uses: one stack
     for a, b in zip(wide, narrow):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=0)
     monkeypatch.setattr(param_grad, "STACK_BYTES", 0)  # every use alone
     with _Ops() as ops:
         param_grad.total_sq_norms([ParamGrad([r], ghost=True) for r in reps])
@@ -155,6 +156,15 @@ def test_stacked_clipped_sums_are_each_uses_own(lose, dtype, monkeypatch):
         assert (got[str(i)] - alone[str(i)]).abs().max() <= 1e-5 * size
         if lose and i in (0, 1, 2, 3, 4):  # the stack that lost bits: its members' own float64 sums
             torch.testing.assert_close(got[str(i)], alone[str(i)], rtol=0, atol=0)
+
+
+def test_an_empty_batch_gives_every_member_its_own_empty_norm(monkeypatch):
+    monkeypatch.setattr(half, "LAUNCH_DEVICES", {"cuda", "cpu"})
+    grads = [
+        ParamGrad([R.Factored(torch.randn(0, 1, 5, 4), torch.randn(0, 1, 5, 6), (4, 6))], ghost=True) for _ in range(3)
+    ]
+    norms = param_grad.total_sq_norms(grads)
+    assert [tuple(n.shape) for n in norms] == [(0,)] * 3 and all(n is g.sq_norm() for n, g in zip(norms, grads))
 
 
 def test_a_stack_is_only_of_single_factored_uses_of_one_group():

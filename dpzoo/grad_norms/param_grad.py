@@ -257,7 +257,7 @@ def total_sq_norms(grads: list[ParamGrad]) -> list[torch.Tensor]:
     else:
         results = guards(items)
     for members, sq in zip(owners, results):
-        parts = sq.split(members[0].batch_size) if len(members) > 1 else [sq]  # the n-th member's: rows n·B…
+        parts = sq.unflatten(0, (len(members), -1)).unbind(0) if len(members) > 1 else [sq]  # the n-th's: rows n·B…
         for g, part in zip(members, parts):
             g._sq = part
             out.append(part)
