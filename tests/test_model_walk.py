@@ -122,3 +122,44 @@ def test_a_patched_torch_walk_or_a_value_compared_parameter_falls_back_to_torch(
     model[1].weight = Valued(torch.ones(2, 2))
     model[0].weight = Valued(torch.ones(2, 2))
     assert [id(p) for p in model_walk.parameters(model)] == [id(p) for p in model.parameters()]
+
+
+def test_a_training_step_walks_the_model_three_times_and_still_sees_a_new_buffer(monkeypatch):
+    """The guards' walks of an engine step: one before the forward (trainable set and buffers
+    together), one after it, one at the step; a buffer a forward registers is still refused."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import dpzoo
+    from dpzoo.errors import PrivacyUsageError
+    from dpzoo.privacy import watch
+
+    walks = []
+    real = model_walk.named_modules
+
+    def counted(module):
+        walks.append(1)
+        return real(module)
+
+    monkeypatch.setattr(model_walk, "named_modules", counted)
+    monkeypatch.setattr(watch, "named_modules", counted)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    data = TensorDataset(torch.randn(64, 4), torch.randint(0, 3, (64,)))
+    model, opt, loader = dpzoo.PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=DataLoader(data, batch_size=16),
+        noise_multiplier=1.0, max_grad_norm=1.0, self_check=False,
+    )  # fmt: skip
+    batches = iter(loader)
+    for step in range(2):
+        x, y = next(batches)
+        walks.clear()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        assert len(walks) == 3, (step, len(walks))
+    model[0].register_buffer("seen", torch.zeros(1))  # registered between steps: a new buffer at the next forward
+    x, y = next(batches)
+    model[0].register_forward_hook(lambda m, a, out: m.seen.add_(1) and None)  # a statistic of the batch's call
+    with pytest.raises(PrivacyUsageError, match="seen"):
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()

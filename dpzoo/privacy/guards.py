@@ -65,11 +65,12 @@ def check_step_parameters(module: nn.Module, hooks: NormHooks, optimizer: torch.
         )
 
 
-def trainable_changed(module: nn.Module, hooks: NormHooks) -> bool:
+def trainable_changed(module: nn.Module, hooks: NormHooks, modules=None) -> bool:
     """True if parameters were frozen or unfrozen since ``hooks`` were planned (they must be
-    planned again); refuses a forward in which the hooked parameters are not the model's own."""
+    planned again); refuses a forward in which the hooked parameters are not the model's own.
+    ``modules``: :func:`.model_walk.named_modules` of ``module`` taken just before (else walked now)."""
     hooked = hooks.trainable_parameters
-    params = parameters(module)  # one walk of the model for both checks
+    params = parameters(module) if modules is None else parameters(module, modules)  # one walk for both checks
     present = {id(p) for p in params}
     swapped = [n for n, p in hooked.items() if id(p) not in present]
     if swapped:
@@ -119,11 +120,12 @@ class StateWatch:
         self._buffers_at_step: dict | None = None
         self._param_sums: dict | None = None
 
-    def start_forward(self, first_step: bool) -> None:
+    def start_forward(self, first_step: bool, modules=None) -> None:
         """Before a training forward: keep the buffers (at a step's first forward) and, on the
-        first step (``first_step``), the parameters' checksums."""
+        first step (``first_step``), the parameters' checksums. ``modules`` as for :func:`trainable_changed`."""
         if self._buffers_at_step is None:
-            self._buffers_at_step = {n: b.detach().clone() for n, b in named_buffers(self.module).items()}
+            now = named_buffers(self.module) if modules is None else named_buffers(self.module, modules)
+            self._buffers_at_step = {n: b.detach().clone() for n, b in now.items()}
         if self._param_sums is None and first_step:
             self._param_sums = _checksums(self.module)
 

@@ -83,16 +83,20 @@ def _tensors(modules, members: str) -> dict[str, torch.Tensor] | None:
     return out
 
 
-def parameters(module: nn.Module) -> list[nn.Parameter]:
-    """``list(module.parameters())``."""
-    modules = named_modules(module)
+_WALK = object()  # not given: walk the model now
+
+
+def parameters(module: nn.Module, modules=_WALK) -> list[nn.Parameter]:
+    """``list(module.parameters())``; ``modules``: :func:`named_modules` of ``module`` taken at the
+    same point (one walk for several reads), else walked now."""
+    modules = named_modules(module) if modules is _WALK else modules
     found = None if modules is None or _patched() else _tensors(modules, "_parameters")
     return list(module.parameters()) if found is None else list(found.values())
 
 
-def named_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    """``dict(module.named_buffers())``."""
-    modules = named_modules(module)
+def named_buffers(module: nn.Module, modules=_WALK) -> dict[str, torch.Tensor]:
+    """``dict(module.named_buffers())``; ``modules`` as for :func:`parameters`."""
+    modules = named_modules(module) if modules is _WALK else modules
     found = None if modules is None or _patched() else _tensors(modules, "_buffers")
     return dict(module.named_buffers()) if found is None else found
 

@@ -20,6 +20,7 @@ from ..grad_norms.copy_inert import CopyInert
 from .caller import first_frame_outside_dpzoo
 from .data import StepSignal
 from .guards import StateWatch, check_step_parameters, trainable_changed
+from .model_walk import named_modules
 from .verify import self_check
 
 if TYPE_CHECKING:
@@ -91,18 +92,20 @@ class TrainingWatch:
         if self._in_check or not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
             return None
         engine, optimizer = self.engine, self.engine.optimizer
-        if trainable_changed(engine.module, engine.hooks):
+        modules = named_modules(engine.module)  # one walk for both checks below, unless hooks are re-planned
+        if trainable_changed(engine.module, engine.hooks, modules):
             if optimizer.hooks.step_ready:
                 optimizer.clip_and_accumulate()
             # re-plan the hooks for the new trainable set; their root pre-hook missed this call
             self._replan()
             engine.hooks.begin_forward(module, args, kwargs)
+            modules = None  # walked again below
         optimizer.mark_forward()
         if self.self_check and optimizer.on_first_step is not None and engine.hooks.forward_calls == 0:
             self._check_inputs = (args, kwargs)
         # this optimizer's first step, not the accountant's: a model with earlier spending
         # (dpzoo.load, DP-FROST) still has its parameters checked over its first step here
-        self._state.start_forward(first_step=optimizer.steps == 0)
+        self._state.start_forward(first_step=optimizer.steps == 0, modules=modules)
         return None
 
     def after_forward(self, module, args, output):
