@@ -62,7 +62,7 @@ def priced_plan(device: gpu_model.Device):
 def _price_paths(rep, tracer, device: gpu_model.Device, stack: int = 1) -> list[float]:
     """The model's milliseconds on ``device`` of ``rep``'s ghost path, then its instantiation path, per
     use of ``stack`` uses of its shape at once (as :func:`dpzoo.grad_norms.cost.measure_paths` times them)."""
-    from dpzoo.grad_norms.param_grad import ParamGrad, clipped_sums, total_sq_norms
+    from dpzoo.grad_norms.cost import run_paths
 
     times = []
     for ghost in (True, False):
@@ -70,9 +70,7 @@ def _price_paths(rep, tracer, device: gpu_model.Device, stack: int = 1) -> list[
         tracer.trace, tracer.recording = cost_trace.Trace(), True
         try:
             with cost_trace.count_python_calls(tracer.trace):
-                grads = {str(i): ParamGrad([rep], ghost) for i in range(stack)}
-                total_sq_norms(list(grads.values()))
-                clipped_sums(grads, torch.ones(rep.batch_size, device=rep.right.device), None)
+                run_paths(rep, ghost, stack, torch.ones(rep.batch_size, device=rep.right.device))
             path = tracer.trace
         finally:
             tracer.trace, tracer.recording = saved, recording

@@ -46,8 +46,7 @@ import torch
 from ..device_memory import available_memory
 from ..errors import InvalidArgumentError
 from . import reps as R
-from .half import launches_kernels
-from .param_grad import ParamGrad, clipped_sums, stack_capacity, total_sq_norms
+from .param_grad import ParamGrad, clipped_sums, stack_capacity, stack_key, total_sq_norms
 
 __all__ = [
     "UseCost",
@@ -61,6 +60,7 @@ __all__ = [
     "TRAFFIC",
     "autotunes",
     "TIMING_ROOM",
+    "run_paths",
 ]
 
 # the share of free device memory the instantiated per-sample gradients may take by default
@@ -209,14 +209,19 @@ def measure_paths(rep, stack: int = 1) -> tuple[float, float]:
         rep = R.Factored(left, right, rep.shape)
         scale = torch.rand(b, generator=gen, device=device)  # clip factors are float32
 
-        def run(ghost: bool, uses: int) -> None:
-            grads = {str(i): ParamGrad([rep], ghost) for i in range(uses)}
-            total_sq_norms(list(grads.values()))
-            clipped_sums(grads, scale, None)
-
-        MEASURED[key] = tuple(_timed(lambda: run(ghost, stack), device) / stack / b for ghost in (True, False))
+        MEASURED[key] = tuple(
+            _timed(lambda: run_paths(rep, ghost, stack, scale), device) / stack / b for ghost in (True, False)
+        )
     per_sample = MEASURED[key]
     return per_sample[0] * b, per_sample[1] * b
+
+
+def run_paths(rep, ghost: bool, uses: int, scale: torch.Tensor) -> None:
+    """What a step runs for ``uses`` single uses like ``rep`` on one path (``ghost``): their norms
+    (:func:`~dpzoo.grad_norms.param_grad.total_sq_norms`) and clipped sums by ``scale``."""
+    grads = {str(i): ParamGrad([rep], ghost) for i in range(uses)}
+    total_sq_norms(list(grads.values()))
+    clipped_sums(grads, scale, None)
 
 
 def _paths_key(rep) -> tuple:
@@ -349,10 +354,9 @@ def _stack_sizes(by_param: dict[str, list]) -> dict[tuple[str, int], int]:
     :func:`~dpzoo.grad_norms.param_grad.stack_capacity` (as if all took the ghost path)."""
     keys: dict[tuple[str, int], tuple] = {}
     for n, rs in by_param.items():
-        r = rs[0] if len(rs) == 1 else None
-        if isinstance(r, R.Factored) and r.left.shape[1] == 1 and launches_kernels(r.left):
-            right = R.right_like(r)
-            keys[(n, 0)] = (tuple(r.left.shape), tuple(right.shape), r.left.dtype, right.dtype, r.shape)
+        key = stack_key(rs[0]) if len(rs) == 1 else None
+        if key is not None:
+            keys[(n, 0)] = key
     counts: dict[tuple, int] = {}
     for key in keys.values():
         counts[key] = counts.get(key, 0) + 1

@@ -37,7 +37,7 @@ from .reps import (
 )
 from .rounding import any_flag, dense_sq_norms
 
-__all__ = ["ParamGrad", "total_sq_norms", "clipped_sums", "stack_capacity", "SMALL_DENSE", "STACK_BYTES"]
+__all__ = ["ParamGrad", "total_sq_norms", "clipped_sums", "stack_key", "stack_capacity", "SMALL_DENSE", "STACK_BYTES"]
 
 # a parameter whose per-sample gradient is one dense use of at most this many entries a sample (a
 # bias, a norm layer's scale) is normed together with the others like it: one norm, and on a GPU one
@@ -264,22 +264,27 @@ def total_sq_norms(grads: list[ParamGrad]) -> list[torch.Tensor]:
     return out + dense_sq_norms(dense + [torch.cat(rows, 1) for rows in small.values()])
 
 
+def stack_key(rep) -> tuple | None:
+    """What a factored use of one group on a device that launches kernels shares with the uses it is
+    stacked with (factor shapes, dtypes, device, parameter shape); None for any other use."""
+    if not isinstance(rep, Factored) or rep.left.shape[1] != 1 or not launches_kernels(rep.left):
+        return None
+    right = right_like(rep)
+    return (tuple(rep.left.shape), tuple(right.shape), rep.left.dtype, right.dtype, rep.left.device, rep.shape)
+
+
 def _stackable(g: ParamGrad) -> bool:
-    """Whether settled ``g`` is one factored use of one group (on the ghost path) on a device that
-    launches kernels: normed and summed in a stack of its shape (:func:`_stacks`)."""
-    rep = g.reps[0]
-    return len(g.reps) == 1 and isinstance(rep, Factored) and rep.left.shape[1] == 1 and launches_kernels(rep.left)
+    """Whether settled ``g`` is one use with a :func:`stack_key` (on the ghost path): normed and
+    summed in a stack of its shape (:func:`_stacks`)."""
+    return len(g.reps) == 1 and stack_key(g.reps[0]) is not None
 
 
 def _stacks(grads: list[ParamGrad]) -> list[list[ParamGrad]]:
-    """``grads`` (each :func:`_stackable`) in groups of one use shape and dtype, each group's factors
+    """``grads`` (each :func:`_stackable`) in groups of one :func:`stack_key`, each group's factors
     at most :data:`STACK_BYTES` (a group of one where a use's exceed it)."""
     groups: dict[tuple, list[ParamGrad]] = {}
     for g in grads:
-        rep = g.reps[0]
-        right = right_like(rep)
-        key = (tuple(rep.left.shape), tuple(right.shape), rep.left.dtype, right.dtype, rep.left.device, rep.shape)
-        groups.setdefault(key, []).append(g)
+        groups.setdefault(stack_key(g.reps[0]), []).append(g)
     out = []
     for members in groups.values():
         per = stack_capacity(members[0].reps[0])
@@ -327,7 +332,7 @@ def clipped_sums(grads: dict[str, ParamGrad], scale: torch.Tensor, drop: torch.T
         out[name], lost = _summed(name, g, scale, drop, deferred)
         if lost is not None:
             flagged[name] = lost
-    names = {id(g): name for name, g in grads.items()}
+    names = {id(g): name for name, g in grads.items()} if stackable else {}
     for members in _stacks(stackable):  # each member's sum its own block of one batched product
         labels = [names[id(g)] for g in members]
         sums, lost = _stacked_sums(labels, members, scale)
