@@ -168,7 +168,9 @@ def test_an_empty_batch_gives_every_member_its_own_empty_norm(monkeypatch):
 
 
 def test_a_stack_is_only_of_single_factored_uses_of_one_group():
-    with pytest.raises(Exception, match="blocks > 1"):
+    from dpzoo.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="blocks > 1"):
         R.flagged_clipped_sum(R.Dense(torch.randn(4, 3)), torch.ones(4), 2)
 
 
