@@ -42,17 +42,21 @@ def priced_plan(device: gpu_model.Device):
     path priced on ``device`` by the model (a sub-trace of the path's operators and Python calls)."""
     from dpzoo.grad_norms import cost
 
-    priced: dict[tuple, tuple[float, float]] = {}  # per sample, by shape without the batch (as timing is)
+    priced: dict[tuple, tuple[float, ...]] = {}  # per sample, by shape without the batch (as timing is)
 
     def prepare(run, tracer) -> None:
-        def price(rep, stack: int = 1) -> tuple[float, float]:
-            b = rep.batch_size
+        def per_sample(rep, stack: int) -> tuple[float, ...]:
             key = (tuple(rep.left.shape[1:]), tuple(rep.right.shape[1:]), rep.right.dtype, stack)
             if key not in priced:  # priced on the warm-up steps: the traced step's Python calls stay counted
-                priced[key] = tuple(ms / b for ms in _price_paths(rep, tracer, device, stack))
-            return priced[key][0] * b, priced[key][1] * b
+                priced[key] = tuple(ms / rep.batch_size for ms in _price_paths(rep, tracer, device, stack))
+            return priced[key]
+
+        def price(rep, stack: int = 1) -> tuple[float, float]:
+            ghost, held, _ = per_sample(rep, stack)
+            return ghost * rep.batch_size, held * rep.batch_size
 
         cost.measure_paths = price  # restored by predict()
+        cost.measure_freed = lambda rep, stack=1: per_sample(rep, stack)[2] * rep.batch_size
         if run.engine is not None:
             run.engine.hooks.autotune = True
 
@@ -60,17 +64,18 @@ def priced_plan(device: gpu_model.Device):
 
 
 def _price_paths(rep, tracer, device: gpu_model.Device, stack: int = 1) -> list[float]:
-    """The model's milliseconds on ``device`` of ``rep``'s ghost path, then its instantiation path, per
-    use of ``stack`` uses of its shape at once (as :func:`dpzoo.grad_norms.cost.measure_paths` times them)."""
+    """The model's milliseconds on ``device`` of ``rep``'s ghost path, its instantiation path held,
+    then formed for the norm and freed, per use of ``stack`` uses of its shape at once (as
+    :func:`dpzoo.grad_norms.cost.measure_paths` and ``measure_freed`` time them)."""
     from dpzoo.grad_norms.cost import run_paths
 
     times = []
-    for ghost in (True, False):
+    for ghost, freed in ((True, False), (False, False), (False, True)):
         saved, recording = tracer.trace, tracer.recording
         tracer.trace, tracer.recording = cost_trace.Trace(), True
         try:
             with cost_trace.count_python_calls(tracer.trace):
-                run_paths(rep, ghost, stack, torch.ones(rep.batch_size, device=rep.right.device))
+                run_paths(rep, ghost, stack, torch.ones(rep.batch_size, device=rep.right.device), freed)
             path = tracer.trace
         finally:
             tracer.trace, tracer.recording = saved, recording
@@ -88,11 +93,11 @@ def predict(
     prepare = priced_plan(devices[timed_plan]) if timed_plan else None
     rows = {}
     for mode in modes:
-        measure = cost.measure_paths
+        measure, freed = cost.measure_paths, cost.measure_freed
         try:
             trace = cost_trace.trace_step(config, mode, precision, prepare=prepare)
         finally:
-            cost.measure_paths = measure
+            cost.measure_paths, cost.measure_freed = measure, freed
         counts = cost_trace.summarize(trace)
         shaped = gpu_model.arrays(trace)
         rows[mode] = {k: counts[k] for k in ("ops", "host_reads", "python_calls", "peak_mb")}
@@ -111,7 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--timed-plan", choices=list(gpu_model.DEVICES), default=None,
                         help="plan as dpzoo does on that GPU (paths priced by the model), not as on a CPU")  # fmt: skip
+    parser.add_argument("--memory-budget", type=float, default=None,
+                        help="the engine's memory_budget in bytes (default: cost_trace's, half of an 80 GB GPU)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.memory_budget is not None:
+        cost_trace.ENGINE["memory_budget"] = args.memory_budget
     warnings.filterwarnings("ignore")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {
@@ -120,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         "constants_from": str(REPORT.relative_to(REPORT.parents[2])),
         "config": args.config,
         "precision": args.precision,
+        "memory_budget": cost_trace.ENGINE["memory_budget"],
         "plan": f"timed, priced on the {args.timed_plan}"
         if args.timed_plan
         else "the multiply-add model (as on a CPU)",

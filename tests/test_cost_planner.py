@@ -318,7 +318,9 @@ def test_the_paths_are_timed_on_random_factors_of_the_shapes_never_on_the_batch(
     real = cost.ParamGrad
     ghosts = []
     monkeypatch.setattr(
-        cost, "ParamGrad", lambda reps, ghost: seen.append(reps[0]) or ghosts.append(ghost) or real(reps, ghost)
+        cost,
+        "ParamGrad",
+        lambda reps, ghost, freed=False: seen.append(reps[0]) or ghosts.append(ghost) or real(reps, ghost, freed=freed),
     )
     monkeypatch.setattr(cost, "MEASURED", {})
     rep = _factored(3, 5, 4, 6)

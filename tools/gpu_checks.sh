@@ -4,7 +4,7 @@
 #   bash tools/gpu_checks.sh SECONDS        # on the device machine; results in $OUT
 #
 # 1. the CUDA tests (tests/test_cuda_steps.py, the CUDA cases of tests/test_mixed_precision.py and
-#    tests/test_stacked_uses.py);
+#    tests/test_stacked_uses.py, tests/test_formed_uses.py);
 # 2. the bf16 table (benchmarks/bench_training_step.py) of the five GPU configurations (GPT-2 and
 #    ViT with every use on the ghost path too);
 # 3. a profile of the llama's DP-BiTFiT and bias-only steps (1.69x of bias-only on 2026-11-28: host
@@ -61,7 +61,7 @@ step() {  # step SECONDS CMD...: run CMD with at most SECONDS, never past the de
 
 bench=(python3 benchmarks/bench_training_step.py --device cuda --rounds 5 --steps 2 --warmup 2 --threads 8)
 modes=(nonprivate-full nonprivate-bias dpzoo-bk-mixopt dpzoo-bitfit)
-[ -n "${SKIP_TESTS:-}" ] || step 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_steps.py tests/test_mixed_precision.py tests/test_stacked_uses.py -k "cuda"
+[ -n "${SKIP_TESTS:-}" ] || step 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_steps.py tests/test_mixed_precision.py tests/test_stacked_uses.py tests/test_formed_uses.py -k "cuda"
 read -r -a bf16_modes <<<"${BF16_MODES:-${modes[*]}}"
 for c in ${BF16_CONFIGS:-gpt2-small-t128 gpt2-small-t512 vit-base-patch16@224 resnet50-gn-bias@224 llama-bias-1b-t512}; do
     m=("${bf16_modes[@]}")

@@ -126,8 +126,12 @@ def assemble(
         by_param = {n: [group_rep(r, step.groups) for r in rs] for n, rs in by_param.items()}
     if ghost is not None:  # forced: every use on one path
         step.costs = {
-            n: [replace(c, ghost=ghost, why="forced") for c in cs] for n, cs in plan_uses(by_param, 0.0).items()
+            n: [replace(c, ghost=ghost, freed=False, why="forced") for c in cs]
+            for n, cs in plan_uses(by_param, 0.0).items()
         }
         return {n: ParamGrad(rs, ghost) for n, rs in by_param.items()}
     step.costs = plan_uses(by_param, memory_budget, autotune)
-    return {n: ParamGrad(rs, None, [c.ghost for c in step.costs[n]]) for n, rs in by_param.items()}
+    return {
+        n: ParamGrad(rs, None, [c.ghost for c in step.costs[n]], freed=any(c.freed for c in step.costs[n]))
+        for n, rs in by_param.items()
+    }

@@ -39,14 +39,16 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from ..device_memory import available_memory
 from ..errors import InvalidArgumentError
 from . import reps as R
+from .formed import formable
 from .param_grad import ParamGrad, clipped_sums, stack_capacity, stack_key, total_sq_norms
+from .use_costs import TRAFFIC, UseCost, use_cost
 
 __all__ = [
     "UseCost",
@@ -61,78 +63,11 @@ __all__ = [
     "autotunes",
     "TIMING_ROOM",
     "run_paths",
+    "measure_freed",
 ]
 
 # the share of free device memory the instantiated per-sample gradients may take by default
 BUDGET_FRACTION = 0.5
-# multiply-adds one instantiated element costs besides its arithmetic (writing the per-sample
-# tensor, reading it back for the norm and the sum), fitted on CPU (benchmarks/planner_cpu.py,
-# benchmarks/results/planner_cpu): with float32 dense norms (2026-11-27) instantiation is the faster
-# path for all four of GPT-2 4x256's layers at B 16, T 128 (ties at 158-254) and ResNet-18-GN@32's
-# stem, first stage and 1x1 downsample (ties at 2945, 140 and 10), ghost for its 3x3 later stages
-# (ties at 2.4 and below); any value in (2.4, 10) orders every shape whose paths differ by more
-# than 0.1 ms as measured (tests/test_cost_planner.py). It was 200 with float64 norms.
-TRAFFIC = 6
-
-
-@dataclass(frozen=True)
-class UseCost:
-    """One use of a parameter in a step, its two costs and the planner's choice."""
-
-    param: str
-    use: int
-    kind: str  # "linear" (Factored), "embedding" (OneHot) or "dense" (no choice)
-    ghost_flops: float
-    instantiate_flops: float
-    ghost_bytes: float
-    instantiate_bytes: float
-    ghost: bool = True
-    why: str = ""
-    ghost_ms: float | None = None  # autotune: measured (timed) or converted from the model, else None
-    instantiate_ms: float | None = None
-    timed: bool = False  # ghost_ms / instantiate_ms measured on this device, not converted
-
-    def time(self, ghost: bool) -> float:
-        """The cost the planner compares: milliseconds when autotuned, else multiply-adds."""
-        if self.ghost_ms is not None and self.instantiate_ms is not None:
-            return self.ghost_ms if ghost else self.instantiate_ms
-        return self.ghost_flops if ghost else self.instantiate_flops
-
-    def as_dict(self) -> dict:
-        return {
-            "param": self.param,
-            "use": self.use,
-            "kind": self.kind,
-            "choice": "dense" if self.kind == "dense" else ("ghost" if self.ghost else "instantiate"),
-            "why": self.why,
-            "ghost_gflop": self.ghost_flops / 1e9,
-            "instantiate_gflop": self.instantiate_flops / 1e9,
-            "ghost_mb": self.ghost_bytes / 2**20,
-            "instantiate_mb": self.instantiate_bytes / 2**20,
-            "ghost_ms": self.ghost_ms,
-            "instantiate_ms": self.instantiate_ms,
-            "timed": self.timed,
-        }
-
-
-def use_cost(param: str, use: int, rep) -> UseCost:
-    """The estimated multiply-adds and memory of ``rep`` on each path (see the module docstring)."""
-    if isinstance(rep, R.Factored):
-        b, g, t, p = rep.left.shape
-        d = R.right_like(rep).shape[3]
-        size = R.right_like(rep).element_size()
-        ghost = 2 * b * g * t * t * (p + d) + b * g * t * t + 2 * b * g * t * p * d
-        inst = 2 * b * g * t * p * d + (2 + TRAFFIC) * b * g * p * d
-        return UseCost(param, use, "linear", ghost, inst, b * g * t * t * size, b * g * p * d * size)
-    if isinstance(rep, R.OneHot):
-        b, t = rep.index.shape
-        d = rep.right.shape[-1]
-        size = rep.right.element_size()
-        ghost = b * t * t * (d + 1) + b * t * d
-        inst = (3 + TRAFFIC) * b * rep.num_rows * d + b * t * d
-        return UseCost(param, use, "embedding", ghost, inst, b * t * t * size, b * rep.num_rows * d * size)
-    numel = rep.grad.numel()
-    return UseCost(param, use, "dense", 2 * numel, 2 * numel, 0, numel * rep.grad.element_size(), why="no choice")
 
 
 def check_budget(budget: float | None) -> float | None:
@@ -200,26 +135,37 @@ def measure_paths(rep, stack: int = 1) -> tuple[float, float]:
     Each sample's rows share a component, as real activations do: factors independent across
     positions make the guard recheck every sample in float64 from T = 512 on, which ordinary data
     rarely needs (docs/DESIGN.md, "Floating point"), and would bias the timing against the ghost path."""
+    return _measured(rep, stack, freed=(False, False), ghost=(True, False))
+
+
+def measure_freed(rep, stack: int = 1) -> float:
+    """Milliseconds of the instantiation path for ``rep`` with each use formed for its norm and
+    freed (:mod:`.formed`; on a GPU, a single plain factored use), timed as :func:`measure_paths`
+    times the other two."""
+    return _measured(rep, stack, freed=(True,), ghost=(False,))[0]
+
+
+def _measured(rep, stack: int, freed: tuple, ghost: tuple) -> tuple:
+    """:func:`measure_paths` of the paths (``ghost``, ``freed``), each once per shape and stack."""
     b = rep.left.shape[0]
-    key = (*_paths_key(rep), stack)
+    key = (*_paths_key(rep), stack) + (("freed",) if any(freed) else ())
     if key not in MEASURED:
         device = rep.left.device
         gen = torch.Generator(device).manual_seed(0)  # its own: the user's RNG streams stay as they were
         left, right = (_probe(x, gen, device) for x in (rep.left, R.right_like(rep)))
         rep = R.Factored(left, right, rep.shape)
         scale = torch.rand(b, generator=gen, device=device)  # clip factors are float32
-
         MEASURED[key] = tuple(
-            _timed(lambda: run_paths(rep, ghost, stack, scale), device) / stack / b for ghost in (True, False)
+            _timed(lambda: run_paths(rep, g, stack, scale, f), device) / stack / b for g, f in zip(ghost, freed)
         )
-    per_sample = MEASURED[key]
-    return per_sample[0] * b, per_sample[1] * b
+    return tuple(ms * b for ms in MEASURED[key])
 
 
-def run_paths(rep, ghost: bool, uses: int, scale: torch.Tensor) -> None:
-    """What a step runs for ``uses`` single uses like ``rep`` on one path (``ghost``): their norms
+def run_paths(rep, ghost: bool, uses: int, scale: torch.Tensor, freed: bool = False) -> None:
+    """What a step runs for ``uses`` single uses like ``rep`` on one path (``ghost``; ``freed``: an
+    instantiated use formed for its norm and freed): their norms
     (:func:`~dpzoo.grad_norms.param_grad.total_sq_norms`) and clipped sums by ``scale``."""
-    grads = {str(i): ParamGrad([rep], ghost) for i in range(uses)}
+    grads = {str(i): ParamGrad([rep], ghost, freed=freed) for i in range(uses)}
     total_sq_norms(list(grads.values()))
     clipped_sums(grads, scale, None)
 
@@ -272,9 +218,9 @@ def plan_uses(
     if autotune:
         costs = _time_uses(by_param, costs, min(budget, _free(device)))
     plannable = [c for n, cs in costs.items() if len(cs) <= 2 for c in cs if c.kind != "dense"]
-    faster = sorted(
-        (c for c in plannable if c.time(False) < c.time(True)),
-        key=lambda c: (c.time(True) - c.time(False)) / max(c.instantiate_bytes, 1.0),
+    faster = sorted(  # held beats both paths that hold nothing
+        (c for c in plannable if c.time(False) < c.unheld_time()),
+        key=lambda c: (c.unheld_time() - c.time(False)) / max(c.instantiate_bytes, 1.0),
         reverse=True,
     )
     chosen: dict[tuple[str, int], str] = {}
@@ -300,6 +246,11 @@ def plan_uses(
                 rows.append(_with(c, False, f"summed densely with the other {len(cs) - 1} uses"))
             elif (c.param, c.use) in chosen:
                 rows.append(_with(c, False, chosen[(c.param, c.use)]))
+            elif c.freed_ms is not None and c.freed_ms < c.time(True):
+                held = "holding it would exceed the budget" if c.time(False) < c.freed_ms else "the fastest"
+                rows.append(
+                    replace(c, ghost=False, freed=True, why=f"instantiate, formed for its norm and freed: {held}")
+                )
             elif c.time(False) < c.time(True):
                 rows.append(_with(c, True, "ghost: instantiating would exceed the budget"))
             else:
@@ -333,10 +284,11 @@ def _time_uses(by_param: dict[str, list], costs: dict[str, list[UseCost]], room:
                 continue
             try:
                 ghost_ms, inst_ms = measure_paths(r, stack)
+                freed_ms = measure_freed(r, stack) if len(rs) == 1 and formable(r) else None
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 continue
-            out[n][i] = replace(c, ghost_ms=ghost_ms, instantiate_ms=inst_ms, timed=True)
+            out[n][i] = replace(c, ghost_ms=ghost_ms, instantiate_ms=inst_ms, freed_ms=freed_ms, timed=True)
     timed = [c for cs in out.values() for c in cs if c.timed]
     if not timed:
         return costs

@@ -41,7 +41,7 @@ from .rounding import any_flag, round_up
 
 __all__ = [
     "GHOST_FLOOR", "LOOSE", "RECHECK", "row_sums", "sq_norm64", "triangle_bound", "guard", "guards", "first_pass",
-    "settle", "round_up",
+    "settle", "checked", "round_up",
 ]  # fmt: skip
 
 GHOST_FLOOR = 2.0**-8
@@ -162,19 +162,17 @@ def guards(items: list[tuple[list, torch.Tensor]]) -> list[torch.Tensor]:
     norm and no row its rescaled norm (on a GPU each read waits for the queue); those that do are
     guarded again one by one, as they would be alone. On a CPU, one by one."""
     if not any(launches_kernels(total) for _, total in items):  # a CPU's host reads cost nothing
-        return [_checked(reps, total) for reps, total in items]
-    return settle(items, [first_pass(reps, total) for reps, total in items])
+        return [checked(reps, total) for reps, total in items]
+    checks = [lambda r=reps, t=total: checked(r, t) for reps, total in items]
+    return settle(checks, [first_pass(reps, total) for reps, total in items])
 
 
-def settle(items: list[tuple], firsts: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
-    """The guarded norms of ``items`` (reps, total) from their :func:`first_pass` results, with one
-    host read: where a flag is set, that item is guarded again alone, with its reads. ``reps`` may be
-    a function that makes the list again (a stack of uses, not held between the passes)."""
+def settle(checks: list, firsts: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    """The guarded norms from their first passes (``firsts``: (result, flag), e.g. :func:`first_pass`'s),
+    with one host read: where a flag is set, that item's ``check`` (a function of no argument, e.g.
+    :func:`checked` of its reps, made again where they are not held) gives its norm with its reads."""
     fired = any_flag([flag for _, flag in firsts])
-    return [
-        _checked(reps() if callable(reps) else reps, total) if fired and bool(flag) else result
-        for (reps, total), (result, flag) in zip(items, firsts)
-    ]
+    return [check() if fired and bool(flag) else result for check, (result, flag) in zip(checks, firsts)]
 
 
 def first_pass(reps: list, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -204,7 +202,7 @@ def _bounded(reps: list, total: torch.Tensor, sums: list) -> tuple[tuple, torch.
     return (round_up(torch.maximum(out + err, floor), total.dtype), out, err, floor), redo
 
 
-def _checked(reps: list, total: torch.Tensor) -> torch.Tensor:
+def checked(reps: list, total: torch.Tensor) -> torch.Tensor:
     """The guard with its host reads: risky rows rescaled, loose samples recomputed in float64."""
     sums = [row_sums(r)[:3] for r in reps]
     (result, out, err, floor), redo = _bounded(reps, total, sums)

@@ -7,7 +7,9 @@ floating-point guard on ghost norms (:mod:`.float_guard`). It offers :meth:`Para
 :meth:`ParamGrad.clipped_sum` and :meth:`ParamGrad.instantiate`; over a step's parameters,
 :func:`total_sq_norms` (what the step clips by) and :func:`clipped_sums`, which take the small dense
 parameters (biases, norm scales) together as one row and, on a GPU, the factored uses of one shape
-on the ghost path as one stack along the batch (one set of operators for all of them).
+on the ghost path as one stack along the batch (one set of operators for all of them); there a
+single use on the instantiation path the planner marks ``freed`` is formed for its norm and freed
+(:mod:`.formed`), its sum taken from its factors with the stacks.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ import math
 import torch
 
 from ..errors import InvalidArgumentError, UnsupportedModuleError
+from . import formed as F
 from .autocast import no_autocast
-from .float_guard import first_pass, guard, guards, settle
+from .float_guard import checked, first_pass, guard, guards, settle
 from .half import exact_matmuls, launches_kernels, shared_scale, upcast
 from .reps import (
     Dense,
@@ -59,12 +62,14 @@ class ParamGrad:
     True: ghost; the planner's, :mod:`dpzoo.grad_norms.cost`) or else by the BK rule
     (:func:`prefers_ghost`); True / False force one. :meth:`sq_norm` settles the representations
     once (BK-MixOpt, BK paper §3.2): a use on the instantiation path is formed once, and the
-    clipped sum reuses it (its factors are dropped); dense uses are summed into one before any norm
+    clipped sum reuses it (its factors are dropped); with ``freed`` (the planner's choice, on a GPU)
+    :func:`total_sq_norms` instead forms a single use for its norm only and frees it, its sum then
+    taken from its factors (:mod:`.formed`); dense uses are summed into one before any norm
     (no cross term, so uses that cancel give exactly 0); more than two uses, unless ghost is forced,
     are summed into one dense gradient (O(uses) instead of O(uses²) cross terms).
     """
 
-    def __init__(self, reps: list, ghost: bool | None = None, choices: list[bool] | None = None):
+    def __init__(self, reps: list, ghost: bool | None = None, choices: list[bool] | None = None, freed: bool = False):
         if not reps:
             raise InvalidArgumentError("a ParamGrad needs at least one representation: build it from a rule's output")
         if choices is not None and len(choices) != len(reps):
@@ -72,6 +77,7 @@ class ParamGrad:
         self.reps = list(reps)
         self.ghost = ghost
         self.choices = choices
+        self.freed = freed
         self._sq: torch.Tensor | None = None
         self._settled = False
 
@@ -220,10 +226,16 @@ def total_sq_norms(grads: list[ParamGrad]) -> list[torch.Tensor]:
     (:func:`dense_sq_norms`), every other as :meth:`ParamGrad.sq_norm` does, the floating-point
     guards of those on the ghost path with one host read for all (:func:`.float_guard.guards`); on a
     GPU, single factored uses of one shape normed and guarded as one stack (:data:`STACK_BYTES`):
-    every sample's norm and bound are its own rows' in the stack, as they would be alone."""
-    out, dense, ghost, stackable = [], [], [], []
+    every sample's norm and bound are its own rows' in the stack, as they would be alone; and single
+    ``freed`` uses on the instantiation path formed one at a time for their norms and freed
+    (:mod:`.formed`), their guards' host read shared with the others."""
+    out, dense, ghost, stackable, formed = [], [], [], [], []
     small: dict[torch.dtype, list] = {}
     for g in grads:
+        if _formable(g):  # formed, normed and freed below; its sum from its factors
+            g._settled = True
+            formed.append(g)
+            continue
         g._settle()
         grad = _one_dense(g)
         rows = _small_rows(grad)
@@ -242,20 +254,26 @@ def total_sq_norms(grads: list[ParamGrad]) -> list[torch.Tensor]:
             else:
                 g._sq = total
                 out.append(total)
-    items: list[tuple] = [(g.reps, total) for g, total in ghost]
-    owners = [[g] for g, _ in ghost]
     stacks = _stacks(stackable)
-    if stacks:  # a GPU: every first pass, then one host read for all
-        firsts = [first_pass(reps, total) for reps, total in items]
+    if stacks or formed:  # a GPU: every first pass, then one host read for all
+        checks = [lambda r=g.reps, t=total: checked(r, t) for g, total in ghost]
+        firsts = [first_pass(g.reps, total) for g, total in ghost]
+        owners = [[g] for g, _ in ghost]
         for members in stacks:
             reps = _stacked(members)  # freed at the next stack; made again only if its guard fires
             total = sq_norm(reps[0], ghost=True).clamp_min(0)
             firsts.append(first_pass(reps, total))
-            items.append((lambda m=members: _stacked(m), total))
+            checks.append(lambda m=members, t=total: checked(_stacked(m), t))
             owners.append(members)
-        results = settle(items, firsts)
+        for group in _by_batch(formed):  # formed and freed one by one, bounded together
+            for g, (result, flag, check) in zip(group, F.first_passes([g.reps[0] for g in group])):
+                firsts.append((result, flag))
+                checks.append(check)
+                owners.append([g])
+        results = settle(checks, firsts)
     else:
-        results = guards(items)
+        results = guards([(g.reps, total) for g, total in ghost])
+        owners = [[g] for g, _ in ghost]
     for members, sq in zip(owners, results):
         parts = sq.unflatten(0, (len(members), -1)).unbind(0) if len(members) > 1 else [sq]  # the n-th's: rows n·B…
         for g, part in zip(members, parts):
@@ -271,6 +289,27 @@ def stack_key(rep) -> tuple | None:
         return None
     right = right_like(rep)
     return (tuple(rep.left.shape), tuple(right.shape), rep.left.dtype, right.dtype, rep.left.device, rep.shape)
+
+
+def _formable(g: ParamGrad) -> bool:
+    """Whether unsettled ``g`` is one use on the instantiation path, ``freed`` (the planner's choice),
+    that :mod:`.formed` norms by forming it and freeing it (on a GPU), its sum then from its factors."""
+    return (
+        g.freed
+        and not g._settled
+        and g._sq is None
+        and len(g.reps) == 1
+        and F.formable(g.reps[0])
+        and not g._on_ghost(0, g.reps[0])
+    )
+
+
+def _by_batch(grads: list[ParamGrad]) -> list[list[ParamGrad]]:
+    """``grads`` (single uses) in groups of one batch size and device."""
+    groups: dict[tuple, list[ParamGrad]] = {}
+    for g in grads:
+        groups.setdefault((g.batch_size, g.reps[0].left.device), []).append(g)
+    return list(groups.values())
 
 
 def _stackable(g: ParamGrad) -> bool:

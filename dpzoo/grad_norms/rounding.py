@@ -38,7 +38,7 @@ from .half import launches_kernels
 
 __all__ = [
     "GRAM_CHUNK", "mechanism_dtype", "unit_roundoff", "gamma", "sum_per_sample", "pair_length", "error_bound", "round_up",
-    "dense_sq_norm", "dense_sq_norms", "DENSE_LOOSE", "any_flag",
+    "dense_sq_norm", "dense_sq_norms", "runs_sq", "sq_bounds", "dense_chunk", "DENSE_LOOSE", "any_flag",
 ]  # fmt: skip
 
 GRAM_CHUNK = 256  # Gram matrices are summed over chunks of this many features (reps._gram)
@@ -214,6 +214,11 @@ def dense_sq_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
+def runs_sq(grad: torch.Tensor) -> torch.Tensor:
+    """The float32 ``grad``'s part of :func:`sq_bounds` (B,): its one read (the tensor may be freed after)."""
+    return _runs_sq(grad, dense_chunk(grad))
+
+
 def any_flag(flags: list[torch.Tensor]) -> bool:
     """Whether any of the device bools ``flags`` is True: one host read per device, not one each."""
     by_device: dict[torch.device, list] = {}
@@ -223,15 +228,20 @@ def any_flag(flags: list[torch.Tensor]) -> bool:
 
 
 def _float32_bounds(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """For float32 ``grads`` of one batch size and device: (n, B) float64 upper bounds of their
+    """:func:`sq_bounds` of float32 ``grads`` of one batch size and device."""
+    k = dense_chunk(grads[0])  # one device
+    return sq_bounds([_runs_sq(g, k) for g in grads], [math.prod(g.shape[1:]) for g in grads], k)
+
+
+def sq_bounds(sqs: list[torch.Tensor], numels: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For float32 gradients of one batch size and device, from their :func:`runs_sq` (``sqs``),
+    entries a sample (``numels``) and run length ``k``: (n, B) float64 upper bounds of their
     per-sample sums of squares, and the samples those do not serve (loose or not finite); no host
     read. A run's computed sum ŝ ≥ s(1 − γ_k) − 2k·2⁻¹²⁶ and its norm r̂ ≥ √ŝ (1 − u), so
     s ≤ inflate · (r̂² + 2k·2⁻¹²⁶)."""
-    k = dense_chunk(grads[0])  # one device
-    sqs = [_runs_sq(g, k) for g in grads]
     u = unit_roundoff(torch.float32)
     inflate = 1 / ((1 - u) ** 2 * (1 - gamma(k + 8, u)))
-    lost = [2 * math.prod(g.shape[1:]) * torch.finfo(torch.float32).smallest_normal for g in grads]
+    lost = [2 * n * torch.finfo(torch.float32).smallest_normal for n in numels]
     # each gradient's own constant by one multi-tensor operator (no tensor made from host values:
     # on a GPU its copy waits for the queue); the share test is a heuristic for tightness only
     bound = torch.stack(torch._foreach_add(sqs, lost)).mul_(inflate)

@@ -1,0 +1,91 @@
+"""The estimate of one use of a parameter on each path (ghost norm or instantiation) that the
+planner (:mod:`.cost`) compares, and the record of its choice: :class:`UseCost`, :func:`use_cost`
+(the multiply-add and memory counts of :mod:`.cost`'s docstring)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import reps as R
+
+__all__ = ["UseCost", "use_cost", "TRAFFIC"]
+
+# multiply-adds one instantiated element costs besides its arithmetic (writing the per-sample
+# tensor, reading it back for the norm and the sum), fitted on CPU (benchmarks/planner_cpu.py,
+# benchmarks/results/planner_cpu): with float32 dense norms (2026-11-27) instantiation is the faster
+# path for all four of GPT-2 4x256's layers at B 16, T 128 (ties at 158-254) and ResNet-18-GN@32's
+# stem, first stage and 1x1 downsample (ties at 2945, 140 and 10), ghost for its 3x3 later stages
+# (ties at 2.4 and below); any value in (2.4, 10) orders every shape whose paths differ by more
+# than 0.1 ms as measured (tests/test_cost_planner.py). It was 200 with float64 norms.
+TRAFFIC = 6
+
+
+@dataclass(frozen=True)
+class UseCost:
+    """One use of a parameter in a step, its two costs and the planner's choice."""
+
+    param: str
+    use: int
+    kind: str  # "linear" (Factored), "embedding" (OneHot) or "dense" (no choice)
+    ghost_flops: float
+    instantiate_flops: float
+    ghost_bytes: float
+    instantiate_bytes: float
+    ghost: bool = True
+    why: str = ""
+    ghost_ms: float | None = None  # autotune: measured (timed) or converted from the model, else None
+    instantiate_ms: float | None = None
+    timed: bool = False  # ghost_ms / instantiate_ms measured on this device, not converted
+    # on a GPU, a single use instantiated, formed for its norm and freed (:mod:`.formed`): held by
+    # nothing, so it takes no share of the budget; timed only (the model does not price it)
+    freed_ms: float | None = None
+    freed: bool = False
+
+    def time(self, ghost: bool) -> float:
+        """The cost the planner compares: milliseconds when autotuned, else multiply-adds."""
+        if self.ghost_ms is not None and self.instantiate_ms is not None:
+            return self.ghost_ms if ghost else self.instantiate_ms
+        return self.ghost_flops if ghost else self.instantiate_flops
+
+    def unheld_time(self) -> float:
+        """The faster of the paths that hold nothing until the clip factors are known: the ghost
+        norm, or (where timed) instantiation formed for the norm and freed."""
+        return self.time(True) if self.freed_ms is None else min(self.time(True), self.freed_ms)
+
+    def as_dict(self) -> dict:
+        return {
+            "param": self.param,
+            "use": self.use,
+            "kind": self.kind,
+            "choice": "dense" if self.kind == "dense" else ("ghost" if self.ghost else "instantiate"),
+            "why": self.why,
+            "ghost_gflop": self.ghost_flops / 1e9,
+            "instantiate_gflop": self.instantiate_flops / 1e9,
+            "ghost_mb": self.ghost_bytes / 2**20,
+            "instantiate_mb": self.instantiate_bytes / 2**20,
+            "ghost_ms": self.ghost_ms,
+            "instantiate_ms": self.instantiate_ms,
+            "freed_ms": self.freed_ms,
+            "freed": self.freed,
+            "timed": self.timed,
+        }
+
+
+def use_cost(param: str, use: int, rep) -> UseCost:
+    """The estimated multiply-adds and memory of ``rep`` on each path (see the module docstring)."""
+    if isinstance(rep, R.Factored):
+        b, g, t, p = rep.left.shape
+        d = R.right_like(rep).shape[3]
+        size = R.right_like(rep).element_size()
+        ghost = 2 * b * g * t * t * (p + d) + b * g * t * t + 2 * b * g * t * p * d
+        inst = 2 * b * g * t * p * d + (2 + TRAFFIC) * b * g * p * d
+        return UseCost(param, use, "linear", ghost, inst, b * g * t * t * size, b * g * p * d * size)
+    if isinstance(rep, R.OneHot):
+        b, t = rep.index.shape
+        d = rep.right.shape[-1]
+        size = rep.right.element_size()
+        ghost = b * t * t * (d + 1) + b * t * d
+        inst = (3 + TRAFFIC) * b * rep.num_rows * d + b * t * d
+        return UseCost(param, use, "embedding", ghost, inst, b * t * t * size, b * rep.num_rows * d * size)
+    numel = rep.grad.numel()
+    return UseCost(param, use, "dense", 2 * numel, 2 * numel, 0, numel * rep.grad.element_size(), why="no choice")
