@@ -254,3 +254,26 @@ def test_formed_uses_on_cuda_give_exact_norms_and_sums(dtype):
         assert (norm.cpu().double() >= exact).all() and (norm.cpu().double() <= exact * 1.001).all()
         want = torch.einsum("b,brc->rc", scale.double(), _grad64(cpu))
         assert (sums[str(i)].cpu().double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bf16 tensor cores)")
+@pytest.mark.parametrize("assumed", [1, 4], ids=["round-to-nearest (the ghost guard's)", "4u (formed's)"])
+def test_tensor_core_products_err_within_the_unit_roundoff_assumed_cuda(assumed):
+    """A bf16 product on tensor cores (float32 output) of 1 and K - 1 terms just under one float32
+    ulp of 1: round-to-nearest keeps each (error ≤ half an ulp a term), truncation drops each (one
+    ulp a term, twice the bound). |computed - exact| must stay within γ_K(assumed · u) · Σ|terms|:
+    the bound :mod:`dpzoo.grad_norms.formed` takes (4u) and the one :mod:`.rounding` takes for the
+    ghost norm's Grams (u). A failure of the second says the ghost guard's bound needs 4u on tensor cores."""
+    from dpzoo.grad_norms.rounding import gamma, unit_roundoff
+
+    worst = 0.0
+    for k in (64, 256, 1024, 4096):
+        a = torch.full((1, k), 2.0**-23 * (1 - 2.0**-7), dtype=torch.float64)
+        a[0, 0] = 1
+        for order in (a, a.flip(1)):
+            left, right = order.to(torch.bfloat16).cuda(), torch.ones(k, 1, dtype=torch.bfloat16, device="cuda")
+            got = half.product(left, right).double().item()
+            exact = order.sum().item()
+            bound = gamma(k, assumed * unit_roundoff(torch.float32)) * order.abs().sum().item()
+            worst = max(worst, abs(got - exact) / bound)
+    assert worst <= 1, f"tensor-core error {worst:.2f} of the bound with {assumed}u"
