@@ -16,7 +16,7 @@ import torch
 from grad_reference import check_against_brute_force, zoo_model_and_inputs
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dpzoo.grad_norms import cost, float_guard, formed, half, param_grad
+from dpzoo.grad_norms import attach_norm_hooks, cost, float_guard, formed, half, param_grad
 from dpzoo.grad_norms import reps as R
 from dpzoo.grad_norms.param_grad import ParamGrad
 
@@ -193,11 +193,13 @@ def test_formed_is_only_for_single_plain_factored_uses(monkeypatch):
     assert isinstance(tied.reps[0], R.Dense) and ghost.reps == [rep]
 
 
-@pytest.mark.parametrize("times", [(3.0, 1.0, 2.0), (3.0, 1.0, 4.0), (3.0, 2.0, 1.0)])
-def test_the_timed_planner_frees_what_it_cannot_hold(times, monkeypatch):
+@pytest.mark.parametrize("times", [(3.0, 1.0, 2.0), (3.0, 1.0, 4.0), (3.0, 2.0, 1.0), (1.0, 2.0, 0.5)])
+def test_the_timed_planner_frees_only_what_it_would_take_the_ghost_norm_for(times, monkeypatch):
     """(ghost, held, freed) milliseconds per use: held while the budget lasts (two of three uses fit)
-    where holding is fastest, then formed and freed where that beats the ghost norm; freed wherever
-    it is fastest; and only on a GPU (a CPU has no freed path, so it is never timed)."""
+    where holding beats the ghost norm, as before; a use the plan would take the ghost norm for is
+    formed and freed where that is faster and its float32 tensor fits the budget (its clipped sum
+    is the ghost path's, so a plan never trades a held use for it); never with a budget of 0 (the
+    ghost norm everywhere) and never on a CPU (no freed path to time)."""
     reps = _reps(torch.float32, seed=7)[:3]
     inst = cost.use_cost("x", 0, reps[0]).instantiate_bytes
     by_param = {str(i): [r] for i, r in enumerate(reps)}
@@ -206,16 +208,34 @@ def test_the_timed_planner_frees_what_it_cannot_hold(times, monkeypatch):
     monkeypatch.setattr(cost, "rep_device", lambda rep: torch.device("cuda"))
     monkeypatch.setattr(cost, "TIMING_ROOM", 0)  # timed whatever the budget
     paths = lambda plan: ["ghost" if c.ghost else "freed" if c.freed else "held" for cs in plan.values() for c in cs]  # noqa: E731
-    assert paths(cost.plan_uses(by_param, budget=2.5 * inst, autotune=True)) == ["held", "held", "ghost"]
+    held = ["held", "held", "ghost"] if times[1] < times[0] else ["ghost"] * 3
+    assert paths(cost.plan_uses(by_param, budget=2.5 * inst, autotune=True)) == held
     monkeypatch.setattr(half, "LAUNCH_DEVICES", {"cuda", "cpu"})
     plan = cost.plan_uses(by_param, budget=2.5 * inst, autotune=True)
-    want = {(3.0, 1.0, 2.0): ["held", "held", "freed"], (3.0, 1.0, 4.0): ["held", "held", "ghost"]}
-    assert paths(plan) == want.get(times, ["freed"] * 3)
+    freed = times[2] < times[0]
+    assert paths(plan) == [p if p != "ghost" or not freed else "freed" for p in held]
     assert all(
         c.freed_ms == times[2] and ("formed for its norm" in c.why) == c.freed for cs in plan.values() for c in cs
     )
-    steps = cost.plan_uses(by_param, budget=0, autotune=True)  # nothing held
-    assert paths(steps) == ["freed" if times[2] < times[0] else "ghost"] * 3
+    assert paths(cost.plan_uses(by_param, budget=0, autotune=True)) == ["ghost"] * 3
+    assert (
+        paths(cost.plan_uses(by_param, budget=0.5 * inst, autotune=True)) == ["ghost"] * 3
+    )  # the formed tensor does not fit
+
+
+def test_the_byte_counts_are_of_what_is_formed(monkeypatch):
+    """Half factors form float32 per-sample gradients and Grams: counted at 4 bytes an entry."""
+    rep = _reps(torch.float32)[0]
+    wide, narrow = (
+        cost.use_cost("x", 0, rep),
+        cost.use_cost("x", 0, R.Factored(rep.left.bfloat16(), rep.right.bfloat16(), rep.shape)),
+    )
+    assert (narrow.instantiate_bytes, narrow.ghost_bytes, narrow.freed_bytes) == (
+        wide.instantiate_bytes,
+        wide.ghost_bytes,
+        wide.freed_bytes,
+    )
+    assert wide.freed_bytes == B * 20 * 12 * 4
 
 
 @pytest.mark.parametrize("name", ["gpt2", "vit-tiny-patch16"])
@@ -227,7 +247,7 @@ def test_a_zoo_model_with_formed_uses_is_exact(name, monkeypatch):
     model, inputs = model.float(), {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}
     monkeypatch.setattr(half, "LAUNCH_DEVICES", {"cuda", "cpu"})
     monkeypatch.setattr(cost, "autotunes", lambda device: True)
-    monkeypatch.setattr(cost, "measure_paths", lambda rep, stack=1: (3.0, 2.0))
+    monkeypatch.setattr(cost, "measure_paths", lambda rep, stack=1: (2.0, 3.0))  # the ghost norm before holding
     monkeypatch.setattr(cost, "measure_freed", lambda rep, stack=1: 1.0)
     firsts: list = []
     real = formed.first_passes
@@ -235,6 +255,15 @@ def test_a_zoo_model_with_formed_uses_is_exact(name, monkeypatch):
     hooks = check_against_brute_force(model, inputs, loss_fn, "auto", tol=2e-4)  # the bound: ~3e-5 of a norm
     freed = [c for c in hooks.plan() if c["freed"]]
     assert len(firsts) >= 4 and len(freed) == len(firsts)
+    firsts.clear()  # the per-parameter norms first (as the engine's self-check asks): the step's own paths
+    again = attach_norm_hooks(model, mode="auto")
+    try:
+        again.backward(loss_fn(model, **inputs))
+        per_param = again.per_param_sq_norms()
+        assert len(firsts) == len(freed)
+        torch.testing.assert_close(sum(per_param.values()), again.per_sample_norms().square(), rtol=1e-5, atol=0)
+    finally:
+        again.detach()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bf16 tensor cores)")

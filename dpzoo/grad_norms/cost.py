@@ -218,9 +218,9 @@ def plan_uses(
     if autotune:
         costs = _time_uses(by_param, costs, min(budget, _free(device)))
     plannable = [c for n, cs in costs.items() if len(cs) <= 2 for c in cs if c.kind != "dense"]
-    faster = sorted(  # held beats both paths that hold nothing
-        (c for c in plannable if c.time(False) < c.unheld_time()),
-        key=lambda c: (c.unheld_time() - c.time(False)) / max(c.instantiate_bytes, 1.0),
+    faster = sorted(
+        (c for c in plannable if c.time(False) < c.time(True)),
+        key=lambda c: (c.time(True) - c.time(False)) / max(c.instantiate_bytes, 1.0),
         reverse=True,
     )
     chosen: dict[tuple[str, int], str] = {}
@@ -246,11 +246,10 @@ def plan_uses(
                 rows.append(_with(c, False, f"summed densely with the other {len(cs) - 1} uses"))
             elif (c.param, c.use) in chosen:
                 rows.append(_with(c, False, chosen[(c.param, c.use)]))
-            elif c.freed_ms is not None and c.freed_ms < c.time(True):
-                held = "holding it would exceed the budget" if c.time(False) < c.freed_ms else "the fastest"
-                rows.append(
-                    replace(c, ghost=False, freed=True, why=f"instantiate, formed for its norm and freed: {held}")
-                )
+            elif c.freed_ms is not None and c.freed_ms < c.time(True) and c.freed_bytes <= budget:
+                # only where the plan would take the ghost norm: its clipped sum is the ghost path's
+                why = "instantiate, formed for its norm and freed: faster than the ghost norm"
+                rows.append(replace(c, ghost=False, freed=True, why=why))
             elif c.time(False) < c.time(True):
                 rows.append(_with(c, True, "ghost: instantiating would exceed the budget"))
             else:

@@ -202,7 +202,9 @@ class NormHooks:
         """{parameter name: Tensor[B]} of ‖∂L_i/∂θ‖₂² (every use of a parameter, cross terms included)."""
         st = self._rec.step
         if st.sq_norms is None:
-            st.sq_norms = {name: g.sq_norm() for name, g in self._grads().items()}
+            grads = self._grads()
+            total_sq_norms(list(grads.values()))  # the step's paths (a freed use formed as the step forms it), cached
+            st.sq_norms = {name: g.sq_norm() for name, g in grads.items()}
         return st.sq_norms
 
     def per_param_norms(self) -> dict[str, torch.Tensor]:

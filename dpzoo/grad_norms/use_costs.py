@@ -37,20 +37,17 @@ class UseCost:
     instantiate_ms: float | None = None
     timed: bool = False  # ghost_ms / instantiate_ms measured on this device, not converted
     # on a GPU, a single use instantiated, formed for its norm and freed (:mod:`.formed`): held by
-    # nothing, so it takes no share of the budget; timed only (the model does not price it)
+    # nothing, so it takes no share of the budget, but the formed float32 tensor must fit it;
+    # timed only (the model does not price it)
     freed_ms: float | None = None
     freed: bool = False
+    freed_bytes: float = 0.0
 
     def time(self, ghost: bool) -> float:
         """The cost the planner compares: milliseconds when autotuned, else multiply-adds."""
         if self.ghost_ms is not None and self.instantiate_ms is not None:
             return self.ghost_ms if ghost else self.instantiate_ms
         return self.ghost_flops if ghost else self.instantiate_flops
-
-    def unheld_time(self) -> float:
-        """The faster of the paths that hold nothing until the clip factors are known: the ghost
-        norm, or (where timed) instantiation formed for the norm and freed."""
-        return self.time(True) if self.freed_ms is None else min(self.time(True), self.freed_ms)
 
     def as_dict(self) -> dict:
         return {
@@ -67,6 +64,7 @@ class UseCost:
             "instantiate_ms": self.instantiate_ms,
             "freed_ms": self.freed_ms,
             "freed": self.freed,
+            "freed_mb": self.freed_bytes / 2**20,
             "timed": self.timed,
         }
 
@@ -76,10 +74,11 @@ def use_cost(param: str, use: int, rep) -> UseCost:
     if isinstance(rep, R.Factored):
         b, g, t, p = rep.left.shape
         d = R.right_like(rep).shape[3]
-        size = R.right_like(rep).element_size()
+        size = max(R.right_like(rep).element_size(), 4)  # half factors' Grams and products are float32
         ghost = 2 * b * g * t * t * (p + d) + b * g * t * t + 2 * b * g * t * p * d
         inst = 2 * b * g * t * p * d + (2 + TRAFFIC) * b * g * p * d
-        return UseCost(param, use, "linear", ghost, inst, b * g * t * t * size, b * g * p * d * size)
+        held = b * g * p * d * size
+        return UseCost(param, use, "linear", ghost, inst, b * g * t * t * size, held, freed_bytes=held)
     if isinstance(rep, R.OneHot):
         b, t = rep.index.shape
         d = rep.right.shape[-1]
