@@ -153,6 +153,7 @@ def test_every_clipped_sum_of_a_step_costs_one_host_read_and_equals_the_sum_one_
         grads["b"].reps[0].left[2, 0, 0] = 1e-39  # a subnormal: scaled, it loses bits
     scale = half.round_toward_zero(torch.rand(b, generator=gen) + 0.1, torch.bfloat16)
     one_by_one = {n: g.clipped_sum(scale) for n, g in grads.items()}
+    param_grad.total_sq_norms(list(grads.values()))  # as a step does before its sums
     reads: list = []
     _counting_reads(monkeypatch, reads)
     got = param_grad.clipped_sums(grads, scale, None)

@@ -145,8 +145,10 @@ def test_stacked_clipped_sums_are_each_uses_own(lose, dtype, monkeypatch):
     scale = half.round_toward_zero(torch.rand(B, generator=torch.Generator().manual_seed(4)) + 0.1, torch.bfloat16)
     monkeypatch.setattr(half, "LAUNCH_DEVICES", {"cuda", "cpu"})
     alone = {str(i): ParamGrad([r], ghost=True).clipped_sum(scale) for i, r in enumerate(reps)}
+    grads = {str(i): ParamGrad([r], ghost=True) for i, r in enumerate(reps)}
+    param_grad.total_sq_norms(list(grads.values()))  # as a step does before its sums
     reads = _reads(monkeypatch)
-    got = param_grad.clipped_sums({str(i): ParamGrad([r], ghost=True) for i, r in enumerate(reps)}, scale, None)
+    got = param_grad.clipped_sums(grads, scale, None)
     assert (list(reads) == ["__bool__"]) == (not lose), reads
     for i, rep in enumerate(reps):
         exact = torch.einsum("b,brc->rc", scale.double(), _grad64(rep))

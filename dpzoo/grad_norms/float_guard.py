@@ -164,7 +164,7 @@ def guards(items: list[tuple[list, torch.Tensor]]) -> list[torch.Tensor]:
     if not any(launches_kernels(total) for _, total in items):  # a CPU's host reads cost nothing
         return [checked(reps, total) for reps, total in items]
     checks = [lambda r=reps, t=total: checked(r, t) for reps, total in items]
-    return settle(checks, [first_pass(reps, total) for reps, total in items])
+    return settle(checks, [first_pass(reps, total)[:2] for reps, total in items])
 
 
 def settle(checks: list, firsts: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
@@ -175,19 +175,19 @@ def settle(checks: list, firsts: list[tuple[torch.Tensor, torch.Tensor]]) -> lis
     return [check() if fired and bool(flag) else result for check, (result, flag) in zip(checks, firsts)]
 
 
-def first_pass(reps: list, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the guarded norm where the flag, a device bool, is False; no host read): the checked
-    guard's operators but the rescaling of risky rows and the float64 recomputation, which the flag
-    marks (:func:`settle` then guards the item again with them)."""
+def first_pass(reps: list, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the guarded norm where the flag, a device bool, is False, the flag, U = Σ_t ‖L_t‖‖R_t‖ over
+    the uses; no host read): the checked guard's operators but the rescaling of risky rows and the
+    float64 recomputation, which the flag marks (:func:`settle` then guards the item again with them)."""
     sums = [row_sums(r, rescale=False) for r in reps]
     result, redo = _bounded(reps, total, [s[:3] for s in sums])
     flag = _any(redo, *(s[3] for s in sums))
     assert flag is not None
-    return result[0], flag
+    return result[0], flag, result[4]
 
 
 def _bounded(reps: list, total: torch.Tensor, sums: list) -> tuple[tuple, torch.Tensor]:
-    """((the guarded norm if no sample is redone, out, err, floor), the samples to redo in float64:
+    """((the guarded norm if no sample is redone, out, err, floor, U), the samples to redo in float64:
     below RECHECK · U, a bound above LOOSE of the norm, or not finite; any comparison with a NaN)."""
     bound = sums[0][0]
     for s in sums[1:]:
@@ -199,13 +199,13 @@ def _bounded(reps: list, total: torch.Tensor, sums: list) -> tuple[tuple, torch.
         redo = out < floor
     else:  # (RECHECK · U)² = (RECHECK / GHOST_FLOOR)² · floor, a power of two
         redo = ~((out >= floor * (RECHECK / GHOST_FLOOR) ** 2) & (out * LOOSE >= err) & (out < float("inf")))
-    return (round_up(torch.maximum(out + err, floor), total.dtype), out, err, floor), redo
+    return (round_up(torch.maximum(out + err, floor), total.dtype), out, err, floor, bound), redo
 
 
 def checked(reps: list, total: torch.Tensor) -> torch.Tensor:
     """The guard with its host reads: risky rows rescaled, loose samples recomputed in float64."""
     sums = [row_sums(r)[:3] for r in reps]
-    (result, out, err, floor), redo = _bounded(reps, total, sums)
+    (result, out, err, floor, _), redo = _bounded(reps, total, sums)
     if not redo.any():
         return result
     rows = redo.nonzero().squeeze(1)

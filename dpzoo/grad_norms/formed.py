@@ -32,7 +32,7 @@ from .float_guard import GHOST_FLOOR, LOOSE, RECHECK, row_sums
 from .half import launches_kernels, on_tensor_cores, upcast
 from .rounding import dense_chunk, gamma, round_up, runs_sq, sq_bounds, unit_roundoff
 
-__all__ = ["formable", "first_passes", "checked", "product_error"]
+__all__ = ["formable", "first_passes", "checked", "product_error", "by_batch"]
 
 _FORMED_IN_FLOAT32 = (torch.float32, torch.float16, torch.bfloat16)  # factor dtypes whose products form in float32
 
@@ -47,6 +47,14 @@ def formable(rep) -> bool:
         and rep.left.dtype in _FORMED_IN_FLOAT32
         and rep.right.dtype in _FORMED_IN_FLOAT32
     )
+
+
+def by_batch(grads: list) -> list[list]:
+    """``grads`` (:class:`~.param_grad.ParamGrad` of single factored uses) in groups of one batch size and device."""
+    groups: dict[tuple, list] = {}
+    for g in grads:
+        groups.setdefault((g.batch_size, g.reps[0].left.device), []).append(g)
+    return list(groups.values())
 
 
 def _slope(rep: R.Factored, dtype: torch.dtype) -> tuple[float, float]:
@@ -69,10 +77,12 @@ def product_error(rep: R.Factored, u: torch.Tensor, dtype: torch.dtype) -> torch
     return (u * slope).add_((u > 0) * floor)
 
 
-def first_passes(reps: list[R.Factored]) -> list[tuple[torch.Tensor, torch.Tensor, Callable[[], torch.Tensor]]]:
+def first_passes(
+    reps: list[R.Factored],
+) -> list[tuple[torch.Tensor, torch.Tensor, Callable[[], torch.Tensor], torch.Tensor]]:
     """For each of ``reps`` (one batch size and device, each :func:`formable`): (the bounded squared
     norms where the flag is False, the flag: a device bool, the check that gives the norms with
-    their float64 recomputations where it is True); no host read. Each formed gradient is read once
+    their float64 recomputations where it is True, U per sample); no host read. Each formed gradient is read once
     and freed before the next is formed; the bound's arithmetic runs once for all of them."""
     if not reps:
         return []
@@ -93,8 +103,8 @@ def first_passes(reps: list[R.Factored]) -> list[tuple[torch.Tensor, torch.Tenso
     results = round_up(torch.maximum(total, floor), torch.float32)
     flags = redo.any(1)
     return [
-        (result, flag, lambda r=rep, x=result, m=marks: checked(r, x, m))
-        for rep, result, flag, marks in zip(reps, results.unbind(0), flags.unbind(0), redo.unbind(0))
+        (result, flag, lambda r=rep, x=result, m=marks: checked(r, x, m), ui)
+        for rep, result, flag, marks, ui in zip(reps, results.unbind(0), flags.unbind(0), redo.unbind(0), u.unbind(0))
     ]
 
 

@@ -20,8 +20,9 @@ import torch
 
 from ..errors import InvalidArgumentError, UnsupportedModuleError
 from . import formed as F
+from . import sum_guard
 from .autocast import no_autocast
-from .float_guard import checked, first_pass, guard, guards, settle
+from .float_guard import checked, first_pass, guard, guards, settle, triangle_bound
 from .half import exact_matmuls, launches_kernels, shared_scale, upcast
 from .reps import (
     Dense,
@@ -79,6 +80,7 @@ class ParamGrad:
         self.choices = choices
         self.freed = freed
         self._sq: torch.Tensor | None = None
+        self._u: torch.Tensor | None = None  # U = Σ_t ‖L_t‖‖R_t‖ over the uses, where the norm's guard formed it
         self._settled = False
 
     def _on_ghost(self, i: int, rep) -> bool:
@@ -130,6 +132,11 @@ class ParamGrad:
                 total = total + 2 * inner(rs[i], rs[j], ghost=ghost)
         # a dense norm is that of the very tensor summed: no guard
         return total.clamp_min(0), not all(isinstance(r, Dense) for r in rs)
+
+    def triangle_bound(self) -> torch.Tensor:
+        """U_i = Σ over uses and positions of ‖L_t‖‖R_t‖ ≥ ‖g_i‖ in float64 (the guard's where it formed it)."""
+        self._u = u = self._u if self._u is not None else torch.stack([triangle_bound(r) for r in self.reps]).sum(0)
+        return u
 
     def clipped_sum(self, scale: torch.Tensor, drop: torch.Tensor | None = None) -> torch.Tensor:
         """Σ_i scale_i g_i over every use (the parameter's shape); samples where ``drop`` is True
@@ -203,8 +210,7 @@ def _stacked_sums(labels: list[str], members: list[ParamGrad], scale: torch.Tens
 
 def _one_dense(g: ParamGrad) -> torch.Tensor | None:
     """``g``'s per-sample gradient if it is one dense use; else None."""
-    rep = g.reps[0]
-    return rep.grad if len(g.reps) == 1 and isinstance(rep, Dense) else None
+    return g.reps[0].grad if len(g.reps) == 1 and isinstance(g.reps[0], Dense) else None
 
 
 def _small_rows(grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -259,27 +265,36 @@ def total_sq_norms(grads: list[ParamGrad]) -> list[torch.Tensor]:
         checks = [lambda r=g.reps, t=total: checked(r, t) for g, total in ghost]
         firsts = [first_pass(g.reps, total) for g, total in ghost]
         owners = [[g] for g, _ in ghost]
+        for (g, _), (_, _, u) in zip(ghost, firsts):  # U, for the sums' own guard (:mod:`.sum_guard`)
+            g._u = u
         for members in stacks:
             reps = _stacked(members)  # freed at the next stack; made again only if its guard fires
             total = sq_norm(reps[0], ghost=True).clamp_min(0)
             firsts.append(first_pass(reps, total))
             checks.append(lambda m=members, t=total: checked(_stacked(m), t))
             owners.append(members)
-        for group in _by_batch(formed):  # formed and freed one by one, bounded together
-            for g, (result, flag, check) in zip(group, F.first_passes([g.reps[0] for g in group])):
+            for g, u in zip(members, _parts(firsts[-1][2], len(members))):
+                g._u = u
+        for group in F.by_batch(formed):  # formed and freed one by one, bounded together
+            for g, (result, flag, check, u) in zip(group, F.first_passes([g.reps[0] for g in group])):
                 firsts.append((result, flag))
                 checks.append(check)
                 owners.append([g])
-        results = settle(checks, firsts)
+                g._u = u
+        results = settle(checks, [f[:2] for f in firsts])
     else:
         results = guards([(g.reps, total) for g, total in ghost])
         owners = [[g] for g, _ in ghost]
     for members, sq in zip(owners, results):
-        parts = sq.unflatten(0, (len(members), -1)).unbind(0) if len(members) > 1 else [sq]  # the n-th's: rows n·B…
-        for g, part in zip(members, parts):
+        for g, part in zip(members, _parts(sq, len(members))):
             g._sq = part
             out.append(part)
     return out + dense_sq_norms(dense + [torch.cat(rows, 1) for rows in small.values()])
+
+
+def _parts(x: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """The ``n`` members' rows of a stack's per-sample ``x`` (the k-th's at rows k·B…)."""
+    return x.unflatten(0, (n, -1)).unbind(0) if n > 1 else [x]
 
 
 def stack_key(rep) -> tuple | None:
@@ -302,14 +317,6 @@ def _formable(g: ParamGrad) -> bool:
         and F.formable(g.reps[0])
         and not g._on_ghost(0, g.reps[0])
     )
-
-
-def _by_batch(grads: list[ParamGrad]) -> list[list[ParamGrad]]:
-    """``grads`` (single uses) in groups of one batch size and device."""
-    groups: dict[tuple, list[ParamGrad]] = {}
-    for g in grads:
-        groups.setdefault((g.batch_size, g.reps[0].left.device), []).append(g)
-    return list(groups.values())
 
 
 def _stackable(g: ParamGrad) -> bool:
@@ -378,10 +385,14 @@ def clipped_sums(grads: dict[str, ParamGrad], scale: torch.Tensor, drop: torch.T
         out.update(zip(labels, sums))
         if lost is not None:
             flagged.update((n, lost) for n in labels)
-    if flagged and any_flag(list(flagged.values())):
+    risky, amplified = sum_guard.risky_samples(grads)
+    if (flagged or risky) and any_flag(list(flagged.values()) + amplified):
         for name, lost in flagged.items():
             if bool(lost):  # a scaled factor lost bits: its sum in float64 (a stack's members one by one)
                 out[name] = _summed(name, grads[name], scale, drop, False)[0]
+        for name, rows in risky.items():
+            if bool(rows.any()):  # a sum that could round past R: those samples' shares in float64
+                out[name] = sum_guard.exact_sum(grads[name], scale, drop, rows)
     for group in small.values():
         total = ParamGrad([Dense(torch.cat([rows for _, rows, _ in group], 1))]).clipped_sum(scale, drop)
         for (name, rows, shape), part in zip(group, total.split([rows.shape[1] for _, rows, _ in group])):
