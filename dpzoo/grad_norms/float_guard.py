@@ -41,7 +41,7 @@ from .rounding import any_flag, round_up
 
 __all__ = [
     "GHOST_FLOOR", "LOOSE", "RECHECK", "row_sums", "sq_norm64", "triangle_bound", "guard", "guards", "first_pass",
-    "settle", "checked", "round_up",
+    "settle", "checked", "checked_and_bound", "round_up",
 ]  # fmt: skip
 
 GHOST_FLOOR = 2.0**-8
@@ -204,12 +204,17 @@ def _bounded(reps: list, total: torch.Tensor, sums: list) -> tuple[tuple, torch.
 
 def checked(reps: list, total: torch.Tensor) -> torch.Tensor:
     """The guard with its host reads: risky rows rescaled, loose samples recomputed in float64."""
+    return checked_and_bound(reps, total)[0]
+
+
+def checked_and_bound(reps: list, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(:func:`checked`, U = Σ_t ‖L_t‖‖R_t‖ over the uses, which it formed)."""
     sums = [row_sums(r)[:3] for r in reps]
-    (result, out, err, floor, _), redo = _bounded(reps, total, sums)
+    (result, out, err, floor, u), redo = _bounded(reps, total, sums)
     if not redo.any():
-        return result
+        return result, u
     rows = redo.nonzero().squeeze(1)
     out = out.index_copy(0, rows, sq_norm64(reps, rows))
     err64 = rounding.error_bound(reps, [tuple(x[rows] for x in s) for s in sums], torch.float64)
     err = err.index_copy(0, rows, err64)
-    return round_up(torch.maximum(out + err, floor), total.dtype)
+    return round_up(torch.maximum(out + err, floor), total.dtype), u

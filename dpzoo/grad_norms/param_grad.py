@@ -22,7 +22,7 @@ from ..errors import InvalidArgumentError, UnsupportedModuleError
 from . import formed as F
 from . import sum_guard
 from .autocast import no_autocast
-from .float_guard import checked, first_pass, guard, guards, settle, triangle_bound
+from .float_guard import checked, checked_and_bound, first_pass, guard, settle, triangle_bound
 from .half import exact_matmuls, launches_kernels, shared_scale, upcast
 from .reps import (
     Dense,
@@ -261,33 +261,28 @@ def total_sq_norms(grads: list[ParamGrad]) -> list[torch.Tensor]:
                 g._sq = total
                 out.append(total)
     stacks = _stacks(stackable)
-    if stacks or formed:  # a GPU: every first pass, then one host read for all
+    if stacks or formed or any(launches_kernels(t) for _, t in ghost):  # a GPU: the first passes, one host read
         checks = [lambda r=g.reps, t=total: checked(r, t) for g, total in ghost]
         firsts = [first_pass(g.reps, total) for g, total in ghost]
         owners = [[g] for g, _ in ghost]
-        for (g, _), (_, _, u) in zip(ghost, firsts):  # U, for the sums' own guard (:mod:`.sum_guard`)
-            g._u = u
         for members in stacks:
             reps = _stacked(members)  # freed at the next stack; made again only if its guard fires
             total = sq_norm(reps[0], ghost=True).clamp_min(0)
             firsts.append(first_pass(reps, total))
             checks.append(lambda m=members, t=total: checked(_stacked(m), t))
             owners.append(members)
-            for g, u in zip(members, _parts(firsts[-1][2], len(members))):
-                g._u = u
         for group in F.by_batch(formed):  # formed and freed one by one, bounded together
             for g, (result, flag, check, u) in zip(group, F.first_passes([g.reps[0] for g in group])):
-                firsts.append((result, flag))
+                firsts.append((result, flag, u))
                 checks.append(check)
                 owners.append([g])
-                g._u = u
-        results = settle(checks, [f[:2] for f in firsts])
-    else:
-        results = guards([(g.reps, total) for g, total in ghost])
+        results = list(zip(settle(checks, [f[:2] for f in firsts]), [f[2] for f in firsts]))
+    else:  # a CPU: one by one
+        results = [checked_and_bound(g.reps, total) for g, total in ghost]
         owners = [[g] for g, _ in ghost]
-    for members, sq in zip(owners, results):
-        for g, part in zip(members, _parts(sq, len(members))):
-            g._sq = part
+    for members, (sq, u) in zip(owners, results):  # U too, for the sums' own guard (:mod:`.sum_guard`)
+        for g, part, bound in zip(members, _parts(sq, len(members)), _parts(u, len(members))):
+            g._sq, g._u = part, bound
             out.append(part)
     return out + dense_sq_norms(dense + [torch.cat(rows, 1) for rows in small.values()])
 

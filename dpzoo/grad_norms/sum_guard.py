@@ -8,9 +8,12 @@ positions that cancel to U/200 with thousands of terms under half an ulp of the 
 released 1.016 R at T = 65,536 and 2.93 R at T = 2^20 (2026-11-28,
 tests/test_factored_sum_rounding.py). So a sample with ‖g_i‖ < κ · U_i, κ = γ_{T+2} / SUM_SLACK
 (tensor cores: four times the unit roundoff, as :mod:`.formed`), has that parameter's share summed
-from its factors in float64 and the other samples' in float32 without it: every sample's rounding
-then stays below SUM_SLACK · R (c_i ≤ R / ‖g_i‖, and a parameter's ‖g_i‖ is at most the total
-norm the clip used). SUM_SLACK is 2⁻⁸ (0.4% of R at most, for any data and any T), not smaller,
+from its factors in float64 and the other samples' in float32 without it: the rounding of a
+sample's own terms then stays below SUM_SLACK · R (c_i ≤ R / ‖g_i‖, and a parameter's ‖g_i‖ is at
+most the total norm the clip used). Not covered (a review, 2026-11-28): the product adds all B·T
+rows into one running sum, so a sample's terms also round against the other samples' total, up to
+about u·B·T/2 of R without any cancellation (1.106 R at B = 997, T = 2,048; a strict xfail in
+tests/test_factored_sum_rounding.py); row blocks accumulated in float64 would bound it. SUM_SLACK is 2⁻⁸ (0.4% of R at most, for any data and any T), not smaller,
 so that ordinary data never pays for float64 sums: on MiniLM's real weights and this repository's
 text, ‖g_i‖ / U_i ≥ 0.12 for every sample and layer at T = 128 and ≥ 0.07 at T = 512 (measured
 2026-11-28), against κ = 0.002 (float32) and 0.008 (bfloat16 on tensor cores) at T = 128, 0.008
@@ -19,13 +22,21 @@ and 0.031 at T = 512. The remaining 2⁻⁸ could be covered by noise calibrated
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import reps as R
-from .half import on_tensor_cores, shared_scale, upcast
+from .half import HALF, TENSOR_CORE_DEVICES, shared_scale
 from .rounding import gamma, unit_roundoff
 
 __all__ = ["SUM_SLACK", "kappa", "risky_samples", "exact_sum"]
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a sum of ``dtype`` factors accumulates in: float32 for half ones."""
+    return torch.float32 if dtype in HALF else dtype
+
 
 SUM_SLACK = 2.0**-8  # the most a sample's share of a clipped sum may exceed R by, as a share of R
 
@@ -36,12 +47,20 @@ def kappa(rep) -> float:
     if isinstance(rep, R.Dense):
         return 0.0
     if isinstance(rep, R.Factored):
-        t, right = rep.left.shape[2], R.right_like(rep)
-        tensor_cores = on_tensor_cores(rep.left, right)
-    else:
-        t, right, tensor_cores = rep.index.shape[1], rep.right, False
-    u = unit_roundoff(upcast(right).dtype) * (4 if tensor_cores else 1)
-    return gamma(t + 2, u) / SUM_SLACK
+        right = R.right_like(rep)  # a lazy use's without forming it
+        half_pair = rep.left.dtype == right.dtype and rep.left.dtype in HALF
+        return _kappa(
+            rep.left.shape[2],
+            _accumulation_dtype(right.dtype),
+            half_pair and rep.left.device.type in TENSOR_CORE_DEVICES,
+        )
+    return _kappa(rep.index.shape[1], _accumulation_dtype(rep.right.dtype), False)
+
+
+@functools.lru_cache(maxsize=None)
+def _kappa(positions: int, dtype: torch.dtype, tensor_cores: bool) -> float:
+    u = unit_roundoff(dtype) * (4 if tensor_cores else 1)
+    return gamma(positions + 2, u) / SUM_SLACK
 
 
 def risky_samples(grads: dict) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
@@ -51,7 +70,9 @@ def risky_samples(grads: dict) -> tuple[dict[str, torch.Tensor], list[torch.Tens
     formed them) compared at once per device."""
     by_device: dict[torch.device, list] = {}
     for name, g in grads.items():
-        k = max(kappa(r) for r in g.reps)
+        if (len(g.reps) == 1 and isinstance(g.reps[0], R.Dense)) or not g.batch_size:  # no factored use, no sample
+            continue
+        k = max(map(kappa, g.reps))
         if k > 0:
             sq = g.sq_norm()
             by_device.setdefault(sq.device, []).append((name, sq, g.triangle_bound(), k))
