@@ -277,13 +277,15 @@ def _time_uses(by_param: dict[str, list], costs: dict[str, list[UseCost]], room:
             want = stacks.get((n, i), 1)
             # a shape timed once keeps its timing: the room (free memory now) only guards new timings,
             # with as many uses at once as it holds
-            stack = want if (*_paths_key(r), want) in MEASURED else max(1, min(want, int(room // max(one, 1))))
-            fits = (*_paths_key(r), stack) in MEASURED or one * stack <= room
+            key = _paths_key(r)  # once: the planner runs every step
+            stack = want if (*key, want) in MEASURED else max(1, min(want, int(room // max(one, 1))))
+            fits = (*key, stack) in MEASURED or one * stack <= room
             if not fits:
                 continue
             try:
                 ghost_ms, inst_ms = measure_paths(r, stack)
-                freed_ms = measure_freed(r, stack) if len(rs) == 1 and formable(r) else None
+                freed = MEASURED.get((*key, stack, "freed")) if len(rs) == 1 and type(r) is R.Factored else None
+                freed_ms = freed[0] * r.left.shape[0] if freed else _freed_ms(r, rs, stack)
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 continue
@@ -297,6 +299,11 @@ def _time_uses(by_param: dict[str, list], costs: dict[str, list[UseCost]], room:
         out[n] = [c if c.timed or c.kind == "dense" else
                   replace(c, ghost_ms=c.ghost_flops * rate, instantiate_ms=c.instantiate_flops * rate) for c in cs]  # fmt: skip
     return out
+
+
+def _freed_ms(r, rs: list, stack: int) -> float | None:
+    """:func:`measure_freed` of a single use the freed path can take; else None."""
+    return measure_freed(r, stack) if len(rs) == 1 and formable(r) else None
 
 
 def _stack_sizes(by_param: dict[str, list]) -> dict[tuple[str, int], int]:
