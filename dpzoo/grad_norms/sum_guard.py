@@ -33,11 +33,6 @@ from .rounding import gamma, unit_roundoff
 __all__ = ["SUM_SLACK", "kappa", "risky_samples", "exact_sum"]
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a sum of ``dtype`` factors accumulates in: float32 for half ones."""
-    return torch.float32 if dtype in HALF else dtype
-
-
 SUM_SLACK = 2.0**-8  # the most a sample's share of a clipped sum may exceed R by, as a share of R
 
 
@@ -95,6 +90,11 @@ def exact_sum(g, scale: torch.Tensor, drop: torch.Tensor | None, rows: torch.Ten
     shared = shared_scale(g.reps, scale)[idx].double()
     wide = sum(R.clipped_sum(_rows64(r, idx), shared) for r in g.reps)
     return keep + wide.to(keep.dtype)
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a sum of ``dtype`` factors accumulates in: float32 for half ones."""
+    return torch.float32 if dtype in HALF else dtype
 
 
 def _rows64(rep, idx: torch.Tensor):
