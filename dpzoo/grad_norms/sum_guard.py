@@ -10,8 +10,10 @@ tests/test_factored_sum_rounding.py). So a sample with ‖g_i‖ < κ · U_i, κ
 (tensor cores: four times the unit roundoff, as :mod:`.formed`), has that parameter's share summed
 from its factors in float64 and the other samples' in float32 without it: the rounding of a
 sample's own terms then stays below SUM_SLACK · R (c_i ≤ R / ‖g_i‖, and a parameter's ‖g_i‖ is at
-most the total norm the clip used). The rounding of its terms against the other samples' running
-total is :mod:`.row_blocks`' (at most 2⁻⁹ of R). SUM_SLACK is 2⁻⁸ (0.4% of R at most, for any data and any T), not smaller,
+most the total norm the clip used). Not covered (a review, 2026-11-28): the product adds all B·T
+rows into one running sum, so a sample's terms also round against the other samples' total, up to
+about u·B·T/2 of R without any cancellation (1.106 R at B = 997, T = 2,048; a strict xfail in
+tests/test_factored_sum_rounding.py); row blocks accumulated in float64 would bound it. SUM_SLACK is 2⁻⁸ (0.4% of R at most, for any data and any T), not smaller,
 so that ordinary data never pays for float64 sums: on MiniLM's real weights and this repository's
 text, ‖g_i‖ / U_i ≥ 0.12 for every sample and layer at T = 128 and ≥ 0.07 at T = 512 (measured
 2026-11-28), against κ = 0.002 (float32) and 0.008 (bfloat16 on tensor cores) at T = 128, 0.008
