@@ -129,10 +129,11 @@ def test_kappa_grows_with_positions_and_tensor_cores():
 
 @pytest.mark.xfail(
     strict=True,
-    reason="LIMITATION (pre-existing on the ghost path, found by a review 2026-11-28): one float32 product adds all "
-    "B·T rows into one running sum, so a sample's terms round against the other samples' total; its share "
-    "f(D) - f(D without it) grows like u·B·T/2 of R (1.106 R at B 997, T 2048). Open: row blocks of at most "
-    "2^13 rows accumulated in float64 would bound it by about 5e-4 R",
+    reason="LIMITATION of float32 summation on every path (reviews, 2026-11-28): one product adds all B·T rows "
+    "into one running sum, so a sample's terms round against the other samples' total; its share f(D) - f(D "
+    "without it) reaches 1.106 R at B 997, T 2048 here, and a sample that carries the running sum over a binade "
+    "makes every later row round up (1.96-2.0 R at T 1-16, the dense path too). Blocks of rows do not fix the "
+    "second; an exact or float64 accumulation, or noise calibrated to the rounding, is open",
 )
 def test_a_samples_share_of_a_long_sum_is_not_rounded_against_the_others(monkeypatch):
     """Non-cancelling samples (‖g‖ = U, nothing for sum_guard to mark), one feature: the others put the

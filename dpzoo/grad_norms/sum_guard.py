@@ -10,10 +10,13 @@ tests/test_factored_sum_rounding.py). So a sample with ‖g_i‖ < κ · U_i, κ
 (tensor cores: four times the unit roundoff, as :mod:`.formed`), has that parameter's share summed
 from its factors in float64 and the other samples' in float32 without it: the rounding of a
 sample's own terms then stays below SUM_SLACK · R (c_i ≤ R / ‖g_i‖, and a parameter's ‖g_i‖ is at
-most the total norm the clip used). Not covered (a review, 2026-11-28): the product adds all B·T
-rows into one running sum, so a sample's terms also round against the other samples' total, up to
-about u·B·T/2 of R without any cancellation (1.106 R at B = 997, T = 2,048; a strict xfail in
-tests/test_factored_sum_rounding.py); row blocks accumulated in float64 would bound it. SUM_SLACK is 2⁻⁸ (0.4% of R at most, for any data and any T), not smaller,
+most the total norm the clip used). Not covered, on any path (reviews, 2026-11-28): float32
+summation itself. The product adds all B·T rows into one running sum, so a sample's terms round
+against the other samples' total (1.106 R at B = 997, T = 2,048 with non-cancelling data), and a
+sample can carry the running sum over a binade so that every later row rounds up by an ulp (1.96 to
+2.0 R at T = 1 to 16 on the freed, ghost and dense paths alike); the float32 total's own rounding
+adds u·B of R. Strict xfails in tests/test_factored_sum_rounding.py; the fix (an exact or float64
+accumulation, or noise calibrated to what rounding can add) is open. SUM_SLACK is 2⁻⁸ (0.4% of R at most, for any data and any T), not smaller,
 so that ordinary data never pays for float64 sums: on MiniLM's real weights and this repository's
 text, ‖g_i‖ / U_i ≥ 0.12 for every sample and layer at T = 128 and ≥ 0.07 at T = 512 (measured
 2026-11-28), against κ = 0.002 (float32) and 0.008 (bfloat16 on tensor cores) at T = 128, 0.008
