@@ -120,3 +120,28 @@ def check_against_brute_force(model, inputs, loss_fn, mode, tol=1e-6):
         return hooks
     finally:
         hooks.detach()
+
+
+def random_factored(shapes, batch: int, dtype: torch.dtype, seed: int = 0) -> list:
+    """Factored uses of one group with random factors, one per (T, r, c) of ``shapes``."""
+    from dpzoo.grad_norms import reps as R
+
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        R.Factored(torch.randn(batch, 1, t, r, generator=gen).to(dtype), torch.randn(batch, 1, t, c, generator=gen).to(dtype), (r, c))
+        for t, r, c in shapes
+    ]  # fmt: skip
+
+
+def grad64(rep) -> torch.Tensor:
+    """A factored use of one group's per-sample gradients in float64, by einsum (B, r, c)."""
+    return torch.einsum("btr,btc->brc", rep.left[:, 0].double(), rep.right[:, 0].double())
+
+
+def count_host_reads(monkeypatch) -> list:
+    """The host reads (bool, item, tolist of a tensor) made from now on, by name."""
+    reads: list = []
+    for name in ("__bool__", "item", "tolist"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _r=real, _n=name: reads.append(_n) or _r(t, *a))
+    return reads

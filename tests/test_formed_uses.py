@@ -13,7 +13,7 @@ import weakref
 
 import pytest
 import torch
-from grad_reference import check_against_brute_force, zoo_model_and_inputs
+from grad_reference import check_against_brute_force, count_host_reads, grad64, random_factored, zoo_model_and_inputs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpzoo.grad_norms import attach_norm_hooks, cost, float_guard, formed, half, param_grad
@@ -25,27 +25,11 @@ SHAPES = [(6, 20, 12)] * 3 + [(9, 7, 17)] * 2
 
 
 def _reps(dtype: torch.dtype, seed: int = 0) -> list[R.Factored]:
-    gen = torch.Generator().manual_seed(seed)
-    return [
-        R.Factored(torch.randn(B, 1, t, r, generator=gen).to(dtype), torch.randn(B, 1, t, c, generator=gen).to(dtype), (r, c))
-        for t, r, c in SHAPES
-    ]  # fmt: skip
-
-
-def _grad64(rep: R.Factored) -> torch.Tensor:
-    return torch.einsum("btr,btc->brc", rep.left[:, 0].double(), rep.right[:, 0].double())
+    return random_factored(SHAPES, B, dtype, seed)
 
 
 def _exact(rep: R.Factored) -> torch.Tensor:
-    return _grad64(rep).flatten(1).square().sum(1)
-
-
-def _reads(monkeypatch) -> list:
-    reads: list = []
-    for name in ("__bool__", "item", "tolist"):
-        real = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _r=real, _n=name: reads.append(_n) or _r(t, *a))
-    return reads
+    return grad64(rep).flatten(1).square().sum(1)
 
 
 def _spoil(rep: R.Factored, how: str) -> None:
@@ -75,7 +59,7 @@ def test_formed_norms_are_never_below_the_exact_norm(how, dtype, monkeypatch):
     _spoil(reps[1], how)
     monkeypatch.setattr(half, "LAUNCH_DEVICES", {"cuda", "cpu"})
     grads = [ParamGrad([r], ghost=False, freed=True) for r in reps]
-    reads = _reads(monkeypatch)
+    reads = count_host_reads(monkeypatch)
     got = param_grad.total_sq_norms(grads)
     assert (reads == ["__bool__"]) == (how == "none"), reads
     for g, norm, rep in zip(grads, got, reps):
@@ -104,7 +88,7 @@ def test_a_float32_product_that_loses_its_small_terms_is_taken_up_by_its_error_b
     rep = R.Factored(left, torch.ones(2, 1, 4096, 5), (3, 5))
     lost = R.instantiate(rep).flatten(1).square().sum(1).double()
     exact = _exact(rep)
-    reads = _reads(monkeypatch)
+    reads = count_host_reads(monkeypatch)
     norm = param_grad.total_sq_norms([ParamGrad([rep], ghost=False, freed=True)])[0]
     assert reads == ["__bool__"]  # not recomputed: the bound alone
     assert (norm.double() >= exact).all() and (norm.double() <= exact * 1.001).all()
@@ -123,7 +107,7 @@ def test_the_product_error_bound_covers_the_formed_gradient(dtype):
         if trial % 3 == 0:
             left[:, :, 1:] *= 2.0**-23
         rep = R.Factored(left.to(dtype), right.to(dtype), (p, d))
-        err = (R.instantiate(rep).double() - _grad64(rep)).flatten(1).norm(dim=1)
+        err = (R.instantiate(rep).double() - grad64(rep)).flatten(1).norm(dim=1)
         u = float_guard.row_sums(rep)[0]
         assert (formed.product_error(rep, u, torch.float32) >= err).all()
 
@@ -139,7 +123,7 @@ def test_clipped_sums_of_formed_uses_come_from_their_factors(dtype, monkeypatch)
     param_grad.total_sq_norms(list(grads.values()))
     sums = param_grad.clipped_sums(grads, scale, None)
     for i, rep in enumerate(reps):
-        want = torch.einsum("b,brc->rc", scale.double(), _grad64(rep))
+        want = torch.einsum("b,brc->rc", scale.double(), grad64(rep))
         assert (sums[str(i)].double() - want).abs().max() <= 1e-5 * want.abs().max()
         torch.testing.assert_close(sums[str(i)], ParamGrad([rep], ghost=True).clipped_sum(scale), rtol=1e-5, atol=1e-6)
 
@@ -281,7 +265,7 @@ def test_formed_uses_on_cuda_give_exact_norms_and_sums(dtype):
         exact = _exact(cpu)
         assert grads[str(i)].reps == [rep]
         assert (norm.cpu().double() >= exact).all() and (norm.cpu().double() <= exact * 1.001).all()
-        want = torch.einsum("b,brc->rc", scale.double(), _grad64(cpu))
+        want = torch.einsum("b,brc->rc", scale.double(), grad64(cpu))
         assert (sums[str(i)].cpu().double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from grad_reference import check_against_brute_force, zoo_model_and_inputs
+from grad_reference import check_against_brute_force, count_host_reads, grad64, random_factored, zoo_model_and_inputs
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpzoo.grad_norms import cost, half, param_grad
@@ -35,23 +35,7 @@ class _Ops(TorchDispatchMode):
 
 
 def _reps(dtype: torch.dtype, seed: int = 0) -> list[R.Factored]:
-    gen = torch.Generator().manual_seed(seed)
-    return [
-        R.Factored(torch.randn(B, 1, t, r, generator=gen).to(dtype), torch.randn(B, 1, t, c, generator=gen).to(dtype), (r, c))
-        for t, r, c in SHAPES
-    ]  # fmt: skip
-
-
-def _grad64(rep: R.Factored) -> torch.Tensor:
-    return torch.einsum("btr,btc->brc", rep.left[:, 0].double(), rep.right[:, 0].double())
-
-
-def _reads(monkeypatch) -> list:
-    reads: list = []
-    for name in ("__bool__", "item", "tolist"):
-        real = getattr(torch.Tensor, name)
-        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _r=real, _n=name: reads.append(_n) or _r(t, *a))
-    return reads
+    return random_factored(SHAPES, B, dtype, seed)
 
 
 def _spoil(reps: list[R.Factored], how: str) -> None:
@@ -82,7 +66,7 @@ def test_stacked_ghost_norms_are_each_uses_own_and_never_below_the_exact_norm(ho
     monkeypatch.setattr(half, "LAUNCH_DEVICES", {"cuda", "cpu"})
     alone = [ParamGrad([r], ghost=True).sq_norm() for r in reps]
     grads = [ParamGrad([r], ghost=True) for r in reps]
-    reads = _reads(monkeypatch)
+    reads = count_host_reads(monkeypatch)
     with _Ops() as ops:
         got = param_grad.total_sq_norms(grads)
     assert ops.cats == (4 if how == "none" else 6)  # two stacks of both factors; the one that fired made again
@@ -90,7 +74,7 @@ def test_stacked_ghost_norms_are_each_uses_own_and_never_below_the_exact_norm(ho
     for g, norm, one, rep in zip(grads, got, alone, reps):
         assert norm is g.sq_norm()  # cached on the parameter
         torch.testing.assert_close(norm, one, rtol=1e-5, atol=0, equal_nan=True)
-        exact = _grad64(rep).flatten(1).square().sum(1)
+        exact = grad64(rep).flatten(1).square().sum(1)
         ok = torch.isfinite(exact)
         assert (norm.double()[ok] >= exact[ok]).all()
 
@@ -147,11 +131,11 @@ def test_stacked_clipped_sums_are_each_uses_own(lose, dtype, monkeypatch):
     alone = {str(i): ParamGrad([r], ghost=True).clipped_sum(scale) for i, r in enumerate(reps)}
     grads = {str(i): ParamGrad([r], ghost=True) for i, r in enumerate(reps)}
     param_grad.total_sq_norms(list(grads.values()))  # as a step does before its sums
-    reads = _reads(monkeypatch)
+    reads = count_host_reads(monkeypatch)
     got = param_grad.clipped_sums(grads, scale, None)
     assert (list(reads) == ["__bool__"]) == (not lose), reads
     for i, rep in enumerate(reps):
-        exact = torch.einsum("b,brc->rc", scale.double(), _grad64(rep))
+        exact = torch.einsum("b,brc->rc", scale.double(), grad64(rep))
         size = exact.abs().max()
         assert got[str(i)].shape == exact.shape and got[str(i)].dtype == torch.float32
         assert (got[str(i)].double() - exact).abs().max() <= 1e-5 * size
@@ -233,11 +217,11 @@ def test_stacks_on_cuda_give_each_uses_own_norm_and_sum(dtype):
     sums = param_grad.clipped_sums(grads, scale.cuda(), None)
     for i, (rep, norm) in enumerate(zip(reps, norms)):
         cpu = R.Factored(rep.left.cpu(), rep.right.cpu(), rep.shape)
-        exact = _grad64(cpu).flatten(1).square().sum(1)
+        exact = grad64(cpu).flatten(1).square().sum(1)
         assert (norm.cpu().double() >= exact).all() and (norm.cpu().double() <= exact * 1.02).all()
         alone = ParamGrad([rep], ghost=True)
         torch.testing.assert_close(norm, alone.sq_norm(), rtol=1e-5, atol=0)
-        want = torch.einsum("b,brc->rc", scale.double(), _grad64(cpu))
+        want = torch.einsum("b,brc->rc", scale.double(), grad64(cpu))
         assert (sums[str(i)].cpu().double() - want).abs().max() <= 1e-5 * want.abs().max()
         torch.testing.assert_close(
             sums[str(i)], alone.clipped_sum(scale.cuda()), rtol=1e-5, atol=1e-5 * want.abs().max().item()
