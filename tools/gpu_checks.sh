@@ -22,7 +22,9 @@
 #
 # BF16_CONFIGS / FP32_CONFIGS (space-separated) narrow steps 2 and 4 to what a call still needs;
 # BF16_MODES replaces step 2's modes (e.g. add dpzoo-bk dpzoo-instantiate: the planner's choice against
-# each path forced), PLAN_CONFIGS adds, after step 2, the planner's choices (benchmarks/plan_choices.py).
+# each path forced), PLAN_CONFIGS adds, after step 2, the planner's choices (benchmarks/plan_choices.py),
+# GUARD_CONFIGS then the samples the clipped sums' guard sends to float64 (benchmarks/sum_guard_share.py,
+# every use on the ghost path and the planner's plan).
 #
 # The device's own torch (2.11 on 2026-11-28) and transformers run the code: both in the supported range.
 set -u
@@ -73,6 +75,12 @@ for c in ${BF16_CONFIGS:-gpt2-small-t128 gpt2-small-t512 vit-base-patch16@224 re
 done
 for c in ${PLAN_CONFIGS:-}; do
     step 60 python3 benchmarks/plan_choices.py "$c" --device cuda --precision bf16
+done
+for c in ${GUARD_CONFIGS:-}; do
+    for m in dpzoo-bk dpzoo-bk-mixopt; do
+        step 60 python3 benchmarks/sum_guard_share.py "$c" --mode "$m" --device cuda --precision bf16 \
+            --out "$res/sum_guard_${c//@/_}_$m.json"
+    done
 done
 step 150 python3 benchmarks/profile_step.py --device cuda --precision bf16 --configs llama-bias-1b-t512 \
     --modes nonprivate-bias dpzoo-bitfit --steps 2 --top 30 --out "$res/profile_llama-bias-1b-t512"
