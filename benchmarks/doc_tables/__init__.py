@@ -27,7 +27,8 @@ DOCUMENTS = ("README.md", "docs/RESULTS.md", "docs/BENCHMARKS.md", "docs/GUIDE.m
 MARKER = re.compile(r"^<!-- table: (\S+) -->$")
 # the renderer families, imported on first use
 MODULES = ("gpu", "minilm", "audit", "seqrec", "seqrec_figures", "first_hour", "benchmarks_figures", "summary",
-           "user_level", "gpu_half", "gpu_model", "floor", "gpu_h200_timed", "gpu_h200_1128", "gpu_stacks")  # fmt: skip
+           "user_level", "gpu_half", "gpu_model", "floor", "gpu_h200_timed", "gpu_h200_1128", "gpu_stacks",
+           "gpu_h200_stacks")  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -127,27 +127,39 @@ TODAY_FILES = [TODAY.format(precision="bf16", config=c) for c in TODAY_BF16] + [
 TODAY_PROFILES = [DIR + f"/head_95928c5/profile_{c}_bf16.json" for c in ("gpt2-small-t128", "llama-bias-1b-t512")]
 
 
-@table("gpu-h200-1128-today", files=TODAY_FILES, command=COMMAND)
-def h200_1128_today(root: Path) -> str:
+def call_table(root: Path, pattern: str, configs: list[str]) -> str:
+    """One device call's bf16 table (``pattern`` with {precision} and {config}): the planner's plan,
+    every layer forced onto each path, DP-BiTFiT, and fp32 where the call ran it."""
     lines = [
         "| config (bf16) | non-private (ms) | bk-mixopt: time / memory | every layer ghost | every layer instantiated "
         "| DP-BiTFiT of bias-only | fp32 bk-mixopt |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for config in TODAY_BF16:
-        entry = one_config(load(root, TODAY.format(precision="bf16", config=config)))
-        fp32 = _entry(root, TODAY.format(precision="fp32", config=config))
+    for config in configs:
+        entry = one_config(load(root, pattern.format(precision="bf16", config=config)))
+        fp32 = _entry(root, pattern.format(precision="fp32", config=config))
+        modes = entry["time"]["modes"]
         cells = [
             LABELS[config],
-            f"{entry['time']['modes']['nonprivate-full']['median_ms']:.1f}",
+            f"{modes['nonprivate-full']['median_ms']:.1f}",
             time_memory(entry, "dpzoo-bk-mixopt"),
-            time_memory(entry, "dpzoo-bk") if "dpzoo-bk" in entry["time"]["modes"] else "not run",
-            time_memory(entry, "dpzoo-instantiate") if "dpzoo-instantiate" in entry["time"]["modes"] else "not run",
+            time_memory(entry, "dpzoo-bk") if "dpzoo-bk" in modes else "not run",
+            time_memory(entry, "dpzoo-instantiate") if "dpzoo-instantiate" in modes else "not run",
             _bitfit(entry),
             time_memory(fp32, "dpzoo-bk-mixopt") if fp32 else "not run",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def run_values(root: Path, path: str) -> list[float]:
+    """A benchmark run's step times (ms), time ratios (median, low, high; to the second baseline) and memory ratios."""
+    return _run_values(root, path)
+
+
+@table("gpu-h200-1128-today", files=TODAY_FILES, command=COMMAND)
+def h200_1128_today(root: Path) -> str:
+    return call_table(root, TODAY, TODAY_BF16)
 
 
 LLAMA_PREDICTED = "benchmarks/results/cost/timed_plan/llama-bias-1b-t512.json"

@@ -17,8 +17,8 @@ MAIN_JOB = "benchmarks/results/main_job/main_job.json"
 T200 = f"{BASE}/recipe_gpu/t200/summary.json"
 MINILM = "benchmarks/results/minilm/main/results.json"
 AUDIT = "benchmarks/results/audit/white_box_eps2_m50000_full.json"
-H200_NOW = "benchmarks/results/gpu_h200_1128/dense_runs/bf16_gpt2-small-t128.json"  # today's code
-H200_TABLE = "benchmarks/results/gpu_h200_1128/{precision}_gpt2-small-t128.json"  # the call before the last change
+H200_NOW = "benchmarks/results/gpu_h200_1128/head_297a653/{precision}_gpt2-small-t128.json"  # today's code
+H200_FIRST = "benchmarks/results/gpu_h200_1128/bf16_gpt2-small-t128.json"  # the day's first call (97dd5d3)
 
 
 def _span(values: list[float], digits: int = 2) -> str:
@@ -74,16 +74,18 @@ def _audit(root: Path) -> list[str]:
 
 
 def _gpu(root: Path) -> list[str]:
-    """The latest GPU measurement (H200, 11-28: today's code), and that day's table of the code
-    before its last change (dense norms over runs of 32) in bf16 and fp32."""
-    now = _modes(root, H200_NOW)["dpzoo-bk-mixopt"]["time_ratio"]["median"]
-    before = {p: _modes(root, H200_TABLE.format(precision=p))["dpzoo-bk-mixopt"] for p in ("fp32", "bf16")}
-    ratio = {k: m["time_ratio"]["median"] for k, m in before.items()}
+    """The latest GPU measurement (H200, 11-28, library 7fe8445) in bf16 and fp32, and the day's
+    first call (97dd5d3) in bf16."""
+    now = {
+        p: _modes(root, H200_NOW.format(precision=p))["dpzoo-bk-mixopt"]["time_ratio"]["median"]
+        for p in ("fp32", "bf16")
+    }
+    first = _modes(root, H200_FIRST)["dpzoo-bk-mixopt"]["time_ratio"]["median"]
     return [
         "GPT-2 small, T 128, bf16, one H200 (11-28)",
         "DP step time / non-private (bk-mixopt)",
-        f"{now:.2f}×",
-        f"the same day, before the last change: {ratio['bf16']:.2f}× bf16, {ratio['fp32']:.2f}× fp32",
+        f"{now['bf16']:.2f}×",
+        f"fp32 {now['fp32']:.2f}×; bf16 the same day's first call: {first:.2f}×",
         "`python benchmarks/bench_training_step.py --device cuda`",
     ]
 
@@ -92,8 +94,8 @@ def _modes(root: Path, path: str) -> dict:
     return one_config(load(root, path))["time"]["modes"]
 
 
-@table("results-summary", files=[MAIN_JOB, T200, MINILM, AUDIT, H200_NOW,
-                                 *(H200_TABLE.format(precision=p) for p in ("fp32", "bf16"))],
+@table("results-summary", files=[MAIN_JOB, T200, MINILM, AUDIT, H200_FIRST,
+                                 *(H200_NOW.format(precision=p) for p in ("fp32", "bf16"))],
        command="benchmarks/render_tables.py")  # fmt: skip
 def results_summary(root: Path) -> str:
     lines = ["| task | metric | dpzoo | reference | command |", "|---|---|---|---|---|"]
