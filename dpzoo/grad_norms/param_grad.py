@@ -39,7 +39,7 @@ from .reps import (
     sq_norm,
     without_samples,
 )
-from .rounding import any_flag, dense_sq_norms
+from .rounding import dense_sq_norms, read_flags
 
 __all__ = ["ParamGrad", "total_sq_norms", "clipped_sums", "stack_key", "stack_capacity", "SMALL_DENSE", "STACK_BYTES"]
 
@@ -381,13 +381,13 @@ def clipped_sums(grads: dict[str, ParamGrad], scale: torch.Tensor, drop: torch.T
         if lost is not None:
             flagged.update((n, lost) for n in labels)
     risky, amplified = sum_guard.risky_samples(grads)
-    if (flagged or risky) and any_flag(list(flagged.values()) + amplified):
-        for name, lost in flagged.items():
-            if bool(lost):  # a scaled factor lost bits: its sum in float64 (a stack's members one by one)
-                out[name] = _summed(name, grads[name], scale, drop, False)[0]
-        for name, rows in risky.items():
-            if bool(rows.any()):  # a sum that could round past R: those samples' shares in float64
-                out[name] = sum_guard.exact_sum(grads[name], scale, drop, rows)
+    fired = read_flags(list(flagged.values()) + list(amplified.values()))  # one host read for all
+    for name, lost in zip(flagged, fired):
+        if lost:  # a scaled factor lost bits: its sum in float64 (a stack's members one by one)
+            out[name] = _summed(name, grads[name], scale, drop, False)[0]
+    for name, amplify in zip(amplified, fired[len(flagged) :]):
+        if amplify:  # a sum that could round past R: those samples' shares in float64
+            out[name] = sum_guard.exact_sum(grads[name], scale, drop, risky[name])
     for group in small.values():
         total = ParamGrad([Dense(torch.cat([rows for _, rows, _ in group], 1))]).clipped_sum(scale, drop)
         for (name, rows, shape), part in zip(group, total.split([rows.shape[1] for _, rows, _ in group])):

@@ -38,7 +38,7 @@ from .half import launches_kernels
 
 __all__ = [
     "GRAM_CHUNK", "mechanism_dtype", "unit_roundoff", "gamma", "sum_per_sample", "pair_length", "error_bound", "round_up",
-    "dense_sq_norm", "dense_sq_norms", "runs_sq", "sq_bounds", "dense_chunk", "DENSE_LOOSE", "any_flag",
+    "dense_sq_norm", "dense_sq_norms", "runs_sq", "sq_bounds", "dense_chunk", "DENSE_LOOSE", "any_flag", "read_flags",
 ]  # fmt: skip
 
 GRAM_CHUNK = 256  # Gram matrices are summed over chunks of this many features (reps._gram)
@@ -225,6 +225,19 @@ def any_flag(flags: list[torch.Tensor]) -> bool:
     for f in flags:
         by_device.setdefault(f.device, []).append(f)
     return any(bool(torch.stack(fs).any()) for fs in by_device.values())
+
+
+def read_flags(flags: list[torch.Tensor]) -> list[bool]:
+    """The device bools ``flags`` on the host, in order: one host read per device, not one each
+    (a loop of ``bool(flag)`` waits for the queue at every flag)."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, f in enumerate(flags):
+        by_device.setdefault(f.device, []).append(i)
+    out = [False] * len(flags)
+    for idx in by_device.values():
+        for i, value in zip(idx, torch.stack([flags[i] for i in idx]).tolist()):
+            out[i] = bool(value)
+    return out
 
 
 def _float32_bounds(grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,11 @@ accumulation, or noise calibrated to what rounding can add) is open. SUM_SLACK i
 so that ordinary data never pays for float64 sums: on MiniLM's real weights and this repository's
 text, ‖g_i‖ / U_i ≥ 0.12 for every sample and layer at T = 128 and ≥ 0.07 at T = 512 (measured
 2026-11-28), against κ = 0.002 (float32) and 0.008 (bfloat16 on tensor cores) at T = 128, 0.008
-and 0.031 at T = 512. The remaining 2⁻⁸ could be covered by noise calibrated to (1 + SUM_SLACK) R.
+and 0.031 at T = 512. At T = 1,024 in bfloat16 on tensor cores (κ = 0.063) ordinary data does pay:
+with every use of GPT-2 small on the ghost path, on random tokens, 36 of its 50 parameters sent
+all 32 samples to float64 sums (an H200, 2026-11-28, benchmarks/sum_guard_share.py; the timed plan
+instantiates every use there, whose dense sums are not guarded). The remaining 2⁻⁸ could be
+covered by noise calibrated to (1 + SUM_SLACK) R, and a larger SUM_SLACK by more.
 """
 
 from __future__ import annotations
@@ -61,11 +65,11 @@ def _kappa(positions: int, dtype: torch.dtype, tensor_cores: bool) -> float:
     return gamma(positions + 2, u) / SUM_SLACK
 
 
-def risky_samples(grads: dict) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+def risky_samples(grads: dict) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """({name: the samples (a device bool per sample) whose share of the parameter's clipped sum
-    must be summed in float64} for every parameter with a use summed from its factors, [whether any
-    of a device's are: device bools]); no host read: their norms and U (cached where the guard
-    formed them) compared at once per device."""
+    must be summed in float64}, {name: whether any is (a device bool)}) for every parameter with a
+    use summed from its factors; no host read: their norms and U (cached where the guard formed
+    them) compared at once per device, the flags views of one reduction per device."""
     by_device: dict[torch.device, list] = {}
     for name, g in grads.items():
         if (len(g.reps) == 1 and isinstance(g.reps[0], R.Dense)) or not g.batch_size:  # no factored use, no sample
@@ -75,13 +79,14 @@ def risky_samples(grads: dict) -> tuple[dict[str, torch.Tensor], list[torch.Tens
             sq = g.sq_norm()
             by_device.setdefault(sq.device, []).append((name, sq, g.triangle_bound(), k))
     risky: dict[str, torch.Tensor] = {}
-    flags = []
+    fired: dict[str, torch.Tensor] = {}
     for items in by_device.values():
+        names = [name for name, *_ in items]
         bounds = torch.stack(torch._foreach_mul([u for _, _, u, _ in items], [k for *_, k in items]))
         masks = bounds.square_() > torch.stack([sq for _, sq, _, _ in items]).double()
-        risky.update(zip([name for name, *_ in items], masks.unbind(0)))
-        flags.append(masks.any())
-    return risky, flags
+        risky.update(zip(names, masks.unbind(0)))
+        fired.update(zip(names, masks.any(1).unbind(0)))
+    return risky, fired
 
 
 def exact_sum(g, scale: torch.Tensor, drop: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
