@@ -39,7 +39,7 @@ from .reps import (
     sq_norm,
     without_samples,
 )
-from .rounding import dense_sq_norms, read_flags
+from .rounding import any_flag, dense_sq_norms, read_flags
 
 __all__ = ["ParamGrad", "total_sq_norms", "clipped_sums", "stack_key", "stack_capacity", "SMALL_DENSE", "STACK_BYTES"]
 
@@ -381,7 +381,8 @@ def clipped_sums(grads: dict[str, ParamGrad], scale: torch.Tensor, drop: torch.T
         if lost is not None:
             flagged.update((n, lost) for n in labels)
     risky, amplified = sum_guard.risky_samples(grads)
-    fired = read_flags(list(flagged.values()) + list(amplified.values()))  # one host read for all
+    flags = list(flagged.values()) + list(amplified.values())
+    fired = read_flags(flags) if flags and any_flag(flags) else []  # one host read; a second for all if any fired
     for name, lost in zip(flagged, fired):
         if lost:  # a scaled factor lost bits: its sum in float64 (a stack's members one by one)
             out[name] = _summed(name, grads[name], scale, drop, False)[0]

@@ -229,7 +229,8 @@ def any_flag(flags: list[torch.Tensor]) -> bool:
 
 def read_flags(flags: list[torch.Tensor]) -> list[bool]:
     """The device bools ``flags`` on the host, in order: one host read per device, not one each
-    (a loop of ``bool(flag)`` waits for the queue at every flag)."""
+    (a loop of ``bool(flag)`` waits for the queue at every flag). ``tolist`` is no operator: the cost
+    trace (benchmarks/cost_trace.py) cannot answer it, so a step reads it only once :func:`any_flag` fired."""
     by_device: dict[torch.device, list[int]] = {}
     for i, f in enumerate(flags):
         by_device.setdefault(f.device, []).append(i)
