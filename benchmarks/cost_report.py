@@ -8,7 +8,7 @@ checked against every measured GPU table in benchmarks/results.
 Writes ``cost_report.json``: per configuration, precision and mode the counts (operators, kernels,
 host reads, Python calls, GFLOPs per unit, GB moved, peak memory), their ratios to the
 non-private step (DP-BiTFiT also to the non-private bias-only step), and the predicted step times;
-with validation, the model's constants calibrated on the newest measured table (H200, 2026-11-28) and its error on
+with validation, the model's constants calibrated on the newest measured table (H200, 2026-11-28, session 23) and its error on
 every measured cell (``validation``), and ``validation.png`` (predicted against measured ratios).
 Counts are the same on any machine; the predictions are a model's (docs/RESULTS.md says where it
 misses).
@@ -35,6 +35,13 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # measured tables: (label, device, files, what code ran, the GPU's dense-norm run length then);
 # the first is the calibration table
 TABLES = [
+    (
+        "h200-2026-11-28 session 23",
+        "h200",
+        ["gpu_h200_1128/head_297a653/bf16_*.json", "gpu_h200_1128/head_297a653/fp32_*.json"],
+        "7fe8445 (stacks of one shape, the freed path, the sums' guard; every layer forced onto each path too)",
+        None,
+    ),
     (
         "h200-2026-11-28",
         "h200",

@@ -67,23 +67,18 @@ def tables(root: Path) -> str:
     return "\n".join(lines)
 
 
-# the measured H200 cell of each target (11-28, timed plan), the latest code each was run at: the next
-# session's second call (95928c5) or its first (ae809ef)
+# the measured H200 cell of each target (11-28, timed plan), the latest code each was run at: session
+# 23's call (7fe8445), ResNet-50-GN last measured at ae809ef
+LATEST = "benchmarks/results/gpu_h200_1128/head_297a653/bf16_{config}.json"
 MEASURED = {
-    "gpt2-small-t128": ("benchmarks/results/gpu_h200_1128/head_95928c5/bf16_gpt2-small-t128.json", "time_ratio"),
-    "gpt2-small-t512": ("benchmarks/results/gpu_h200_1128/head_ae809ef/bf16_gpt2-small-t512.json", "time_ratio"),
-    "vit-base-patch16@224": (
-        "benchmarks/results/gpu_h200_1128/head_95928c5/bf16_vit-base-patch16@224.json",
-        "time_ratio",
-    ),
+    "gpt2-small-t128": (LATEST.format(config="gpt2-small-t128"), "time_ratio"),
+    "gpt2-small-t512": (LATEST.format(config="gpt2-small-t512"), "time_ratio"),
+    "vit-base-patch16@224": (LATEST.format(config="vit-base-patch16@224"), "time_ratio"),
     "resnet50-gn-bias@224": (
         "benchmarks/results/gpu_h200_1128/head_ae809ef/bf16_resnet50-gn-bias@224.json",
         "time_ratio",
     ),
-    "llama-bias-1b-t512": (
-        "benchmarks/results/gpu_h200_1128/head_95928c5/bf16_llama-bias-1b-t512.json",
-        "time_ratio_second",
-    ),
+    "llama-bias-1b-t512": (LATEST.format(config="llama-bias-1b-t512"), "time_ratio_second"),
 }
 
 
