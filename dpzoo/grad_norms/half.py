@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import threading
-from contextlib import contextmanager
+from contextlib import ContextDecorator
 
 import torch
 
@@ -52,8 +52,7 @@ _EXACT_LOCK = threading.Lock()
 _BACKENDS = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul, torch.backends.mkldnn.conv)  # type: ignore[attr-defined]
 
 
-@contextmanager
-def exact_matmuls():
+class exact_matmuls(ContextDecorator):  # noqa: N801  (named as the function it was: a context and a decorator)
     """float32 matmuls at IEEE precision whatever the user set: TF32 rounds float32 operands to 10
     bits (bfloat16 on a CPU at "medium"), and :mod:`.rounding`'s bound (and a clipped sum's
     exactness) assume it does not. Set per backend (CUDA's and oneDNN's ``fp32_precision``), the
@@ -61,17 +60,20 @@ def exact_matmuls():
     a user who had set ``torch.backends.fp32_precision`` (found by an independent review). oneDNN's
     convolutions too (the per-sample route of :mod:`.rules.conv`). Re-entrant and counted across
     threads (the settings are the process's): the user's settings come back when the last context
-    of any thread exits, so one thread leaving cannot lower another's precision mid-step."""
-    with _EXACT_LOCK:
-        if _EXACT["depth"] == 0:
-            _EXACT["before"] = [b.fp32_precision for b in _BACKENDS]
-        for b in _BACKENDS:  # nested entries too: another thread (or an interrupted exit) may have changed them
-            if b.fp32_precision != "ieee":
-                b.fp32_precision = "ieee"
-        _EXACT["depth"] += 1
-    try:
-        yield
-    finally:
+    of any thread exits, so one thread leaving cannot lower another's precision mid-step. A class,
+    not a generator: a GPU step enters it ~300 times, and each generator entry cost five Python
+    calls of host time (benchmarks/cost_trace.py counts them)."""
+
+    def __enter__(self) -> None:
+        with _EXACT_LOCK:
+            if _EXACT["depth"] == 0:
+                _EXACT["before"] = [b.fp32_precision for b in _BACKENDS]
+            for b in _BACKENDS:  # nested entries too: another thread (or an interrupted exit) may have changed them
+                if b.fp32_precision != "ieee":
+                    b.fp32_precision = "ieee"
+            _EXACT["depth"] += 1
+
+    def __exit__(self, *exc) -> None:
         with _EXACT_LOCK:
             _EXACT["depth"] -= 1
             if _EXACT["depth"] == 0:
