@@ -153,8 +153,37 @@ def passing_answer(func, args):
     return False if t.dtype == torch.bool else 0
 
 
+def passing_list(t: torch.Tensor):
+    """What ``t.tolist()`` returns in a step where every check passes: False (bool) or 0 everywhere."""
+    zero = False if t.dtype == torch.bool else 0.0 if t.is_floating_point() else 0
+
+    def nest(shape):
+        return [nest(shape[1:]) for _ in range(shape[0])] if shape else zero
+
+    return nest(tuple(t.shape))
+
+
 class ShapeTrace(TorchDispatchMode):
-    """Runs operators for their shapes; records them while :attr:`recording` (see the module)."""
+    """Runs operators for their shapes; records them while :attr:`recording` (see the module).
+    ``Tensor.tolist`` is no operator (it reads the memory itself): while the mode is on it is
+    answered as a host read too (:func:`passing_list`), not with whatever the memory held."""
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+        tracer = self
+
+        def tolist(t):
+            if tracer.recording:
+                tracer.trace.ops.append(Op("Tensor.tolist", 0.0, _bytes(t), 0, str(t.dtype).removeprefix("torch."),
+                                           "memory", False, True, _dpzoo_source()))  # fmt: skip
+            return passing_list(t)
+
+        torch.Tensor.tolist = tolist  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist  # type: ignore[method-assign]
+        return super().__exit__(*exc)
 
     def __init__(self):
         super().__init__()

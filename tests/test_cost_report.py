@@ -120,6 +120,19 @@ def test_nothing_is_computed_and_live_memory_is_counted():
     assert not bool((c == 4).all())  # values were never computed (the memory is whatever was there)
 
 
+def test_a_tolist_is_a_host_read_answered_as_a_passing_step():
+    """``tolist`` reads memory without an operator: under the trace it is counted as a host read and
+    answered False / 0 (a flag that fired on uninitialised memory priced spurious float64 sums)."""
+    tracer = cost_trace.ShapeTrace()
+    tracer.recording = True
+    with tracer:
+        flags = torch.ones(3, 2) > 0
+        got = flags.tolist()
+    assert got == [[False, False]] * 3 and torch.ones(2).tolist() == [1.0, 1.0]  # the real one back
+    reads = [op for op in tracer.trace.ops if op.sync]
+    assert [op.name for op in reads] == ["Tensor.tolist"] and not reads[0].kernel
+
+
 def test_a_traced_step_runs_the_operators_of_a_real_step(monkeypatch):
     """The shape-only step launches the same operators, in the same order, as the step computed
     for real (after the same warm-up) whose host reads get the same answers (those of a step where
