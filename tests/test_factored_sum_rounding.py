@@ -14,7 +14,7 @@ import pytest
 import torch
 from grad_reference import count_host_reads
 
-from dpzoo.grad_norms import half, param_grad, sum_guard
+from dpzoo.grad_norms import half, param_grad, rounding, sum_guard
 from dpzoo.grad_norms import reps as R
 from dpzoo.grad_norms.param_grad import ParamGrad
 
@@ -118,6 +118,16 @@ def test_every_amplified_parameter_is_found_with_one_host_read(monkeypatch):
     param_grad.clipped_sums(grads, torch.full((2,), 0.5), None)
     assert reads[:2] == ["__bool__", "tolist"] and reads.count("tolist") == 1 + len(calls), reads  # then the test's own
     assert [(g, rows) for g, rows in calls] == [(grads["a"], [True, False]), (grads["c"], [False, True])]
+
+
+def test_read_flags_reads_each_flag_as_its_one_value():
+    """0-dim and 1-element flags, bool and not, in order (a 1-element False stacked to (n, 1) read as
+    the non-empty list [False], true, before: found by the review of 2026-11-28); a flag of two values is refused."""
+    flags = [torch.tensor(False), torch.tensor([True]), torch.tensor([False]), torch.tensor(1.0), torch.tensor([0])]
+    assert rounding.read_flags(flags) == [False, True, False, True, False]
+    assert rounding.read_flags([]) == []
+    with pytest.raises(RuntimeError):
+        rounding.read_flags([torch.tensor([True, False])])
 
 
 def test_ordinary_data_never_takes_the_float64_sum(monkeypatch):

@@ -236,7 +236,7 @@ def read_flags(flags: list[torch.Tensor]) -> list[bool]:
         by_device.setdefault(f.device, []).append(i)
     out = [False] * len(flags)
     for idx in by_device.values():
-        for i, value in zip(idx, torch.stack([flags[i] for i in idx]).tolist()):
+        for i, value in zip(idx, torch.stack([flags[i].reshape(()) for i in idx]).tolist()):  # one value each
             out[i] = bool(value)
     return out
 
