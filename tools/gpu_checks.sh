@@ -10,7 +10,7 @@
 # 3. a profile of the llama's DP-BiTFiT and bias-only steps (1.69x of bias-only on 2026-11-28: host
 #    time), on the device (profile_step.py) and on the host (host_profile.py), and of GPT-2 T128's DP step;
 # 4. the fp32 table of GPT-2 small T128, ViT-B/16 and ResNet-50-GN;
-# 5. GPT-2 small T1024 in bf16 with --pairwise, then the largest batches (--max-batch).
+# 5. GPT-2 small T1024 in bf16 with --pairwise (every use ghost too), then the largest batches (--max-batch).
 # Each step runs under `timeout` cut to what is left of SECONDS, so the call ends inside its limit
 # and what finished comes back (re-tarred after each step): $OUT/device_log.txt and $OUT/results.tar.gz (the device tool
 # returns at most 8 files). Wheels in .whl/ (dp-accounting and dm-tree: the device image lacks
@@ -92,7 +92,9 @@ step 60 python3 benchmarks/profile_step.py --device cuda --precision bf16 --conf
 for c in ${FP32_CONFIGS:-gpt2-small-t128 vit-base-patch16@224 resnet50-gn-bias@224}; do
     step 75 "${bench[@]}" --precision fp32 --configs "$c" --modes "${modes[@]}" --out "$res/fp32_${c//@/_}"
 done
-step 100 "${bench[@]}" --precision bf16 --pairwise --configs gpt2-small-t1024 --modes "${modes[@]}" --out "$res/bf16_gpt2-small-t1024"
+# with every use ghost too: at T1024 in bf16 the sums' guard sends most samples to float64 sums (session 23)
+step 100 "${bench[@]}" --precision bf16 --pairwise --configs gpt2-small-t1024 --modes "${modes[@]}" dpzoo-bk \
+    --out "$res/bf16_gpt2-small-t1024"
 step 120 "${bench[@]}" --precision bf16 --no-memory --max-batch 256 --configs gpt2-small-t128 \
     --modes nonprivate-full dpzoo-bk-mixopt --out "$res/maxbatch_gpt2-small-t128"
 tar -czf "$out/results.tar.gz" -C "$res" . 2>>"$log"
