@@ -60,3 +60,24 @@ def test_host_profile_names_dpzoo_functions_in_a_dp_step_and_none_in_a_non_priva
     assert not any("dpzoo/grad_norms" in row["file"] for row in plain["by_cumulative_time"])
     top = dp["by_cumulative_time"]
     assert top == sorted(top, key=lambda r: -r["cumulative_ms_per_step"])
+
+
+def test_sum_guard_share_counts_the_samples_sent_to_float64(tmp_path, monkeypatch):
+    """benchmarks/sum_guard_share.py: none on a tiny model's ordinary step (every ratio above 1);
+    every sample of every factored parameter once kappa is made huge; the guard unwrapped after."""
+    import sum_guard_share
+
+    from dpzoo.grad_norms import sum_guard
+
+    inner = sum_guard.risky_samples
+    out = tmp_path / "share.json"
+    assert sum_guard_share.main(["gpt2-tiny-untied", "--mode", "dpzoo-bk", "--steps", "2", "--out", str(out)]) == 0
+    plain = json.loads(out.read_text())
+    assert plain["calls"] >= 2 and set(plain["samples_to_float64"]) == {0} and plain["min_ratio"] > 1
+    assert sum_guard.risky_samples is inner
+    real = sum_guard.kappa
+    monkeypatch.setattr(sum_guard, "kappa", lambda rep: 1e5 * (real(rep) > 0))  # every sample below kappa U
+    result = sum_guard_share.share("gpt2-tiny-untied", "dpzoo-bk", "cpu", "fp32", 1)
+    n = result["params_with_factored_uses"]
+    assert n == plain["params_with_factored_uses"] > 0
+    assert result["samples_to_float64"][-1] == n * result["batch"] and result["min_ratio"] < 1
