@@ -9,15 +9,23 @@ depend on the machine; cProfile slows Python-heavy code, so read the shares, not
 
     python benchmarks/host_profile.py llama-22x64-t16 dpzoo-bitfit              # a CPU proxy
     python benchmarks/host_profile.py llama-bias-1b-t512 dpzoo-bitfit --device cuda --precision bf16
+
+cProfile sees the main thread only: on a GPU the backward's hooks run on autograd's device thread.
+``--time module:function`` (or ``module:Class.method``) times those functions on every thread, by
+wall clock, in steps run without the profiler (``timed``: calls and ms per step, outermost calls).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import functools
+import importlib
 import json
 import pstats
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -57,11 +65,66 @@ def _rows(stats: pstats.Stats, key: int, steps: int, top: int) -> list[dict]:
     ]
 
 
-def host_profile(config: str, mode: str, device: str, precision: str, steps: int, top: int) -> dict:
+@contextlib.contextmanager
+def wall_timers(specs: list[str]):
+    """{spec: [seconds, calls]} of each ``module:function`` / ``module:Class.method`` while inside,
+    counting a thread's outermost call only; the functions (and their names imported elsewhere in
+    dpzoo) are restored after."""
+    acc = {spec: [0.0, 0] for spec in specs}
+    patched: list[tuple[object, str, object]] = []
+    for spec in specs:
+        module, _, attr = spec.partition(":")
+        owner: object = importlib.import_module(module)
+        *path, leaf = attr.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        real = getattr(owner, leaf)
+        inside = threading.local()
+
+        @functools.wraps(real)
+        def timed(*args, _real=real, _inside=inside, _acc=acc[spec], **kwargs):
+            depth = getattr(_inside, "depth", 0)
+            _inside.depth = depth + 1
+            start = time.perf_counter()
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                _inside.depth = depth
+                if not depth:
+                    _acc[0] += time.perf_counter() - start
+                    _acc[1] += 1
+
+        owners = [owner] if path else [owner] + [
+            m for m in list(sys.modules.values()) if m is not owner and getattr(m, "__name__", "").startswith("dpzoo")
+            and getattr(m, leaf, None) is real
+        ]  # fmt: skip
+        for o in owners:
+            patched.append((o, leaf, real))
+            setattr(o, leaf, timed)
+    try:
+        yield acc
+    finally:
+        for o, leaf, real in reversed(patched):
+            setattr(o, leaf, real)
+
+
+def host_profile(
+    config: str, mode: str, device: str, precision: str, steps: int, top: int, time_specs: list[str] = ()
+) -> dict:
     run = bench_modes.make_runner(config, mode, device, precision)
     for _ in range(3):  # warm-up: the first steps plan, check and compile
         run.train_step(run.next_batch())
     plain = _timed_steps(run, steps)
+    timed = []
+    if time_specs:
+        with wall_timers(list(time_specs)) as acc:
+            timed_step = _timed_steps(run, steps)
+        timed = [
+            {"function": k, "calls_per_step": n / steps, "ms_per_step": s * 1e3 / steps} for k, (s, n) in acc.items()
+        ]
+        timed.insert(
+            0, {"function": "(the step, under these timers)", "calls_per_step": 1.0, "ms_per_step": timed_step * 1e3}
+        )
     profiler = cProfile.Profile()
     profiler.enable()
     profiled = _timed_steps(run, steps)
@@ -77,6 +140,7 @@ def host_profile(config: str, mode: str, device: str, precision: str, steps: int
         "profiled_step_ms": profiled * 1e3,
         "by_own_time": _rows(stats, 2, steps, top),
         "by_cumulative_time": _rows(stats, 3, steps, top),
+        "timed": timed,
     }
 
 
@@ -89,8 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=40)
     parser.add_argument("--out", default="benchmarks/results/host_profile")
+    parser.add_argument(
+        "--time", nargs="*", default=[], metavar="MODULE:FUNCTION", help="wall-clock timers, every thread"
+    )
     args = parser.parse_args(argv)
-    result = host_profile(args.config, args.mode, args.device, args.precision, args.steps, args.top)
+    result = host_profile(args.config, args.mode, args.device, args.precision, args.steps, args.top, args.time)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"host_{args.config}_{args.mode}_{args.precision}.json".replace("@", "_")
@@ -98,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.config} {args.mode}: {result['step_ms']:.1f} ms/step ({result['profiled_step_ms']:.1f} profiled)")
     for row in result["by_cumulative_time"][:25]:
         print(f"  {row['cumulative_ms_per_step']:8.2f} ms cum  {row['own_ms_per_step']:7.2f} own  {row['function']}")
+    for row in result["timed"]:
+        print(f"  {row['ms_per_step']:8.2f} ms  {row['calls_per_step']:7.1f} calls  {row['function']} (timed)")
     print(f"wrote {path}")
     return 0
 

@@ -81,3 +81,28 @@ def test_sum_guard_share_counts_the_samples_sent_to_float64(tmp_path, monkeypatc
     n = result["params_with_factored_uses"]
     assert n == plain["params_with_factored_uses"] > 0
     assert result["samples_to_float64"][-1] == n * result["batch"] and result["min_ratio"] < 1
+
+
+def test_host_profile_times_named_functions_on_every_thread_and_restores_them(tmp_path):
+    """``--time``: wall-clock timers on a function (and where dpzoo imported it by name) and on a
+    method, their calls per step counted once per outermost call; the originals back after."""
+    import host_profile
+
+    from dpzoo.grad_norms import audit, ghost
+    from dpzoo.privacy.optimizer import DPOptimizer
+
+    before = (audit.count_edges, ghost.count_edges, DPOptimizer.pre_step)
+    specs = ["dpzoo.grad_norms.audit:count_edges", "dpzoo.privacy.optimizer:DPOptimizer.pre_step"]
+    assert (
+        host_profile.main(["gpt2-tiny-tied", "dpzoo-bitfit", "--steps", "2", "--out", str(tmp_path), "--time", *specs])
+        == 0
+    )
+    rows = {
+        r["function"]: r
+        for r in json.loads((tmp_path / "host_gpt2-tiny-tied_dpzoo-bitfit_fp32.json").read_text())["timed"]
+    }
+    assert rows["dpzoo.privacy.optimizer:DPOptimizer.pre_step"]["calls_per_step"] == 1
+    assert rows["dpzoo.grad_norms.audit:count_edges"]["calls_per_step"] >= 1  # through ghost's imported name
+    step = rows["(the step, under these timers)"]["ms_per_step"]
+    assert all(0 < rows[spec]["ms_per_step"] < step for spec in specs)
+    assert (audit.count_edges, ghost.count_edges, DPOptimizer.pre_step) == before

@@ -84,8 +84,13 @@ for c in ${GUARD_CONFIGS:-}; do
 done
 step 150 python3 benchmarks/profile_step.py --device cuda --precision bf16 --configs llama-bias-1b-t512 \
     --modes nonprivate-bias dpzoo-bitfit --steps 2 --top 30 --out "$res/profile_llama-bias-1b-t512"
+# wall-clock timers on every thread (cProfile sees the main thread; the backward's hooks run on autograd's)
+timers=(dpzoo.grad_norms.copy_inert:CopyInert.__call__ dpzoo.grad_norms.capture:_record_output_grad
+    dpzoo.grad_norms.ghost:ghost_differentiate dpzoo.grad_norms.audit:count_edges dpzoo.grad_norms.assembly:assemble
+    dpzoo.privacy.optimizer:DPOptimizer.pre_step dpzoo.privacy.model_walk:named_modules)
 for m in nonprivate-bias dpzoo-bitfit; do  # the host's side of the llama's DP-BiTFiT step, by Python function
-    step 45 python3 benchmarks/host_profile.py llama-bias-1b-t512 "$m" --device cuda --precision bf16 --out "$res/host"
+    step 45 python3 benchmarks/host_profile.py llama-bias-1b-t512 "$m" --device cuda --precision bf16 --out "$res/host" \
+        --time "${timers[@]}"
 done
 step 60 python3 benchmarks/profile_step.py --device cuda --precision bf16 --configs gpt2-small-t128 \
     --modes nonprivate-full dpzoo-bk-mixopt --steps 2 --top 30 --out "$res/profile_gpt2-small-t128"
