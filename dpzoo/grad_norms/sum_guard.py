@@ -35,7 +35,7 @@ import torch
 
 from . import reps as R
 from .half import HALF, TENSOR_CORE_DEVICES, shared_scale
-from .rounding import gamma, unit_roundoff
+from .rounding import gamma, mechanism_dtype, unit_roundoff
 
 __all__ = ["SUM_SLACK", "kappa", "risky_samples", "exact_sum"]
 
@@ -53,10 +53,10 @@ def kappa(rep) -> float:
         half_pair = rep.left.dtype == right.dtype and rep.left.dtype in HALF
         return _kappa(
             rep.left.shape[2],
-            _accumulation_dtype(right.dtype),
+            mechanism_dtype(right.dtype),
             half_pair and rep.left.device.type in TENSOR_CORE_DEVICES,
         )
-    return _kappa(rep.index.shape[1], _accumulation_dtype(rep.right.dtype), False)
+    return _kappa(rep.index.shape[1], mechanism_dtype(rep.right.dtype), False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,11 +98,6 @@ def exact_sum(g, scale: torch.Tensor, drop: torch.Tensor | None, rows: torch.Ten
     shared = shared_scale(g.reps, scale)[idx].double()
     wide = sum(R.clipped_sum(_rows64(r, idx), shared) for r in g.reps)
     return keep + wide.to(keep.dtype)
-
-
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype a sum of ``dtype`` factors accumulates in: float32 for half ones."""
-    return torch.float32 if dtype in HALF else dtype
 
 
 def _rows64(rep, idx: torch.Tensor):
