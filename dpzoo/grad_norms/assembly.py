@@ -52,6 +52,9 @@ def rule_operands(rule, activations, grad):
     the inputs in that half dtype (a float32 input beside a half output means the layer computed
     on its input cast to half, as autocast does: that cast is the gradient's true factor), the
     norms and sums then formed exactly from them (:mod:`.half`); else :func:`common_dtype`."""
+    if not activations:  # an activation-free use (a bias): its gradient alone, half values in float32 unless kept
+        keep = rule.half_factors or grad.dtype not in (torch.float16, torch.bfloat16)
+        return activations, grad if keep else grad.float()
     floats = [a for a in activations or () if isinstance(a, torch.Tensor) and a.is_floating_point()]
     half = grad.dtype in (torch.float16, torch.bfloat16)
     if rule.half_factors and half and all(a.dtype in (grad.dtype, torch.float32) for a in floats):
@@ -87,7 +90,8 @@ def assemble(
             sizes.add((use.module_name, use.grad.shape[0]))
             continue
         rule = plan.rules[id(use.module)]
-        check_versions(use)
+        if use.versions is not None:  # a use with stored inputs
+            check_versions(use)
         activations, grad = rule_operands(rule, use.activations, use.grad)
         try:
             out = rule.fn(use.module, activations, grad, set(use.params))
@@ -98,7 +102,9 @@ def assemble(
             ) from e
         use.activations = None  # the representations hold what is needed from here on
         for local, rep in out.items():
-            p = planned(step.aliases, getattr(use.module, local))  # FSDP2: the sharded parameter
+            p = getattr(use.module, local)
+            if step.aliases:  # FSDP2: the sharded parameter
+                p = planned(step.aliases, p)
             if tuple(rep_shape(rep)) != tuple(p.shape):
                 raise UnsupportedModuleError(
                     f"The rule for {use.module_name} ({type(use.module).__name__}) produced a per-sample "
@@ -131,7 +137,11 @@ def assemble(
         }
         return {n: ParamGrad(rs, ghost) for n, rs in by_param.items()}
     step.costs = plan_uses(by_param, memory_budget, autotune)
-    return {
-        n: ParamGrad(rs, None, [c.ghost for c in step.costs[n]], freed=any(c.freed for c in step.costs[n]))
-        for n, rs in by_param.items()
-    }
+    out = {}
+    for n, rs in by_param.items():  # one loop, no comprehension per parameter: this runs every step
+        choices, freed = [], False
+        for c in step.costs[n]:
+            choices.append(c.ghost)
+            freed = freed or c.freed
+        out[n] = ParamGrad(rs, None, choices, freed=freed)
+    return out

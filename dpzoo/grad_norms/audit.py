@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import weakref
-from typing import cast
 
 import torch
 from torch import nn
@@ -63,13 +62,16 @@ def compare_uses(step: Step, params: dict[str, nn.Parameter]) -> None:
         return
     recorded: dict[int, int] = {}
     per_task: dict[tuple, int] = {}  # activation-free uses: (parameter, backward pass) -> count
+    aliases = step.aliases  # FSDP2's stand-ins; empty otherwise (no lookup per use then)
     for u in step.uses:
         if u.loose:
             continue
-        if u.edge is not None and id(cast(GradientEdge, u.edge).node) not in step.walked:
+        edge: GradientEdge | None = u.edge  # type: ignore[assignment]
+        if edge is not None and id(edge.node) not in step.walked:
             continue  # this call's output does not reach the loss
         for n in u.params:
-            pid = id(planned(step.aliases, getattr(u.module, n)))  # FSDP2's stand-in counts as the parameter
+            p = getattr(u.module, n)
+            pid = id(planned(aliases, p) if aliases else p)  # FSDP2's stand-in counts as the parameter
             if u.edge is None:  # one use per module call per backward pass
                 per_task[pid, u.task] = per_task.get((pid, u.task), 0) + 1
             else:
@@ -80,7 +82,9 @@ def compare_uses(step: Step, params: dict[str, nn.Parameter]) -> None:
     for pid, k in calls.items():
         recorded[pid] = recorded.get(pid, 0) + k
     for name, p in params.items():
-        used = step.edges.get(id(p), 0) + sum(step.edges.get(id(a), 0) for a in aliases_of(step.aliases, p))
+        used = step.edges.get(id(p), 0)
+        if aliases:
+            used += sum(step.edges.get(id(a), 0) for a in aliases_of(aliases, p))
         if used > recorded.get(id(p), 0):
             raise UnsupportedModuleError(
                 f"Parameter {name} is used {used} time(s) in this step but dpzoo recorded "

@@ -287,7 +287,7 @@ class Capture:
             tensors.refuse_hooks_ahead(plan.name, module, self.first_hooks.get(id(module)))
             if not self.note_aliases(plan, module):  # swapped parameters: the gradient is another tensor's
                 raise UnsupportedModuleError(SWAPPED.format(name=plan.name, kind=type(module).__name__))
-            source = gradient_source(out, tuple(args) + tuple(kwargs.values()))
+            source = gradient_source(out, tuple(args) + tuple(kwargs.values()) if kwargs else args)
             view = tensors.view_of(out, source)
             # weak references only: the hook lives in the autograd graph, out of the garbage collector's sight
             tensors.on_gradient(source, lambda grad: _record_output_grad(rec_ref, module_ref, name, params, grad, view))

@@ -209,7 +209,11 @@ def plan_uses(
     the linear uses are timed on both paths (:func:`measure_paths`, once per shape, where they
     fit: :func:`_time_uses`) and compared by time instead of multiply-adds (None: on CUDA only,
     :func:`autotunes`)."""
-    costs = {n: [use_cost(n, i, r) for i, r in enumerate(rs)] for n, rs in by_param.items()}
+    costs: dict[str, list[UseCost]] = {}
+    for n, rs in by_param.items():  # loops, not a comprehension per parameter: this runs every step
+        costs[n] = row = []
+        for i, r in enumerate(rs):
+            row.append(use_cost(n, i, r))
     device = next((rep_device(r) for rs in by_param.values() for r in rs), torch.device("cpu"))
     if autotune is None:
         autotune = autotunes(device)
@@ -312,7 +316,7 @@ def _stack_sizes(by_param: dict[str, list]) -> dict[tuple[str, int], int]:
     :func:`~dpzoo.grad_norms.param_grad.stack_capacity` (as if all took the ghost path)."""
     keys: dict[tuple[str, int], tuple] = {}
     for n, rs in by_param.items():
-        key = stack_key(rs[0]) if len(rs) == 1 else None
+        key = stack_key(rs[0]) if len(rs) == 1 and isinstance(rs[0], R.Factored) else None  # no call for the rest
         if key is not None:
             keys[(n, 0)] = key
     counts: dict[tuple, int] = {}

@@ -53,6 +53,7 @@ SMALL_DENSE = 1 << 14
 # share 4 shapes; one use took 1.4-1.6 ms on an H200 against 0.6 ms instantiated, 2026-11-28). A
 # stack copies at most this many bytes of factors (one stack is held at a time)
 STACK_BYTES = 1 << 28
+_UNSET = object()  # a cache not filled yet
 
 
 class ParamGrad:
@@ -82,6 +83,7 @@ class ParamGrad:
         self._sq: torch.Tensor | None = None
         self._u: torch.Tensor | None = None  # U = Σ_t ‖L_t‖‖R_t‖ over the uses, where the norm's guard formed it
         self._settled = False
+        self._rows: object = _UNSET  # :func:`_small_rows` of the settled use, taken by total_sq_norms for clipped_sums
 
     def _on_ghost(self, i: int, rep) -> bool:
         if self.ghost is not None:
@@ -238,13 +240,16 @@ def total_sq_norms(grads: list[ParamGrad]) -> list[torch.Tensor]:
     out, dense, ghost, stackable, formed = [], [], [], [], []
     small: dict[torch.dtype, list] = {}
     for g in grads:
-        if _formable(g):  # formed, normed and freed below; its sum from its factors
+        grad = _one_dense(g)  # one dense use is settled as it is (most of DP-BiTFiT's and BK-MixOpt's)
+        if grad is None and _formable(g):  # formed, normed and freed below; its sum from its factors
             g._settled = True
             formed.append(g)
             continue
-        g._settle()
-        grad = _one_dense(g)
-        rows = _small_rows(grad)
+        if grad is None:
+            g._settle()
+            grad = _one_dense(g)
+        g._settled = True
+        rows = g._rows = _small_rows(grad)
         if rows is not None:
             small.setdefault(rows.dtype, []).append(rows)
         elif grad is not None:  # what sq_norm would compute, its host read shared
@@ -362,10 +367,9 @@ def clipped_sums(grads: dict[str, ParamGrad], scale: torch.Tensor, drop: torch.T
     stackable: list[ParamGrad] = []
     deferred = drop is None and launches_kernels(scale)  # on a GPU: one host read for every parameter, below
     for name, g in grads.items():
-        grad = _one_dense(g)
-        rows = _small_rows(grad)
-        if rows is not None:
-            small.setdefault(rows.dtype, []).append((name, rows, grad.shape[1:]))
+        rows = g._rows if g._rows is not _UNSET else _small_rows(_one_dense(g))
+        if isinstance(rows, torch.Tensor):
+            small.setdefault(rows.dtype, []).append((name, rows, g.reps[0].grad.shape[1:]))
             continue
         if deferred and _stackable(g):
             stackable.append(g)
@@ -392,5 +396,5 @@ def clipped_sums(grads: dict[str, ParamGrad], scale: torch.Tensor, drop: torch.T
     for group in small.values():
         total = ParamGrad([Dense(torch.cat([rows for _, rows, _ in group], 1))]).clipped_sum(scale, drop)
         for (name, rows, shape), part in zip(group, total.split([rows.shape[1] for _, rows, _ in group])):
-            out[name] = part.view(shape)
+            out[name] = part if part.shape == shape else part.view(shape)  # a vector as it is: no operator
     return {name: out[name] for name in grads}

@@ -4,6 +4,7 @@ planner (:mod:`.cost`) compares, and the record of its choice: :class:`UseCost`,
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from . import reps as R
@@ -86,5 +87,10 @@ def use_cost(param: str, use: int, rep) -> UseCost:
         ghost = b * t * t * (d + 1) + b * t * d
         inst = (3 + TRAFFIC) * b * rep.num_rows * d + b * t * d
         return UseCost(param, use, "embedding", ghost, inst, b * t * t * size, b * rep.num_rows * d * size)
-    numel = rep.grad.numel()
-    return UseCost(param, use, "dense", 2 * numel, 2 * numel, 0, numel * rep.grad.element_size(), why="no choice")
+    return _dense_cost(param, use, rep.grad.numel(), rep.grad.element_size())
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _dense_cost(param: str, use: int, numel: int, size: int) -> UseCost:
+    """A dense use's row (no choice to make): the same every step, so made once (frozen)."""
+    return UseCost(param, use, "dense", 2 * numel, 2 * numel, 0, numel * size, why="no choice")

@@ -120,7 +120,7 @@ def noised_all_reduce_many(
         if rank != 0 and draws:  # drawn to keep seeded generators in step: rank 0's noise alone is released
             flat.zero_()
         sizes = [params[i].numel() for i in idx]
-        shaped = [v.view(params[i].shape) for i, v in zip(idx, flat.split(sizes))]  # each parameter's coordinates
+        shaped = [_shaped(v, params[i].shape) for i, v in zip(idx, flat.split(sizes))]  # each parameter's coordinates
         adds = [(shaped[j], summed[i]) for j, i in enumerate(idx) if summed[i] is not None]
         if adds:  # element by element: a sum's memory layout does not matter
             torch._foreach_add_([v for v, _ in adds], [_like(s, v) for v, s in adds])
@@ -128,10 +128,16 @@ def noised_all_reduce_many(
             dist.all_reduce(flat)
         dtype = params[idx[0]].dtype
         if dtype != flat.dtype:  # half parameters: noise and sums in float32, one cast for all
-            shaped = [v.view(params[i].shape) for i, v in zip(idx, flat.to(dtype).split(sizes))]
+            shaped = [_shaped(v, params[i].shape) for i, v in zip(idx, flat.to(dtype).split(sizes))]
         for i, v in zip(idx, shaped):
             out[i] = v
     return out
+
+
+def _shaped(part: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """``part`` of a flat buffer in a parameter's ``shape``: itself for a vector (a bias, a norm's
+    scale: no view operator, each one a host dispatch on a GPU)."""
+    return part if part.shape == shape else part.view(shape)
 
 
 def _like(summed: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
@@ -150,7 +156,7 @@ def flat_noise(params: list[torch.Tensor], std: float, generator_for: Callable[[
     for i, p in enumerate(params):
         groups.setdefault((p.device, p.dtype), []).append(i)
     for (device, dtype), idx in groups.items():
-        total = sum(params[i].numel() for i in idx)
+        total = sum([params[i].numel() for i in idx])
         if std > 0:
             flat = torch.empty(total, device=device, dtype=mechanism_dtype(dtype))
             flat.normal_(0.0, std, generator=generator_for(device))

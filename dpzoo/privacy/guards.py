@@ -79,10 +79,16 @@ def trainable_changed(module: nn.Module, hooks: NormHooks, modules=None) -> bool
             "(torch.func.functional_call, stateless calls) or removed. dpzoo clips the model's own parameters: "
             "call the model itself."
         )
-    if any(not p.requires_grad for p in hooked.values()):
-        return True
-    ids = {id(p) for p in hooked.values()}
-    return any(p.requires_grad and id(p) not in ids for p in params)
+    # loops, not any(...): a generator is a frame per parameter, before every training forward
+    ids = set()
+    for p in hooked.values():
+        if not p.requires_grad:
+            return True
+        ids.add(id(p))
+    for p in params:
+        if p.requires_grad and id(p) not in ids:
+            return True
+    return False
 
 
 def _checksums(module: nn.Module) -> dict[str, tuple[float, float]]:

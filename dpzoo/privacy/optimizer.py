@@ -242,7 +242,7 @@ class DPOptimizer(WrappedOptimizer):
         if b:
             check_reduction(take_record(), self.loss_reduction, b)  # a watched loss, reduced as the engine scales
             unreached = set(self.hooks.unreached_parameters())
-            self._reached.update(n for n in params if n not in unreached)
+            self._reached.update([n for n in params if n not in unreached])
             # the hooks saw the gradients of loss_scale · loss: norms and sums are linear in it
             norms = norms / self.loss_scale
             true_norms = norms * b if self.loss_reduction == "mean" else norms
