@@ -106,3 +106,22 @@ def test_host_profile_times_named_functions_on_every_thread_and_restores_them(tm
     step = rows["(the step, under these timers)"]["ms_per_step"]
     assert all(0 < rows[spec]["ms_per_step"] < step for spec in specs)
     assert (audit.count_edges, ghost.count_edges, DPOptimizer.pre_step) == before
+
+
+def test_memory_floor_counts_each_layers_output_gradient_once(tmp_path):
+    """benchmarks/memory_floor.py on the 1-layer GPT-2 (width 16, vocab 64, untied, B 4, T 8, float32):
+    the output gradients held at assembly, counted by hand per token: the embeddings' sum 16 (wte and
+    wpe receive one tensor), ln_1 16, c_attn 48, attn.c_proj 16, ln_2 16, c_fc 64, mlp.c_proj 16, ln_f
+    16, lm_head 64: 272 floats, 4 bytes, 32 tokens; their share of the non-private peak."""
+    import memory_floor
+
+    from dpzoo.grad_norms import hooks
+
+    inner = hooks.assemble
+    out = tmp_path / "floor.json"
+    assert memory_floor.main(["--configs", "gpt2-tiny-untied", "--precision", "fp32", "--out", str(out)]) == 0
+    assert hooks.assemble is inner
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["output_grads_mb"] * 2**20 == 272 * 4 * 32
+    assert row["output_grads_share"] == row["output_grads_mb"] / row["nonprivate_peak_mb"]
+    assert row["dp_all_ghost_peak_mb"] >= row["nonprivate_peak_mb"] and row["stored_inputs_mb"] > 0
