@@ -205,7 +205,7 @@ class Capture:
         if torch.is_grad_enabled() and not self.rec.paused:
             ins = tuple(args) or tuple(v for v in kwargs.values() if isinstance(v, torch.Tensor))[:1]
             self.rec.pending.setdefault(id(module), []).append(
-                tuple(a._version if isinstance(a, torch.Tensor) else None for a in ins)
+                tuple([a._version if isinstance(a, torch.Tensor) else None for a in ins])
             )
         return None
 
@@ -222,7 +222,7 @@ class Capture:
             rec.new_step_if_done()
             if not args:  # called as layer(input=x)
                 args = tuple(v for v in kwargs.values() if isinstance(v, torch.Tensor))[:1]
-            now = tuple(a._version if isinstance(a, torch.Tensor) else None for a in args)
+            now = tuple([a._version if isinstance(a, torch.Tensor) else None for a in args])  # lists: one frame
             if versions is not None and now != versions:
                 raise UnsupportedModuleError(
                     f"{plan.name} ({type(module).__name__}) modified its own input in place during forward; "
@@ -255,7 +255,7 @@ class Capture:
                     f"dimension but the batch has {b} samples. Per-sample gradients need every hooked layer to "
                     "take batch-first inputs (no sequence-first, flattened or unbatched inputs)."
                 )
-            acts = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+            acts = tuple([a.detach() if isinstance(a, torch.Tensor) else a for a in args])
             source = gradient_source(output, args)
             tensors.refuse_hooks_ahead(plan.name, module, self.first_hooks.get(id(module)))
             use = Use(

@@ -136,7 +136,10 @@ def round_toward_zero(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def has_bfloat16_factors(reps) -> bool:
     """Whether any of ``reps`` is a factored use with bfloat16 factors (its clipped sum scales them)."""
-    return any(getattr(r, "left", None) is not None and r.left.dtype == r.right.dtype == torch.bfloat16 for r in reps)
+    for r in reps:  # a loop, not any(...): a generator is a frame per use, every step
+        if getattr(r, "left", None) is not None and r.left.dtype == r.right.dtype == torch.bfloat16:
+            return True
+    return False
 
 
 _WIDER = {
