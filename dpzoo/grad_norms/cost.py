@@ -37,6 +37,7 @@ and that margin, never the guarantee (tests compare every choice with brute forc
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from dataclasses import replace
@@ -293,16 +294,26 @@ def _time_uses(by_param: dict[str, list], costs: dict[str, list[UseCost]], room:
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 continue
-            out[n][i] = replace(c, ghost_ms=ghost_ms, instantiate_ms=inst_ms, freed_ms=freed_ms, timed=True)
+            out[n][i] = _timed_row(c, ghost_ms, inst_ms, freed_ms)
     timed = [c for cs in out.values() for c in cs if c.timed]
     if not timed:
         return costs
     rate = statistics.median([c.ghost_ms / c.ghost_flops for c in timed if c.ghost_ms is not None and c.ghost_flops] +
                              [c.instantiate_ms / c.instantiate_flops for c in timed if c.instantiate_ms is not None and c.instantiate_flops])  # fmt: skip
     for n, cs in out.items():
-        out[n] = [c if c.timed or c.kind == "dense" else
-                  replace(c, ghost_ms=c.ghost_flops * rate, instantiate_ms=c.instantiate_flops * rate) for c in cs]  # fmt: skip
+        out[n] = [c if c.timed or c.kind == "dense" else _priced_row(c, rate) for c in cs]
     return out
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _timed_row(c: UseCost, ghost_ms: float, inst_ms: float, freed_ms: float | None) -> UseCost:
+    return replace(c, ghost_ms=ghost_ms, instantiate_ms=inst_ms, freed_ms=freed_ms, timed=True)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _priced_row(c: UseCost, rate: float) -> UseCost:
+    """``c`` with its multiply-adds converted to milliseconds at ``rate`` (the timed uses' median)."""
+    return replace(c, ghost_ms=c.ghost_flops * rate, instantiate_ms=c.instantiate_flops * rate)
 
 
 def _freed_ms(r, rs: list, stack: int) -> float | None:
@@ -332,8 +343,9 @@ def _free(device: torch.device) -> float:
     return float(available_memory(device)[0])
 
 
+@functools.lru_cache(maxsize=1 << 12)
 def _with(c: UseCost, ghost: bool, why: str) -> UseCost:
-    return replace(c, ghost=ghost, why=why)
+    return replace(c, ghost=ghost, why=why)  # frozen rows: one copy per choice, not one a step
 
 
 def rep_device(rep) -> torch.device:

@@ -71,26 +71,35 @@ class UseCost:
 
 
 def use_cost(param: str, use: int, rep) -> UseCost:
-    """The estimated multiply-adds and memory of ``rep`` on each path (see the module docstring)."""
+    """The estimated multiply-adds and memory of ``rep`` on each path (see the module docstring);
+    one row per parameter, use and shape, made once (frozen: a planner runs every step)."""
     if isinstance(rep, R.Factored):
-        b, g, t, p = rep.left.shape
-        d = R.right_like(rep).shape[3]
-        size = max(R.right_like(rep).element_size(), 4)  # half factors' Grams and products are float32
-        ghost = 2 * b * g * t * t * (p + d) + b * g * t * t + 2 * b * g * t * p * d
-        inst = 2 * b * g * t * p * d + (2 + TRAFFIC) * b * g * p * d
-        held = b * g * p * d * size
-        return UseCost(param, use, "linear", ghost, inst, b * g * t * t * size, held, freed_bytes=held)
+        right = R.right_like(rep)
+        return _linear_cost(param, use, *rep.left.shape, right.shape[3], max(right.element_size(), 4))
     if isinstance(rep, R.OneHot):
-        b, t = rep.index.shape
-        d = rep.right.shape[-1]
-        size = rep.right.element_size()
-        ghost = b * t * t * (d + 1) + b * t * d
-        inst = (3 + TRAFFIC) * b * rep.num_rows * d + b * t * d
-        return UseCost(param, use, "embedding", ghost, inst, b * t * t * size, b * rep.num_rows * d * size)
+        return _embedding_cost(
+            param, use, *rep.index.shape, rep.right.shape[-1], rep.right.element_size(), rep.num_rows
+        )
     return _dense_cost(param, use, rep.grad.numel(), rep.grad.element_size())
 
 
 @functools.lru_cache(maxsize=1 << 12)
+def _linear_cost(param: str, use: int, b: int, g: int, t: int, p: int, d: int, size: int) -> UseCost:
+    """A factored use's row; ``size``: bytes an entry, at least 4 (half factors' Grams and products are float32)."""
+    ghost = 2 * b * g * t * t * (p + d) + b * g * t * t + 2 * b * g * t * p * d
+    inst = 2 * b * g * t * p * d + (2 + TRAFFIC) * b * g * p * d
+    held = b * g * p * d * size
+    return UseCost(param, use, "linear", ghost, inst, b * g * t * t * size, held, freed_bytes=held)
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def _embedding_cost(param: str, use: int, b: int, t: int, d: int, size: int, rows: int) -> UseCost:
+    ghost = b * t * t * (d + 1) + b * t * d
+    inst = (3 + TRAFFIC) * b * rows * d + b * t * d
+    return UseCost(param, use, "embedding", ghost, inst, b * t * t * size, b * rows * d * size)
+
+
+@functools.lru_cache(maxsize=1 << 12)
 def _dense_cost(param: str, use: int, numel: int, size: int) -> UseCost:
-    """A dense use's row (no choice to make): the same every step, so made once (frozen)."""
+    """A dense use's row (no choice to make)."""
     return UseCost(param, use, "dense", 2 * numel, 2 * numel, 0, numel * size, why="no choice")
