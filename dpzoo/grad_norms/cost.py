@@ -294,23 +294,23 @@ def _time_uses(by_param: dict[str, list], costs: dict[str, list[UseCost]], room:
             except torch.cuda.OutOfMemoryError:
                 torch.cuda.empty_cache()
                 continue
-            out[n][i] = _timed_row(c, ghost_ms, inst_ms, freed_ms)
+            out[n][i] = _timed_row(c, float(ghost_ms), float(inst_ms), None if freed_ms is None else float(freed_ms))
     timed = [c for cs in out.values() for c in cs if c.timed]
     if not timed:
         return costs
     rate = statistics.median([c.ghost_ms / c.ghost_flops for c in timed if c.ghost_ms is not None and c.ghost_flops] +
                              [c.instantiate_ms / c.instantiate_flops for c in timed if c.instantiate_ms is not None and c.instantiate_flops])  # fmt: skip
     for n, cs in out.items():
-        out[n] = [c if c.timed or c.kind == "dense" else _priced_row(c, rate) for c in cs]
+        out[n] = [c if c.timed or c.kind == "dense" else _priced_row(c, float(rate)) for c in cs]
     return out
 
 
-@functools.lru_cache(maxsize=1 << 12)
+@functools.lru_cache(maxsize=1 << 12, typed=True)  # Python floats (a timer's numpy float: one row each)
 def _timed_row(c: UseCost, ghost_ms: float, inst_ms: float, freed_ms: float | None) -> UseCost:
     return replace(c, ghost_ms=ghost_ms, instantiate_ms=inst_ms, freed_ms=freed_ms, timed=True)
 
 
-@functools.lru_cache(maxsize=1 << 12)
+@functools.lru_cache(maxsize=1 << 12, typed=True)
 def _priced_row(c: UseCost, rate: float) -> UseCost:
     """``c`` with its multiply-adds converted to milliseconds at ``rate`` (the timed uses' median)."""
     return replace(c, ghost_ms=c.ghost_flops * rate, instantiate_ms=c.instantiate_flops * rate)
