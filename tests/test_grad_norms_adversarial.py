@@ -892,6 +892,42 @@ def test_functional_reuse_inside_forward_raises(backward):
     )
 
 
+class _MatmulHoldingVariable(torch.autograd.Function):
+    """``h @ wᵀ`` whose node carries a ``variable`` attribute (its ctx is the node), as AccumulateGrad's."""
+
+    @staticmethod
+    def forward(ctx, h, w, held):
+        ctx.save_for_backward(h, w)
+        ctx.variable = held
+        return h @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        h, w = ctx.saved_tensors
+        return g @ w, g.reshape(-1, g.shape[-1]).t() @ h.reshape(-1, h.shape[-1]), None
+
+
+class ReuseBehindVariable(nn.Module):
+    """A Linear, then its weight used again through a custom Function whose node has ``.variable``."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.register_buffer("held", torch.zeros(1))
+
+    def forward(self, x):
+        return _MatmulHoldingVariable.apply(torch.tanh(self.a(x)), self.a.weight, self.held)
+
+
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_a_use_behind_a_node_with_a_variable_attribute_is_counted(backward):
+    """The graph audit takes a node for a parameter's leaf by its type, not by a ``variable``
+    attribute: a custom Function setting ``ctx.variable`` was taken for a leaf, the weight's second
+    use behind it went uncounted and hooks.backward returned wrong norms (a review, 2026-11-28)."""
+    torch.manual_seed(0)
+    _raises(ReuseBehindVariable().double(), {"x": _x(B, 4)}, match=r"a\.weight is used 2 time", **_how(backward))
+
+
 # --- loose tensors whose dim 0 is not a batch dim -----------------------------------------------
 
 
