@@ -125,3 +125,20 @@ def test_memory_floor_counts_each_layers_output_gradient_once(tmp_path):
     assert row["output_grads_mb"] * 2**20 == 272 * 4 * 32
     assert row["output_grads_share"] == row["output_grads_mb"] / row["nonprivate_peak_mb"]
     assert row["dp_all_ghost_peak_mb"] >= row["nonprivate_peak_mb"] and row["stored_inputs_mb"] > 0
+
+
+def test_ab_trees_times_two_checkouts_in_alternating_rounds(tmp_path):
+    """benchmarks/ab_trees.py: one worker per tree (each imports its own dpzoo), every round timed
+    in both, the ratios per round; this checkout against itself on the tiny GPT-2."""
+    import ab_trees
+
+    root = str(BENCH.parent)
+    out = tmp_path / "ab.json"
+    argv = [root, root, "--config", "gpt2-tiny-untied", "--mode", "dpzoo-bitfit", "--rounds", "3", "--steps", "1"]
+    assert ab_trees.main([*argv, "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    base, new = data["trees"]["base"], data["trees"]["new"]
+    assert len(base["seconds_per_step"]) == len(new["seconds_per_step"]) == 3
+    assert base["commit"] == new["commit"] and all(t > 0 for t in base["seconds_per_step"] + new["seconds_per_step"])
+    r = data["ratio_new_to_base"]
+    assert 0 < r["q1"] <= r["median"] <= r["q3"]
