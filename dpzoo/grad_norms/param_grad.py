@@ -240,7 +240,7 @@ def total_sq_norms(grads: list[ParamGrad]) -> list[torch.Tensor]:
     out, dense, ghost, stackable, formed = [], [], [], [], []
     small: dict[torch.dtype, list] = {}
     for g in grads:
-        grad = _one_dense(g)  # one dense use is settled as it is (most of DP-BiTFiT's and BK-MixOpt's)
+        grad = _one_dense(g)  # one dense use needs no settling (most of DP-BiTFiT's and BK-MixOpt's)
         if grad is None and _formable(g):  # formed, normed and freed below; its sum from its factors
             g._settled = True
             formed.append(g)
@@ -248,7 +248,6 @@ def total_sq_norms(grads: list[ParamGrad]) -> list[torch.Tensor]:
         if grad is None:
             g._settle()
             grad = _one_dense(g)
-        g._settled = True
         rows = g._rows = _small_rows(grad)
         if rows is not None:
             small.setdefault(rows.dtype, []).append(rows)

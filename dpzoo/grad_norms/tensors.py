@@ -125,8 +125,6 @@ def hooks_ahead(module: torch.nn.Module, first: int | None) -> list[str]:
     global forward hooks other than torch's own bookkeeping (``torch.distributed._tools``' module
     tracker, used by FlopCounterMode), then module hooks registered ahead of it with prepend=True."""
     hooks = module._forward_hooks
-    if not torch_module._global_forward_hooks and next(iter(hooks), None) == first:
-        return []  # the usual case, once per hooked call: no list built
     ahead = [
         getattr(h, "__qualname__", repr(h))
         for h in torch_module._global_forward_hooks.values()
@@ -142,7 +140,7 @@ def hooks_ahead(module: torch.nn.Module, first: int | None) -> list[str]:
 def refuse_hooks_ahead(name: str, module: torch.nn.Module, first: int | None) -> None:
     """Raise if forward hooks run on ``module`` (planned as ``name``) before dpzoo's (handle id ``first``)."""
     if not torch_module._global_forward_hooks and next(iter(module._forward_hooks), None) == first:
-        return  # the usual case, once per hooked call: hooks_ahead's own test, without its call
+        return  # the usual case, once per hooked call: no list built, no call
     ahead = hooks_ahead(module, first)
     if ahead:  # they may have edited the output in place: its gradient would be the edited value's
         raise UnsupportedModuleError(
