@@ -3,6 +3,7 @@ shapes, on the ghost and the instantiate paths, in float64 (≤ 1e-6) and float3
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -68,6 +69,10 @@ CASES = {
     **{f"conv-{i}": (lambda i=i: _case_conv(random.Random(100 + i))) for i in range(8)},
     "conv2d-depthwise": lambda: (nn.Conv2d(4, 4, 3, padding=1, groups=4), (4, 6, 6)),
     "conv2d-stride2-dilation2": lambda: (nn.Conv2d(3, 5, 3, stride=2, padding=2, dilation=2), (3, 9, 8)),
+    # padded on one side more than the other ("same" with an even kernel): F.pad, not the convolution's own
+    "conv2d-same-even-kernel": lambda: (nn.Conv2d(3, 4, (2, 4), padding="same"), (3, 6, 7)),
+    "conv2d-reflect": lambda: (nn.Conv2d(4, 4, 3, padding=(1, 2), padding_mode="reflect", groups=2), (4, 6, 7)),
+    "conv1d-circular": lambda: (nn.Conv1d(2, 3, 3, padding=1, padding_mode="circular"), (2, 8)),
     "layernorm": lambda: (nn.LayerNorm(6), (3, 6)),
     "layernorm-2d-shape": lambda: (nn.LayerNorm((3, 4)), (2, 3, 4)),
     "groupnorm": lambda: (nn.GroupNorm(2, 6), (6, 3, 3)),
@@ -292,6 +297,56 @@ def test_per_sample_gradients_by_grouped_convolution_match_brute_force(case, mon
         target = torch.randn_like(model(x))
     _check(model, {"x": x, "target": target}, b, torch.float32, "instantiate")
     assert calls  # the route ran
+
+
+def _patches_by_loop(x, module, positions=None):
+    """Each output position's window, read element by element from the zero-padded input:
+    (B, G, T, C/G · ∏k) with the features in the weight's (C/G, *kernel) order."""
+    nd, g = x.dim() - 2, module.groups
+    kernel, stride, dilation = module.weight.shape[2:], module.stride, module.dilation
+    pad = [p for i in reversed(range(nd)) for p in (module.padding[i],) * 2]
+    xp = torch.nn.functional.pad(x, pad)
+    outs = [(xp.shape[2 + i] - dilation[i] * (kernel[i] - 1) - 1) // stride[i] + 1 for i in range(nd)]
+    if positions is not None:
+        outs = [min(o, n) for o, n in zip(outs, positions)]
+    rows = []
+    for pos in itertools.product(*[range(o) for o in outs]):
+        window = []
+        for c in range(x.shape[1]):
+            for k in itertools.product(*[range(n) for n in kernel]):
+                idx = tuple(pos[i] * stride[i] + k[i] * dilation[i] for i in range(nd))
+                window.append(xp[(slice(None), c) + idx])
+        rows.append(torch.stack(window, 1))  # (B, C·∏k)
+    out = torch.stack(rows, 1)  # (B, T, C·∏k), C-major
+    b, t = out.shape[:2]
+    return out.reshape(b, t, g, -1).transpose(1, 2)
+
+
+@pytest.mark.parametrize(
+    "nd,channels,groups,kernel,stride,dilation,padding,size,positions",
+    [
+        (2, 4, 1, 3, 1, 1, 1, 5, None),
+        (2, 6, 3, 3, 2, 1, 1, 7, None),
+        (2, 4, 2, (2, 3), (1, 2), (2, 1), (1, 0), 6, None),
+        (2, 3, 1, 1, 1, 1, 0, 4, None),
+        (2, 4, 1, 3, 1, 1, 1, 1, None),
+        (2, 4, 1, 3, 1, 1, 1, 5, (3, 4)),
+        (1, 4, 2, 3, 2, 2, 2, 9, None),
+        (3, 4, 4, 2, 1, 1, 1, 3, None),
+    ],
+)
+def test_convolution_patches_equal_the_windows_read_one_by_one(
+    nd, channels, groups, kernel, stride, dilation, padding, size, positions
+):
+    """The patches the conv rule unfolds (on a CPU gathered channels-last, then transposed per row)
+    hold exactly each window of the padded input, in the weight's feature order, per group."""
+    from dpzoo.grad_norms.rules.conv import unfold_patches
+
+    conv = getattr(nn, f"Conv{nd}d")(channels, 2 * groups, kernel, stride, padding, dilation, groups)
+    x = torch.randn(2, channels, *([size] * nd), generator=torch.Generator().manual_seed(nd + channels))
+    pad = [p for i in reversed(range(nd)) for p in (conv.padding[i],) * 2]
+    got = unfold_patches(x, conv, pad, "constant", positions)
+    assert torch.equal(got, _patches_by_loop(x, conv, positions))
 
 
 @pytest.mark.parametrize("mode", ["instantiate", "ghost"])

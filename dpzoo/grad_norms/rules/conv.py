@@ -43,7 +43,7 @@ def unfold_patches(
     (its weight's trailing dims), stride, dilation and groups sees, in the order of the weight's
     dims. ``positions``: keep only the first n windows along each spatial dim (transposed
     convolutions with ``output_padding``)."""
-    return _patches(_windows(_padded(x, pad, mode), module, positions), module)
+    return _patches(x, pad, mode, module, positions)
 
 
 def _padded(x: torch.Tensor, pad: list[int] | None, mode: str) -> torch.Tensor:
@@ -67,18 +67,51 @@ def _windows(x: torch.Tensor, module, positions: tuple[int, ...] | None = None) 
     return x
 
 
-def _patches_shape(windows: torch.Tensor, module) -> tuple[int, int, int, int]:
+def _patches_shape(x: torch.Tensor, pad: list[int] | None, module) -> tuple[int, int, int, int]:
+    """(B, G, T, C/G · ∏k) of the patches of ``x`` padded by ``pad``, without forming either."""
     nd = module.weight.dim() - 2
-    b, c = windows.shape[:2]
+    kernel = tuple(module.weight.shape[2:])
+    stride, dilation = _tuple(module.stride, nd), _tuple(module.dilation, nd)
+    spatial = [x.shape[2 + i] + (pad[2 * (nd - 1 - i)] + pad[2 * (nd - 1 - i) + 1] if pad else 0) for i in range(nd)]
+    t = math.prod((spatial[i] - dilation[i] * (kernel[i] - 1) - 1) // stride[i] + 1 for i in range(nd))
     g = module.groups
-    return b, g, math.prod(windows.shape[2 : 2 + nd]), (c // g) * math.prod(module.weight.shape[2:])
+    return x.shape[0], g, t, (x.shape[1] // g) * math.prod(kernel)
 
 
-def _patches(windows: torch.Tensor, module) -> torch.Tensor:
-    """The windows as (B, G, T, C/G · ∏k) rows: the copy (k× the input) the products need."""
-    b, g, t, n = _patches_shape(windows, module)
-    x = windows.reshape(b, g, windows.shape[1] // g, t, math.prod(module.weight.shape[2:])).permute(0, 1, 3, 2, 4)
-    return x.reshape(b, g, t, n)
+def _channels_last_padded(x: torch.Tensor, pad: list[int] | None, mode: str) -> torch.Tensor:
+    """:func:`_padded` with the channels innermost in memory (the (B, C, *spatial) view of a
+    channels-last tensor): zero padding is one zeroed buffer and one copy of the input into it."""
+    if mode != "constant" or not pad or min(pad) < 0:
+        return _padded(x, pad, mode).movedim(1, -1).contiguous().movedim(-1, 1)
+    nd = x.dim() - 2
+    lo = [pad[2 * (nd - 1 - i)] for i in range(nd)]  # F.pad lists the last dimension first
+    hi = [pad[2 * (nd - 1 - i) + 1] for i in range(nd)]
+    out = x.new_zeros(x.shape[0], *[x.shape[2 + i] + lo[i] + hi[i] for i in range(nd)], x.shape[1])
+    inside = (slice(None),) + tuple(slice(lo[i], lo[i] + x.shape[2 + i]) for i in range(nd))
+    out[inside] = x.movedim(1, -1)
+    return out.movedim(-1, 1)
+
+
+def _patches(x: torch.Tensor, pad: list[int] | None, mode: str, module, positions=None) -> torch.Tensor:
+    """The windows of ``x`` padded as the module pads it, as (B, G, T, C/G · ∏k) rows: the copy
+    (k× the input) the products need. On a CPU in two steps, the same values: the windows gathered
+    with the channels innermost (from a channels-last copy of the padded input), then each row's
+    (∏k, C) block transposed. Gathering straight into (C, ∏k) order copies k values at a time (a
+    3×3 kernel: runs of 3), which on 2 cores took 2.5-5× as long for ResNet-18-GN's 3×3 layers at
+    32² (2026-11-28, both routes timed on the same shapes); a transient second copy of the rows is
+    the price."""
+    kernel = math.prod(module.weight.shape[2:])
+    g = module.groups
+    if x.device.type == "cpu" and kernel > 1:
+        windows = _windows(_channels_last_padded(x, pad, mode), module, positions)  # (B, C, *positions, *kernel)
+        b, c = windows.shape[:2]
+        t = math.prod(windows.shape[2 : windows.dim() - (module.weight.dim() - 2)])
+        rows = windows.movedim(1, -1).reshape(b, t, kernel, g, c // g)  # runs of C/G values
+        return rows.permute(0, 3, 1, 4, 2).reshape(b, g, t, (c // g) * kernel)
+    windows = _windows(_padded(x, pad, mode), module, positions)
+    b, c = windows.shape[:2]
+    t = math.prod(windows.shape[2 : windows.dim() - (module.weight.dim() - 2)])
+    return windows.reshape(b, g, c // g, t, kernel).permute(0, 1, 3, 2, 4).reshape(b, g, t, (c // g) * kernel)
 
 
 # a convolution's per-sample gradients come from one grouped convolution (CPU) when each sample has
@@ -90,30 +123,37 @@ def _patches(windows: torch.Tensor, module) -> torch.Tensor:
 GROUPED_MIN_POSITIONS = 1.0
 
 
-def by_grouped_convolution(padded: torch.Tensor, grad_output: torch.Tensor, module) -> torch.Tensor:
+def by_grouped_convolution(
+    x: torch.Tensor, pad: list[int] | None, mode: str, grad_output: torch.Tensor, module
+) -> torch.Tensor:
     """Each sample's weight gradient, (B, *weight.shape), as one convolution's weight gradient with
-    the batch folded into its groups: no patches formed. Float32 at IEEE precision whatever the
-    user set for oneDNN (bf16 or TF32 would round the operands); CPU only: measured there
-    (benchmarks/results/conv_routes), not yet on a GPU."""
-    b, nd, w = padded.shape[0], padded.dim() - 2, module.weight
-    x = padded.float().reshape(1, b * padded.shape[1], *padded.shape[2:])
+    the batch folded into its groups: no patches formed (zero padding the same on both sides of
+    every dimension is the convolution's own: no padded copy either). Float32 at IEEE precision
+    whatever the user set for oneDNN (bf16 or TF32 would round the operands); CPU only: measured
+    there (benchmarks/results/conv_routes), not yet on a GPU."""
+    b, nd, w = x.shape[0], x.dim() - 2, module.weight
+    lo, hi = (pad[0::2], pad[1::2]) if pad else ([0] * nd, [0] * nd)
+    if mode == "constant" and lo == hi and min(lo) >= 0:
+        padding = lo[::-1]  # F.pad lists the last dimension first
+    else:
+        x, padding = _padded(x, pad, mode), [0] * nd
+    x = x.float().reshape(1, b * x.shape[1], *x.shape[2:])
     g = grad_output.float().reshape(1, b * grad_output.shape[1], *grad_output.shape[2:])
     shape_only = x.new_empty(b * w.shape[0], *w.shape[1:])  # read for its shape: no input gradient is asked for
     stride, dilation = _tuple(module.stride, nd), _tuple(module.dilation, nd)
     with exact_matmuls():  # oneDNN's convolution, or aten's GEMM-based backend for small inputs
         grads = torch.ops.aten.convolution_backward(
-            g, x, shape_only, None, stride, [0] * nd, dilation, False, [0] * nd, b * module.groups, [False, True, False]
+            g, x, shape_only, None, stride, padding, dilation, False, [0] * nd, b * module.groups, [False, True, False]
         )[1]
     return grads.reshape(b, *w.shape)
 
 
 def _conv_use(x: torch.Tensor, grad_output: torch.Tensor, module, pad, mode) -> LazyFactored:
     """The weight's use: the output gradient by group, the patches unfolded only if a path reads
-    them, and on a CPU (float32 or half values) the per-sample gradients by grouped convolution."""
-    padded = _padded(x, pad, mode)
-    windows = _windows(padded, module)
+    them, and on a CPU (float32 or half values) the per-sample gradients by grouped convolution.
+    The input is padded only when a route reads it (not held padded through the step)."""
     g = grad_by_group(grad_output, module.groups)
-    b, groups, t, n = _patches_shape(windows, module)
+    b, groups, t, n = _patches_shape(x, pad, module)
     if (b, groups, t) != tuple(g.shape[:3]) or n * g.shape[3] * groups != module.weight.numel():
         raise UnsupportedModuleError(
             f"{type(module).__name__}: the convolution dpzoo reconstructs from the module's attributes "
@@ -140,9 +180,10 @@ def _conv_use(x: torch.Tensor, grad_output: torch.Tensor, module, pad, mode) -> 
 
         return checked
 
-    per_sample = unedited(lambda: by_grouped_convolution(padded, grad_output, module)) if grouped else None
+    per_sample = unedited(lambda: by_grouped_convolution(x, pad, mode, grad_output, module)) if grouped else None
     like = torch.empty(b, groups, t, n, dtype=x.dtype, device="meta")
-    return LazyFactored(g, unedited(lambda: _patches(windows, module)), like, tuple(module.weight.shape), per_sample)
+    rows = unedited(lambda: _patches(x, pad, mode, module))
+    return LazyFactored(g, rows, like, tuple(module.weight.shape), per_sample)
 
 
 def grad_by_group(grad_output: torch.Tensor, groups: int) -> torch.Tensor:
