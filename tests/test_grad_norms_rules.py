@@ -335,12 +335,18 @@ def _patches_by_loop(x, module, positions=None):
         (3, 4, 4, 2, 1, 1, 1, 3, None),
     ],
 )
+@pytest.mark.parametrize("route", ["cpu", "launching"])
 def test_convolution_patches_equal_the_windows_read_one_by_one(
-    nd, channels, groups, kernel, stride, dilation, padding, size, positions
+    nd, channels, groups, kernel, stride, dilation, padding, size, positions, route, monkeypatch
 ):
-    """The patches the conv rule unfolds (on a CPU gathered channels-last, then transposed per row)
-    hold exactly each window of the padded input, in the weight's feature order, per group."""
+    """The patches the conv rule unfolds (on a CPU gathered channels-last, then transposed per row;
+    on a device that launches kernels gathered in the weight's order) hold exactly each window of
+    the padded input, in the weight's feature order, per group."""
+    from dpzoo.grad_norms import half
     from dpzoo.grad_norms.rules.conv import unfold_patches
+
+    if route == "launching":  # as the cost trace runs a GPU's operators on a CPU
+        monkeypatch.setattr(half, "LAUNCH_DEVICES", {"cuda", "cpu"})
 
     conv = getattr(nn, f"Conv{nd}d")(channels, 2 * groups, kernel, stride, padding, dilation, groups)
     x = torch.randn(2, channels, *([size] * nd), generator=torch.Generator().manual_seed(nd + channels))

@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
 from ...errors import UnsupportedModuleError
-from ..half import exact_matmuls, upcast
+from ..half import exact_matmuls, launches_kernels, upcast
 from ..registry import register_rule
 from ..reps import Dense, LazyFactored, instantiate
 
@@ -69,13 +69,15 @@ def _windows(x: torch.Tensor, module, positions: tuple[int, ...] | None = None) 
 
 def _patches_shape(x: torch.Tensor, pad: list[int] | None, module) -> tuple[int, int, int, int]:
     """(B, G, T, C/G · ∏k) of the patches of ``x`` padded by ``pad``, without forming either."""
-    nd = module.weight.dim() - 2
-    kernel = tuple(module.weight.shape[2:])
+    w = module.weight
+    nd = w.dim() - 2
     stride, dilation = _tuple(module.stride, nd), _tuple(module.dilation, nd)
-    spatial = [x.shape[2 + i] + (pad[2 * (nd - 1 - i)] + pad[2 * (nd - 1 - i) + 1] if pad else 0) for i in range(nd)]
-    t = math.prod((spatial[i] - dilation[i] * (kernel[i] - 1) - 1) // stride[i] + 1 for i in range(nd))
-    g = module.groups
-    return x.shape[0], g, t, (x.shape[1] // g) * math.prod(kernel)
+    t, kernel = 1, 1
+    for i in range(nd):  # a loop: no generator frame per convolution, every step
+        size = x.shape[2 + i] + (pad[2 * (nd - 1 - i)] + pad[2 * (nd - 1 - i) + 1] if pad else 0)
+        t *= (size - dilation[i] * (w.shape[2 + i] - 1) - 1) // stride[i] + 1
+        kernel *= w.shape[2 + i]
+    return x.shape[0], module.groups, t, (x.shape[1] // module.groups) * kernel
 
 
 def _channels_last_padded(x: torch.Tensor, pad: list[int] | None, mode: str) -> torch.Tensor:
@@ -102,7 +104,7 @@ def _patches(x: torch.Tensor, pad: list[int] | None, mode: str, module, position
     the price."""
     kernel = math.prod(module.weight.shape[2:])
     g = module.groups
-    if x.device.type == "cpu" and kernel > 1:
+    if not launches_kernels(x) and kernel > 1:  # a CPU (a GPU is traced as a CPU that launches kernels)
         windows = _windows(_channels_last_padded(x, pad, mode), module, positions)  # (B, C, *positions, *kernel)
         b, c = windows.shape[:2]
         t = math.prod(windows.shape[2 : windows.dim() - (module.weight.dim() - 2)])
