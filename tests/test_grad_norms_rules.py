@@ -356,6 +356,25 @@ def test_convolution_patches_equal_the_windows_read_one_by_one(
 
 
 @pytest.mark.parametrize("mode", ["instantiate", "ghost"])
+def test_a_convolution_whose_attributes_no_longer_fit_its_input_is_refused(mode):
+    """Padding removed after the forward: a 3×3 kernel no longer fits the 1×1 input along either
+    dimension. Refused with dpzoo's error when the step is assembled (each dimension's count of
+    windows is -1; their product matched the output's single position: found by a review)."""
+    from dpzoo.errors import UnsupportedModuleError
+
+    model = nn.Conv2d(2, 3, 3, padding=1)
+    hooks = attach_norm_hooks(model, mode=mode)
+    try:
+        y = model(torch.randn(2, 2, 1, 1))
+        model.padding = (0, 0)
+        with pytest.raises(UnsupportedModuleError, match="0 output positions per sample"):
+            hooks.backward(y.sum())
+            hooks.per_param_norms()
+    finally:
+        hooks.detach()
+
+
+@pytest.mark.parametrize("mode", ["instantiate", "ghost"])
 def test_a_convolution_input_edited_in_place_after_the_step_is_assembled_is_refused(mode):
     """The patches (ghost) and the grouped route (instantiation) read the layer's input when the
     norms are taken, after the step was assembled: an in-place edit in between is refused, not

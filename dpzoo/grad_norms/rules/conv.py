@@ -75,7 +75,8 @@ def _patches_shape(x: torch.Tensor, pad: list[int] | None, module) -> tuple[int,
     t, kernel = 1, 1
     for i in range(nd):  # a loop: no generator frame per convolution, every step
         size = x.shape[2 + i] + (pad[2 * (nd - 1 - i)] + pad[2 * (nd - 1 - i) + 1] if pad else 0)
-        t *= (size - dilation[i] * (w.shape[2 + i] - 1) - 1) // stride[i] + 1
+        # no window fits: 0 (a product of two negative counts could match the real output)
+        t *= max((size - dilation[i] * (w.shape[2 + i] - 1) - 1) // stride[i] + 1, 0)
         kernel *= w.shape[2 + i]
     return x.shape[0], module.groups, t, (x.shape[1] // module.groups) * kernel
 
