@@ -10,6 +10,12 @@ Each tree runs in its own process (its dpzoo and its benchmarks/bench_modes.py f
 one torch thread), builds the config's runner, warms up, then times ``--steps`` steps a round
 when told. Writes, per tree, its commit and the seconds a step of every round, and the ratios
 new / base per round (median and quartiles). CPU only: a step's time here, not a GPU's.
+
+``--reuse-freed-memory``: each worker keeps freed memory (:mod:`dpzoo.cpu_allocator`). Without it
+glibc's adaptive mmap threshold settles each process into one of two regimes: the same tree's
+ResNet-18-GN@32 step ran at 175 or 220 ms depending on the process (2026-11-28, five A/B runs of
+one change gave new/base from 0.79 to 1.12), so a default-allocator comparison measures which
+regime each worker fell into, not the change.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import time
 from pathlib import Path
 
 
-def worker(tree: str, config: str, mode: str, steps: int) -> None:
+def worker(tree: str, config: str, mode: str, steps: int, reuse_freed_memory: bool = False) -> None:
     """Serve rounds on stdin: each line, ``steps`` steps timed, seconds a step printed."""
     import warnings
 
@@ -34,6 +40,10 @@ def worker(tree: str, config: str, mode: str, steps: int) -> None:
     import torch
 
     torch.set_num_threads(1)
+    if reuse_freed_memory:
+        from dpzoo.cpu_allocator import reuse_freed_memory as keep
+
+        keep()
     import bench_modes
 
     import dpzoo
@@ -51,11 +61,21 @@ def worker(tree: str, config: str, mode: str, steps: int) -> None:
         print(json.dumps((time.perf_counter() - start) / steps), flush=True)
 
 
-def compare(base: str, new: str, config: str, mode: str, rounds: int, steps: int, seed: int = 0) -> dict:
+def compare(
+    base: str,
+    new: str,
+    config: str,
+    mode: str,
+    rounds: int,
+    steps: int,
+    seed: int = 0,
+    reuse_freed_memory: bool = False,
+) -> dict:
     trees = {"base": base, "new": new}
     procs = {
         k: subprocess.Popen(
-            [sys.executable, __file__, "--worker", t, "--config", config, "--mode", mode, "--steps", str(steps)],
+            [sys.executable, __file__, "--worker", t, "--config", config, "--mode", mode, "--steps", str(steps)]
+            + (["--reuse-freed-memory"] if reuse_freed_memory else []),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -81,6 +101,7 @@ def compare(base: str, new: str, config: str, mode: str, rounds: int, steps: int
     quartiles = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
     return {
         "config": config, "mode": mode, "rounds": rounds, "steps_per_round": steps,
+        "reuse_freed_memory": reuse_freed_memory,
         "trees": {k: {"path": t, "commit": _commit(t), "seconds_per_step": times[k],
                       "median_ms": 1e3 * statistics.median(times[k])} for k, t in trees.items()},
         "ratio_new_to_base": {"median": statistics.median(ratios), "q1": quartiles[0], "q3": quartiles[2]},
@@ -103,14 +124,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--reuse-freed-memory", action="store_true",
+                        help="each worker keeps freed memory (dpzoo.cpu_allocator): stable timings")  # fmt: skip
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        worker(args.worker, args.config, args.mode, args.steps)
+        worker(args.worker, args.config, args.mode, args.steps, args.reuse_freed_memory)
         return 0
     if len(args.trees) != 2:
         parser.error("give two trees: BASE NEW")
-    result = compare(*args.trees, args.config, args.mode, args.rounds, args.steps)
+    result = compare(
+        *args.trees, args.config, args.mode, args.rounds, args.steps, reuse_freed_memory=args.reuse_freed_memory
+    )
     r = result["ratio_new_to_base"]
     ms = {k: v["median_ms"] for k, v in result["trees"].items()}
     print(f"{args.config} {args.mode}: base {ms['base']:.2f} ms, new {ms['new']:.2f} ms a step; new/base median "

@@ -135,8 +135,9 @@ def test_ab_trees_times_two_checkouts_in_alternating_rounds(tmp_path):
     root = str(BENCH.parent)
     out = tmp_path / "ab.json"
     argv = [root, root, "--config", "gpt2-tiny-untied", "--mode", "dpzoo-bitfit", "--rounds", "3", "--steps", "1"]
-    assert ab_trees.main([*argv, "--out", str(out)]) == 0
+    assert ab_trees.main([*argv, "--reuse-freed-memory", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
+    assert data["reuse_freed_memory"] is True
     base, new = data["trees"]["base"], data["trees"]["new"]
     assert len(base["seconds_per_step"]) == len(new["seconds_per_step"]) == 3
     assert base["commit"] == new["commit"] and all(t > 0 for t in base["seconds_per_step"] + new["seconds_per_step"])
