@@ -400,6 +400,62 @@ def test_parameter_without_gradient_warns_once_by_name():
     assert "used.weight" not in msg.replace("unused.weight", "")
 
 
+def test_no_gradient_warning_names_the_line_that_called_step():
+    model = _WithUnusedBranch()
+    engine, model, opt, loader = _private_sgd(model, TensorDataset(torch.randn(8, 4), torch.randint(0, 3, (8,))))
+    x, y = next(iter(loader))
+    F.cross_entropy(model(x), y).backward()
+    with pytest.warns(dpzoo.NoGradientWarning) as rec:
+        opt.step()
+    assert rec[0].filename == __file__
+
+
+@pytest.mark.parametrize("held_by", ["add_noise-wrapper", "scale_grad-override", "nothing"])
+def test_the_mean_division_leaves_what_an_override_holds_untouched(held_by, monkeypatch):
+    """``scale_grad`` divides dpzoo's own noise buffer in place (no second parameter-sized tensor),
+    but where an override or a wrapper of ``add_noise`` or ``scale_grad`` (documented override
+    points) can hold what add_noise wrote, into new tensors: what it holds stays the noisy sum (an
+    independent review's case, 2026-11-27)."""
+    from dpzoo.privacy import optimizer as dp_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    engine, model, opt, loader = _private_sgd(model, TensorDataset(torch.randn(8, 4), torch.randint(0, 3, (8,))))
+    held, written = {}, []
+    real_many = dp_optimizer.noised_all_reduce_many
+    monkeypatch.setattr(
+        dp_optimizer, "noised_all_reduce_many", lambda *a, **k: written.extend(real_many(*a, **k)) or written
+    )
+    if held_by == "add_noise-wrapper":
+        own = opt.add_noise
+
+        def add_noise():
+            own()
+            held.update({n: (p.grad, p.grad.clone()) for n, p in model.named_parameters()})
+
+        opt.add_noise = add_noise
+    elif held_by == "scale_grad-override":
+
+        class Holding(type(opt)):
+            def scale_grad(self):
+                held.update({n: (p.grad, p.grad.clone()) for n, p in model.named_parameters()})
+                super().scale_grad()
+
+        opt.__class__ = Holding
+    x, y = next(iter(loader))
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    grads = [p.grad for p in model.parameters()]
+    if held_by == "nothing":  # the very tensors add_noise wrote, divided where they lie
+        assert len(written) == 2 and all(g is w for g, w in zip(grads, written))
+        return
+    for n, p in model.named_parameters():
+        tensor, values = held[n]
+        assert tensor is not p.grad
+        assert torch.equal(tensor, values)  # untouched
+        torch.testing.assert_close(p.grad, values / opt.expected_batch_size)
+
+
 def test_no_gradient_warning_stays_quiet_when_everything_trains(recwarn):
     model, ds = _resnet(), _data()
     engine, model, opt, loader = _private_sgd(model, ds)

@@ -29,12 +29,11 @@ and the privacy metadata says so).
 from __future__ import annotations
 
 import contextlib
-import warnings
 from typing import Callable
 
 import torch
 
-from ..errors import NoGradientWarning, PrivacyUsageError, UnsupportedModuleError
+from ..errors import PrivacyUsageError, UnsupportedModuleError
 from ..grad_norms.hooks import NormHooks
 from ..grad_norms.loss_pool import check_reduction, take_record
 from .accounting.accountant import Accountant
@@ -43,6 +42,7 @@ from .clipping import AUTOMATIC_GAMMA as AUTOMATIC_GAMMA  # re-exported: it was 
 from .clipping import CLIPPING, clip_factors
 from .data import StepSignal, secret_generator
 from .distributed import noised_all_reduce, noised_all_reduce_many
+from .no_gradient import warn_no_gradient
 from .scaled_samples import nonfinite_samples, refuse_torch_grad_scaler, unscaled_cotangents
 from .wrapped_optimizer import WrappedOptimizer
 
@@ -88,6 +88,7 @@ class DPOptimizer(WrappedOptimizer):
         self.grad_writer: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
         self._summed: dict[str, torch.Tensor] = {}
         self._written: dict[str, torch.Tensor] = {}  # the private .grad tensors this optimizer set
+        self._own_noise = False  # this step's .grads are views of dpzoo's own noise buffer, held by nothing else
         self._warned_no_grad: set[str] = set()
         self._reached: set[str] = set()  # parameters some sample's gradient reached in this logical step
         self._step_hooks: list[Callable[["DPOptimizer"], None]] = []
@@ -296,10 +297,11 @@ class DPOptimizer(WrappedOptimizer):
         (:func:`.distributed.noised_all_reduce_many`), by an override of :meth:`replicated_grad` or FSDP2's writer."""
         params = self.hooks.trainable_parameters
         if self.samples_in_step:
-            self._warn_no_gradient([n for n in params if n not in self._reached])
+            warn_no_gradient(self._warned_no_grad, [n for n in params if n not in self._reached], self.samples_in_step)
         self._reached = set()
         summed, writer, tensors = [self._summed.get(name) for name in params], self.grad_writer, list(params.values())
-        overridden = "replicated_grad" in vars(self) or type(self).replicated_grad is not _REPLICATED_GRAD
+        overridden = not _as_defined(self, "replicated_grad")
+        self._own_noise = not overridden and writer is None and _as_defined(self, "add_noise")
         if overridden or (writer is not None and not hasattr(writer, "write_many")):  # the override writes each
             grads = [(writer or self.replicated_grad)(p, s) for p, s in zip(tensors, summed)]
         elif writer is not None:
@@ -318,28 +320,17 @@ class DPOptimizer(WrappedOptimizer):
         return noised_all_reduce(p, summed, std, self.generator_for(p.device) if seeded else None, seeded)
 
     def scale_grad(self) -> None:
-        """``loss_reduction="mean"``: the noisy sums divided by the expected logical batch size (new tensors)."""
+        """``loss_reduction="mean"``: the noisy sums divided by the expected logical batch size: in place where
+        dpzoo's own add_noise and scale_grad run on views of its noise buffer (nothing else holds them), else
+        into new tensors (an override or wrapper may hold what add_noise wrote; a reviewer's case, 2026-11-27)."""
         if self.loss_reduction == "mean":
             named = [(name, p) for name, p in self.hooks.trainable_parameters.items() if p.grad is not None]
+            if self._own_noise and _as_defined(self, "scale_grad"):  # no second parameter-sized buffer
+                torch._foreach_div_([p.grad for _, p in named], self.expected_batch_size)
+                return
             for (name, p), g in zip(named, torch._foreach_div([p.grad for _, p in named], self.expected_batch_size)):
                 p.grad = g
                 self._written[name] = g
-
-    def _warn_no_gradient(self, names: list[str]) -> None:
-        """Once per parameter: trainable, yet no sample of a whole logical step reached it (unused in forward,
-        or its path detached). Still private (it gets noise), but almost always a bug that stops it learning."""
-        if not (new := [n for n in names if n not in self._warned_no_grad]):
-            return
-        self._warned_no_grad.update(new)
-        shown = ", ".join(new[:8]) + (f" and {len(new) - 8} more" if len(new) > 8 else "")
-        warnings.warn(
-            f"Trainable parameter(s) {shown} received no gradient in a DP step of {self.samples_in_step} "
-            "samples: they are moved by noise only. If they are not meant to train, freeze them "
-            "(requires_grad_(False)) before make_private; if they are, check that the forward pass uses them "
-            "and does not detach their path (e.g. a result reassigned under torch.no_grad()).",
-            NoGradientWarning,
-            stacklevel=6,
-        )  # the caller of opt.step()
 
     def _drop_frozen(self) -> None:
         """Parameters frozen (requires_grad_(False)) after make_private: no update. Their norms were
@@ -397,4 +388,9 @@ class DPOptimizer(WrappedOptimizer):
         return None
 
 
-_REPLICATED_GRAD = DPOptimizer.replicated_grad  # as defined: a subclass's or a patch's differs
+def _as_defined(opt: DPOptimizer, name: str) -> bool:
+    """Whether ``opt``'s method ``name`` is DPOptimizer's own: not a subclass's, a patch or an instance's wrapper."""
+    return name not in vars(opt) and getattr(type(opt), name) is _OWN[name]
+
+
+_OWN = {name: getattr(DPOptimizer, name) for name in ("add_noise", "replicated_grad", "scale_grad")}  # as defined here
