@@ -410,7 +410,7 @@ def test_no_gradient_warning_names_the_line_that_called_step():
     assert rec[0].filename == __file__
 
 
-@pytest.mark.parametrize("held_by", ["add_noise-wrapper", "scale_grad-override", "nothing"])
+@pytest.mark.parametrize("held_by", ["add_noise-wrapper", "scale_grad-override", "replacement-after-a-step", "nothing"])
 def test_the_mean_division_leaves_what_an_override_holds_untouched(held_by, monkeypatch):
     """``scale_grad`` divides dpzoo's own noise buffer in place (no second parameter-sized tensor),
     but where an override or a wrapper of ``add_noise`` or ``scale_grad`` (documented override
@@ -442,6 +442,19 @@ def test_the_mean_division_leaves_what_an_override_holds_untouched(held_by, monk
                 super().scale_grad()
 
         opt.__class__ = Holding
+    elif held_by == "replacement-after-a-step":  # installed after a plain step, not calling dpzoo's own
+        x, y = next(iter(loader))
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+        def add_noise():
+            for name, p in opt.hooks.trainable_parameters.items():
+                p.grad = opt.replicated_grad(p, opt._summed.get(name))
+                held[name] = (p.grad, p.grad.clone())
+            opt._summed = {}
+
+        opt.add_noise = add_noise
     x, y = next(iter(loader))
     F.cross_entropy(model(x), y).backward()
     opt.step()

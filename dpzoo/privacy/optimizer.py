@@ -325,7 +325,8 @@ class DPOptimizer(WrappedOptimizer):
         into new tensors (an override or wrapper may hold what add_noise wrote; a reviewer's case, 2026-11-27)."""
         if self.loss_reduction == "mean":
             named = [(name, p) for name, p in self.hooks.trainable_parameters.items() if p.grad is not None]
-            if self._own_noise and _as_defined(self, "scale_grad"):  # no second parameter-sized buffer
+            own, self._own_noise = self._own_noise, False  # used once: a later add_noise may be another's
+            if own and _as_defined(self, "add_noise") and _as_defined(self, "scale_grad"):  # no second buffer
                 torch._foreach_div_([p.grad for _, p in named], self.expected_batch_size)
                 return
             for (name, p), g in zip(named, torch._foreach_div([p.grad for _, p in named], self.expected_batch_size)):
@@ -363,6 +364,7 @@ class DPOptimizer(WrappedOptimizer):
                     self.refusal = e
                     raise
                 self.on_first_step = None
+        self._own_noise = False  # set by dpzoo's own add_noise only (a replacement may not call it)
         self.add_noise()
         self.scale_grad()
         self._drop_frozen()
