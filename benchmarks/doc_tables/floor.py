@@ -76,6 +76,45 @@ def floor_reuse_figures(root: Path) -> set[str]:
     return floor_figures(root, REUSE) | floor_figures(root, FLOOR)
 
 
+REPEATS = [REUSE] + [f"benchmarks/results/floor_reuse/repeat{i}/training_step.json" for i in range(1, 5)]
+REPEATS_COMMAND = (
+    "--modes dpzoo-bk-mixopt --rounds 9 --no-memory --reuse-freed-memory --out benchmarks/results/floor_reuse/repeat$i"
+)  # in a loop over i = 1..4, ResNet-18-GN alone
+REPEATED = "resnet18-gn-bias@32"
+
+
+def _repeats(root: Path) -> list[tuple[dict, dict]]:
+    """Per run of the repeated config: (its modes, bk-mixopt over the floor)."""
+    out = []
+    for path in REPEATS:
+        modes = load(root, path)["configs"][REPEATED]["time"]["modes"]
+        out.append((modes, over_floor(modes, "dpzoo-bk-mixopt")))
+    return out
+
+
+@table("cpu-floor-repeats", files=REPEATS, command=REPEATS_COMMAND)
+def floor_repeats_table(root: Path) -> str:
+    """ResNet-18-GN's step against the floor in separate runs of the benchmark (freed memory kept):
+    within a run the modes alternate round by round; between runs the machine's speed moves."""
+    lines = [
+        "| run | non-private (ms) | floor (ms) | bk-mixopt (ms) | bk-mixopt / floor |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for i, (modes, q) in enumerate(_repeats(root)):
+        ms = [f"{modes[m]['median_ms']:.0f}" for m in ("nonprivate-full", "floor", "dpzoo-bk-mixopt")]
+        lines.append(f"| {i + 1} | " + " | ".join(ms) + f" | {_cell(q)} |")
+    return "\n".join(lines)
+
+
+@figures("cpu-floor-repeats", files=REPEATS, command=REPEATS_COMMAND)
+def floor_repeats_figures(root: Path) -> set[str]:
+    """Each run's figures, the range of the runs' medians and their median, and the target."""
+    medians = sorted(q["median"] for _, q in _repeats(root))
+    out = {f"{x:.2f}" for _, q in _repeats(root) for x in q.values()}
+    out |= {f"{statistics.median(medians):.2f}", str(len(medians)), ratio(1.15).removesuffix("×")}
+    return out | {f"{sum(m <= 1.15 for m in medians)}"}
+
+
 COUNTS = "benchmarks/results/floor/flops.json"
 COUNTS_COMMAND = "python benchmarks/floor_flops.py --out benchmarks/results/floor"
 
