@@ -77,9 +77,10 @@ def floor_reuse_figures(root: Path) -> set[str]:
 
 
 REPEATS = [REUSE] + [f"benchmarks/results/floor_reuse/repeat{i}/training_step.json" for i in range(1, 5)]
+# in a loop over i = 1..4, ResNet-18-GN alone
 REPEATS_COMMAND = (
     "--modes dpzoo-bk-mixopt --rounds 9 --no-memory --reuse-freed-memory --out benchmarks/results/floor_reuse/repeat$i"
-)  # in a loop over i = 1..4, ResNet-18-GN alone
+)
 REPEATED = "resnet18-gn-bias@32"
 
 
