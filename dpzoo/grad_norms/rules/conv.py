@@ -105,15 +105,14 @@ def _patches(x: torch.Tensor, pad: list[int] | None, mode: str, module, position
     the price."""
     kernel = math.prod(module.weight.shape[2:])
     g = module.groups
-    if not launches_kernels(x) and kernel > 1:  # a CPU (a GPU is traced as a CPU that launches kernels)
-        windows = _windows(_channels_last_padded(x, pad, mode), module, positions)  # (B, C, *positions, *kernel)
-        b, c = windows.shape[:2]
-        t = math.prod(windows.shape[2 : windows.dim() - (module.weight.dim() - 2)])
-        rows = windows.movedim(1, -1).reshape(b, t, kernel, g, c // g)  # runs of C/G values
-        return rows.permute(0, 3, 1, 4, 2).reshape(b, g, t, (c // g) * kernel)
-    windows = _windows(_padded(x, pad, mode), module, positions)
+    cpu = not launches_kernels(x) and kernel > 1  # a CPU (a GPU is traced as a CPU that launches kernels)
+    padded = _channels_last_padded(x, pad, mode) if cpu else _padded(x, pad, mode)
+    windows = _windows(padded, module, positions)  # (B, C, *positions, *kernel)
     b, c = windows.shape[:2]
     t = math.prod(windows.shape[2 : windows.dim() - (module.weight.dim() - 2)])
+    if cpu:
+        rows = windows.movedim(1, -1).reshape(b, t, kernel, g, c // g)  # runs of C/G values
+        return rows.permute(0, 3, 1, 4, 2).reshape(b, g, t, (c // g) * kernel)
     return windows.reshape(b, g, c // g, t, kernel).permute(0, 1, 3, 2, 4).reshape(b, g, t, (c // g) * kernel)
 
 
