@@ -427,3 +427,33 @@ def test_a_parameters_uses_are_settled_once_so_the_planners_choices_keep_their_u
     assert [type(r).__name__ for r in g.reps] == ["Dense", "Factored"] and g.reps[1] is uses[0]
     exact = sum(torch.einsum("btr,btc->brc", u.left[:, 0].double(), u.right[:, 0].double()) for u in uses)
     assert (total >= exact.flatten(1).square().sum(1)).all()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ghost_guards_stacked_on_a_cpu_equal_the_guards_one_by_one(seed):
+    """checked_and_bounds: single uses of one dtype and batch bounded as one stack give every item's
+    norm and U exactly as checked_and_bound alone, items with a sample to redo in float64 (cancelling,
+    underflowing, infinite rows) included, beside multi-use, bfloat16 and float64 items."""
+    gen = torch.Generator().manual_seed(seed)
+    b = 5
+
+    def factored(t, r, c, dtype=torch.float32, scale=1.0):
+        left = torch.randn(b, 1, t, r, generator=gen) * scale
+        return R.Factored(left.to(dtype), torch.randn(b, 1, t, c, generator=gen).to(dtype), (c, r))
+
+    items = [[factored(*(int(x) for x in torch.randint(1, 40, (3,), generator=gen)))] for _ in range(5)]
+    items += [[factored(3, 7, 5, torch.bfloat16)], [factored(3, 7, 5, torch.bfloat16)], [factored(2, 4, 3, torch.float64)]]
+    items.append(_cancelling_uses(gen, b, 4, 64, 3, 0.02, "factored"))  # two uses
+    cancel = factored(2, 300, 3)
+    cancel.left[1, :, 1] = cancel.left[1, :, 0]
+    cancel.right[1, :, 1] = -(1 - 1e-4) * cancel.right[1, :, 0]
+    items += [[cancel], [factored(2, 9, 3, scale=1e-25)]]
+    tiny = factored(3, 6, 4)
+    tiny.left[2, 0, 1] = float("inf")
+    items.append([tiny])
+    totals = [ParamGrad(list(reps), ghost=True)._unguarded_sq_norm()[0] for reps in items]
+    got = float_guard.checked_and_bounds(list(zip(items, totals)))
+    for reps, total, (sq, u) in zip(items, totals, got):
+        want_sq, want_u = float_guard.checked_and_bound(reps, total)
+        assert sq.dtype == want_sq.dtype and torch.equal(sq.nan_to_num(), want_sq.nan_to_num())
+        assert torch.equal(sq.isnan(), want_sq.isnan()) and torch.equal(u.nan_to_num(), want_u.nan_to_num())

@@ -22,7 +22,7 @@ from ..errors import InvalidArgumentError, UnsupportedModuleError
 from . import formed as F
 from . import sum_guard
 from .autocast import no_autocast
-from .float_guard import checked, checked_and_bound, first_pass, guard, settle, triangle_bound
+from .float_guard import checked, checked_and_bounds, first_pass, guard, settle, triangle_bound
 from .half import exact_matmuls, launches_kernels, shared_scale, upcast
 from .reps import (
     Dense,
@@ -281,8 +281,8 @@ def total_sq_norms(grads: list[ParamGrad]) -> list[torch.Tensor]:
                 checks.append(check)
                 owners.append([g])
         results = list(zip(settle(checks, [f[:2] for f in firsts]), [f[2] for f in firsts]))
-    else:  # a CPU: one by one
-        results = [checked_and_bound(g.reps, total) for g, total in ghost]
+    else:  # a CPU: single uses' bounds stacked, a sample to redo guarded alone
+        results = checked_and_bounds([(g.reps, total) for g, total in ghost])
         owners = [[g] for g, _ in ghost]
     for members, (sq, u) in zip(owners, results):  # U too, for the sums' own guard (:mod:`.sum_guard`)
         for g, part, bound in zip(members, _parts(sq, len(members)), _parts(u, len(members))):

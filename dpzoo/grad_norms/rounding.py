@@ -38,7 +38,7 @@ from .half import launches_kernels
 
 __all__ = [
     "GRAM_CHUNK", "mechanism_dtype", "unit_roundoff", "gamma", "sum_per_sample", "pair_length", "error_bound", "round_up",
-    "dense_sq_norm", "dense_sq_norms", "runs_sq", "sq_bounds", "dense_chunk", "DENSE_LOOSE", "any_flag", "read_flags",
+    "bound_constants", "dense_sq_norm", "dense_sq_norms", "runs_sq", "sq_bounds", "dense_chunk", "DENSE_LOOSE", "any_flag", "read_flags",
 ]  # fmt: skip
 
 GRAM_CHUNK = 256  # Gram matrices are summed over chunks of this many features (reps._gram)
@@ -112,32 +112,38 @@ def error_bound(reps: list, row_sums: list, dtype: torch.dtype) -> torch.Tensor:
     and cross term) in ``dtype``'s arithmetic: Σ_{u,v} γ_{n(u,v)} · U_u U_v, plus what products that
     underflow can lose. ``row_sums``: per use, (U, A, B) = Σ_t ‖L_t‖‖R_t‖, Σ_t ‖L_t‖, Σ_t ‖R_t‖ in
     float64, each U computed with its own rounding (so taken (1 + γ) larger)."""
-    u = unit_roundoff(dtype)
-    extra = len(reps) ** 2 + 4  # the additions of the terms, squaring a dense row norm, the clamp
-    ks = [[gamma(pair_length(ri, rj) + extra, u) for rj in reps] for ri in reps]
+    cs, scale, grid = bound_constants(reps, dtype)
     total = None
     for i in range(len(reps)):
         for j in range(len(reps)):
-            c = ks[i][j] * (1 + ks[i][j]) ** 2
             total = (
-                row_sums[i][0] * row_sums[j][0] * c
+                row_sums[i][0] * row_sums[j][0] * cs[i][j]
                 if total is None
-                else total.addcmul_(row_sums[i][0], row_sums[j][0], value=c)
+                else total.addcmul_(row_sums[i][0], row_sums[j][0], value=cs[i][j])
             )
-    # a product that underflows loses up to the subnormal spacing s: a Gram entry over r features
-    # up to r·s, times the other factor's Gram (≤ B² summed); a dense use's squares and products
-    # lose up to its numel·s; and each product of two Gram entries one more s
-    spacing = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
-    width = sum(_width(r) for r in reps)
-    grids = sum(_grid(r) for r in reps)
     ab = row_sums[0][1] + row_sums[0][2]
     for s in row_sums[1:]:
         ab = ab + s[1] + s[2]
-    worst = max(max(row) for row in ks)
-    underflow = (ab + 1).square().mul_(spacing * width * (1 + worst) ** 2).add_(spacing * grids)
+    underflow = (ab + 1).square().mul_(scale).add_(grid)
     # U = 0: no position has both factors nonzero, so every product of Gram entries is an exact 0
     bound = row_sums[0][0] if len(row_sums) == 1 else sum(s[0] for s in row_sums)
     return total.addcmul_(underflow, bound > 0)
+
+
+def bound_constants(reps: list, dtype: torch.dtype) -> tuple:
+    """:func:`error_bound`'s numbers, the same for every sample: (c[u][v], the factor of (A + B + 1)²
+    and the constant of its underflow term). c = γ(1 + γ)², γ over the additions of the pair's term;
+    a product that underflows loses up to the subnormal spacing s: a Gram entry over r features up
+    to r·s, times the other factor's Gram (≤ B² summed); a dense use's squares and products lose up
+    to its numel·s; and each product of two Gram entries one more s."""
+    u = unit_roundoff(dtype)
+    extra = len(reps) ** 2 + 4  # the additions of the terms, squaring a dense row norm, the clamp
+    ks = [[gamma(pair_length(ri, rj) + extra, u) for rj in reps] for ri in reps]
+    spacing = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
+    width = sum(_width(r) for r in reps)
+    grids = sum(_grid(r) for r in reps)
+    worst = max(max(row) for row in ks)
+    return [[k * (1 + k) ** 2 for k in row] for row in ks], spacing * width * (1 + worst) ** 2, spacing * grids
 
 
 def _grid(rep) -> int:
