@@ -442,7 +442,11 @@ def test_ghost_guards_stacked_on_a_cpu_equal_the_guards_one_by_one(seed):
         return R.Factored(left.to(dtype), torch.randn(b, 1, t, c, generator=gen).to(dtype), (c, r))
 
     items = [[factored(*(int(x) for x in torch.randint(1, 40, (3,), generator=gen)))] for _ in range(5)]
-    items += [[factored(3, 7, 5, torch.bfloat16)], [factored(3, 7, 5, torch.bfloat16)], [factored(2, 4, 3, torch.float64)]]
+    items += [
+        [factored(3, 7, 5, torch.bfloat16)],
+        [factored(3, 7, 5, torch.bfloat16)],
+        [factored(2, 4, 3, torch.float64)],
+    ]
     items.append(_cancelling_uses(gen, b, 4, 64, 3, 0.02, "factored"))  # two uses
     cancel = factored(2, 300, 3)
     cancel.left[1, :, 1] = cancel.left[1, :, 0]
