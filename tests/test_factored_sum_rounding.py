@@ -183,3 +183,33 @@ def test_a_samples_share_of_a_long_sum_is_not_rounded_against_the_others(monkeyp
     drop[-1] = True
     share = param_grad.clipped_sums({"w": g}, scale, None)["w"] - param_grad.clipped_sums({"w": g}, scale, drop)["w"]
     assert share.double().norm().item() / clip <= SLACK
+
+
+@pytest.mark.parametrize("launch", [False, True], ids=["cpu", "launched"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lost_bits_says_whether_a_scaled_value_left_the_normal_range_where_its_factor_is_not_zero(
+    dtype, launch, monkeypatch
+):
+    """half.lost_bits against its definition, element by element (|scaled| below tiny where narrow is
+    not 0, or scaled not finite), on values at the edges: zeros of either sign, subnormals, float32's
+    maximum, infinities, NaNs, scales of 0 and inf; the CPU's reductions and the launched route alike."""
+    if launch:
+        monkeypatch.setattr(half, "LAUNCH_DEVICES", {"cuda", "cpu"})
+    gen = torch.Generator().manual_seed(3)
+    edges = torch.tensor([0.0, -0.0, 1.0, -2.5, 1e-39, 1e-45, 3e38, float("inf"), float("-inf"), float("nan"), 1e-20])
+    tiny = torch.finfo(torch.float32).tiny
+    fired = 0
+    for _ in range(400):
+        shape = (int(torch.randint(0, 4, (), generator=gen)), 1, int(torch.randint(1, 4, (), generator=gen)), 2)
+        narrow = torch.randn(shape, generator=gen) * 10.0 ** float(torch.randint(-30, 30, (), generator=gen))
+        pick = torch.rand(shape, generator=gen) < 0.2
+        narrow = torch.where(pick, edges[torch.randint(0, len(edges), shape, generator=gen)], narrow).to(dtype)
+        scale = torch.tensor([0.0, 1.0, 1e-30, 1e30, float("inf"), 0.5])[
+            torch.randint(0, 6, (shape[0], 1, 1, 1), generator=gen)
+        ]
+        scaled = narrow.float() * scale
+        expected = bool((((scaled.abs() < tiny) & (narrow != 0)) | ~torch.isfinite(scaled)).any())
+        got = half.lost_bits(narrow, scaled, tiny)
+        assert got.dtype == torch.bool and got.dim() == 0 and bool(got) == expected
+        fired += expected
+    assert 50 < fired < 350  # both answers were checked many times
