@@ -213,8 +213,8 @@ def test_the_timed_ghost_path_runs_the_float_guard_as_a_step_does(monkeypatch):
     from dpzoo.grad_norms import cost, param_grad
 
     calls = []
-    real = param_grad.checked_and_bound
-    monkeypatch.setattr(param_grad, "checked_and_bound", lambda reps, total: calls.append(1) or real(reps, total))
+    real = param_grad.checked_and_bounds
+    monkeypatch.setattr(param_grad, "checked_and_bounds", lambda items: calls.append(1) or real(items))
     monkeypatch.setattr(cost, "MEASURED", {})
     ghost_ms, inst_ms = measure_paths(_factored(3, 7, 5, 6))
     assert calls and ghost_ms > 0 and inst_ms > 0  # the guard ran in the ghost path's timing
