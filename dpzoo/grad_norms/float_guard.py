@@ -193,13 +193,20 @@ def _bounded(reps: list, total: torch.Tensor, sums: list) -> tuple[tuple, torch.
     for s in sums[1:]:
         bound = bound + s[0]
     err = rounding.error_bound(reps, sums, total.dtype)
-    floor = (GHOST_FLOOR * bound).square()
     out = total.double()
-    if total.dtype == torch.float64:
+    result, floor, redo = _guarded(out, err, bound, total.dtype)
+    return (result, out, err, floor, bound), redo
+
+
+def _guarded(out: torch.Tensor, err: torch.Tensor, bound: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """(the guarded norm in ``dtype``, the floor, the samples to redo) from the computed squared norm
+    in float64 (``out``), its rounding bound (``err``) and U (``bound``), element by element."""
+    floor = (GHOST_FLOOR * bound).square()
+    if dtype == torch.float64:
         redo = out < floor
     else:  # (RECHECK · U)² = (RECHECK / GHOST_FLOOR)² · floor, a power of two
         redo = ~((out >= floor * (RECHECK / GHOST_FLOOR) ** 2) & (out * LOOSE >= err) & (out < float("inf")))
-    return (round_up(torch.maximum(out + err, floor), total.dtype), out, err, floor, bound), redo
+    return round_up(torch.maximum(out + err, floor), dtype), floor, redo
 
 
 def checked(reps: list, total: torch.Tensor) -> torch.Tensor:
@@ -221,34 +228,35 @@ def checked_and_bound(reps: list, total: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def checked_and_bounds(items: list[tuple[list, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """:func:`checked_and_bound` of each (reps, total), on a CPU: the bounds of single-use items of
-    one dtype and batch as one stack (a ResNet's guards were ~45 small operators a layer, most of
-    their time), by the same float64 operations element by element, so the same values; an item
-    with a sample to redo or a row near the limits of squaring is guarded again alone."""
+    """:func:`checked_and_bound` of each (reps, total), where operators are not launched (a CPU): the
+    bounds of single-use items of one dtype, batch and device as one stack, one row per item (a
+    ResNet's guards were ~45 small operators a layer, most of their time), by the operations of
+    :func:`_bounded` and :func:`.rounding.error_bound` element by element, so the same values; an
+    item with a sample to redo or a row near the limits of squaring is guarded again alone."""
     out: list = [None] * len(items)
     groups: dict[tuple, list[int]] = {}
     for i, (reps, total) in enumerate(items):
         if len(reps) == 1 and total.dtype != torch.float64 and not launches_kernels(total):
-            groups.setdefault((total.dtype, total.shape[0]), []).append(i)
+            groups.setdefault((total.dtype, total.shape[0], total.device), []).append(i)
         else:
             out[i] = checked_and_bound(*items[i])
-    for (dtype, _), idx in groups.items():
+    for (dtype, _, device), idx in groups.items():
         if len(idx) == 1:
             out[idx[0]] = checked_and_bound(*items[idx[0]])
             continue
         sums = [row_sums(items[i][0][0], rescale=False) for i in idx]  # risky rows marked, not rescaled
         u, a, b = (torch.stack([s[k] for s in sums]) for k in range(3))
-        consts = [rounding.bound_constants(items[i][0], dtype) for i in idx]  # (c, scale, grid) of one use
-        c, scale, grid = (torch.tensor(col, dtype=torch.float64).view(-1, 1) for col in zip(*consts))
-        # rounding.error_bound and _bounded, one row per item
-        err = (u * u * c).addcmul_((a + b + 1).square().mul_(scale).add_(grid), u > 0)
-        floor = (GHOST_FLOOR * u).square()
-        total = torch.stack([items[i][1] for i in idx]).double()
-        redo = ~((total >= floor * (RECHECK / GHOST_FLOOR) ** 2) & (total * LOOSE >= err) & (total < float("inf")))
+        # bound_constants of a single use: (c of the one pair of uses, scale, grid), each a column
+        consts = [rounding.bound_constants(items[i][0], dtype) for i in idx]
+        c, scale, grid = (
+            torch.tensor(col, dtype=torch.float64, device=device).view(-1, 1)
+            for col in ([k[0][0][0] for k in consts], [k[1] for k in consts], [k[2] for k in consts])
+        )
+        err = rounding.with_underflow(u * u * c, a + b, u, scale, grid)
+        result, _, redo = _guarded(torch.stack([items[i][1] for i in idx]).double(), err, u, dtype)
         flags = redo.any(1)
         if any(s[3] is not None for s in sums):  # rows near the limits: those items alone, rescaled
             flags = flags | torch.stack([s[3] if s[3] is not None else flags[k] for k, s in enumerate(sums)])
-        result = round_up(torch.maximum(total + err, floor), dtype)
         for k, (i, again) in enumerate(zip(idx, flags.tolist())):
             out[i] = checked_and_bound(*items[i]) if again else (result[k], u[k])
     return out

@@ -163,15 +163,15 @@ def lost_bits(narrow: torch.Tensor, scaled: torch.Tensor, tiny: float) -> torch.
     """Whether ``scaled`` (``narrow`` times the per-sample scale) lost a bit, a device bool (no host
     read where operators are launched): not finite, or below ``tiny`` where ``narrow`` is not 0
     (below it products lose bits or vanish, and the other factor can multiply what was lost far
-    beyond the clip). On a CPU every |value| in [tiny, max] says no at once, in three reductions
-    and one host read: operators that write bool tensors cost 5-30x an abs or a min there
-    (2 cores, 2026-11-28: ``lost_bits`` was ~2 ms of ResNet-18-GN@32's step)."""
+    beyond the clip). On a CPU every |value| in [tiny, max] says no at once, from two reductions and
+    one host read: operators that write bool tensors cost 5-30x an abs or a min there (2 cores,
+    2026-11-28: ``lost_bits`` was ~2 ms of ResNet-18-GN@32's step)."""
+    size = scaled.abs()
     if not launches_kernels(scaled) and scaled.numel():
-        size = scaled.abs()
         within = (size.amin() >= tiny) & (size.amax() <= torch.finfo(scaled.dtype).max)  # False for a NaN
         if bool(within):
             return ~within
-    return (((scaled.abs() < tiny) & (narrow != 0)) | ~torch.isfinite(scaled)).any()
+    return (((size < tiny) & (narrow != 0)) | ~torch.isfinite(scaled)).any()
 
 
 def kept_bits(narrow: torch.Tensor, scaled: torch.Tensor, tiny: float) -> bool:

@@ -232,7 +232,8 @@ def total_sq_norms(grads: list[ParamGrad]) -> list[torch.Tensor]:
     dtype (the squared norm of a concatenation is the sum of its parts', and :func:`dense_sq_norms`
     bounds its rounding as of any row), every dense one with one host read for all
     (:func:`dense_sq_norms`), every other as :meth:`ParamGrad.sq_norm` does, the floating-point
-    guards of those on the ghost path with one host read for all (:func:`.float_guard.guards`); on a
+    guards of those on the ghost path with one host read for all on a GPU (:func:`.float_guard.first_pass`,
+    :func:`.float_guard.settle`), as one stack of rows on a CPU (:func:`.float_guard.checked_and_bounds`); on a
     GPU, single factored uses of one shape normed and guarded as one stack (:data:`STACK_BYTES`):
     every sample's norm and bound are its own rows' in the stack, as they would be alone; and single
     ``freed`` uses on the instantiation path formed one at a time for their norms and freed

@@ -38,7 +38,7 @@ from .half import launches_kernels
 
 __all__ = [
     "GRAM_CHUNK", "mechanism_dtype", "unit_roundoff", "gamma", "sum_per_sample", "pair_length", "error_bound", "round_up",
-    "bound_constants", "dense_sq_norm", "dense_sq_norms", "runs_sq", "sq_bounds", "dense_chunk", "DENSE_LOOSE", "any_flag", "read_flags",
+    "bound_constants", "with_underflow", "dense_sq_norm", "dense_sq_norms", "runs_sq", "sq_bounds", "dense_chunk", "DENSE_LOOSE", "any_flag", "read_flags",
 ]  # fmt: skip
 
 GRAM_CHUNK = 256  # Gram matrices are summed over chunks of this many features (reps._gram)
@@ -124,10 +124,16 @@ def error_bound(reps: list, row_sums: list, dtype: torch.dtype) -> torch.Tensor:
     ab = row_sums[0][1] + row_sums[0][2]
     for s in row_sums[1:]:
         ab = ab + s[1] + s[2]
-    underflow = (ab + 1).square().mul_(scale).add_(grid)
-    # U = 0: no position has both factors nonzero, so every product of Gram entries is an exact 0
     bound = row_sums[0][0] if len(row_sums) == 1 else sum(s[0] for s in row_sums)
-    return total.addcmul_(underflow, bound > 0)
+    return with_underflow(total, ab, bound, scale, grid)
+
+
+def with_underflow(cross: torch.Tensor, ab: torch.Tensor, bound: torch.Tensor, scale, grid) -> torch.Tensor:
+    """:func:`error_bound` from the bound on its rounding, ``cross`` (written into): plus what
+    products that underflow can lose, (A + B + 1)² · scale + grid, where U = ``bound`` > 0
+    (``scale``, ``grid``: :func:`bound_constants`', numbers or a column of them, one per row)."""
+    # U = 0: no position has both factors nonzero, so every product of Gram entries is an exact 0
+    return cross.addcmul_((ab + 1).square().mul_(scale).add_(grid), bound > 0)
 
 
 def bound_constants(reps: list, dtype: torch.dtype) -> tuple:
