@@ -455,7 +455,14 @@ def test_ghost_guards_stacked_on_a_cpu_equal_the_guards_one_by_one(seed):
     tiny = factored(3, 6, 4)
     tiny.left[2, 0, 1] = float("inf")
     items.append([tiny])
-    totals = [ParamGrad(list(reps), ghost=True)._unguarded_sq_norm()[0] for reps in items]
+    # each item's computed ghost norm, every use and cross term (as ParamGrad forms it before the guard)
+    totals = [
+        (
+            sum(R.sq_norm(r, ghost=True) for r in reps)
+            + 2 * sum(R.inner(u, v, ghost=True) for u, v in zip(reps, reps[1:]))
+        ).clamp_min(0)
+        for reps in items
+    ]
     got = float_guard.checked_and_bounds(list(zip(items, totals)))
     for reps, total, (sq, u) in zip(items, totals, got):
         want_sq, want_u = float_guard.checked_and_bound(reps, total)
