@@ -468,3 +468,34 @@ def test_ghost_guards_stacked_on_a_cpu_equal_the_guards_one_by_one(seed):
         want_sq, want_u = float_guard.checked_and_bound(reps, total)
         assert sq.dtype == want_sq.dtype and torch.equal(sq.nan_to_num(), want_sq.nan_to_num())
         assert torch.equal(sq.isnan(), want_sq.isnan()) and torch.equal(u.nan_to_num(), want_u.nan_to_num())
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_stacked_ghost_guards_bound_the_per_sample_norms_of_a_brute_force_loop(seed):
+    """total_sq_norms on a CPU (the stacked guards): every ghost-path parameter's norm is at least the
+    exact one, sample by sample from Σ_t L_tᵀ R_t formed in float64 by a plain loop, and at most
+    LOOSE above it (or at the floor of a sample that cancels); crafted cancelling and tiny samples included."""
+    from dpzoo.grad_norms.param_grad import total_sq_norms
+
+    gen = torch.Generator().manual_seed(100 + seed)
+    b, grads, factors = 4, [], []
+    for k in range(6):
+        t, r, c = (int(x) for x in torch.randint(1, 24, (3,), generator=gen))
+        left, right = torch.randn(b, 1, t, r, generator=gen), torch.randn(b, 1, t, c, generator=gen)
+        if k == 0 and t > 1:  # sample 1's two positions cancel up to 1e-3
+            left[1, 0, 1], right[1, 0, 1] = left[1, 0, 0], -(1 - 1e-3) * right[1, 0, 0]
+        if k == 1:
+            left[2] *= 1e-22  # products near float32's smallest normal
+        factors.append((left, right))
+        grads.append(ParamGrad([R.Factored(left, right, (r, c))], ghost=True))
+    got = total_sq_norms(grads)
+    for (left, right), sq in zip(factors, got):
+        exact, u = torch.zeros(b, dtype=torch.float64), torch.zeros(b, dtype=torch.float64)
+        for i in range(b):
+            rows = [(left[i, 0, s].double(), right[i, 0, s].double()) for s in range(left.shape[2])]
+            exact[i] = sum(torch.outer(x, y) for x, y in rows).square().sum()
+            u[i] = sum(x.norm() * y.norm() for x, y in rows)
+        assert (sq.double() >= exact).all()
+        # tight, but for a gradient that cancels below the floor (GHOST_FLOOR · U)², clipped as if at it
+        floor = (float_guard.GHOST_FLOOR * u * (1 + 1e-5)).square()
+        assert (sq.double() <= torch.maximum(exact * (1 + float_guard.LOOSE), floor)).all()
